@@ -1,0 +1,51 @@
+"""Targets mlagen can compile for, and what each one allows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str             # "sm_90"
+    capability: int       # 90
+    smem_per_block: int   # largest dynamic shared memory a block may opt into, bytes
+    regs_per_sm: int = 65536
+    mma: bool = True      # mma.sync m16n8k16 with bf16/fp16 inputs
+
+
+ARCHS: dict[str, Arch] = {
+    a.name: a
+    for a in (
+        Arch("sm_80", 80, 163 * 1024),
+        Arch("sm_86", 86, 99 * 1024),
+        Arch("sm_89", 89, 99 * 1024),
+        Arch("sm_90", 90, 227 * 1024),
+        Arch("sm_90a", 90, 227 * 1024),
+        Arch("sm_120", 120, 99 * 1024),
+    )
+}
+
+# The archs CI compiles every preset for.
+CI_ARCHS: tuple[str, ...] = ("sm_80", "sm_89", "sm_90", "sm_120")
+
+
+def get_arch(name: str) -> Arch:
+    try:
+        return ARCHS[name]
+    except KeyError:
+        raise ValueError(
+            f"arch: got {name!r}, expected one of {', '.join(ARCHS)}"
+        ) from None
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    """The compile target for a device of compute capability major.minor."""
+    name = f"sm_{major}{minor}"
+    if name in ARCHS:
+        return name
+    # Same-major devices run cubins built for a lower minor of that major.
+    same_major = [a for a in ARCHS.values() if a.capability // 10 == major and a.capability <= major * 10 + minor]
+    if not same_major:
+        raise ValueError(f"no mlagen target for compute capability {major}.{minor}")
+    return max(same_major, key=lambda a: a.capability).name

@@ -1,0 +1,43 @@
+"""Rendering: a validated `KernelPlan` becomes one self-contained CUDA C++ source.
+
+Templates live in `templates/` (shared fragments are `*.cuh.j2`, one `<family>.cu.j2` per
+kernel family). They carry constants and `static_assert`s; every number comes from the plan.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jinja2
+
+from .params import FIELDS
+from .validate import KernelPlan
+
+_SOURCE_TREE_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+
+
+def template_dir() -> Path:
+    """Where the templates are: beside the package in a checkout, inside it when installed."""
+    if _SOURCE_TREE_TEMPLATES.is_dir():
+        return _SOURCE_TREE_TEMPLATES
+    return Path(__file__).resolve().parent / "templates"
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=False,
+        lstrip_blocks=False,
+        autoescape=False,
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def render(plan: KernelPlan) -> str:
+    """The CUDA C++ source of `plan`: its main kernel and, for split families, the combine."""
+    template = _environment().get_template(f"{plan.variant.family}.cu.j2")
+    return template.render(plan=plan, fields=FIELDS)

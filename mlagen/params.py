@@ -1,0 +1,65 @@
+"""The kernel parameter block: one field list renders the C struct and packs the host bytes.
+
+Every kernel takes `const VerifyParams p` by value. Keeping the list here, once, means the
+struct in the generated source, the bytes the runtime launches with and the C++ launcher of
+`mlagen emit --launcher` cannot drift apart. Fields are ordered 8-byte first so that the C
+layout has no padding and `struct.pack` reproduces it exactly.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    ctype: str      # C type in the struct
+    fmt: str        # struct-module code: Q pointer, q int64, i int32, f float32
+    doc: str
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("q", "const elem_t*", "Q", "(B, S, H, Dl+Dr), last dim contiguous"),
+    Field("kv", "const elem_t*", "Q", "(num_pages, page_size, Dl+Dr), last dim contiguous"),
+    Field("block_table", "const int*", "Q", "(B, max_pages) page ids of each request, in order"),
+    Field("seqlens", "const int*", "Q", "(B,) valid keys per request, draft tokens included"),
+    Field("tree_mask", "const unsigned char*", "Q", "(B or 1, S, S) bool, tree mask kind only"),
+    Field("out", "elem_t*", "Q", "(B, S, H, Dl)"),
+    Field("lse", "float*", "Q", "(B, H, S) fp32, natural log; written when the problem has lse"),
+    Field("part_o", "float*", "Q", "(num_splits, B, S, H, Dl) unnormalized partial outputs"),
+    Field("part_ml", "float2*", "Q", "(num_splits, B, S, H) partial (max, sum), log2 domain"),
+    Field("q_stride_b", "long long", "q", "elements between requests of q"),
+    Field("q_stride_s", "long long", "q", "elements between query positions of q"),
+    Field("q_stride_h", "long long", "q", "elements between heads of q"),
+    Field("kv_stride_page", "long long", "q", "elements between pages of kv"),
+    Field("kv_stride_row", "long long", "q", "elements between rows of a page"),
+    Field("bt_stride_b", "long long", "q", "elements between rows of block_table"),
+    Field("mask_stride_b", "long long", "q", "elements between requests of tree_mask (0: shared)"),
+    Field("mask_stride_q", "long long", "q", "elements between query rows of tree_mask"),
+    Field("out_stride_b", "long long", "q", "elements between requests of out"),
+    Field("out_stride_s", "long long", "q", "elements between query positions of out"),
+    Field("out_stride_h", "long long", "q", "elements between heads of out"),
+    Field("batch", "int", "i", "B"),
+    Field("seqlen_q", "int", "i", "S, draft tokens per request"),
+    Field("max_pages", "int", "i", "columns of block_table"),
+    Field("num_pages", "int", "i", "pages in kv; page ids outside [0, num_pages) read as zeros"),
+    Field("num_splits", "int", "i", "key-range splits; 1 writes out directly, no combine"),
+    Field("scale_log2", "float", "f", "softmax_scale * log2(e)"),
+)
+
+_FORMAT = "<" + "".join(f.fmt for f in FIELDS)
+PARAMS_SIZE = struct.calcsize(_FORMAT)
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
+_PACK = struct.Struct(_FORMAT).pack
+
+assert PARAMS_SIZE % 8 == 0, PARAMS_SIZE  # no tail padding: C and struct agree
+
+
+def pack(values: dict[str, int | float]) -> bytes:
+    """The struct's bytes for `values`, one per field (pointers as ints, 0 for none)."""
+    missing = set(FIELD_NAMES) - set(values)
+    if missing:
+        raise KeyError(f"parameter block is missing {sorted(missing)}")
+    return _PACK(*[values[name] for name in FIELD_NAMES])

@@ -1,0 +1,127 @@
+"""The DSL: frozen, hashable descriptions of a problem and of a kernel variant.
+
+A `Problem` fixes everything about the tensors that changes the generated code (head count,
+latent and rope widths, dtype, page size, mask kind, whether LSE is written). A `Variant` fixes
+how the kernel is built (family, tiling, split, warps, pipeline depth, target arch). Both are
+plain values: `validate.validate(problem, variant)` decides whether the pair can work and
+derives every number the templates need.
+
+Every spec has a stable, readable name (`Problem.name`, `Variant.name`): it names kernels,
+emitted files, cache manifests and benchmark rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal, Union
+
+Dtype = Literal["bf16", "fp16"]
+MaskKind = Literal["causal", "tree", "none"]
+Family = Literal["naive", "flash", "mma"]
+Split = Union[int, Literal["adaptive"]]
+
+DTYPES: tuple[str, ...] = ("bf16", "fp16")
+MASKS: tuple[str, ...] = ("causal", "tree", "none")
+FAMILIES: tuple[str, ...] = ("naive", "flash", "mma")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What the kernel computes.
+
+    heads: H, query heads sharing the one latent KV head.
+    dl: latent (value) width, the first `dl` dims of each KV row (512 for DeepSeek/Kimi).
+    dr: rope width appended to each KV row (64).
+    dtype: element type of q, kv_cache and out.
+    page_size: KV rows per page of the paged cache.
+    mask: "causal", "tree" (a per-request [S, S] draft-tree mask) or "none".
+    lse: whether the kernel also writes lse [B, H, S] (fp32, natural log).
+    """
+
+    heads: int = 64
+    dl: int = 512
+    dr: int = 64
+    dtype: Dtype = "bf16"
+    page_size: int = 64
+    mask: MaskKind = "causal"
+    lse: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dl + self.dr
+
+    @property
+    def name(self) -> str:
+        lse = "_lse" if self.lse else ""
+        return (
+            f"h{self.heads}_dl{self.dl}_dr{self.dr}_{self.dtype}_p{self.page_size}_{self.mask}{lse}"
+        )
+
+    def with_(self, **changes: object) -> Problem:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How the kernel is built.
+
+    family: "naive" (one block per query row), "flash" (head-tiled, split-KV, scalar FMA) or
+        "mma" (head-tiled, split-KV, tensor cores through mma.sync).
+    head_tile: HT, heads per block (divides H). naive: 1.
+    q_tile: query positions per block (1..64); a block holds q_tile * head_tile query rows.
+        naive: 1.
+    kv_split: number of key-range splits, or "adaptive" (chosen per launch from the SM count
+        and the KV capacity). With one split the block writes the final output directly.
+    block_n: keys per shared-memory tile.
+    warps: warps per block.
+    stages: depth of the cp.async pipeline that stages KV tiles (naive: 1).
+    arch: target, one of mlagen.arch.ARCHS ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_120").
+    """
+
+    family: Family = "flash"
+    head_tile: int = 8
+    q_tile: int = 8
+    kv_split: Split = "adaptive"
+    block_n: int = 32
+    warps: int = 8
+    stages: int = 2
+    arch: str = "sm_90"
+
+    @property
+    def name(self) -> str:
+        split = "a" if self.kv_split == "adaptive" else str(self.kv_split)
+        arch = self.arch.replace("_", "")
+        if self.family == "naive":
+            return f"naive_w{self.warps}_{arch}"
+        return (
+            f"{self.family}_ht{self.head_tile}_qt{self.q_tile}_bn{self.block_n}"
+            f"_w{self.warps}_st{self.stages}_sp{split}_{arch}"
+        )
+
+    @property
+    def code_name(self) -> str:
+        """The name of the generated code: like `name` but without the split, which is a
+        launch parameter and does not change the source."""
+        if self.family == "naive":
+            return self.name
+        arch = self.arch.replace("_", "")
+        return (
+            f"{self.family}_ht{self.head_tile}_qt{self.q_tile}_bn{self.block_n}"
+            f"_w{self.warps}_st{self.stages}_{arch}"
+        )
+
+    def with_(self, **changes: object) -> Variant:
+        return replace(self, **changes)
+
+
+def naive(arch: str = "sm_90", warps: int = 4) -> Variant:
+    """The naive family's only shape of variant: one block per (request, query, head)."""
+    return Variant(
+        family="naive", head_tile=1, q_tile=1, kv_split=1, block_n=32, warps=warps, stages=1,
+        arch=arch,
+    )
+
+
+def kernel_name(problem: Problem, variant: Variant) -> str:
+    """The C symbol prefix of a (problem, variant) pair: `mlagen_<variant>_<problem>`."""
+    return f"mlagen_{variant.code_name}_{problem.name}"

@@ -1,0 +1,182 @@
+"""Validation: decide whether a (problem, variant) pair can work, and derive its numbers.
+
+`validate` is the only door from the DSL to code generation: it raises `SpecError` naming the
+field, the value and the limit, or returns a `KernelPlan` holding every derived constant the
+templates need (templates compute nothing; they `static_assert` what Python derived).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .arch import Arch, get_arch
+from .spec import DTYPES, FAMILIES, MASKS, Problem, Variant, kernel_name
+
+MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
+COMBINE_WARPS = 4          # rows merged per block of the combine kernel
+CHUNK = 8                  # elements per 16-byte load
+MAX_ACCUMULATORS = 128     # fp32 output accumulators per thread the scalar flash kernel may hold
+
+
+class SpecError(ValueError):
+    """A problem or variant that cannot be built, with the field, the value and the limit."""
+
+    def __init__(self, field: str, value: object, expected: str) -> None:
+        self.field, self.value, self.expected = field, value, expected
+        super().__init__(f"{field}: got {value!r}, expected {expected}")
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Everything derived from a validated (problem, variant): the templates' constants."""
+
+    problem: Problem
+    variant: Variant
+    arch: Arch
+    name: str               # C symbol prefix; kernels are <name>_main and <name>_combine
+    threads: int            # threads per block of the main kernel
+    rows: int               # query rows per block: q_tile * head_tile
+    rows_pad: int           # rows rounded up to what the family's thread mapping covers
+    rows_per_warp: int
+    head_tiles: int         # H / head_tile
+    row_elems: int          # padded shared-memory row of q/kv tiles, in elements
+    smem_bytes: int         # dynamic shared memory of the main kernel
+    combine_threads: int = COMBINE_WARPS * 32
+    mma_m_tiles: int = 0    # mma family: 16-row tiles per warp
+    mma_n_warps: int = 0    # mma family: warps that split the output dims
+
+    @property
+    def main_kernel(self) -> str:
+        return f"{self.name}_main"
+
+    @property
+    def combine_kernel(self) -> str:
+        return f"{self.name}_combine"
+
+    @property
+    def chunks(self) -> int:
+        """16-byte chunks per KV row (Dl + Dr)."""
+        return self.problem.head_dim // CHUNK
+
+    @property
+    def chunks_v(self) -> int:
+        return self.problem.dl // CHUNK
+
+    @property
+    def uses_split(self) -> bool:
+        return self.variant.family != "naive"
+
+    def q_tiles(self, seqlen_q: int) -> int:
+        return -(-seqlen_q // self.variant.q_tile)
+
+    def grid(self, batch: int, seqlen_q: int, num_splits: int) -> tuple[int, int, int]:
+        """Grid of the main kernel."""
+        if self.variant.family == "naive":
+            return (self.problem.heads, seqlen_q, batch)
+        return (self.q_tiles(seqlen_q) * self.head_tiles, num_splits, batch)
+
+    def combine_grid(self, batch: int, seqlen_q: int) -> tuple[int, int, int]:
+        rows = batch * seqlen_q * self.problem.heads
+        return (-(-rows // COMBINE_WARPS), 1, 1)
+
+
+def _require(ok: bool, field: str, value: object, expected: str) -> None:
+    if not ok:
+        raise SpecError(field, value, expected)
+
+
+def _check_problem(p: Problem) -> None:
+    _require(isinstance(p.heads, int) and 1 <= p.heads <= 1024, "problem.heads", p.heads,
+             "an int in 1..1024")
+    _require(isinstance(p.dl, int) and p.dl >= 256 and p.dl % 256 == 0, "problem.dl", p.dl,
+             "a positive multiple of 256 (each lane owns whole 16-byte chunks of the value row)")
+    _require(isinstance(p.dr, int) and 0 <= p.dr <= 256 and p.dr % CHUNK == 0, "problem.dr",
+             p.dr, "a multiple of 8 in 0..256")
+    _require(p.dtype in DTYPES, "problem.dtype", p.dtype, f"one of {DTYPES}")
+    _require(isinstance(p.page_size, int) and p.page_size >= 1
+             and p.page_size & (p.page_size - 1) == 0 and p.page_size <= 4096,
+             "problem.page_size", p.page_size, "a power of two in 1..4096")
+    _require(p.mask in MASKS, "problem.mask", p.mask, f"one of {MASKS}")
+    _require(isinstance(p.lse, bool), "problem.lse", p.lse, "a bool")
+
+
+def _check_common(v: Variant) -> None:
+    _require(v.family in FAMILIES, "variant.family", v.family, f"one of {FAMILIES}")
+    _require(isinstance(v.warps, int) and 1 <= v.warps <= 16, "variant.warps", v.warps,
+             "an int in 1..16")
+    _require(v.kv_split == "adaptive" or (isinstance(v.kv_split, int) and 1 <= v.kv_split <= 256),
+             "variant.kv_split", v.kv_split, "'adaptive' or an int in 1..256")
+
+
+def _smem_fits(arch: Arch, smem: int, what: str) -> None:
+    _require(smem <= arch.smem_per_block, "variant", what,
+             f"at most {arch.smem_per_block} bytes of shared memory per block on {arch.name}, "
+             f"this variant needs {smem}")
+
+
+def _plan_naive(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
+    for field, value in (("head_tile", v.head_tile), ("q_tile", v.q_tile), ("kv_split", v.kv_split),
+                         ("stages", v.stages)):
+        _require(value == 1, f"variant.{field}", value, "1 for the naive family (one block per row)")
+    threads = v.warps * 32
+    # q row as fp32, then every warp's (m, l, acc[Dl]) for the final cross-warp merge.
+    smem = p.head_dim * 4 + v.warps * (p.dl + 2) * 4
+    _smem_fits(arch, smem, v.name)
+    return KernelPlan(problem=p, variant=v, arch=arch, name=kernel_name(p, v), threads=threads,
+                      rows=1, rows_pad=1, rows_per_warp=1, head_tiles=p.heads,
+                      row_elems=p.head_dim, smem_bytes=smem)
+
+
+def _check_tiles(p: Problem, v: Variant) -> None:
+    _require(isinstance(v.head_tile, int) and v.head_tile >= 1 and p.heads % v.head_tile == 0,
+             "variant.head_tile", v.head_tile, f"a divisor of problem.heads={p.heads}")
+    _require(isinstance(v.q_tile, int) and 1 <= v.q_tile <= MAX_SEQLEN_Q, "variant.q_tile",
+             v.q_tile, f"an int in 1..{MAX_SEQLEN_Q}")
+    _require(isinstance(v.stages, int) and 1 <= v.stages <= 4, "variant.stages", v.stages,
+             "an int in 1..4")
+
+
+def _plan_flash(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
+    _check_tiles(p, v)
+    _require(v.block_n in (32, 64), "variant.block_n", v.block_n,
+             "32 or 64 for the flash family (each lane owns block_n/32 keys)")
+    rows = v.q_tile * v.head_tile
+    rpw = -(-rows // v.warps)
+    acc = rpw * p.dl // 32
+    _require(acc <= MAX_ACCUMULATORS, "variant", v.name,
+             f"at most {MAX_ACCUMULATORS} fp32 accumulators per thread; q_tile*head_tile/warps="
+             f"{rpw} rows per warp x dl/32={p.dl // 32} gives {acc}: use more warps or a smaller tile")
+    rows_pad = rpw * v.warps
+    row_elems = p.head_dim + CHUNK  # one 16-byte pad per row: lanes reading 16 B rows hit 8 banks apart
+    smem = (rows_pad * row_elems * 2 + v.stages * v.block_n * row_elems * 2
+            + rows_pad * v.block_n * 4 + MAX_SEQLEN_Q * 8)
+    _smem_fits(arch, smem, v.name)
+    return KernelPlan(problem=p, variant=v, arch=arch, name=kernel_name(p, v), threads=v.warps * 32,
+                      rows=rows, rows_pad=rows_pad, rows_per_warp=rpw, head_tiles=p.heads // v.head_tile,
+                      row_elems=row_elems, smem_bytes=smem)
+
+
+def _plan_mma(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
+    from .mma_plan import plan_mma  # the tensor-core family keeps its layout rules beside it
+
+    _check_tiles(p, v)
+    return plan_mma(p, v, arch)
+
+
+_PLANNERS: dict[str, Callable[[Problem, Variant, Arch], KernelPlan]] = {
+    "naive": _plan_naive,
+    "flash": _plan_flash,
+    "mma": _plan_mma,
+}
+
+
+def validate(problem: Problem, variant: Variant) -> KernelPlan:
+    """Check `problem` and `variant` together; return the plan or raise `SpecError`."""
+    _check_problem(problem)
+    _check_common(variant)
+    try:
+        arch = get_arch(variant.arch)
+    except ValueError as e:
+        raise SpecError("variant.arch", variant.arch, str(e).split("expected ", 1)[-1]) from None
+    return _PLANNERS[variant.family](problem, variant, arch)
