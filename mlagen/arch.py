@@ -45,7 +45,8 @@ def arch_for_capability(major: int, minor: int) -> str:
     if name in ARCHS:
         return name
     # Same-major devices run cubins built for a lower minor of that major.
-    same_major = [a for a in ARCHS.values() if a.capability // 10 == major and a.capability <= major * 10 + minor]
+    cap = major * 10 + minor
+    same_major = [a for a in ARCHS.values() if a.capability // 10 == major and a.capability <= cap]
     if not same_major:
         raise ValueError(f"no mlagen target for compute capability {major}.{minor}")
     return max(same_major, key=lambda a: a.capability).name

@@ -1,3 +1,5 @@
 from .validate import SpecError
+
+
 def plan_mma(p, v, arch):
     raise SpecError("variant.family", "mma", "not yet")

@@ -13,12 +13,12 @@ emitted files, cache manifests and benchmark rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal, Union
+from typing import Literal
 
 Dtype = Literal["bf16", "fp16"]
 MaskKind = Literal["causal", "tree", "none"]
 Family = Literal["naive", "flash", "mma"]
-Split = Union[int, Literal["adaptive"]]
+Split = int | Literal["adaptive"]
 
 DTYPES: tuple[str, ...] = ("bf16", "fp16")
 MASKS: tuple[str, ...] = ("causal", "tree", "none")
@@ -125,3 +125,37 @@ def naive(arch: str = "sm_90", warps: int = 4) -> Variant:
 def kernel_name(problem: Problem, variant: Variant) -> str:
     """The C symbol prefix of a (problem, variant) pair: `mlagen_<variant>_<problem>`."""
     return f"mlagen_{variant.code_name}_{problem.name}"
+
+
+def parse_variant(name: str) -> Variant:
+    """The Variant whose `name` is `name` (inverse of Variant.name)."""
+    parts = name.split("_")
+    if parts[0] == "naive" and len(parts) == 3 and parts[1].startswith("w"):
+        return naive(arch=_parse_arch(parts[2], name), warps=_parse_int(parts[1][1:], name))
+    if parts[0] not in FAMILIES or len(parts) != 8:
+        raise ValueError(f"variant name: got {name!r}, expected e.g. "
+                         "'flash_ht8_qt8_bn32_w8_st2_spa_sm90' or 'naive_w4_sm90'")
+    fields = dict(zip(("ht", "qt", "bn", "w", "st", "sp"), parts[1:7], strict=True))
+    for key, part in fields.items():
+        if not part.startswith(key):
+            raise ValueError(f"variant name {name!r}: expected {key}<n> where {part!r} stands")
+    split = fields["sp"][2:]
+    return Variant(
+        family=parts[0], head_tile=_parse_int(fields["ht"][2:], name),
+        q_tile=_parse_int(fields["qt"][2:], name), block_n=_parse_int(fields["bn"][2:], name),
+        warps=_parse_int(fields["w"][1:], name), stages=_parse_int(fields["st"][2:], name),
+        kv_split="adaptive" if split == "a" else _parse_int(split, name),
+        arch=_parse_arch(parts[7], name),
+    )
+
+
+def _parse_int(text: str, name: str) -> int:
+    if not text.isdigit():
+        raise ValueError(f"variant name {name!r}: expected a number where {text!r} stands")
+    return int(text)
+
+
+def _parse_arch(text: str, name: str) -> str:
+    if not text.startswith("sm"):
+        raise ValueError(f"variant name {name!r}: expected an arch like sm90 where {text!r} stands")
+    return "sm_" + text[2:]

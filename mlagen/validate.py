@@ -7,8 +7,8 @@ templates need (templates compute nothing; they `static_assert` what Python deri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .arch import Arch, get_arch
 from .spec import DTYPES, FAMILIES, MASKS, Problem, Variant, kernel_name
@@ -75,6 +75,15 @@ class KernelPlan:
         if self.variant.family == "naive":
             return (self.problem.heads, seqlen_q, batch)
         return (self.q_tiles(seqlen_q) * self.head_tiles, num_splits, batch)
+
+    def grid_expr(self) -> tuple[str, str, str]:
+        """`grid` as C-like expressions of B, S and num_splits, for manifests and launchers."""
+        if self.variant.family == "naive":
+            return (str(self.problem.heads), "S", "B")
+        return (f"ceil(S / {self.variant.q_tile}) * {self.head_tiles}", "num_splits", "B")
+
+    def combine_grid_expr(self) -> tuple[str, str, str]:
+        return (f"ceil(B * S * {self.problem.heads} / {COMBINE_WARPS})", "1", "1")
 
     def combine_grid(self, batch: int, seqlen_q: int) -> tuple[int, int, int]:
         rows = batch * seqlen_q * self.problem.heads

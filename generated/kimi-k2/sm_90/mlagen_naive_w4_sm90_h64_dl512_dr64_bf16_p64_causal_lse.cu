@@ -1,0 +1,265 @@
+// mlagen generated kernel: mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse
+// family naive: one block per (query head h, query position i, request b); the block's warps
+// take keys round-robin, each with its own online softmax, then merge through shared memory.
+// Reads the whole KV once per head: the correctness baseline, slow by design.
+#include <cuda_bf16.h>
+
+#ifndef INFINITY   // NVRTC has no <math.h>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+typedef __nv_bfloat16 elem_t;
+typedef __nv_bfloat162 elem2_t;
+__device__ __forceinline__ float2 to_float2(elem2_t v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ elem2_t from_float2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+
+namespace mlagen_mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse {
+
+// Problem constants, derived in Python (mlagen/validate.py).
+constexpr int H = 64;
+constexpr int DL = 512;                 // value width (first DL dims of a KV row)
+constexpr int DR = 64;                 // rope width
+constexpr int D = DL + DR;
+constexpr int CHUNK = 8;                                  // elements per 16-byte access
+constexpr int CH = D / CHUNK;                             // 16-byte chunks per KV row
+constexpr int CHV = DL / CHUNK;
+constexpr int PAGE = 64;
+constexpr int MASK_CAUSAL = 1;
+constexpr int MASK_TREE = 0;
+constexpr bool WRITE_LSE = true;
+constexpr float LN2 = 0.693147180559945309f;
+static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
+static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
+
+}  // namespace mlagen_mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse
+
+// The parameter block every kernel of this file takes by value (mlagen/params.py).
+struct __align__(8) VerifyParams {
+  const elem_t* q;  // (B, S, H, Dl+Dr), last dim contiguous
+  const elem_t* kv;  // (num_pages, page_size, Dl+Dr), last dim contiguous
+  const int* block_table;  // (B, max_pages) page ids of each request, in order
+  const int* seqlens;  // (B,) valid keys per request, draft tokens included
+  const unsigned char* tree_mask;  // (B or 1, S, S) bool, tree mask kind only
+  elem_t* out;  // (B, S, H, Dl)
+  float* lse;  // (B, H, S) fp32, natural log; written when the problem has lse
+  float* part_o;  // (num_splits, B, S, H, Dl) unnormalized partial outputs
+  float2* part_ml;  // (num_splits, B, S, H) partial (max, sum), log2 domain
+  long long q_stride_b;  // elements between requests of q
+  long long q_stride_s;  // elements between query positions of q
+  long long q_stride_h;  // elements between heads of q
+  long long kv_stride_page;  // elements between pages of kv
+  long long kv_stride_row;  // elements between rows of a page
+  long long bt_stride_b;  // elements between rows of block_table
+  long long mask_stride_b;  // elements between requests of tree_mask (0: shared)
+  long long mask_stride_q;  // elements between query rows of tree_mask
+  long long out_stride_b;  // elements between requests of out
+  long long out_stride_s;  // elements between query positions of out
+  long long out_stride_h;  // elements between heads of out
+  int batch;  // B
+  int seqlen_q;  // S, draft tokens per request
+  int max_pages;  // columns of block_table
+  int num_pages;  // pages in kv; page ids outside [0, num_pages) read as zeros
+  int num_splits;  // key-range splits; 1 writes out directly, no combine
+  float scale_log2;  // softmax_scale * log2(e)
+};
+
+namespace mlagen_mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse {
+
+// Keys of request b that may be read: the stored length, clamped to what block_table can
+// address, so a bad length never makes a kernel read outside the cache it was given.
+__device__ __forceinline__ int request_keys(const VerifyParams& p, int b) {
+  const int n = p.seqlens[b];
+  const long long cap = (long long)p.max_pages * PAGE;
+  return n < 0 ? 0 : (n > cap ? (int)cap : n);
+}
+
+// Address of key j of request b, or nullptr when its page id is outside the cache.
+__device__ __forceinline__ const elem_t* kv_row(const VerifyParams& p, int b, int j) {
+  const int page = p.block_table[(long long)b * p.bt_stride_b + j / PAGE];
+  if (page < 0 || page >= p.num_pages) return nullptr;
+  return p.kv + (long long)page * p.kv_stride_page + (long long)(j % PAGE) * p.kv_stride_row;
+}
+
+// Draft-tree rows as bit sets: bit k of tree_bits(p, b, i) says query i sees draft token k.
+__device__ __forceinline__ unsigned long long tree_bits(const VerifyParams& p, int b, int i) {
+  const unsigned char* row = p.tree_mask + (long long)b * p.mask_stride_b + (long long)i * p.mask_stride_q;
+  unsigned long long bits = 0;
+  for (int k = 0; k < p.seqlen_q; ++k) bits |= (unsigned long long)(row[k] != 0) << k;
+  return bits;
+}
+
+// Whether query i (of S) sees key j (of n keys): prefix keys always, draft keys by the mask.
+// `bits` is tree_bits(...) of the row for tree masks, unused otherwise.
+__device__ __forceinline__ bool key_visible(int j, int n, int i, int S, unsigned long long bits) {
+  if (j >= n) return false;
+  const int prefix = n - S;          // the S draft tokens sit at n-S .. n-1
+  if (j < prefix) return true;
+  if (MASK_CAUSAL) return j <= prefix + i;
+  if (MASK_TREE) return (bits >> (j - prefix)) & 1ull;
+  return true;
+}
+
+// One past the last key any query of [i0, i1) can see: causal rows stop at their own token.
+__device__ __forceinline__ int key_limit(int n, int S, int i1) {
+  if (!MASK_CAUSAL) return n;
+  const int lim = n - S + i1;
+  return lim < 0 ? 0 : (lim > n ? n : lim);
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* ptr) {
+  return (unsigned)__cvta_generic_to_shared(ptr);
+}
+
+// 16-byte global->shared copy; when !valid it fills zeros and reads nothing (src must still
+// be some global address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
+  const elem2_t* h = reinterpret_cast<const elem2_t*>(&v);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) { const float2 t = to_float2(h[e]); f[2 * e] = t.x; f[2 * e + 1] = t.y; }
+}
+__device__ __forceinline__ uint4 pack8(const float* f) {
+  uint4 v;
+  elem2_t* h = reinterpret_cast<elem2_t*>(&v);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) h[e] = from_float2(f[2 * e], f[2 * e + 1]);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// The natural-log LSE of a row from its log2-domain max m and sum l; -inf for an empty row.
+__device__ __forceinline__ float row_lse(float m, float l) {
+  return l > 0.f ? (m + __log2f(l)) * LN2 : -INFINITY;
+}
+
+// Writes `vals` (this lane's 8 dims starting at dim `d0`) of output row (b, i, h), divided by
+// l; an empty row (l == 0) writes zeros.
+__device__ __forceinline__ void store_out8(const VerifyParams& p, int b, int i, int h, int d0,
+                                           const float* vals, float l) {
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  float f[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) f[e] = vals[e] * inv;
+  elem_t* dst = p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s
+                + (long long)h * p.out_stride_h + d0;
+  *reinterpret_cast<uint4*>(dst) = pack8(f);
+}
+
+// Index of row (split, b, i, h) in the partial-result workspace.
+__device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h) {
+  return (((long long)split * p.batch + b) * p.seqlen_q + i) * H + h;
+}
+
+// Blocks of `bn` keys of [0, limit) that split `split` of `num_splits` owns: [*begin, *end).
+__device__ __forceinline__ void split_blocks(int limit, int bn, int split, int num_splits,
+                                             int* begin, int* end) {
+  const int blocks = (limit + bn - 1) / bn;
+  const int per = (blocks + num_splits - 1) / num_splits;
+  const int b0 = split * per;
+  *begin = b0 < blocks ? b0 : blocks;
+  *end = b0 + per < blocks ? b0 + per : blocks;
+}
+
+}  // namespace mlagen_mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse
+
+
+namespace mlagen_mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse {
+constexpr int WARPS = 4;
+constexpr int QCH = (CH + 31) / 32;    // q/kv chunks per lane
+constexpr int VCH = CHV / 32;          // value chunks per lane (lane, lane+32, ...)
+static_assert(CHV % 32 == 0, "each lane owns whole value chunks");
+}  // namespace mlagen_mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse
+
+// grid: (H, S, B); block: 128 threads; dynamic shared memory 10528 bytes.
+extern "C" __global__ void __launch_bounds__(128)
+mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
+  using namespace mlagen_mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse;
+  extern __shared__ __align__(16) float smem[];
+  float* sq = smem;                 // (D,) the query row, fp32
+  float* sred = smem + D;           // (WARPS, DL + 2) each warp's acc, m, l
+  const int h = blockIdx.x, i = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int S = p.seqlen_q;
+  const int n = request_keys(p, b);
+
+  const elem_t* qrow = p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s
+                       + (long long)h * p.q_stride_h;
+  for (int c = threadIdx.x; c < CH; c += blockDim.x)
+    unpack8(*reinterpret_cast<const uint4*>(qrow + c * CHUNK), sq + c * CHUNK);
+  const unsigned long long bits = MASK_TREE ? tree_bits(p, b, i) : 0ull;
+  __syncthreads();
+
+  float m = -INFINITY, l = 0.f;
+  float acc[VCH * CHUNK] = {};
+  const int limit = key_limit(n, S, i + 1);
+  for (int j = warp; j < limit; j += WARPS) {
+    if (!key_visible(j, n, i, S, bits)) continue;
+    const elem_t* row = kv_row(p, b, j);
+    if (row == nullptr) continue;     // page id outside the cache: the key is dropped
+    float x[QCH][CHUNK];
+    float dot = 0.f;
+#pragma unroll
+    for (int t = 0; t < QCH; ++t) {
+      const int c = lane + 32 * t;
+      if (c < CH) {
+        unpack8(*reinterpret_cast<const uint4*>(row + c * CHUNK), x[t]);
+#pragma unroll
+        for (int e = 0; e < CHUNK; ++e) dot += x[t][e] * sq[c * CHUNK + e];
+      }
+    }
+    const float s = warp_sum(dot) * p.scale_log2;
+    const float m_new = fmaxf(m, s);
+    const float alpha = exp2f(m - m_new);   // m == -inf on the first key: alpha = 0
+    const float pj = exp2f(s - m_new);
+    l = l * alpha + pj;
+#pragma unroll
+    for (int t = 0; t < VCH; ++t)
+#pragma unroll
+      for (int e = 0; e < CHUNK; ++e) acc[t * CHUNK + e] = acc[t * CHUNK + e] * alpha + pj * x[t][e];
+    m = m_new;
+  }
+
+  // Merge the warps: each writes (acc, m, l); warp 0 rescales and sums.
+  float* mine = sred + warp * (DL + 2);
+#pragma unroll
+  for (int t = 0; t < VCH; ++t)
+#pragma unroll
+    for (int e = 0; e < CHUNK; ++e) mine[(lane + 32 * t) * CHUNK + e] = acc[t * CHUNK + e];
+  if (lane == 0) { mine[DL] = m; mine[DL + 1] = l; }
+  __syncthreads();
+  if (warp != 0) return;
+  float mt = -INFINITY;
+  for (int w = 0; w < WARPS; ++w) mt = fmaxf(mt, sred[w * (DL + 2) + DL]);
+  float lt = 0.f;
+  float out[VCH * CHUNK] = {};
+  for (int w = 0; w < WARPS; ++w) {
+    const float* other = sred + w * (DL + 2);
+    if (other[DL + 1] == 0.f) continue;
+    const float scale = exp2f(other[DL] - mt);
+    lt += other[DL + 1] * scale;
+#pragma unroll
+    for (int t = 0; t < VCH; ++t)
+#pragma unroll
+      for (int e = 0; e < CHUNK; ++e) out[t * CHUNK + e] += scale * other[(lane + 32 * t) * CHUNK + e];
+  }
+#pragma unroll
+  for (int t = 0; t < VCH; ++t) store_out8(p, b, i, h, (lane + 32 * t) * CHUNK, out + t * CHUNK, lt);
+  if (WRITE_LSE && lane == 0) p.lse[((long long)b * H + h) * S + i] = row_lse(mt, lt);
+}

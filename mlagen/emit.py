@@ -1,0 +1,90 @@
+"""`mlagen emit`: standalone .cu files and their JSON manifests for C++ engines.
+
+Each file is one (problem, variant): self-contained CUDA C++ (it includes only CUDA's own
+cuda_bf16.h / cuda_fp16.h) that NVRTC or nvcc compiles alone. The manifest beside it lists
+its kernels with their launch geometry, shared memory and the parameter block's layout.
+Files are rewritten only when their text changes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import __version__
+from .codegen import render
+from .params import FIELDS, PARAMS_SIZE
+from .presets import Preset
+from .spec import Problem, Variant
+from .validate import KernelPlan, validate
+
+
+@dataclass(frozen=True)
+class Emitted:
+    source: Path
+    manifest: Path
+    changed: bool
+
+
+def manifest(plan: KernelPlan) -> dict:
+    """What a host needs to launch the kernels of `plan`'s file."""
+    kernels = [{
+        "name": plan.main_kernel,
+        "role": "main",
+        "grid": list(plan.grid_expr()),
+        "block": [plan.threads, 1, 1],
+        "dynamic_shared_memory": plan.smem_bytes,
+        "launch": "always",
+    }]
+    if plan.uses_split:
+        kernels.append({
+            "name": plan.combine_kernel,
+            "role": "combine",
+            "grid": list(plan.combine_grid_expr()),
+            "block": [plan.combine_threads, 1, 1],
+            "dynamic_shared_memory": 0,
+            "launch": "after main, on the same stream, when num_splits > 1",
+        })
+    return {
+        "generator": f"mlagen {__version__}",
+        "name": plan.name,
+        "arch": plan.arch.name,
+        "problem": asdict(plan.problem),
+        "variant": asdict(plan.variant),
+        "params": {
+            "struct": "VerifyParams",
+            "passed": "by value, the only kernel argument",
+            "size": PARAMS_SIZE,
+            "fields": [{"name": f.name, "type": f.ctype, "doc": f.doc} for f in FIELDS],
+        },
+        "workspace": {
+            "when": "num_splits > 1",
+            "part_o": "float32 [num_splits, B, S, H, Dl]",
+            "part_ml": "float32 [num_splits, B, S, H, 2]",
+        },
+        "kernels": kernels,
+    }
+
+
+def _write_if_changed(path: Path, text: str) -> bool:
+    if path.exists() and path.read_text() == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return True
+
+
+def emit_one(problem: Problem, variant: Variant, folder: Path) -> Emitted:
+    plan = validate(problem, variant)
+    source = folder / f"{plan.name}.cu"
+    meta = folder / f"{plan.name}.json"
+    changed = _write_if_changed(source, render(plan))
+    changed |= _write_if_changed(meta, json.dumps(manifest(plan), indent=2) + "\n")
+    return Emitted(source=source, manifest=meta, changed=changed)
+
+
+def emit_preset(preset: Preset, archs: tuple[str, ...], out: Path) -> list[Emitted]:
+    """Every variant of `preset` for each arch into out/<preset>/<arch>/."""
+    return [emit_one(preset.problem, v, out / preset.name / arch)
+            for arch in archs for v in preset.variants(arch)]

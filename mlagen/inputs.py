@@ -1,0 +1,163 @@
+"""Argument checks for the torch-facing op, all made before any launch.
+
+`check_inputs` looks only at metadata (dtype, device, shape, stride, alignment): no device
+reads, so it is cheap and safe under CUDA graph capture. `check_values` reads page ids and
+lengths back to the host; it runs when the caller asks (an argument or MLAGEN_CHECK_VALUES=1).
+Kernels never read or write outside the tensors they are given either way: lengths are
+clamped to what the block table addresses and page ids outside the cache read as zeros.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .validate import MAX_SEQLEN_Q
+
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_ALIGN_ELEMS = 8     # kernels move rows in 16-byte chunks
+
+
+class InputError(ValueError):
+    """A bad argument: names it, says what it got and what was expected."""
+
+
+@dataclass(frozen=True)
+class Shapes:
+    batch: int
+    seqlen_q: int
+    heads: int
+    head_dim: int
+    dl: int
+    num_pages: int
+    page_size: int
+    max_pages: int
+    dtype: str
+    kv: torch.Tensor          # the cache as [num_pages, page_size, D]
+    tree_mask: torch.Tensor | None
+
+
+def _fail(name: str, got: object, expected: str) -> None:
+    raise InputError(f"{name}: got {got}, expected {expected}")
+
+
+def _tensor(name: str, x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        _fail(name, type(x).__name__, "a torch.Tensor")
+    return x
+
+
+def _on(name: str, x: torch.Tensor, device: torch.device) -> None:
+    if x.device != device:
+        _fail(name, f"a tensor on {x.device}", f"a tensor on {device}, where q is")
+
+
+def _aligned_rows(name: str, x: torch.Tensor, row_dims: tuple[int, ...]) -> None:
+    if x.stride(-1) != 1:
+        _fail(f"{name}.stride()", tuple(x.stride()), "the last dim contiguous (stride 1)")
+    for d in row_dims:
+        if x.size(d) > 1 and x.stride(d) % _ALIGN_ELEMS:
+            _fail(f"{name}.stride()", tuple(x.stride()),
+                  f"strides that are multiples of {_ALIGN_ELEMS} elements (16-byte rows)")
+    if x.data_ptr() % 16:
+        _fail(f"{name}.data_ptr()", hex(x.data_ptr()), "a 16-byte aligned address")
+
+
+def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens: object,
+                 tree_mask: object, head_dim_v: int, softmax_scale: float | None) -> Shapes:
+    """Metadata checks (every tensor on q's device; the caller requires that to be CUDA);
+    returns the problem's sizes. Raises InputError."""
+    q = _tensor("q", q)
+    if q.dtype not in DTYPES:
+        _fail("q.dtype", q.dtype, "torch.bfloat16 or torch.float16")
+    if q.dim() != 4:
+        _fail("q.shape", tuple(q.shape), "[B, S, H, Dl+Dr] (4 dims)")
+    B, S, H, D = q.shape
+    if not (0 < head_dim_v < D):
+        _fail("head_dim_v", head_dim_v, f"0 < head_dim_v < q.shape[-1]={D}")
+    if S < 1:
+        _fail("q.shape[1]", S, "S >= 1 draft tokens")
+    _aligned_rows("q", q, (0, 1, 2))
+
+    kv_cache = _tensor("kv_cache", kv_cache)
+    _on("kv_cache", kv_cache, q.device)
+    if kv_cache.dtype != q.dtype:
+        _fail("kv_cache.dtype", kv_cache.dtype, f"q's dtype {q.dtype}")
+    if kv_cache.dim() == 4 and kv_cache.size(2) == 1:
+        kv = kv_cache[:, :, 0]
+    elif kv_cache.dim() == 3:
+        kv = kv_cache
+    else:
+        _fail("kv_cache.shape", tuple(kv_cache.shape),
+              f"[num_pages, page_size, {D}] or [num_pages, page_size, 1, {D}]")
+    if kv.size(-1) != D:
+        _fail("kv_cache.shape[-1]", kv.size(-1), f"q.shape[-1]={D}")
+    if kv.size(0) < 1:
+        _fail("kv_cache.shape[0]", kv.size(0), "at least one page")
+    _aligned_rows("kv_cache", kv, (0, 1))
+
+    block_table = _tensor("block_table", block_table)
+    _on("block_table", block_table, q.device)
+    if block_table.dtype != torch.int32:
+        _fail("block_table.dtype", block_table.dtype, "torch.int32")
+    if block_table.dim() != 2 or block_table.size(0) != B or block_table.size(1) < 1:
+        _fail("block_table.shape", tuple(block_table.shape), f"[B={B}, max_pages >= 1]")
+    if block_table.stride(1) != 1:
+        _fail("block_table.stride()", tuple(block_table.stride()), "the last dim contiguous")
+
+    cache_seqlens = _tensor("cache_seqlens", cache_seqlens)
+    _on("cache_seqlens", cache_seqlens, q.device)
+    if cache_seqlens.dtype != torch.int32:
+        _fail("cache_seqlens.dtype", cache_seqlens.dtype, "torch.int32")
+    if tuple(cache_seqlens.shape) != (B,) or (B > 1 and cache_seqlens.stride(0) != 1):
+        _fail("cache_seqlens.shape", tuple(cache_seqlens.shape), f"a contiguous [B={B}]")
+
+    mask = None
+    if tree_mask is not None:
+        mask = _tensor("tree_mask", tree_mask)
+        _on("tree_mask", mask, q.device)
+        if mask.dtype not in (torch.bool, torch.uint8):
+            _fail("tree_mask.dtype", mask.dtype, "torch.bool (or torch.uint8)")
+        if S > MAX_SEQLEN_Q:
+            _fail("q.shape[1]", S, f"at most {MAX_SEQLEN_Q} draft tokens with a tree mask")
+        if tuple(mask.shape) not in ((S, S), (B, S, S)):
+            _fail("tree_mask.shape", tuple(mask.shape), f"[S, S]=[{S}, {S}] or [B, S, S]=[{B}, {S}, {S}]")
+        if mask.stride(-1) != 1:
+            _fail("tree_mask.stride()", tuple(mask.stride()), "the last dim contiguous")
+
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
+                                          and softmax_scale == softmax_scale
+                                          and abs(softmax_scale) != float("inf")):
+        _fail("softmax_scale", softmax_scale, "a finite float or None")
+
+    return Shapes(batch=B, seqlen_q=S, heads=H, head_dim=D, dl=head_dim_v,
+                  num_pages=kv.size(0), page_size=kv.size(1), max_pages=block_table.size(1),
+                  dtype=DTYPES[q.dtype], kv=kv, tree_mask=mask)
+
+
+def values_requested(flag: bool | None) -> bool:
+    if flag is not None:
+        return flag
+    return os.environ.get("MLAGEN_CHECK_VALUES", "") not in ("", "0")
+
+
+def check_values(shapes: Shapes, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
+    """Device reads: lengths within what block_table addresses, used page ids within the cache."""
+    if torch.cuda.is_current_stream_capturing():
+        raise InputError("check_values: cannot read values back while a CUDA graph is being "
+                         "captured; check outside the capture or pass check_values=False")
+    lengths = cache_seqlens.tolist()
+    capacity = shapes.max_pages * shapes.page_size
+    for b, n in enumerate(lengths):
+        if not 0 <= n <= capacity:
+            _fail(f"cache_seqlens[{b}]", n,
+                  f"0..{capacity} (block_table has {shapes.max_pages} pages of {shapes.page_size})")
+    used = torch.tensor([-(-n // shapes.page_size) for n in lengths])
+    cols = torch.arange(shapes.max_pages)[None, :] < used[:, None]
+    pages = block_table.cpu()[cols]
+    bad = (pages < 0) | (pages >= shapes.num_pages)
+    if bool(bad.any()):
+        _fail("block_table", f"page id {int(pages[bad][0])} in use",
+              f"page ids in 0..{shapes.num_pages - 1} for the pages each request uses")

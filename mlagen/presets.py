@@ -1,0 +1,47 @@
+"""Named problems of the models mlagen is for, and the variants `mlagen emit` writes for them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .dispatch import heuristic_variant
+from .spec import Problem, Variant, naive
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    problem: Problem
+    description: str
+    # Draft lengths the emitted variants must cover: one flash variant per distinct choice of
+    # the dispatcher over these S, plus the naive baseline.
+    seqlens_q: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 33, 64)
+
+    def variants(self, arch: str) -> list[Variant]:
+        chosen = {heuristic_variant(self.problem, s, arch) for s in self.seqlens_q}
+        return [naive(arch=arch)] + sorted(chosen, key=lambda v: v.name)
+
+
+def _mla(heads: int) -> Problem:
+    return Problem(heads=heads, dl=512, dr=64, dtype="bf16", page_size=64, mask="causal", lse=True)
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("kimi-k2", _mla(64), "Kimi K2: 64 heads, one GPU"),
+        Preset("kimi-k2-tp8", _mla(8), "Kimi K2 sharded 8 ways: 8 heads per GPU"),
+        Preset("deepseek-v3", _mla(128), "DeepSeek-V3/R1: 128 heads, one GPU"),
+        Preset("deepseek-v3-tp4", _mla(32), "DeepSeek-V3 sharded 4 ways: 32 heads per GPU"),
+        Preset("deepseek-v3-tp8", _mla(16), "DeepSeek-V3 sharded 8 ways: 16 heads per GPU"),
+    )
+}
+DEFAULT_PRESET = "kimi-k2"
+DEFAULT_EMIT_ARCHS: tuple[str, ...] = ("sm_90", "sm_120")
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"preset: got {name!r}, expected one of {', '.join(PRESETS)}") from None
