@@ -137,6 +137,18 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
                   dtype=DTYPES[q.dtype], kv=kv, tree_mask=mask)
 
 
+def check_out(out: object, q: torch.Tensor, shapes: Shapes) -> None:
+    """A caller-provided output: [B, S, H, Dl], q's dtype and device, 16-byte rows."""
+    out = _tensor("out", out)
+    _on("out", out, q.device)
+    if out.dtype != q.dtype:
+        _fail("out.dtype", out.dtype, f"q's dtype {q.dtype}")
+    expected = (shapes.batch, shapes.seqlen_q, shapes.heads, shapes.dl)
+    if tuple(out.shape) != expected:
+        _fail("out.shape", tuple(out.shape), f"[B, S, H, Dl]={list(expected)}")
+    _aligned_rows("out", out, (0, 1, 2))
+
+
 def values_requested(flag: bool | None) -> bool:
     if flag is not None:
         return flag

@@ -51,6 +51,7 @@ def verify_attention(
     variant: Variant | None = None,
     head_dim_v: int = 512,
     check_values: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA verify attention over a paged latent KV cache.
 
@@ -69,6 +70,8 @@ def verify_attention(
         head_dim_v: Dl, the value width (512 for DeepSeek-V3 / Kimi K2).
         check_values: read lengths and page ids back to check them (a host sync); default from
             MLAGEN_CHECK_VALUES. Unchecked bad values never make a kernel leave its tensors.
+        out: optional preallocated [B, S, H, Dl] output in q's dtype (last dim contiguous),
+            written in place and returned.
 
     Returns:
         out [B, S, H, Dl] in q's dtype, and lse if return_lse. A row that sees no key gives
@@ -93,7 +96,10 @@ def verify_attention(
         raise inputs.InputError(f"variant.arch: got {variant.arch!r}, expected a target that runs "
                                 f"on this {device_arch} device (e.g. {device_arch!r})")
 
-    out = torch.empty(B, S, H, shapes.dl, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(B, S, H, shapes.dl, dtype=q.dtype, device=q.device)
+    else:
+        inputs.check_out(out, q, shapes)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else None
     if B == 0:
         return (out, lse) if return_lse else out

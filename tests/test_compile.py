@@ -1,0 +1,67 @@
+"""Every spec either validates, renders and compiles for its arch, or raises the clear error;
+every preset variant compiles for the CI archs without spills."""
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlagen.arch import CI_ARCHS
+from mlagen.build import build
+from mlagen.codegen import render
+from mlagen.presets import PRESETS
+from mlagen.spec import Problem, Variant, naive
+from mlagen.validate import SpecError, validate
+
+problems = st.builds(
+    Problem,
+    heads=st.sampled_from([1, 8, 16, 24, 64, 128]),
+    dl=st.sampled_from([256, 512, 500]),
+    dr=st.sampled_from([0, 32, 64, 60]),
+    dtype=st.sampled_from(["bf16", "fp16"]),
+    page_size=st.sampled_from([1, 16, 64, 48]),
+    mask=st.sampled_from(["causal", "tree", "none"]),
+    lse=st.booleans(),
+)
+variants = st.one_of(
+    st.builds(naive, arch=st.sampled_from(CI_ARCHS), warps=st.sampled_from([1, 2, 4, 8])),
+    st.builds(
+        Variant, family=st.just("flash"), head_tile=st.sampled_from([1, 2, 4, 8, 16, 3]),
+        q_tile=st.integers(1, 16), block_n=st.sampled_from([32, 64, 48]), warps=st.sampled_from([2, 4, 8]),
+        stages=st.integers(1, 3), arch=st.sampled_from(CI_ARCHS),
+    ),
+)
+
+
+@settings(max_examples=30)
+@given(problems, variants)
+def test_every_spec_compiles_or_raises_a_clear_error(problem, variant):
+    try:
+        plan = validate(problem, variant)
+    except SpecError as e:
+        assert e.field.startswith(("problem", "variant")) and "expected" in str(e)
+        return
+    built = build(problem, variant)
+    assert plan.main_kernel in built.module.resources
+    assert built.module.cubin[:4] == b"\x7fELF"
+    if plan.uses_split:
+        assert plan.combine_kernel in built.module.resources
+
+
+PRESET_JOBS = [(p, v) for p in PRESETS.values() for a in CI_ARCHS for v in p.variants(a)]
+
+
+@pytest.mark.parametrize("preset,variant", PRESET_JOBS, ids=[f"{p.name}-{v.name}" for p, v in PRESET_JOBS])
+def test_preset_variants_compile_without_spills(preset, variant):
+    built = build(preset.problem, variant)
+    for name, r in built.module.resources.items():
+        assert not r.spills, f"{name} spills: {r}"
+        assert r.registers <= 255
+    assert built.plan.smem_bytes <= built.plan.arch.smem_per_block
+
+
+def test_sources_are_self_contained():
+    plan = validate(Problem(mask="tree"), Variant())
+    includes = re.findall(r'#include\s*[<"]([^>"]+)[>"]', render(plan))
+    assert includes == ["cuda_bf16.h"]

@@ -1,0 +1,81 @@
+"""`mlagen emit` and the rest of the CLI; generated/ must match what the code emits now."""
+
+import json
+import re
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from cli import app
+from mlagen.codegen import render
+from mlagen.compiler import compile_source
+from mlagen.emit import emit_preset
+from mlagen.params import FIELDS, PARAMS_SIZE
+from mlagen.presets import DEFAULT_EMIT_ARCHS, PRESETS
+from mlagen.validate import validate
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+def test_generated_folder_is_up_to_date(tmp_path):
+    fresh = emit_preset(PRESETS["kimi-k2"], DEFAULT_EMIT_ARCHS, tmp_path)
+    for e in fresh:
+        committed = ROOT / "generated" / e.source.relative_to(tmp_path)
+        for mine, theirs in ((e.source, committed), (e.manifest, committed.with_suffix(".json"))):
+            assert theirs.exists(), f"{theirs} missing: run `mlagen emit`"
+            assert theirs.read_text() == mine.read_text(), f"{theirs} is stale: run `mlagen emit`"
+    committed = {p.relative_to(ROOT / "generated") for p in (ROOT / "generated" / "kimi-k2").rglob("*.cu")}
+    assert committed == {e.source.relative_to(tmp_path) for e in fresh}, "generated/ holds extra files"
+
+
+def test_emit_default_writes_sm90_and_sm120_with_manifests(tmp_path):
+    result = runner.invoke(app, ["emit", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    for arch in ("sm_90", "sm_120"):
+        files = list((tmp_path / "kimi-k2" / arch).glob("*.cu"))
+        assert files
+        for f in files:
+            meta = json.loads(f.with_suffix(".json").read_text())
+            assert meta["arch"] == arch and meta["problem"]["heads"] == 64
+            assert meta["params"]["size"] == PARAMS_SIZE
+            assert [x["name"] for x in meta["params"]["fields"]] == [x.name for x in FIELDS]
+            for k in meta["kernels"]:
+                assert re.search(rf'__global__ void __launch_bounds__\({k["block"][0]}\)\s*{k["name"]}\(',
+                                 f.read_text())
+    again = runner.invoke(app, ["emit", "--out", str(tmp_path)])
+    assert "0 changed" in again.output
+
+
+def test_emitted_file_compiles_alone(tmp_path):
+    runner.invoke(app, ["emit", "--preset", "deepseek-v3-tp8", "--arch", "sm_89", "--out", str(tmp_path)])
+    for f in (tmp_path / "deepseek-v3-tp8" / "sm_89").glob("*.cu"):
+        meta = json.loads(f.with_suffix(".json").read_text())
+        module = compile_source(f.read_text(), meta["name"], "sm_89")
+        assert {k["name"] for k in meta["kernels"]} == set(module.resources)
+
+
+def test_emit_named_variant_and_errors(tmp_path):
+    ok = runner.invoke(app, ["emit", "--variant", "flash_ht4_qt4_bn32_w4_st2_spa_sm80", "--out", str(tmp_path)])
+    assert ok.exit_code == 0, ok.output
+    assert list((tmp_path / "kimi-k2" / "sm_80").glob("mlagen_flash_ht4_qt4_bn32_w4_st2_sm80_*.cu"))
+    bad = runner.invoke(app, ["emit", "--arch", "sm_70", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "--arch: got 'sm_70'" in bad.output
+    bad = runner.invoke(app, ["emit", "--preset", "llama", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "preset: got 'llama'" in bad.output
+    bad = runner.invoke(app, ["emit", "--variant", "flash_ht7_qt4_bn64_w4_st3_spa_sm80", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "variant.head_tile: got 7" in bad.output
+
+
+def test_list_show_check():
+    out = runner.invoke(app, ["list"])
+    assert out.exit_code == 0 and all(name in out.output for name in PRESETS)
+    v = PRESETS["kimi-k2"].variants("sm_90")[1]
+    shown = runner.invoke(app, ["show", v.name, "--source", "--compile"])
+    assert shown.exit_code == 0, shown.output
+    plan = validate(PRESETS["kimi-k2"].problem, v)
+    assert plan.main_kernel in shown.output and "registers=" in shown.output
+    assert render(plan).splitlines()[0] in shown.output
+    checked = runner.invoke(app, ["check", "--arch", "sm_90", "--preset", "kimi-k2-tp8"])
+    assert checked.exit_code == 0, checked.output
+    assert "no spills" in checked.output

@@ -1,0 +1,171 @@
+"""GPU property tests: every variant the DSL can express here against the fp64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import assert_matches, make_case, poison_allocator, poisoned_out
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+import mlagen
+from mlagen.spec import Variant, naive
+from mlagen.validate import SpecError, validate
+
+pytestmark = pytest.mark.gpu
+
+HEADS = [8, 16, 64, 128]
+PAGES = [1, 16, 64]
+MASKS = ["causal", "tree", "none"]
+
+
+def _arch() -> str:
+    from mlagen.runtime import device_info
+
+    return device_info(torch.cuda.current_device())[0]
+
+
+@st.composite
+def shapes(draw, max_work: float):
+    """(batch, S, H, prefixes, page, mask, empty, lse, seed) with B*S*H*N under max_work."""
+    batch = draw(st.integers(1, 8))
+    seqlen_q = draw(st.integers(1, 64))
+    heads = draw(st.sampled_from(HEADS))
+    page = draw(st.sampled_from(PAGES))
+    mask = draw(st.sampled_from(MASKS))
+    top = draw(st.sampled_from([0, 64, 700, 5000, 20000]))
+    prefixes = draw(st.lists(st.integers(0, top), min_size=batch, max_size=batch))
+    empty = draw(st.lists(st.booleans(), min_size=batch, max_size=batch)) if draw(st.booleans()) else None
+    assume(batch * seqlen_q * heads * (max(prefixes) + seqlen_q) <= max_work)
+    return dict(batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=prefixes, page_size=page,
+                mask=mask, empty=empty, per_request_tree=draw(st.booleans()),
+                lse=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@st.composite
+def flash_variants(draw, heads: int, arch: str):
+    divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+    v = Variant(family="flash", head_tile=draw(st.sampled_from(divisors)),
+                q_tile=draw(st.integers(1, 16)), block_n=draw(st.sampled_from([32, 64])),
+                warps=draw(st.sampled_from([4, 8])), stages=draw(st.integers(1, 3)),
+                kv_split=draw(st.sampled_from(["adaptive", 1, 2, 5])), arch=arch)
+    return v
+
+
+def _run(case, variant, lse: bool):
+    poison_allocator(64 << 20)
+    out = poisoned_out(case)
+    res = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                  variant=variant, return_lse=lse, out=out, **case.kwargs())
+    torch.cuda.synchronize()
+    return res if lse else (res, None)
+
+
+@given(shape=shapes(max_work=3e8))
+def test_naive_matches_reference(shape):
+    lse = shape.pop("lse")
+    case = make_case(**shape)
+    out, lse_out = _run(case, naive(arch=_arch()), lse)
+    assert_matches(out, lse_out, case)
+
+
+@given(shape=shapes(max_work=4e9), data=st.data())
+def test_flash_matches_reference(shape, data):
+    lse = shape.pop("lse")
+    variant = data.draw(flash_variants(shape["heads"], _arch()))
+    try:
+        validate(mlagen.Problem(heads=shape["heads"]), variant)
+    except SpecError:
+        assume(False)
+    case = make_case(**shape)
+    out, lse_out = _run(case, variant, lse)
+    assert_matches(out, lse_out, case)
+
+
+@given(shape=shapes(max_work=4e9))
+def test_dispatched_matches_reference(shape):
+    lse = shape.pop("lse")
+    case = make_case(**shape)
+    out, lse_out = _run(case, None, lse)
+    assert_matches(out, lse_out, case)
+
+
+def test_fp16_and_uncommon_widths():
+    for dl, dr, dtype in ((512, 64, torch.float16), (256, 32, torch.bfloat16), (512, 0, torch.bfloat16)):
+        case = make_case(batch=3, seqlen_q=5, heads=16, prefixes=[300, 0, 77], page_size=16,
+                         mask="causal", seed=dl + dr, dtype=dtype, dl=dl, dr=dr)
+        for variant in (None, naive(arch=_arch())):
+            out, lse = _run(case, variant, True)
+            assert_matches(out, lse, case)
+
+
+def test_cuda_graph_capture_and_replay():
+    case = make_case(batch=4, seqlen_q=9, heads=64, prefixes=[1000, 37, 4000, 0], page_size=64,
+                     mask="causal", seed=1)
+    static = [case.q, case.kv_cache, case.block_table, case.cache_seqlens]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):             # warm-up: compile and load outside the capture
+        mlagen.verify_attention(*static, return_lse=True, **case.kwargs())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = mlagen.verify_attention(*static, return_lse=True, **case.kwargs())
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for _ in range(3):
+        # New values in the captured tensors: fresh queries, negated keys (NaN stays NaN), and
+        # lengths that only shrink (keys past the original lengths are NaN).
+        case.q.copy_(torch.randn(case.q.shape, generator=gen, device="cuda"))
+        case.kv_cache.neg_()
+        shrink = torch.randint(0, 40, (4,), generator=gen, device="cuda", dtype=torch.int32)
+        case.cache_seqlens.copy_((case.cache_seqlens - shrink).clamp(min=0))
+        out.fill_(math.nan)
+        lse.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, lse, case)
+
+
+def test_runs_on_the_current_stream():
+    case = make_case(batch=2, seqlen_q=4, heads=16, prefixes=[5000, 100], page_size=16, mask="tree",
+                     seed=7)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                      **case.kwargs())
+    stream.synchronize()
+    assert_matches(out, None, case)
+
+
+def test_bad_inputs_raise_before_launch():
+    case = make_case(batch=2, seqlen_q=3, heads=8, prefixes=[10, 20], page_size=16, mask="causal", seed=0)
+    args = [case.q, case.kv_cache, case.block_table, case.cache_seqlens]
+    with pytest.raises(mlagen.InputError, match="q.dtype"):
+        mlagen.verify_attention(case.q.float(), *args[1:])
+    with pytest.raises(mlagen.InputError, match="q.device"):
+        mlagen.verify_attention(case.q.cpu(), *args[1:])
+    with pytest.raises(mlagen.InputError, match="block_table.dtype"):
+        mlagen.verify_attention(*args[:2], case.block_table.long(), args[3])
+    with pytest.raises(mlagen.InputError, match="tree_mask.shape"):
+        mlagen.verify_attention(*args, tree_mask=torch.ones(4, 4, dtype=torch.bool, device="cuda"))
+    with pytest.raises(mlagen.InputError, match="variant.arch"):
+        other = "sm_80" if _arch() != "sm_80" else "sm_90"
+        mlagen.verify_attention(*args, variant=naive(arch=other))
+
+
+def test_value_checks_and_bad_values_stay_in_bounds():
+    case = make_case(batch=2, seqlen_q=3, heads=8, prefixes=[10, 20], page_size=16, mask="causal", seed=0)
+    table = case.block_table.clone()
+    table[0, 0] = case.kv_cache.shape[0] + 5
+    lengths = case.cache_seqlens.clone()
+    lengths[1] = 10**6
+    with pytest.raises(mlagen.InputError, match="block_table"):
+        mlagen.verify_attention(case.q, case.kv_cache, table, case.cache_seqlens, check_values=True)
+    with pytest.raises(mlagen.InputError, match=r"cache_seqlens\[1\]"):
+        mlagen.verify_attention(case.q, case.kv_cache, case.block_table, lengths, check_values=True)
+    # Unchecked, the same values run without touching memory they were not given.
+    for variant in (None, naive(arch=_arch())):
+        mlagen.verify_attention(case.q, case.kv_cache, table, lengths, variant=variant)
+        torch.cuda.synchronize()

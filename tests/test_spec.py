@@ -1,0 +1,86 @@
+"""The DSL: names are stable identities, validation names the field, value and limit."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlagen.arch import ARCHS
+from mlagen.spec import Problem, Variant, kernel_name, naive, parse_variant
+from mlagen.validate import SpecError, validate
+
+variants = st.builds(
+    Variant,
+    family=st.sampled_from(["flash", "mma"]),
+    head_tile=st.integers(1, 128),
+    q_tile=st.integers(1, 64),
+    kv_split=st.one_of(st.just("adaptive"), st.integers(1, 256)),
+    block_n=st.sampled_from([16, 32, 64, 128]),
+    warps=st.integers(1, 16),
+    stages=st.integers(1, 4),
+    arch=st.sampled_from(sorted(ARCHS)),
+)
+
+
+@given(variants)
+def test_variant_name_round_trips(v):
+    assert parse_variant(v.name) == v
+
+
+@given(st.sampled_from(sorted(ARCHS)), st.integers(1, 16))
+def test_naive_name_round_trips(arch, warps):
+    assert parse_variant(naive(arch=arch, warps=warps).name) == naive(arch=arch, warps=warps)
+
+
+def test_names_are_readable_and_distinct():
+    a = Variant(head_tile=8, q_tile=8)
+    assert a.name == "flash_ht8_qt8_bn32_w8_st2_spa_sm90"
+    assert a.with_(kv_split=4).name != a.name
+    assert a.with_(kv_split=4).code_name == a.code_name     # the split is a launch parameter
+    p = Problem(heads=64, mask="tree", lse=True)
+    assert p.name == "h64_dl512_dr64_bf16_p64_tree_lse"
+    assert kernel_name(p, a) == "mlagen_flash_ht8_qt8_bn32_w8_st2_sm90_h64_dl512_dr64_bf16_p64_tree_lse"
+
+
+@pytest.mark.parametrize("bad", ["flash_ht8", "flash_hx8_qt8_bn32_w8_st2_spa_sm90", "conv_ht8_qt8_bn32_w8_st2_spa_sm90",
+                                 "flash_htx_qt8_bn32_w8_st2_spa_sm90", "naive_w4_gfx90"])
+def test_bad_names_say_what_was_expected(bad):
+    with pytest.raises(ValueError, match="expected"):
+        parse_variant(bad)
+
+
+@pytest.mark.parametrize("problem,variant,field", [
+    (Problem(heads=64), Variant(head_tile=7), "variant.head_tile"),
+    (Problem(heads=64), Variant(block_n=48), "variant.block_n"),
+    (Problem(heads=64), Variant(q_tile=65), "variant.q_tile"),
+    (Problem(heads=64), Variant(q_tile=16, head_tile=16, warps=4), "variant"),     # accumulators
+    (Problem(heads=64), Variant(q_tile=8, head_tile=8, stages=2, arch="sm_120"), "variant"),  # smem
+    (Problem(heads=64), Variant(arch="sm_70"), "variant.arch"),
+    (Problem(heads=64), Variant(kv_split=0), "variant.kv_split"),
+    (Problem(heads=64), Variant(family="gemm"), "variant.family"),
+    (Problem(dl=500), Variant(), "problem.dl"),
+    (Problem(dr=60), Variant(), "problem.dr"),
+    (Problem(page_size=48), Variant(), "problem.page_size"),
+    (Problem(mask="sliding"), Variant(), "problem.mask"),
+    (Problem(dtype="fp8"), Variant(), "problem.dtype"),
+    (Problem(), naive().with_(head_tile=2), "variant.head_tile"),
+])
+def test_validation_names_field_value_and_limit(problem, variant, field):
+    with pytest.raises(SpecError) as info:
+        validate(problem, variant)
+    assert info.value.field == field
+    assert "expected" in str(info.value) and "got" in str(info.value)
+
+
+def test_shared_memory_error_says_how_much():
+    with pytest.raises(SpecError, match=r"at most 101376 bytes .* sm_120, this variant needs \d+"):
+        validate(Problem(), Variant(q_tile=8, head_tile=8, stages=2, arch="sm_120"))
+
+
+def test_plan_derives_the_template_numbers():
+    plan = validate(Problem(heads=64), Variant(head_tile=8, q_tile=5, warps=8, block_n=32, stages=2))
+    assert plan.rows == 40 and plan.rows_per_warp == 5 and plan.rows_pad == 40
+    assert plan.head_tiles == 8 and plan.threads == 256
+    assert plan.grid(batch=3, seqlen_q=9, num_splits=4) == (2 * 8, 4, 3)
+    assert plan.grid_expr() == ("ceil(S / 5) * 8", "num_splits", "B")
+    n = validate(Problem(heads=16), naive())
+    assert n.grid(batch=2, seqlen_q=3, num_splits=1) == (16, 3, 2)
