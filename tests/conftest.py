@@ -10,6 +10,7 @@ settings.register_profile(
     "default", deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
 )
+settings.register_profile("quick", parent=settings.get_profile("default"), max_examples=15)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Everything the GPU machine is for, in one call: GPU facts, GPU tests, compute-sanitizer,
+# benchmark. Logs go to $OUT (the device tool's folder) or ./out.
+#   bash benchmarks/run_gpu.sh [tests] [sanitize] [bench]     (default: all three)
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MLAGEN_CACHE_DIR=${MLAGEN_CACHE_DIR:-/tmp/mlagen-cache}
+steps=${*:-tests sanitize bench}
+
+{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
+  python3 -c "import torch, cupy; from cupy.cuda import nvrtc; print('torch', torch.__version__, 'cupy', cupy.__version__, 'nvrtc', nvrtc.getVersion())"; } 2>&1 | tee "$OUT/gpu.txt"
+
+for step in $steps; do
+  case $step in
+    tests)
+      timeout 420 python3 -m pytest -q -m gpu tests/test_gpu_verify.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        timeout 240 compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize.py 2>&1 \
+          | tail -n 40 | tee "$OUT/sanitize_$tool.log"
+      done ;;
+    bench)
+      timeout 400 python3 cli.py bench --grid seed --grid serving --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" ;;
+  esac
+done

@@ -1,0 +1,45 @@
+"""A handful of paged, ragged, tree-masked shapes through every family, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py
+    compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from helpers import assert_matches, make_case  # noqa: E402
+
+import mlagen  # noqa: E402
+from mlagen.runtime import device_info  # noqa: E402
+from mlagen.spec import Variant, naive  # noqa: E402
+
+CASES = [
+    dict(batch=3, seqlen_q=5, heads=16, prefixes=[300, 0, 1000], page_size=16, mask="tree", empty=[False, True, False]),
+    dict(batch=2, seqlen_q=9, heads=64, prefixes=[129, 700], page_size=64, mask="causal"),
+    dict(batch=2, seqlen_q=3, heads=8, prefixes=[70, 5], page_size=1, mask="none"),
+]
+
+
+def main() -> None:
+    arch = device_info(torch.cuda.current_device())[0]
+    variants = [naive(arch=arch), None,
+                Variant(family="flash", head_tile=8, q_tile=3, block_n=64, warps=4, stages=3, kv_split=3, arch=arch)]
+    for i, shape in enumerate(CASES):
+        case = make_case(seed=i, **shape)
+        for v in variants:
+            if v is not None and shape["heads"] % v.head_tile:
+                continue
+            out, lse = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                               variant=v, return_lse=True, **case.kwargs())
+            torch.cuda.synchronize()
+            assert_matches(out, lse, case)
+            print(f"case {i} {v.name if v else 'dispatched'}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
