@@ -75,8 +75,8 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
     if q.dim() != 4:
         _fail("q.shape", tuple(q.shape), "[B, S, H, Dl+Dr] (4 dims)")
     B, S, H, D = q.shape
-    if not (0 < head_dim_v < D):
-        _fail("head_dim_v", head_dim_v, f"0 < head_dim_v < q.shape[-1]={D}")
+    if not (0 < head_dim_v <= D):
+        _fail("head_dim_v", head_dim_v, f"0 < head_dim_v <= q.shape[-1]={D}")
     if S < 1:
         _fail("q.shape[1]", S, "S >= 1 draft tokens")
     _aligned_rows("q", q, (0, 1, 2))

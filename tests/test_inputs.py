@@ -37,7 +37,7 @@ def test_good_arguments_give_the_sizes():
     (dict(cache_seqlens=torch.zeros(3, dtype=torch.int32)), r"cache_seqlens.shape: got \(3,\)"),
     (dict(tree_mask=torch.ones(3, 4, dtype=torch.bool)), r"tree_mask.shape: got \(3, 4\), expected \[S, S\]"),
     (dict(tree_mask=torch.ones(3, 3, dtype=torch.float32)), r"tree_mask.dtype"),
-    (dict(head_dim_v=576), r"head_dim_v: got 576"),
+    (dict(head_dim_v=577), r"head_dim_v: got 577"),
     (dict(softmax_scale=float("nan")), r"softmax_scale: got nan"),
     (dict(q=torch.zeros(2, 65, 4, 576, dtype=torch.bfloat16), block_table=torch.zeros(2, 2, dtype=torch.int32),
           tree_mask=torch.ones(65, 65, dtype=torch.bool)), r"at most 64 draft tokens"),
