@@ -1,5 +1,127 @@
-from .validate import SpecError
+"""Layout rules of the tensor-core family (mma.sync m16n8k16, fp32 accumulation).
+
+A block holds q_tile*head_tile query rows, padded to M_PAD = 16*m_tiles (the mma's M). For the
+scores S = Q K^T its warps form a WMQ x WNQ grid over (rows, keys) of each KV tile; for the
+output O += P V every warp holds all M_PAD rows and Dl/warps of the value dims, so O stays in
+registers (M_PAD * Dl / (32*warps) fp32 per thread). P and the row maxima cross warps through
+shared memory. Q and KV tiles are stored unpadded with an XOR swizzle of 16-byte chunks
+(ldmatrix reads 8 rows at one chunk column); P rows are padded by 16 bytes instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .arch import Arch
+from .spec import Problem, Variant, kernel_name
+
+MAX_O_REGS = 128          # fp32 output accumulators per thread
+BLOCK_NS = (32, 64, 128)
 
 
-def plan_mma(p, v, arch):
-    raise SpecError("variant.family", "mma", "not yet")
+@dataclass(frozen=True)
+class MmaLayout:
+    m_pad: int            # padded rows per block
+    wmq: int              # warps along rows for the scores
+    wnq: int              # warps along keys for the scores
+    rows_w: int           # score rows per warp
+    keys_w: int           # score keys per warp
+    dims_w: int           # output dims per warp
+    p_stride: int         # elements per row of P in shared memory (padded)
+    smem_bytes: int
+
+
+def _score_split(m_pad: int, block_n: int, warps: int) -> tuple[int, int] | None:
+    """The (WMQ, WNQ) grid that reads the least shared memory per mma: min 1/rows + 1/keys."""
+    best = None
+    for wmq in range(1, warps + 1):
+        if warps % wmq:
+            continue
+        wnq = warps // wmq
+        if m_pad % (16 * wmq) or block_n % (16 * wnq):
+            continue
+        cost = wmq / m_pad + wnq / block_n
+        if best is None or cost < best[0]:
+            best = (cost, wmq, wnq)
+    return None if best is None else (best[1], best[2])
+
+
+def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
+    """The layout, or a message saying which rule the variant breaks."""
+    rows = v.q_tile * v.head_tile
+    m_pad = -(-rows // 16) * 16
+    if p.head_dim % 64:
+        return f"Dl+Dr a multiple of 64 for the mma family (the swizzle spans 8 chunks), got {p.head_dim}"
+    if v.block_n not in BLOCK_NS:
+        return f"block_n one of {BLOCK_NS} for the mma family, got {v.block_n}"
+    if p.dl % (16 * v.warps):
+        return f"Dl={p.dl} divisible by 16*warps={16 * v.warps} (each warp owns 16-dim output slabs)"
+    dims_w = p.dl // v.warps
+    o_regs = m_pad * dims_w // 32
+    if o_regs > MAX_O_REGS:
+        return (f"at most {MAX_O_REGS} output accumulators per thread; {m_pad} padded rows x "
+                f"{dims_w} dims / 32 lanes = {o_regs}: use more warps or fewer rows")
+    split = _score_split(m_pad, v.block_n, v.warps)
+    if split is None:
+        return (f"warps={v.warps} that tile {m_pad} rows x block_n={v.block_n} keys in 16x16 "
+                "pieces for the scores")
+    wmq, wnq = split
+    p_stride = v.block_n + 8
+    smem = (m_pad * p.head_dim * 2 + v.stages * v.block_n * p.head_dim * 2 + m_pad * p_stride * 2
+            + wnq * m_pad * 4 + m_pad * 4 + 64 * 8)
+    return MmaLayout(m_pad=m_pad, wmq=wmq, wnq=wnq, rows_w=m_pad // wmq, keys_w=v.block_n // wnq,
+                     dims_w=dims_w, p_stride=p_stride, smem_bytes=smem)
+
+
+def plan_mma(p: Problem, v: Variant, arch: Arch):
+    from .validate import KernelPlan, SpecError, _smem_fits
+
+    if not arch.mma:
+        raise SpecError("variant.arch", arch.name, "an arch with mma.sync bf16/fp16 (sm_80 or newer)")
+    layout = mma_layout(p, v)
+    if isinstance(layout, str):
+        raise SpecError("variant", v.name, layout)
+    _smem_fits(arch, layout.smem_bytes, v.name)
+    return KernelPlan(
+        problem=p, variant=v, arch=arch, name=kernel_name(p, v), threads=v.warps * 32,
+        rows=v.q_tile * v.head_tile, rows_pad=layout.m_pad, rows_per_warp=layout.rows_w,
+        head_tiles=p.heads // v.head_tile, row_elems=p.head_dim, smem_bytes=layout.smem_bytes,
+        mma=layout,
+    )
+
+
+# Heuristic tile choice: a block's KV stream costs about as much as this many rows of mma work
+# (per key, a block reads 1152 bytes and each row does 2*1088 flops).
+ROW_COST_OF_A_BLOCK = 24
+MAX_ROWS = 64
+
+
+def heuristic_mma(problem: Problem, seqlen_q: int, arch: str) -> Variant | None:
+    """The mma variant for `problem` at S=seqlen_q on `arch`, or None if none fits.
+
+    Among (q_tile, head_tile) pairs holding at most 64 rows, take the one with the least padded
+    rows plus ROW_COST_OF_A_BLOCK per block (each block streams the KV once); then the widest
+    KV tile and deepest pipeline that fit the arch's shared memory.
+    """
+    from .validate import SpecError, validate
+
+    heads = problem.heads
+    shapes = []
+    for head_tile in (d for d in range(1, heads + 1) if heads % d == 0):
+        for q_tile in range(1, min(seqlen_q, MAX_ROWS // head_tile) + 1):
+            rows = q_tile * head_tile
+            blocks = -(-seqlen_q // q_tile) * (heads // head_tile)
+            padded = blocks * (-(-rows // 16) * 16)
+            shapes.append((padded + ROW_COST_OF_A_BLOCK * blocks, -rows, q_tile, head_tile))
+    for _, _, q_tile, head_tile in sorted(shapes):
+        m_pad = -(-(q_tile * head_tile) // 16) * 16
+        warps = max(4, m_pad // 8)
+        for block_n, stages in ((64, 2), (32, 3), (32, 2), (64, 1), (32, 1)):
+            v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, kv_split="adaptive",
+                        block_n=block_n, warps=warps, stages=stages, arch=arch)
+            try:
+                validate(problem, v)
+                return v
+            except SpecError:
+                continue
+    return None

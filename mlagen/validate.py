@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .arch import Arch, get_arch
 from .spec import DTYPES, FAMILIES, MASKS, Problem, Variant, kernel_name
+
+if TYPE_CHECKING:
+    from .mma_plan import MmaLayout
 
 MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
 COMBINE_WARPS = 4          # rows merged per block of the combine kernel
@@ -43,8 +47,7 @@ class KernelPlan:
     row_elems: int          # padded shared-memory row of q/kv tiles, in elements
     smem_bytes: int         # dynamic shared memory of the main kernel
     combine_threads: int = COMBINE_WARPS * 32
-    mma_m_tiles: int = 0    # mma family: 16-row tiles per warp
-    mma_n_warps: int = 0    # mma family: warps that split the output dims
+    mma: MmaLayout | None = None   # the tensor-core family's warp layout
 
     @property
     def main_kernel(self) -> str:

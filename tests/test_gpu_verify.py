@@ -45,13 +45,13 @@ def shapes(draw, max_work: float):
 
 
 @st.composite
-def flash_variants(draw, heads: int, arch: str):
+def tiled_variants(draw, family: str, heads: int, arch: str):
+    """Any flash/mma variant for `heads` on `arch` (invalid ones are rejected by the test)."""
     divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-    v = Variant(family="flash", head_tile=draw(st.sampled_from(divisors)),
-                q_tile=draw(st.integers(1, 16)), block_n=draw(st.sampled_from([32, 64])),
-                warps=draw(st.sampled_from([4, 8])), stages=draw(st.integers(1, 3)),
-                kv_split=draw(st.sampled_from(["adaptive", 1, 2, 5])), arch=arch)
-    return v
+    return Variant(family=family, head_tile=draw(st.sampled_from(divisors)),
+                   q_tile=draw(st.integers(1, 16)), block_n=draw(st.sampled_from([32, 64, 128])),
+                   warps=draw(st.sampled_from([2, 4, 8, 16])), stages=draw(st.integers(1, 3)),
+                   kv_split=draw(st.sampled_from(["adaptive", 1, 2, 5])), arch=arch)
 
 
 def _run(case, variant, lse: bool):
@@ -71,10 +71,11 @@ def test_naive_matches_reference(shape):
     assert_matches(out, lse_out, case)
 
 
+@pytest.mark.parametrize("family", ["flash", "mma"])
 @given(shape=shapes(max_work=4e9), data=st.data())
-def test_flash_matches_reference(shape, data):
+def test_tiled_families_match_reference(family, shape, data):
     lse = shape.pop("lse")
-    variant = data.draw(flash_variants(shape["heads"], _arch()))
+    variant = data.draw(tiled_variants(family, shape["heads"], _arch()))
     try:
         validate(mlagen.Problem(heads=shape["heads"]), variant)
     except SpecError:
@@ -96,7 +97,10 @@ def test_fp16_and_uncommon_widths():
     for dl, dr, dtype in ((512, 64, torch.float16), (256, 32, torch.bfloat16), (512, 0, torch.bfloat16)):
         case = make_case(batch=3, seqlen_q=5, heads=16, prefixes=[300, 0, 77], page_size=16,
                          mask="causal", seed=dl + dr, dtype=dtype, dl=dl, dr=dr)
-        for variant in (None, naive(arch=_arch())):
+        mma = Variant(family="mma", head_tile=16, q_tile=1, block_n=64, warps=4, stages=2, arch=_arch())
+        for variant in (None, naive(arch=_arch()), mma):
+            if variant is mma and (dl + dr) % 64:
+                continue
             out, lse = _run(case, variant, True)
             assert_matches(out, lse, case)
 
