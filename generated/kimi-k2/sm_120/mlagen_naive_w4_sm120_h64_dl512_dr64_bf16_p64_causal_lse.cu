@@ -149,17 +149,23 @@ __device__ __forceinline__ float row_lse(float m, float l) {
   return l > 0.f ? (m + __log2f(l)) * LN2 : -INFINITY;
 }
 
-// Writes `vals` (this lane's 8 dims starting at dim `d0`) of output row (b, i, h), divided by
-// l; an empty row (l == 0) writes zeros.
-__device__ __forceinline__ void store_out8(const VerifyParams& p, int b, int i, int h, int d0,
-                                           const float* vals, float l) {
+// Writes `vals` (N = 8 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
+// divided by l; an empty row (l == 0) writes zeros.
+template <int N>
+__device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, int h, int d0,
+                                          const float* vals, float l) {
+  static_assert(N == 8 || N == 2, "16-byte or 4-byte stores");
   const float inv = l > 0.f ? 1.f / l : 0.f;
-  float f[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) f[e] = vals[e] * inv;
   elem_t* dst = p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s
                 + (long long)h * p.out_stride_h + d0;
-  *reinterpret_cast<uint4*>(dst) = pack8(f);
+  if constexpr (N == 8) {
+    float f[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = vals[e] * inv;
+    *reinterpret_cast<uint4*>(dst) = pack8(f);
+  } else {
+    *reinterpret_cast<elem2_t*>(dst) = from_float2(vals[0] * inv, vals[1] * inv);
+  }
 }
 
 // Index of row (split, b, i, h) in the partial-result workspace.
@@ -260,6 +266,6 @@ mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams
       for (int e = 0; e < CHUNK; ++e) out[t * CHUNK + e] += scale * other[(lane + 32 * t) * CHUNK + e];
   }
 #pragma unroll
-  for (int t = 0; t < VCH; ++t) store_out8(p, b, i, h, (lane + 32 * t) * CHUNK, out + t * CHUNK, lt);
+  for (int t = 0; t < VCH; ++t) store_out<8>(p, b, i, h, (lane + 32 * t) * CHUNK, out + t * CHUNK, lt);
   if (WRITE_LSE && lane == 0) p.lse[((long long)b * H + h) * S + i] = row_lse(mt, lt);
 }

@@ -153,17 +153,23 @@ __device__ __forceinline__ float row_lse(float m, float l) {
   return l > 0.f ? (m + __log2f(l)) * LN2 : -INFINITY;
 }
 
-// Writes `vals` (this lane's 8 dims starting at dim `d0`) of output row (b, i, h), divided by
-// l; an empty row (l == 0) writes zeros.
-__device__ __forceinline__ void store_out8(const VerifyParams& p, int b, int i, int h, int d0,
-                                           const float* vals, float l) {
+// Writes `vals` (N = 8 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
+// divided by l; an empty row (l == 0) writes zeros.
+template <int N>
+__device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, int h, int d0,
+                                          const float* vals, float l) {
+  static_assert(N == 8 || N == 2, "16-byte or 4-byte stores");
   const float inv = l > 0.f ? 1.f / l : 0.f;
-  float f[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) f[e] = vals[e] * inv;
   elem_t* dst = p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s
                 + (long long)h * p.out_stride_h + d0;
-  *reinterpret_cast<uint4*>(dst) = pack8(f);
+  if constexpr (N == 8) {
+    float f[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = vals[e] * inv;
+    *reinterpret_cast<uint4*>(dst) = pack8(f);
+  } else {
+    *reinterpret_cast<elem2_t*>(dst) = from_float2(vals[0] * inv, vals[1] * inv);
+  }
 }
 
 // Index of row (split, b, i, h) in the partial-result workspace.
@@ -187,21 +193,22 @@ namespace mlagen_mlagen_flash_ht32_qt2_bn32_w8_st2_sm90_h64_dl512_dr64_bf16_p64_
 
 // Ends row (b, i, h) of one split. With one split the row is final: out = acc / l and lse.
 // Otherwise acc (unnormalized) and (m, l) go to the workspace for the combine kernel.
-// `acc` is this lane's 8 dims starting at dim d0; lane_writes_stats picks one lane per row.
-__device__ __forceinline__ void finish_row8(const VerifyParams& p, int split, int b, int i, int h,
-                                            int d0, const float* acc, float m, float l,
-                                            bool lane_writes_stats) {
+// `acc` holds N (8 or 2) consecutive dims starting at d0; writes_stats picks one thread per row.
+template <int N>
+__device__ __forceinline__ void finish_row(const VerifyParams& p, int split, int b, int i, int h,
+                                           int d0, const float* acc, float m, float l,
+                                           bool writes_stats) {
   if (p.num_splits == 1) {
-    store_out8(p, b, i, h, d0, acc, l);
-    if (WRITE_LSE && lane_writes_stats)
+    store_out<N>(p, b, i, h, d0, acc, l);
+    if (WRITE_LSE && writes_stats)
       p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
     return;
   }
   const long long row = part_row(p, split, b, i, h);
-  float4* dst = reinterpret_cast<float4*>(p.part_o + row * DL + d0);
-  dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-  dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
-  if (lane_writes_stats) p.part_ml[row] = make_float2(l > 0.f ? m : -INFINITY, l);
+  float2* dst = reinterpret_cast<float2*>(p.part_o + row * DL + d0);
+#pragma unroll
+  for (int e = 0; e < N / 2; ++e) dst[e] = make_float2(acc[2 * e], acc[2 * e + 1]);
+  if (writes_stats) p.part_ml[row] = make_float2(l > 0.f ? m : -INFINITY, l);
 }
 
 }  // namespace mlagen_mlagen_flash_ht32_qt2_bn32_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse
@@ -411,6 +418,6 @@ mlagen_flash_ht32_qt2_bn32_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(c
     if (row >= ROWS || i >= S) continue;
 #pragma unroll
     for (int c = 0; c < VCH; ++c)
-      finish_row8(p, split, b, i, h, (lane + 32 * c) * CHUNK, acc[r] + c * CHUNK, m[r], lt, lane == 0);
+      finish_row<8>(p, split, b, i, h, (lane + 32 * c) * CHUNK, acc[r] + c * CHUNK, m[r], lt, lane == 0);
   }
 }
