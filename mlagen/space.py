@@ -1,0 +1,83 @@
+"""The variant space `mlagen tune` searches, in a fixed order of promise.
+
+A structure is a variant with an adaptive split: family, head tile, q tile, block_n, warps,
+stages. Tile shapes come first by how often the KV is read (ceil(S/q_tile) * H/head_tile
+passes over it per request: fewer is better), each with its most common knobs; knob variations
+of the best tile shapes follow. Splits are searched separately (`split_variants`), since they
+are launch parameters that do not change the compiled code.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from .spec import FAMILIES, Problem, Variant, naive
+from .validate import SpecError, validate
+
+BLOCK_NS = (32, 64)
+WARPS = (8, 4, 16)
+STAGES = (2, 1, 3)
+MAX_ROWS = 128                 # q_tile * head_tile beyond this fits no family's block
+SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
+KNOB_TILE_SHAPES = 3           # tile shapes whose knob variations are searched
+
+
+def _valid(problem: Problem, v: Variant) -> bool:
+    try:
+        validate(problem, v)
+        return True
+    except SpecError:
+        return False
+
+
+def tile_shapes(heads: int, seqlen_q: int) -> list[tuple[int, int]]:
+    """(head_tile, q_tile) pairs, fewest KV passes first, then fewest rows (less padding)."""
+    q_tiles = {-(-seqlen_q // t) for t in range(1, seqlen_q + 1)}   # balanced tiles only
+    head_tiles = [d for d in range(1, heads + 1) if heads % d == 0]
+    shapes = [(h, q) for h in head_tiles for q in q_tiles if h * q <= MAX_ROWS]
+    return sorted(shapes, key=lambda hq: (-(-seqlen_q // hq[1]) * (heads // hq[0]), hq[0] * hq[1], -hq[0]))
+
+
+def structures(problem: Problem, seqlen_q: int, arch: str, family: str,
+               limit: int | None = None) -> list[Variant]:
+    """Valid adaptive-split variants of `family` for S=seqlen_q on `arch`, most promising first."""
+    if family == "naive":
+        found = [v for v in (naive(arch=arch, warps=4), naive(arch=arch, warps=8)) if _valid(problem, v)]
+        return found[:limit]
+    knobs = list(itertools.product(BLOCK_NS, WARPS, STAGES))
+    shapes = tile_shapes(problem.heads, seqlen_q)
+
+    def make(shape: tuple[int, int], knob: tuple[int, int, int]) -> Variant:
+        return Variant(family=family, head_tile=shape[0], q_tile=shape[1], kv_split="adaptive",
+                       block_n=knob[0], warps=knob[1], stages=knob[2], arch=arch)
+
+    found: list[Variant] = []
+    # Tier 0: each tile shape once, with the first knobs that fit it.
+    firsts: list[Variant] = []
+    for shape in shapes:
+        v = next((make(shape, k) for k in knobs if _valid(problem, make(shape, k))), None)
+        if v is not None:
+            firsts.append(v)
+    found.extend(firsts)
+    # Tier 1: the other knobs of the best few tile shapes; they come after every tile shape
+    # of tier 0 only when the limit leaves room, so reserve a third of it for them.
+    if limit is not None:
+        found = found[: max(1, limit - limit // 3)]
+    for v in firsts[:KNOB_TILE_SHAPES]:
+        for k in knobs:
+            w = make((v.head_tile, v.q_tile), k)
+            if w not in found and _valid(problem, w):
+                found.append(w)
+    return found[:limit]
+
+
+def split_variants(variant: Variant, kv_capacity: int, skip: int) -> list[Variant]:
+    """`variant` with each fixed split that leaves every split at least one KV tile, except
+    `skip` (the split its adaptive rule already picks)."""
+    tiles = max(1, -(-kv_capacity // variant.block_n))
+    return [variant.with_(kv_split=s) for s in SPLITS if s <= tiles and s != skip]
+
+
+def available_families(problem: Problem, seqlen_q: int, arch: str) -> list[str]:
+    """The families with at least one valid variant for this problem and S on `arch`."""
+    return [f for f in FAMILIES if structures(problem, seqlen_q, arch, f, limit=1)]
