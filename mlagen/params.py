@@ -8,6 +8,7 @@ layout has no padding and `struct.pack` reproduces it exactly.
 
 from __future__ import annotations
 
+import operator
 import struct
 from dataclasses import dataclass
 
@@ -53,13 +54,15 @@ _FORMAT = "<" + "".join(f.fmt for f in FIELDS)
 PARAMS_SIZE = struct.calcsize(_FORMAT)
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
 _PACK = struct.Struct(_FORMAT).pack
+_VALUES = operator.itemgetter(*FIELD_NAMES)
 
 assert PARAMS_SIZE % 8 == 0, PARAMS_SIZE  # no tail padding: C and struct agree
 
 
 def pack(values: dict[str, int | float]) -> bytes:
     """The struct's bytes for `values`, one per field (pointers as ints, 0 for none)."""
-    missing = set(FIELD_NAMES) - set(values)
-    if missing:
-        raise KeyError(f"parameter block is missing {sorted(missing)}")
-    return _PACK(*[values[name] for name in FIELD_NAMES])
+    try:
+        return _PACK(*_VALUES(values))   # runs once per launch: no per-field Python loop
+    except KeyError:
+        missing = set(FIELD_NAMES) - set(values)
+        raise KeyError(f"parameter block is missing {sorted(missing)}") from None

@@ -16,8 +16,8 @@ import torch
 
 from . import inputs
 from .arch import arch_for_capability, get_arch
-from .dispatch import heuristic_variant, num_splits
-from .launch import launch, load
+from .dispatch import choose_variant, num_splits
+from .launch import Loaded, launch, load
 from .params import pack
 from .spec import Problem, Variant
 
@@ -29,6 +29,24 @@ def device_info(index: int) -> tuple[str, int]:
     """(compile target, SM count) of CUDA device `index`."""
     props = torch.cuda.get_device_properties(index)
     return arch_for_capability(props.major, props.minor), props.multi_processor_count
+
+
+@functools.cache
+def device_name(index: int) -> str:
+    """The name of CUDA device `index` (what tuned tables are keyed by)."""
+    return torch.cuda.get_device_properties(index).name
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_plan(problem: Problem, variant: Variant, device: int, batch: int, seqlen_q: int,
+                 kv_capacity: int, sm_count: int) -> tuple[Loaded, int, tuple[int, int, int],
+                                                           tuple[int, int, int]]:
+    """(loaded kernels, splits, main grid, combine grid) of a shape: memoized, since every
+    call of a serving step repeats the same shapes and each piece costs host time."""
+    loaded = load(problem, variant, device)
+    splits = num_splits(variant, problem.heads, batch, seqlen_q, kv_capacity, sm_count)
+    return (loaded, splits, loaded.plan.grid(batch, seqlen_q, splits),
+            loaded.plan.combine_grid(batch, seqlen_q))
 
 
 def _runs_on(arch: str, device_arch: str) -> bool:
@@ -90,8 +108,9 @@ def verify_attention(
                       page_size=shapes.page_size, mask=mask, lse=return_lse)
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     device_arch, sm_count = device_info(device)
+    kv_capacity = shapes.max_pages * shapes.page_size
     if variant is None:
-        variant = heuristic_variant(problem, S, device_arch)
+        variant = choose_variant(problem, S, B, kv_capacity, device_arch, device_name(device))
     elif not _runs_on(variant.arch, device_arch):
         raise inputs.InputError(f"variant.arch: got {variant.arch!r}, expected a target that runs "
                                 f"on this {device_arch} device (e.g. {device_arch!r})")
@@ -104,21 +123,24 @@ def verify_attention(
     if B == 0:
         return (out, lse) if return_lse else out
 
-    loaded = load(problem, variant, device)
+    loaded, splits, grid, combine_grid = _launch_plan(problem, variant, device, B, S, kv_capacity,
+                                                      sm_count)
     plan = loaded.plan
-    splits = num_splits(variant, H, B, S, shapes.max_pages * shapes.page_size, sm_count)
-    part_o = part_ml = None
+    part_o = part_ml = 0
     if splits > 1:
-        part_o = torch.empty(splits, B, S, H, shapes.dl, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(splits, B, S, H, 2, dtype=torch.float32, device=q.device)
+        # One allocation holds part_o [splits, B, S, H, Dl] then part_ml [splits, B, S, H, 2]
+        # (fp32; part_o's size is a multiple of 8 bytes, so part_ml stays float2-aligned).
+        rows = splits * B * S * H
+        workspace = torch.empty(rows * (shapes.dl + 2), dtype=torch.float32, device=q.device)
+        part_o = workspace.data_ptr()
+        part_ml = part_o + rows * shapes.dl * 4
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shapes.head_dim)
     kv, tm = shapes.kv, shapes.tree_mask
     params = pack({
         "q": q.data_ptr(), "kv": kv.data_ptr(), "block_table": block_table.data_ptr(),
         "seqlens": cache_seqlens.data_ptr(), "tree_mask": tm.data_ptr() if tm is not None else 0,
         "out": out.data_ptr(), "lse": lse.data_ptr() if lse is not None else 0,
-        "part_o": part_o.data_ptr() if part_o is not None else 0,
-        "part_ml": part_ml.data_ptr() if part_ml is not None else 0,
+        "part_o": part_o, "part_ml": part_ml,
         "q_stride_b": q.stride(0), "q_stride_s": q.stride(1), "q_stride_h": q.stride(2),
         "kv_stride_page": kv.stride(0), "kv_stride_row": kv.stride(1),
         "bt_stride_b": block_table.stride(0),
@@ -129,8 +151,9 @@ def verify_attention(
         "num_splits": splits, "scale_log2": scale * LOG2E,
     })
     with torch.cuda.device(device):
-        stream = torch.cuda.current_stream(device).cuda_stream
-        launch(loaded.main, plan.grid(B, S, splits), plan.threads, plan.smem_bytes, stream, params)
+        # The raw handle of torch's current stream, without building a torch.cuda.Stream object.
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        launch(loaded.main, grid, plan.threads, plan.smem_bytes, stream, params)
         if splits > 1:
-            launch(loaded.combine, plan.combine_grid(B, S), plan.combine_threads, 0, stream, params)
+            launch(loaded.combine, combine_grid, plan.combine_threads, 0, stream, params)
     return (out, lse) if return_lse else out
