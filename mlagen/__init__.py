@@ -4,14 +4,21 @@
 
 Layers, each a module: spec (the DSL) -> validate (plans) -> codegen (Jinja) -> compiler
 (NVRTC, disk cache) -> launch/runtime (torch op). `reference` is the PyTorch reference.
+Drop-in pieces for serving engines: `verify_attention_varlen` (ragged draft counts),
+`merge_states` (cascades), `verify_attention_op` (the `mlagen::verify_attention` custom op,
+registered on import, for torch.compile and CUDA graphs), `mlagen.compat.flash_mla`
+(FlashMLA's API) and `mlagen.launcher` (C++ launchers for emitted kernels).
 """
 
 from .compiler import CompileError
 from .inputs import InputError
+from .merge import merge_states, merge_states_
+from .ops import verify_attention_op
 from .reference import reference
 from .runtime import verify_attention
 from .spec import Problem, Variant, naive
 from .validate import KernelPlan, SpecError, validate
+from .varlen import verify_attention_varlen
 
 __all__ = [
     "CompileError",
@@ -20,9 +27,13 @@ __all__ = [
     "Problem",
     "SpecError",
     "Variant",
+    "merge_states",
+    "merge_states_",
     "naive",
     "reference",
     "validate",
     "verify_attention",
+    "verify_attention_op",
+    "verify_attention_varlen",
 ]
 __version__ = "0.1.0"

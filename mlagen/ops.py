@@ -1,0 +1,79 @@
+"""`verify_attention` as a torch.library custom op: `torch.ops.mlagen.verify_attention`.
+
+torch.compile cannot look inside the runtime (NVRTC loads, ctypes launches), so the op is
+registered opaque with a fake (meta) implementation that only computes output shapes: Dynamo
+traces calls without graph breaks, and Inductor / CUDA graphs treat it as one kernel call
+that allocates its outputs. Registration happens when this module is first imported (mlagen
+imports it; it costs a few milliseconds and compiles nothing).
+
+The op's schema has no optional return, so it always returns (out, lse); lse is an empty [0]
+fp32 tensor unless return_lse. `verify_attention_op` below hides that and also takes a
+`Variant`. The variant crosses the op boundary by name (`Variant.name`, parsed back by
+`mlagen.spec.parse_variant`), since custom ops take only tensors and plain values.
+"""
+
+import torch
+
+from .runtime import verify_attention
+from .spec import Variant, parse_variant
+
+OP_NAME = "mlagen::verify_attention"
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def _verify_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    tree_mask: torch.Tensor | None = None,
+    return_lse: bool = False,
+    variant: str | None = None,
+    head_dim_v: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    result = verify_attention(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale,
+                              causal=causal, tree_mask=tree_mask, return_lse=return_lse,
+                              variant=parse_variant(variant) if variant is not None else None,
+                              head_dim_v=head_dim_v)
+    if return_lse:
+        return result
+    return result, q.new_empty(0, dtype=torch.float32)
+
+
+@_verify_attention.register_fake
+def _verify_attention_fake(q, kv_cache, block_table, cache_seqlens, softmax_scale=None, causal=True,
+                           tree_mask=None, return_lse=False, variant=None, head_dim_v=512):
+    B, S, H, _ = q.shape
+    out = q.new_empty(B, S, H, head_dim_v)
+    lse = q.new_empty((B, H, S) if return_lse else (0,), dtype=torch.float32)
+    return out, lse
+
+
+def verify_attention_op(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    tree_mask: torch.Tensor | None = None,
+    return_lse: bool = False,
+    variant: Variant | str | None = None,
+    head_dim_v: int = 512,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`verify_attention` through the registered custom op: use this inside torch.compile'd
+    code and CUDA graphs.
+
+    Same arguments, shapes and results as `mlagen.verify_attention` (q [B, S, H, Dl+Dr],
+    out [B, S, H, Dl] in q's dtype, lse [B, H, S] fp32), except: `variant` may also be a
+    variant name (e.g. "flash_ht8_qt8_bn32_w8_st2_spa_sm90"), there is no `out=` (custom ops
+    return fresh tensors) and no `check_values` (MLAGEN_CHECK_VALUES still applies eagerly).
+    """
+    name = variant.name if isinstance(variant, Variant) else variant
+    out, lse = torch.ops.mlagen.verify_attention(q, kv_cache, block_table, cache_seqlens,
+                                                 softmax_scale, causal, tree_mask, return_lse, name,
+                                                 head_dim_v)
+    return (out, lse) if return_lse else out

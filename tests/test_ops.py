@@ -1,0 +1,64 @@
+"""The mlagen::verify_attention custom op on CPU: schema, fake (meta) implementation, tracing
+by torch.compile without graph breaks. Running it needs a GPU (tests/test_gpu_dropin.py)."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import mlagen
+from mlagen.spec import naive
+
+
+def _inputs(device, B=2, S=3, H=8, dtype=torch.bfloat16):
+    q = torch.empty(B, S, H, 576, dtype=dtype, device=device)
+    kv = torch.empty(10, 64, 1, 576, dtype=dtype, device=device)
+    bt = torch.empty(B, 4, dtype=torch.int32, device=device)
+    lens = torch.empty(B, dtype=torch.int32, device=device)
+    return q, kv, bt, lens
+
+
+def test_schema():
+    schema = str(torch.ops.mlagen.verify_attention.default._schema)
+    assert schema.startswith("mlagen::verify_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
+                             "Tensor cache_seqlens, float? softmax_scale=None, bool causal=True, "
+                             "Tensor? tree_mask=None, bool return_lse=False, str? variant=None")
+    assert schema.endswith("-> (Tensor, Tensor)")
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_meta_shapes(return_lse):
+    q, kv, bt, lens = _inputs("meta", dtype=torch.float16)
+    res = mlagen.verify_attention_op(q, kv, bt, lens, return_lse=return_lse, head_dim_v=512)
+    out = res[0] if return_lse else res
+    assert out.shape == (2, 3, 8, 512) and out.dtype == torch.float16 and out.device.type == "meta"
+    if return_lse:
+        assert res[1].shape == (2, 8, 3) and res[1].dtype == torch.float32
+
+
+def test_fake_cuda_tensors():
+    with FakeTensorMode():
+        q, kv, bt, lens = _inputs("cuda")
+        tree = torch.ones(3, 3, dtype=torch.bool, device="cuda")
+        out, lse = mlagen.verify_attention_op(q, kv, bt, lens, tree_mask=tree, return_lse=True,
+                                              variant=naive(arch="sm_90"))
+        assert out.device.type == "cuda" and out.shape == (2, 3, 8, 512) and out.dtype == torch.bfloat16
+        assert lse.device.type == "cuda" and lse.shape == (2, 8, 3)
+
+
+def test_compile_fullgraph_traces_the_op():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(q, kv, bt, lens):
+        out, lse = mlagen.verify_attention_op(q, kv, bt, lens, causal=True, return_lse=True,
+                                              variant="flash_ht8_qt4_bn32_w8_st2_spa_sm90")
+        return out * 2, lse.exp()
+
+    out, lse = torch.compile(step, backend=backend, fullgraph=True)(*_inputs("meta"))
+    assert out.shape == (2, 3, 8, 512) and lse.shape == (2, 8, 3)
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "mlagen" in str(n.target)]
+    assert len(calls) == 1 and "verify_attention" in str(calls[0].target)
