@@ -1,0 +1,48 @@
+"""Writes the example's kernel, its launcher header and two small wrappers into a build folder.
+
+    python generate.py --arch sm_90 --out build
+
+build/<kernel>.cu and build/<kernel>_launch.h come from mlagen (the same files as
+`mlagen emit --launcher`); build/kernel.cu includes the former (the kernels' translation unit)
+and build/variant.h includes the latter and names its namespace `kernel` for main.cu.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mlagen.dispatch import heuristic_variant
+from mlagen.emit import emit_one
+from mlagen.launcher import emit_launcher, header_name, namespace
+from mlagen.spec import Problem
+from mlagen.validate import validate
+
+# Kimi K2 sharded 8 ways (8 heads per GPU), bf16, 16-row pages, causal, with lse.
+PROBLEM = Problem(heads=8, dl=512, dr=64, dtype="bf16", page_size=16, mask="causal", lse=True)
+SEQLEN_Q = 4
+
+
+def generate(arch: str, out: Path) -> Path:
+    """Writes the files for `arch` into `out`; returns the kernel source's path."""
+    plan = validate(PROBLEM, heuristic_variant(PROBLEM, SEQLEN_Q, arch))
+    emitted = emit_one(PROBLEM, plan.variant, out)
+    emit_launcher(plan, out)
+    (out / "kernel.cu").write_text(f'#include "{emitted.source.name}"\n')
+    (out / "variant.h").write_text(
+        f'#include "{header_name(plan)}"\n'
+        f"namespace kernel = mlagen::{namespace(plan)};\n"
+        f"constexpr int kSeqlenQ = {SEQLEN_Q};\n")
+    return emitted.source
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sm_90", help="compile target, e.g. sm_80, sm_90, sm_120")
+    parser.add_argument("--out", type=Path, default=Path("build"))
+    args = parser.parse_args()
+    print(generate(args.arch, args.out))
+
+
+if __name__ == "__main__":
+    main()

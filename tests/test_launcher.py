@@ -1,0 +1,88 @@
+"""C++ launchers (mlagen.launcher): the header's text, its host helpers against the Python
+plan and dispatch (compiled and run on the CPU), and the examples/cpp_launcher build.
+Compiling needs nvcc; running the example needs a GPU (tests/test_gpu_dropin.py)."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mlagen.dispatch import num_splits
+from mlagen.launcher import emit_launcher, header_name, namespace, render_launcher
+from mlagen.params import FIELDS
+from mlagen.spec import Problem, Variant, naive
+from mlagen.validate import validate
+
+ROOT = Path(__file__).resolve().parent.parent
+NVCC = shutil.which("nvcc")
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit) to compile C++")
+
+PLANS = [
+    validate(Problem(heads=16, mask="causal", lse=True), naive(arch="sm_80")),
+    validate(Problem(heads=64, page_size=16, mask="none"), Variant(head_tile=8, q_tile=4, arch="sm_90")),
+    validate(Problem(heads=8, dtype="fp16", page_size=1, mask="tree", lse=True),
+             Variant(head_tile=4, q_tile=4, kv_split=3, warps=8, stages=1, arch="sm_120")),
+]
+SHAPES = [(1, 1, 1, 132), (1, 9, 64, 132), (3, 33, 5, 188), (64, 4, 300, 78), (2, 64, 2048, 132)]
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.variant.name)
+def test_header_fills_every_field_once(plan):
+    text = render_launcher(plan)
+    struct = re.search(r"struct alignas\(8\) VerifyParams \{(.*?)\};", text, re.S).group(1)
+    declared = [re.search(r"(\w+);", line.split("//")[0]) for line in struct.splitlines()]
+    assert [m.group(1) for m in declared if m] == [f.name for f in FIELDS]
+    for f in FIELDS:
+        assert len(re.findall(rf"\bp\.{f.name} = ", text)) == 1, f.name
+    assert f"namespace {namespace(plan)} {{" in text
+    assert (plan.combine_kernel in text) == plan.uses_split
+
+
+def test_emit_launcher_writes_beside_the_kernel(tmp_path):
+    path = emit_launcher(PLANS[1], tmp_path)
+    assert path == tmp_path / header_name(PLANS[1]) and path.read_text() == render_launcher(PLANS[1])
+    mtime = path.stat().st_mtime_ns
+    emit_launcher(PLANS[1], tmp_path)
+    assert path.stat().st_mtime_ns == mtime, "an unchanged header is not rewritten"
+
+
+def _compile(args: list[str], cwd: Path) -> None:
+    done = subprocess.run([NVCC, *args], cwd=cwd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@needs_nvcc
+def test_host_helpers_match_python(tmp_path):
+    # All three headers in one host-only translation unit: the shared struct is defined once.
+    lines = ["#include <cstdio>"] + [f'#include "{emit_launcher(p, tmp_path).name}"' for p in PLANS]
+    lines.append("int main() {")
+    for p in PLANS:
+        ns = f"mlagen::{namespace(p)}"
+        for B, S, pages, sms in SHAPES:
+            lines.append(
+                f"  {{ const int n = {ns}::default_num_splits({B}, {S}, {pages}, {sms});"
+                f" const dim3 g = {ns}::grid({B}, {S}, n), c = {ns}::combine_grid({B}, {S});"
+                f' std::printf("%d %u %u %u %u %zu\\n", n, g.x, g.y, g.z, c.x,'
+                f" {ns}::workspace_bytes({B}, {S}, n)); }}")
+    lines.append("  return 0;\n}")
+    (tmp_path / "helpers.cpp").write_text("\n".join(lines) + "\n")
+    _compile(["-std=c++17", "-o", "helpers", "helpers.cpp"], tmp_path)
+    got = subprocess.run([str(tmp_path / "helpers")], capture_output=True, text=True, check=True).stdout.split("\n")
+    k = 0
+    for p in PLANS:
+        for B, S, pages, sms in SHAPES:
+            n = num_splits(p.variant, p.problem.heads, B, S, pages * p.problem.page_size, sms)
+            ws = 0 if n == 1 else n * B * S * p.problem.heads * (p.problem.dl + 2) * 4
+            want = [n, *p.grid(B, S, n), p.combine_grid(B, S)[0], ws]
+            assert [int(x) for x in got[k].split()] == want, (p.variant.name, B, S, pages, sms)
+            k += 1
+
+
+@needs_nvcc
+def test_cpp_example_builds(tmp_path):
+    done = subprocess.run(["make", "-C", str(ROOT / "examples" / "cpp_launcher"), f"BUILD={tmp_path}",
+                           "ARCH=sm_80"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "verify_example").exists()
