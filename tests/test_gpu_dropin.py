@@ -7,6 +7,7 @@ import dataclasses
 import math
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,6 @@ def test_cpp_launcher_example_runs(tmp_path):
 
     arch = device_info(torch.cuda.current_device())[0]
     build = subprocess.run(["make", "-C", str(ROOT / "examples" / "cpp_launcher"), f"BUILD={tmp_path}",
-                            f"ARCH={arch}", "run"], capture_output=True, text=True)
+                            f"PYTHON={sys.executable}", f"ARCH={arch}", "run"], capture_output=True, text=True)
     assert build.returncode == 0, build.stdout + build.stderr
     assert "PASS" in build.stdout

@@ -5,6 +5,7 @@ Compiling needs nvcc; running the example needs a GPU (tests/test_gpu_dropin.py)
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,6 @@ def test_host_helpers_match_python(tmp_path):
 @needs_nvcc
 def test_cpp_example_builds(tmp_path):
     done = subprocess.run(["make", "-C", str(ROOT / "examples" / "cpp_launcher"), f"BUILD={tmp_path}",
-                           "ARCH=sm_80"], capture_output=True, text=True)
+                            f"PYTHON={sys.executable}", "ARCH=sm_80"], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "verify_example").exists()
