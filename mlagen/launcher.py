@@ -74,7 +74,8 @@ def render_launcher(plan: KernelPlan) -> str:
         fields=[_host_field(f) for f in FIELDS], params_size=PARAMS_SIZE, assign=_ASSIGN,
         grid=_grid(plan), combine_warps=COMBINE_WARPS,
         max_seqlen_q=MAX_SEQLEN_Q,
-        waves=dispatch.WAVES, min_tiles=dispatch.MIN_TILES_PER_SPLIT, max_splits=dispatch.MAX_SPLITS,
+        combine_tiles=repr(dispatch.COMBINE_TILES), split_tiles_per_row=repr(dispatch.SPLIT_TILES_PER_ROW),
+        max_splits=dispatch.MAX_SPLITS,
         default_smem=_DEFAULT_SMEM_LIMIT,
     )
 

@@ -26,7 +26,9 @@ PLANS = [
     validate(Problem(heads=8, dtype="fp16", page_size=1, mask="tree", lse=True),
              Variant(head_tile=4, q_tile=4, kv_split=3, warps=8, stages=1, arch="sm_120")),
 ]
-SHAPES = [(1, 1, 1, 132), (1, 9, 64, 132), (3, 33, 5, 188), (64, 4, 300, 78), (2, 64, 2048, 132)]
+# (batch, seqlen_q, max_pages, sm_count, blocks_per_sm)
+SHAPES = [(1, 1, 1, 132, 1), (1, 9, 64, 132, 2), (3, 33, 5, 188, 1), (64, 4, 300, 78, 3), (2, 64, 2048, 132, 1),
+          (1, 9, 1024, 132, 1)]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.variant.name)
@@ -61,9 +63,9 @@ def test_host_helpers_match_python(tmp_path):
     lines.append("int main() {")
     for p in PLANS:
         ns = f"mlagen::{namespace(p)}"
-        for B, S, pages, sms in SHAPES:
+        for B, S, pages, sms, occ in SHAPES:
             lines.append(
-                f"  {{ const int n = {ns}::default_num_splits({B}, {S}, {pages}, {sms});"
+                f"  {{ const int n = {ns}::default_num_splits({B}, {S}, {pages}, {sms}, {occ});"
                 f" const dim3 g = {ns}::grid({B}, {S}, n), c = {ns}::combine_grid({B}, {S});"
                 f' std::printf("%d %u %u %u %u %zu\\n", n, g.x, g.y, g.z, c.x,'
                 f" {ns}::workspace_bytes({B}, {S}, n)); }}")
@@ -73,11 +75,11 @@ def test_host_helpers_match_python(tmp_path):
     got = subprocess.run([str(tmp_path / "helpers")], capture_output=True, text=True, check=True).stdout.split("\n")
     k = 0
     for p in PLANS:
-        for B, S, pages, sms in SHAPES:
-            n = num_splits(p.variant, p.problem.heads, B, S, pages * p.problem.page_size, sms)
+        for B, S, pages, sms, occ in SHAPES:
+            n = num_splits(p.variant, p.problem.heads, B, S, pages * p.problem.page_size, sms, occ)
             ws = 0 if n == 1 else n * B * S * p.problem.heads * (p.problem.dl + 2) * 4
             want = [n, *p.grid(B, S, n), p.combine_grid(B, S)[0], ws]
-            assert [int(x) for x in got[k].split()] == want, (p.variant.name, B, S, pages, sms)
+            assert [int(x) for x in got[k].split()] == want, (p.variant.name, B, S, pages, sms, occ)
             k += 1
 
 

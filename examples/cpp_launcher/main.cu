@@ -168,7 +168,9 @@ int main() {
 
   std::vector<int> splits = {1};
   if (kernel::kUsesSplit) {
-    splits.push_back(kernel::default_num_splits(b.batch(), S, b.max_pages, sms));
+    int blocks_per_sm = 1;
+    CHECK_CUDA(kernel::occupancy(&blocks_per_sm));
+    splits.push_back(kernel::default_num_splits(b.batch(), S, b.max_pages, sms, blocks_per_sm));
     splits.push_back(3);
   }
   bool ok = true;
