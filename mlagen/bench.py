@@ -1,0 +1,212 @@
+"""`mlagen bench`: every family, torch eager, the floor and the peers, per benchmark row.
+
+Per row: each family's variant as the dispatcher would pick it within that family (tuned
+table, else the family default), the dispatcher's own choice, torch eager, the floor from the
+ceilings measured in the same run, and FlashMLA's figure where DESIGN.md has the row. A cell
+that raises shows its error; the run goes on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .dispatch import choose_variant, family_variant
+from .floor import floor_us
+from .grids import Row
+from .peers import peer
+from .precompile import code_identity, precompile
+from .runtime import device_info, device_name, verify_attention
+from .spec import FAMILIES, Problem, Variant
+from .stamp import stamp
+from .timing import TimingConfig, host_us_per_call, l2_bytes, measure, measure_ceilings
+from .workload import Workload, eager_call, make_workload, mlagen_call, problem_for
+
+EAGER, DISPATCH = "eager", "dispatch"
+DISPATCH_SLACK = 1.05      # the dispatched choice may be this much slower than the best
+
+
+@dataclass
+class Cell:
+    us: float | None = None     # median device µs per call; None: not run or failed
+    variant: str = ""           # the mlagen variant run ("" for torch eager)
+    error: str = ""             # why it has no time
+
+
+@dataclass
+class RowResult:
+    heads: int
+    batch: int
+    seqlen_q: int
+    prefix: int
+    grids: list[str]
+    floor_us: float
+    cells: dict[str, Cell]      # family names, "eager", "dispatch"
+    flashmla_us: float | None = None
+
+    @property
+    def row(self) -> Row:
+        return Row(self.heads, self.batch, self.seqlen_q, self.prefix)
+
+    def us(self, name: str) -> float | None:
+        cell = self.cells.get(name)
+        return cell.us if cell is not None else None
+
+    @property
+    def speedup(self) -> float | None:
+        """naive / flash."""
+        naive, flash = self.us("naive"), self.us("flash")
+        return naive / flash if naive and flash else None
+
+    @property
+    def best_us(self) -> float | None:
+        """The fastest mlagen variant timed for this row (every family and the dispatcher's)."""
+        times = [c.us for n, c in self.cells.items() if n != EAGER and c.us is not None]
+        return min(times) if times else None
+
+    @property
+    def dispatch_vs_best(self) -> float | None:
+        d, best = self.us(DISPATCH), self.best_us
+        return d / best if d and best else None
+
+    @property
+    def dispatch_ok(self) -> bool:
+        """At least as fast as naive and torch eager, and within 5% of the best variant."""
+        d = self.us(DISPATCH)
+        if d is None:
+            return False
+        slower = [other for other in (self.us("naive"), self.us(EAGER)) if other is not None and d > other]
+        return not slower and (self.dispatch_vs_best or math.inf) <= DISPATCH_SLACK
+
+
+@dataclass
+class BenchResult:
+    meta: dict                  # stamp, ceilings, options, host cost
+    families: list[str]         # family columns, in FAMILIES order
+    rows: list[RowResult] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BenchResult:
+        rows = [RowResult(**{**r, "cells": {k: Cell(**c) for k, c in r["cells"].items()}}) for r in data["rows"]]
+        return cls(meta=data["meta"], families=list(data["families"]), rows=rows)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    page_size: int = 64
+    mask: str = "causal"
+    dtype: str = "bf16"
+    timing: TimingConfig = TimingConfig()
+    host_calls: int = 2000
+
+
+def kv_capacity(row: Row, page_size: int) -> int:
+    """Keys the bench's block table addresses: N rounded up to whole pages."""
+    return -(-row.keys // page_size) * page_size
+
+
+def row_variants(problem: Problem, row: Row, page_size: int, arch: str, gpu: str) -> dict[str, Variant]:
+    """{family or "dispatch": variant} for a row; families with no valid variant left out."""
+    cap = kv_capacity(row, page_size)
+    chosen = {f: family_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu, f) for f in FAMILIES}
+    found = {f: v for f, v in chosen.items() if v is not None}
+    found[DISPATCH] = choose_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu)
+    return found
+
+
+def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, progress=None) -> BenchResult:
+    """Time every row on the current CUDA device. `progress`: an optional rich Progress."""
+    device = torch.cuda.current_device()
+    arch, _ = device_info(device)
+    gpu = device_name(device)
+    meta = stamp(device) | {"page_size": config.page_size, "mask": config.mask, "dtype": config.dtype}
+    ceilings = measure_ceilings(device)
+    meta |= {"copy_tbps": ceilings.copy_bytes_per_s / 1e12, "matmul_tflops": ceilings.matmul_flops_per_s / 1e12}
+    l2 = l2_bytes(device)
+
+    plans = []
+    for row, grids in rows:
+        problem = problem_for(row, config.page_size, config.mask, config.dtype)
+        plans.append((row, grids, problem, row_variants(problem, row, config.page_size, arch, gpu)))
+    families = [f for f in FAMILIES if any(f in vs for *_, vs in plans)]
+
+    jobs = [(p, v) for *_, p, vs in plans for v in vs.values()]
+    compile_task = progress.add_task("compiling", total=None) if progress else None
+
+    def compiled(total: int) -> None:
+        if progress:
+            progress.update(compile_task, total=total, advance=1)
+    errors = precompile(jobs, on_done=compiled)
+    row_task = progress.add_task("timing rows", total=len(plans)) if progress else None
+
+    result = BenchResult(meta=meta, families=families)
+    for row, grids, problem, variants in plans:
+        if progress:
+            progress.update(row_task, description=f"timing H={row.heads} B={row.batch} S={row.seqlen_q} "
+                                                  f"prefix={row.prefix}")
+        try:
+            work = make_workload(row, config.page_size, config.mask, config.dtype, l2)
+        except Exception as e:   # e.g. out of memory: every cell of the row fails, the run goes on
+            cells = {n: Cell(error=f"inputs: {type(e).__name__}: {e}"[:300]) for n in [*variants, EAGER]}
+        else:
+            cells = _time_row(work, problem, variants, errors, config.timing)
+            del work
+        p = peer(row.heads, row.batch, row.seqlen_q, row.prefix)
+        result.rows.append(RowResult(
+            heads=row.heads, batch=row.batch, seqlen_q=row.seqlen_q, prefix=row.prefix, grids=list(grids),
+            floor_us=floor_us(row.heads, row.batch, row.seqlen_q, row.keys, ceilings), cells=cells,
+            flashmla_us=p.flashmla_us if p and config.page_size == 64 and config.mask == "causal" else None))
+        torch.cuda.empty_cache()
+        if progress:
+            progress.advance(row_task)
+
+    if rows:
+        meta["host"] = _host_cost(rows[0][0], config)
+    return result
+
+
+def _time_row(work: Workload, problem: Problem, variants: dict[str, Variant],
+              compile_errors: dict[tuple[Problem, Variant], str], timing: TimingConfig) -> dict[str, Cell]:
+    """Cells of one row: each distinct variant timed once, then torch eager."""
+    cells: dict[str, Cell] = {}
+    by_variant: dict[Variant, Cell] = {}     # the dispatcher's pick is often a family's variant
+    for name, v in variants.items():
+        if v not in by_variant:
+            why = compile_errors.get(code_identity(problem, v), "")
+            by_variant[v] = _timed(lambda v=v: measure(mlagen_call(work, v), work.sets, timing).us, v.name, why)
+        cells[name] = by_variant[v]
+    cells[EAGER] = _timed(lambda: measure(eager_call(work), work.sets, timing).us, "", "")
+    return cells
+
+
+def _timed(run: Callable[[], float], variant: str, compile_error: str) -> Cell:
+    """A cell from `run()` (µs); a compile error or an exception becomes the cell's error."""
+    if compile_error:
+        return Cell(variant=variant, error=compile_error)
+    try:
+        return Cell(us=run(), variant=variant)
+    except Exception as e:
+        torch.cuda.empty_cache()
+        return Cell(variant=variant, error=f"{type(e).__name__}: {e}"[:300])
+
+
+def _host_cost(row: Row, config: BenchConfig) -> dict[str, object]:
+    """Host µs of one dispatched `verify_attention` call, with and without a given `out`."""
+    work = make_workload(row, config.page_size, config.mask, config.dtype, l2=0)   # two sets: enough
+    s = work.sets[0]
+    with_out = mlagen_call(work, None)
+    causal = config.mask == "causal"
+    return {
+        "row": str(row), "calls": config.host_calls,
+        "us_per_call_out_given": host_us_per_call(lambda: with_out(s), config.host_calls),
+        "us_per_call_allocating": host_us_per_call(
+            lambda: verify_attention(s.q, s.kv_cache, s.block_table, s.cache_seqlens, softmax_scale=work.scale,
+                                     causal=causal, tree_mask=s.tree_mask, check_values=False),
+            config.host_calls),
+    }

@@ -1,0 +1,196 @@
+"""`mlagen tune`: search the variant space per shape on this GPU and persist the winners.
+
+Per row (a shape) and mask kind: the heuristic's pick, then up to `max_candidates` structures
+(`mlagen.space`: every family, most promising first) are compiled in parallel processes and
+timed here with CUDA graph replay; then the fastest few are retimed with fixed splits. A
+candidate that fails to compile or run scores infinity. The best overall and the best of each
+family go into the table entry of the row's bucket (`mlagen.tables`), which dispatch reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import dispatch, tables
+from .dispatch import heuristic_variant, num_splits
+from .grids import Row
+from .precompile import code_identity, precompile
+from .runtime import device_info, device_name
+from .space import split_variants, structures
+from .spec import FAMILIES, Problem, Variant
+from .stamp import stamp
+from .timing import TimingConfig, l2_bytes, measure
+from .validate import SpecError
+from .workload import Workload, make_workload, mlagen_call, problem_for
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    page_size: int = 64
+    masks: tuple[str, ...] = ("causal",)
+    dtype: str = "bf16"
+    max_candidates: int = 24      # structures (adaptive split) timed per row and mask
+    split_top: int = 3            # the fastest structures whose fixed splits are also timed
+    workers: int | None = None    # compile processes; default: one per CPU
+    # Lighter than the bench's: a candidate only has to be ranked, not reported.
+    timing: TimingConfig = TimingConfig(target_ms=4.0, reps=5, max_calls=400, budget_ms=40.0)
+    give_up: float = 3.0          # a candidate whose first estimate is this many times the best so far is
+                                  # scored by that estimate, without a graph
+
+
+@dataclass
+class Trial:
+    variant: Variant
+    us: float = math.inf          # median device µs per call; inf: failed
+    error: str = ""
+
+
+@dataclass
+class RowTune:
+    row: Row
+    mask: str
+    key: str
+    trials: list[Trial] = field(default_factory=list)
+
+    @property
+    def best(self) -> Trial:
+        return min(self.trials, key=lambda t: t.us)
+
+    @property
+    def heuristic(self) -> Trial | None:
+        """The heuristic's trial (the first one timed), if the heuristic had a variant."""
+        return self.trials[0] if self.trials and self.trials[0].variant.family == "flash" else None
+
+    def entry(self) -> dict:
+        """The table entry: the best variant, and the best of each family that ran."""
+        families = {}
+        for f in FAMILIES:
+            ok = [t for t in self.trials if t.variant.family == f and math.isfinite(t.us)]
+            if ok:
+                t = min(ok, key=lambda t: t.us)
+                families[f] = {"variant": t.variant.name, "us": round(t.us, 3)}
+        best = self.best
+        return {"variant": best.variant.name, "us": round(best.us, 3), "families": families,
+                "row": [self.row.heads, self.row.batch, self.row.seqlen_q, self.row.prefix],
+                "candidates": len(self.trials), "failed": sum(not math.isfinite(t.us) for t in self.trials)}
+
+
+def candidates(problem: Problem, seqlen_q: int, arch: str, max_candidates: int) -> list[Variant]:
+    """The heuristic's pick first, then naive, then the other families' structures taking turns,
+    `max_candidates` at most (naive and the heuristic included)."""
+    found: list[Variant] = []
+    try:
+        found.append(heuristic_variant(problem, seqlen_q, arch))
+    except SpecError:
+        pass
+    found += structures(problem, seqlen_q, arch, "naive", limit=1)
+    others = [f for f in FAMILIES if f != "naive"]
+    share = max(1, max_candidates // max(1, len(others)))
+    lists = [structures(problem, seqlen_q, arch, f, limit=share) for f in others]
+    for i in range(max((len(x) for x in lists), default=0)):
+        found += [x[i] for x in lists if i < len(x)]
+    return list(dict.fromkeys(found))[:max_candidates]
+
+
+def _time(work: Workload, trial: Trial, timing: TimingConfig, give_up_us: float | None) -> None:
+    try:
+        trial.us = measure(mlagen_call(work, trial.variant), work.sets, timing, give_up_us).us
+    except Exception as e:       # a candidate that cannot run loses; the search goes on
+        trial.error = f"{type(e).__name__}: {e}"[:300]
+        torch.cuda.empty_cache()
+
+
+def tune_rows(rows: list[Row], config: TuneConfig, progress=None) -> list[RowTune]:
+    """Tune every (row, mask) on the current CUDA device. `progress`: an optional rich Progress."""
+    device = torch.cuda.current_device()
+    arch, sm_count = device_info(device)
+    l2 = l2_bytes(device)
+    plans = []
+    for row in rows:
+        for mask in config.masks:
+            problem = problem_for(row, config.page_size, mask, config.dtype)
+            plans.append((row, mask, problem, candidates(problem, row.seqlen_q, arch, config.max_candidates)))
+
+    compile_task = progress.add_task("compiling candidates", total=None) if progress else None
+
+    def compiled(total: int) -> None:
+        if progress:
+            progress.update(compile_task, total=total, advance=1)
+    errors = precompile([(p, v) for *_, p, cands in plans for v in cands], config.workers, compiled)
+
+    time_task = progress.add_task("timing candidates", total=sum(len(c) for *_, c in plans)) if progress else None
+
+    def advance(more: int = 0) -> None:
+        """One trial done; `more` trials added to the total."""
+        if progress:
+            progress.update(time_task, total=progress.tasks[time_task].total + more, advance=0 if more else 1)
+    results = []
+    for row, mask, _, cands in plans:
+        if progress:
+            progress.update(time_task, description=f"timing H={row.heads} B={row.batch} S={row.seqlen_q} "
+                                                   f"prefix={row.prefix} {mask}")
+        work = make_workload(row, config.page_size, mask, config.dtype, l2)
+        results.append(_tune_one(work, cands, errors, config, sm_count, advance))
+        del work
+        torch.cuda.empty_cache()
+    return results
+
+
+def _run_trials(work: Workload, result: RowTune, variants: list[Variant], errors: dict[tuple[Problem, Variant], str],
+                config: TuneConfig, advance: Callable[..., None]) -> None:
+    for v in variants:
+        trial = Trial(v, error=errors.get(code_identity(work.problem, v), ""))
+        if not trial.error:
+            best = min((t.us for t in result.trials), default=math.inf)
+            _time(work, trial, config.timing, best * config.give_up if math.isfinite(best) else None)
+        result.trials.append(trial)
+        advance()
+
+
+def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, Variant], str],
+              config: TuneConfig, sm_count: int, advance: Callable[..., None]) -> RowTune:
+    """Structures first, then fixed splits of the fastest few (same code: compiled already)."""
+    row = work.row
+    result = RowTune(row=row, mask=work.problem.mask,
+                     key=tables.bucket_key(work.problem, row.seqlen_q, row.batch, work.kv_capacity))
+    _run_trials(work, result, cands, errors, config, advance)
+    ranked = sorted((t for t in result.trials if t.variant.family != "naive" and math.isfinite(t.us)),
+                    key=lambda t: t.us)
+    splits = []
+    for t in ranked[: config.split_top]:
+        adaptive = num_splits(t.variant, row.heads, row.batch, row.seqlen_q, work.kv_capacity, sm_count)
+        splits += split_variants(t.variant, work.kv_capacity, skip=adaptive)
+    advance(len(splits))
+    _run_trials(work, result, splits, errors, config, advance)
+    return result
+
+
+def tune(rows: list[Row], config: TuneConfig, path: Path | None = None, write_default: bool = False,
+         progress=None) -> tuple[Path, list[RowTune]]:
+    """Tune `rows` and merge the winners into a table file: `path`, else the shipped default of
+    this GPU (`write_default`), else the user's table. Returns the path and the row results."""
+    device = torch.cuda.current_device()
+    arch, _ = device_info(device)
+    gpu = device_name(device)
+    if path is None:
+        path = tables.default_table_path(gpu) if write_default else tables.user_table_path(gpu, arch)
+    try:
+        table = tables.load_table(path)
+        if (table.gpu, table.arch) != (gpu, arch):
+            raise ValueError(f"{path} holds a table for {table.gpu} {table.arch}")
+    except (OSError, ValueError, KeyError):
+        table = tables.Table(gpu=gpu, arch=arch)         # none yet, or another GPU's: start anew
+    results = tune_rows(rows, config, progress)
+    for r in results:
+        if math.isfinite(r.best.us):
+            table.entries[r.key] = r.entry()
+    table.meta = stamp(device) | {"page_size": config.page_size, "dtype": config.dtype,
+                                  "max_candidates": config.max_candidates, "split_top": config.split_top}
+    tables.save_table(table, path)
+    dispatch.reset()
+    return path, results
