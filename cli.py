@@ -1,4 +1,4 @@
-"""The `mlagen` command line: emit, list, show, check."""
+"""The `mlagen` command line: emit, list, show, check, bench, tune."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rich.table import Table
 
 from mlagen.arch import ARCHS, CI_ARCHS
 from mlagen.presets import DEFAULT_EMIT_ARCHS, DEFAULT_PRESET, PRESETS, get_preset
-from mlagen.spec import parse_variant
+from mlagen.spec import DTYPES, MASKS, parse_variant
 from mlagen.validate import SpecError, validate
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -141,6 +141,112 @@ def check(
     if bad:
         _fail(f"{bad} kernels failed to compile or spill")
     console.print(f"{len(jobs)} variants compiled for {', '.join(archs)}: no spills")
+
+
+def _rows(grid: list[str] | None, row: list[str] | None, default: list[str]):
+    from mlagen.grids import select_rows
+
+    try:
+        rows = select_rows((grid or []) if grid or row else default, row or [])
+    except ValueError as e:
+        _fail(str(e))
+    return rows
+
+
+def _problem_options(page_size: int, masks: list[str], dtype: str) -> None:
+    if page_size < 1 or page_size & (page_size - 1):
+        _fail(f"--page-size: got {page_size}, expected a power of two")
+    for m in masks:
+        if m not in MASKS:
+            _fail(f"--mask: got {m!r}, expected one of {', '.join(MASKS)}")
+    if dtype not in DTYPES:
+        _fail(f"--dtype: got {dtype!r}, expected one of {', '.join(DTYPES)}")
+
+
+def _need_gpu(command: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        _fail(f"{command} times kernels and needs a CUDA GPU; none is visible here")
+
+
+@app.command()
+def bench(
+    grid: list[str] | None = typer.Option(None, help="seed and/or serving (repeatable); default seed"),
+    row: list[str] | None = typer.Option(None, help="a custom row H,B,S,prefix (repeatable)"),
+    page_size: int = typer.Option(64, help="KV rows per page"),
+    mask: str = typer.Option("causal", help="causal, tree or none"),
+    dtype: str = typer.Option("bf16", help="bf16 or fp16"),
+    target_ms: float = typer.Option(15.0, help="device time of one graph replay to aim for"),
+    out: Path = typer.Option(Path("benchmarks/latest"), help="folder for bench.json, bench.md, bench.png"),
+) -> None:
+    """Time every family, the dispatcher's pick and torch eager per row; compare with the floor."""
+    rows = _rows(grid, row, ["seed"])
+    _problem_options(page_size, [mask], dtype)
+    if target_ms <= 0:
+        _fail(f"--target-ms: got {target_ms}, expected > 0")
+    _need_gpu("bench")
+    from mlagen.bench import BenchConfig, run_bench
+    from mlagen.report import rich_table, write_all
+    from mlagen.timing import TimingConfig
+
+    config = BenchConfig(page_size=page_size, mask=mask, dtype=dtype, timing=TimingConfig(target_ms=target_ms))
+    with Progress(console=console, transient=True) as progress:
+        result = run_bench(rows, config, progress)
+    console.print(rich_table(result))
+    for path in write_all(result, out):
+        console.print(f"wrote {path}")
+
+
+@app.command()
+def tune(
+    grid: list[str] | None = typer.Option(None, help="seed and/or serving (repeatable); default both"),
+    row: list[str] | None = typer.Option(None, help="a custom row H,B,S,prefix (repeatable)"),
+    mask: list[str] | None = typer.Option(None, help="mask kinds to tune (repeatable); default causal"),
+    page_size: int = typer.Option(64, help="KV rows per page"),
+    dtype: str = typer.Option("bf16", help="bf16 or fp16"),
+    max_candidates: int = typer.Option(24, help="variant structures timed per row and mask"),
+    split_top: int = typer.Option(3, help="fastest structures whose fixed KV splits are also timed"),
+    workers: int | None = typer.Option(None, help="compile processes; default one per CPU"),
+    table: Path | None = typer.Option(None, help="table file to merge into; default the user's table"),
+    write_default: bool = typer.Option(False, "--write-default",
+                                       help="merge into the table shipped in the package (mlagen/tables/)"),
+) -> None:
+    """Search the variant space per shape on this GPU; save the winners where dispatch reads them."""
+    import math
+
+    rows = _rows(grid, row, ["seed", "serving"])
+    masks = mask or ["causal"]
+    _problem_options(page_size, masks, dtype)
+    if max_candidates < 1:
+        _fail(f"--max-candidates: got {max_candidates}, expected >= 1")
+    if split_top < 0:
+        _fail(f"--split-top: got {split_top}, expected >= 0")
+    if workers is not None and workers < 1:
+        _fail(f"--workers: got {workers}, expected >= 1")
+    if table is not None and write_default:
+        _fail("--table and --write-default: expected one of them, not both")
+    _need_gpu("tune")
+    from mlagen.tune import TuneConfig
+    from mlagen.tune import tune as run_tune
+
+    config = TuneConfig(page_size=page_size, masks=tuple(dict.fromkeys(masks)), dtype=dtype,
+                        max_candidates=max_candidates, split_top=split_top, workers=workers)
+    with Progress(console=console, transient=True) as progress:
+        path, results = run_tune([r for r, _ in rows], config, table, write_default, progress)
+    out = Table(title=f"mlagen tune: {len(results)} shapes")
+    for col in ("H", "B", "S", "prefix", "mask", "heuristic µs", "best µs", "gain", "best variant", "tried", "failed"):
+        out.add_column(col)
+    for r in results:
+        h, best = r.heuristic, r.best
+        gain = h.us / best.us if h and math.isfinite(h.us) and math.isfinite(best.us) else None
+        out.add_row(str(r.row.heads), str(r.row.batch), str(r.row.seqlen_q), str(r.row.prefix), r.mask,
+                    f"{h.us:.1f}" if h and math.isfinite(h.us) else "—",
+                    f"{best.us:.1f}" if math.isfinite(best.us) else "[red]none ran[/red]",
+                    f"{gain:.2f}×" if gain else "—", best.variant.name, str(len(r.trials)),
+                    str(sum(not math.isfinite(t.us) for t in r.trials)))
+    console.print(out)
+    console.print(f"wrote {path}")
 
 
 def main() -> None:
