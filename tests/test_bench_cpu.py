@@ -1,0 +1,197 @@
+"""The bench's arithmetic, grids, eager reference, reports and CLI errors, without a GPU."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_case
+from typer.testing import CliRunner
+
+from cli import app
+from mlagen.bench import DISPATCH, EAGER, BenchResult, Cell, RowResult
+from mlagen.eager import eager_attention, eager_visible
+from mlagen.floor import Ceilings, floor_bytes, floor_flops, floor_us
+from mlagen.grids import SEED, SERVING, Row, parse_row, select_rows
+from mlagen.peers import PEERS, peer
+from mlagen.precompile import precompile
+from mlagen.report import FILES, from_json, markdown, rich_table, to_json, write_all
+from mlagen.spec import Problem, Variant, naive
+from mlagen.timing import rotation_count
+from mlagen.workload import draft_tree
+
+ROOT = Path(__file__).resolve().parent.parent
+H200 = Ceilings(copy_bytes_per_s=4.25e12, matmul_flops_per_s=785e12)   # DESIGN.md's figures
+runner = CliRunner()
+
+
+def _design_md() -> Path | None:
+    for p in (ROOT / "shared" / "DESIGN.md", ROOT.parent / "shared" / "DESIGN.md"):
+        if p.exists():
+            return p
+    return None
+
+
+def test_floor_matches_design_table():
+    for p in PEERS:
+        f = floor_us(p.heads, p.batch, p.seqlen_q, p.prefix + p.seqlen_q, H200)
+        assert abs(f - p.floor_us) <= 0.05 + 0.005 * p.floor_us, (p.shape, f, p.floor_us)
+
+
+def test_floor_parts():
+    assert floor_bytes(64, 1, 9, 265) == (265 * 576 + 9 * 64 * 576 + 9 * 64 * 512) * 2
+    assert floor_flops(64, 1, 9, 265) == 2 * 9 * 64 * 265 * (576 + 512)
+    slow_mem = Ceilings(copy_bytes_per_s=1e9, matmul_flops_per_s=1e18)
+    assert floor_us(64, 1, 9, 265, slow_mem) == pytest.approx(floor_bytes(64, 1, 9, 265) / 1e9 * 1e6)
+
+
+def test_grids():
+    assert len(SEED) == 10 and {r.heads for r in SEED} == {64} and {r.batch for r in SEED} == {1}
+    assert {(r.seqlen_q, r.prefix) for r in SEED} == {(s, p) for s in (9, 33)
+                                                      for p in (256, 1024, 4096, 16384, 65536)}
+    assert [(r.heads, r.batch, r.seqlen_q, r.prefix) for r in SERVING] == [p.shape for p in PEERS]
+    assert max(r.batch for r in SERVING) == 128 and {r.heads for r in SERVING} == {8, 16, 64, 128}
+    assert peer(64, 1, 9, 65536).flashmla_us == 136.2 and peer(64, 1, 9, 7) is None
+
+
+def test_peers_match_design_md():
+    path = _design_md()
+    if path is None:
+        pytest.skip("DESIGN.md (shared/) is not in this checkout")
+    rows = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and all(re.fullmatch(r"\d+", c) for c in cells[:4]):
+            rows.append(cells)
+    assert len(rows) == len(PEERS)
+    for cells, p in zip(rows, PEERS, strict=True):
+        assert tuple(map(int, cells[:4])) == p.shape
+        assert (float(cells[4]), float(cells[5]), float(cells[7])) == (p.floor_us, p.torch_eager_us, p.flashmla_us)
+        sglang = cells[6].split("/")
+        assert (p.sglang_causal_us is None) == (cells[6] == "—")
+        if p.sglang_causal_us is not None:
+            assert (float(sglang[0]), float(sglang[1])) == (p.sglang_causal_us, p.sglang_tree_us)
+
+
+def test_select_rows_dedupes_and_keeps_membership():
+    rows = dict(select_rows(["seed", "serving", "seed"], ["64,1,9,256", "8,2,3,100"]))
+    assert len(rows) == 19 + 1
+    assert rows[Row(64, 1, 9, 256)] == ("seed", "serving", "custom")
+    assert rows[Row(8, 2, 3, 100)] == ("custom",)
+    assert rows[Row(64, 1, 9, 131072)] == ("serving",)
+
+
+@pytest.mark.parametrize("text", ["64,1,9", "a,b,c,d", "64,1,0,10", "64,1,65,10", "0,1,9,10"])
+def test_parse_row_errors(text):
+    with pytest.raises(ValueError, match="--row"):
+        parse_row(text)
+
+
+def test_rotation_count():
+    l2 = 60 << 20
+    assert rotation_count(1 << 30, l2) == 2
+    assert rotation_count(l2 // 4, l2) == 8
+    assert rotation_count(1, l2) == 256
+
+
+@pytest.mark.parametrize("mask", ["causal", "tree", "none"])
+def test_eager_matches_reference(mask):
+    case = make_case(batch=3, seqlen_q=5, heads=4, prefixes=[70] * 3, page_size=16, mask="none", seed=1,
+                     dtype=torch.float32, device="cpu", dl=256, dr=64)
+    tree = draft_tree(5) if mask == "tree" else None
+    case.causal, case.tree_mask = mask == "causal", tree
+    n = 75
+    out = eager_attention(case.q, case.kv_cache, case.block_table, n, eager_visible(n, 5, case.causal, tree),
+                          case.scale, head_dim_v=256)
+    ref, _ = case.reference(torch.float64)
+    assert torch.allclose(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_draft_tree_is_an_ancestor_mask():
+    t = draft_tree(7)
+    assert t.diagonal().all() and not t.triu(1).any()
+    assert t[6].nonzero().flatten().tolist() == [0, 2, 6]     # 6 -> 2 -> 0
+
+
+def test_precompile_reports_errors_without_raising():
+    good = (Problem(heads=8), naive(arch="sm_80"))
+    bad = (Problem(heads=8), Variant(family="naive", head_tile=2, arch="sm_80"))
+    calls = []
+    result = precompile([good, bad, good], workers=1, on_done=calls.append)
+    assert result[good] == "" and "SpecError" in result[bad] and len(calls) == 2
+
+
+def _synthetic() -> BenchResult:
+    def row(h, b, s, p, naive_us, flash_us, eager_us, dispatch_us, flashmla=None):
+        return RowResult(heads=h, batch=b, seqlen_q=s, prefix=p, grids=["seed"], floor_us=2.0,
+                         cells={"naive": Cell(naive_us, "naive_w4_sm90"),
+                                "flash": Cell(flash_us, "flash_ht8_qt8_bn32_w8_st2_spa_sm90"),
+                                EAGER: Cell(eager_us),
+                                DISPATCH: Cell(dispatch_us, "flash_ht8_qt8_bn32_w8_st2_spa_sm90")},
+                         flashmla_us=flashmla)
+    rows = [row(64, 1, 9, 256, 40.0, 10.0, 50.0, 10.0, 17.6), row(64, 1, 9, 4096, 400.0, 30.0, 130.0, 30.0, 33.6),
+            row(8, 16, 9, 1024, 20.0, 25.0, 60.0, 25.0)]
+    rows[1].cells["flash"] = Cell(variant="flash_x", error="CompileError: boom\nmore")
+    meta = {"gpu": "Test GPU", "arch": "sm_90", "sm_count": 132, "driver": "1", "torch": "t", "cupy": "c",
+            "nvrtc": "13.0", "date_utc": "2025-01-01 00:00:00 UTC", "page_size": 64, "mask": "causal",
+            "dtype": "bf16", "copy_tbps": 4.25, "matmul_tflops": 785.0,
+            "host": {"row": "64,1,9,256", "calls": 2000, "us_per_call_out_given": 12.0,
+                     "us_per_call_allocating": 15.0}}
+    return BenchResult(meta=meta, families=["naive", "flash"], rows=rows)
+
+
+def test_derived_columns():
+    r0, r1, r2 = _synthetic().rows
+    assert r0.speedup == 4.0 and r0.dispatch_vs_best == 1.0 and r0.dispatch_ok
+    assert r1.speedup is None and r1.dispatch_ok                 # flash failed; dispatch is still fastest
+    assert r2.dispatch_vs_best == 1.25 and not r2.dispatch_ok     # naive beats the dispatched pick
+
+
+def test_reports_are_written(tmp_path):
+    result = _synthetic()
+    paths = write_all(result, tmp_path / "out")
+    assert [p.name for p in paths] == list(FILES)
+    back = from_json(paths[0].read_text())
+    assert back == result
+    data = json.loads(paths[0].read_text())
+    assert data["rows"][0]["derived"]["x_floor"]["naive"] == 20.0
+    md = paths[1].read_text()
+    assert md.count("\n| ") == 1 + len(result.rows) and "Test GPU" in md and "failed" in md
+    assert "CompileError: boom" in md and "12.0 µs/call" in md
+    assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert rich_table(result).row_count == len(result.rows)
+    assert to_json(result) == to_json(back) and markdown(back) == md
+
+
+def test_empty_result_writes(tmp_path):
+    paths = write_all(BenchResult(meta={}, families=[]), tmp_path)
+    assert all(p.exists() for p in paths)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["bench", "--grid", "nope"], "--grid: got 'nope'"),
+    (["bench", "--row", "64,1,9"], "--row: got '64,1,9'"),
+    (["bench", "--mask", "diagonal"], "--mask: got 'diagonal'"),
+    (["bench", "--page-size", "48"], "--page-size: got 48"),
+    (["bench", "--dtype", "fp8"], "--dtype: got 'fp8'"),
+    (["bench", "--target-ms", "0"], "--target-ms: got 0"),
+    (["tune", "--max-candidates", "0"], "--max-candidates: got 0"),
+    (["tune", "--split-top", "-1"], "--split-top: got -1"),
+    (["tune", "--workers", "0"], "--workers: got 0"),
+    (["tune", "--table", "t.json", "--write-default"], "--table and --write-default"),
+    (["tune", "--mask", "causal", "--mask", "zigzag"], "--mask: got 'zigzag'"),
+])
+def test_cli_argument_errors(args, message):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU is visible")
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_cli_needs_a_gpu(command):
+    result = runner.invoke(app, [command, "--row", "8,1,2,64"])
+    assert result.exit_code == 2 and "needs a CUDA GPU" in result.output

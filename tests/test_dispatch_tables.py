@@ -1,0 +1,158 @@
+"""Bucket keys, tuned tables and the dispatcher, all without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlagen import dispatch, tables
+from mlagen.arch import CI_ARCHS
+from mlagen.bench import kv_capacity
+from mlagen.grids import select_rows
+from mlagen.presets import PRESETS
+from mlagen.space import split_variants, structures, tile_shapes
+from mlagen.spec import FAMILIES, Problem, Variant, naive, parse_variant
+from mlagen.tune import candidates
+from mlagen.validate import validate
+from mlagen.workload import problem_for
+
+GPU = "Test GPU 9000"   # no shipped table has this name
+
+
+@pytest.fixture(autouse=True)
+def user_tables(tmp_path, monkeypatch):
+    """Every test gets an empty user-table folder and fresh dispatch caches."""
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path / "tables"))
+    dispatch.reset()
+    yield tmp_path / "tables"
+    dispatch.reset()
+
+
+def _save(entries: dict, arch: str = "sm_90") -> None:
+    tables.save_table(tables.Table(gpu=GPU, arch=arch, entries=entries), tables.user_table_path(GPU, arch))
+    dispatch.reset()
+
+
+def test_log2_buckets():
+    assert [tables.log2_bucket(n) for n in (0, 1, 2, 3, 5, 6, 1024, 1088, 1500, 65600)] == [0, 0, 1, 2, 2, 3, 10, 10,
+                                                                                             11, 16]
+
+
+def test_bucket_key_names_every_field():
+    p = Problem(heads=16, page_size=16, mask="tree", dtype="fp16")
+    assert tables.bucket_key(p, 9, 64, 4160) == "h16_dl512_dr64_fp16_p16_tree_s9_b6_n12"
+    assert tables.bucket_key(p, 9, 64, 4160, mask="causal").endswith("_causal_s9_b6_n12")
+
+
+def test_grid_rows_have_distinct_buckets():
+    rows = select_rows(["seed", "serving"], [])
+    keys = {tables.bucket_key(problem_for(r, 64, "causal", "bf16"), r.seqlen_q, r.batch, kv_capacity(r, 64))
+            for r, _ in rows}
+    assert len(keys) == len(rows) == 19
+
+
+def test_table_round_trip(tmp_path):
+    t = tables.Table(gpu=GPU, arch="sm_120", entries={"k": {"variant": "naive_w4_sm120", "us": 1.5}},
+                     meta={"date_utc": "x"})
+    path = tmp_path / "t.json"
+    tables.save_table(t, path)
+    assert tables.load_table(path) == t
+
+
+@pytest.mark.parametrize("text", ["not json", '{"format": 99, "gpu": "g", "arch": "sm_90"}', "[1]"])
+def test_bad_table_is_refused_and_ignored_by_dispatch(tmp_path, text, user_tables):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError):
+        tables.load_table(path)
+    user_tables.mkdir(parents=True)
+    tables.user_table_path(GPU, "sm_90").write_text(text)
+    dispatch.reset()
+    p = Problem()
+    assert dispatch.choose_variant(p, 9, 1, 4160, "sm_90", GPU) == dispatch.heuristic_variant(p, 9, "sm_90")
+
+
+def test_gpu_slug_and_default_path():
+    assert tables.gpu_slug("NVIDIA H200") == "h200"
+    assert tables.gpu_slug("NVIDIA RTX PRO 6000 Blackwell") == "rtx-pro-6000-blackwell"
+    assert tables.default_table_path("NVIDIA H200") == tables.SHIPPED_DIR / "h200.json"
+
+
+def test_shipped_tables_load():
+    paths = sorted(tables.SHIPPED_DIR.glob("*.json"))
+    assert tables.SHIPPED_DIR / "h200.json" in paths
+    for path in paths:
+        t = tables.load_table(path)
+        for entry in t.entries.values():
+            parse_variant(entry["variant"])
+
+
+def test_without_table_dispatch_is_the_heuristic():
+    p = Problem(heads=64)
+    for s in (1, 9, 33, 64):
+        assert dispatch.choose_variant(p, s, 4, 8192, "sm_90", GPU) == dispatch.heuristic_variant(p, s, "sm_90")
+
+
+def test_dispatch_reads_the_table_then_neighbours_then_causal():
+    p = Problem(heads=64)
+    tuned = "flash_ht4_qt9_bn64_w8_st2_sp8_sm90"
+    _save({tables.bucket_key(p, 9, 1, 4160): {"variant": tuned, "us": 10.0,
+                                               "families": {"naive": {"variant": "naive_w8_sm90", "us": 99.0}}}})
+    assert dispatch.choose_variant(p, 9, 1, 4160, "sm_90", GPU).name == tuned
+    assert dispatch.choose_variant(p, 9, 1, 8256, "sm_90", GPU).name == tuned            # one KV step longer
+    assert dispatch.choose_variant(p.with_(mask="tree"), 9, 1, 4160, "sm_90", GPU).name == tuned
+    assert dispatch.choose_variant(p, 9, 1, 65600, "sm_90", GPU) == dispatch.heuristic_variant(p, 9, "sm_90")
+    assert dispatch.choose_variant(p, 9, 64, 4160, "sm_90", GPU) == dispatch.heuristic_variant(p, 9, "sm_90")
+    assert dispatch.choose_variant(p, 9, 1, 4160, "sm_90", "Other GPU") == dispatch.heuristic_variant(p, 9, "sm_90")
+    assert dispatch.family_variant(p, 9, 1, 4160, "sm_90", GPU, "naive").name == "naive_w8_sm90"
+    assert dispatch.family_variant(p, 9, 1, 4160, "sm_90", GPU, "flash") == dispatch.flash_heuristic(p, 9, "sm_90")
+
+
+@pytest.mark.parametrize("name", ["flash_ht3_qt9_bn32_w8_st2_spa_sm90",     # 3 does not divide 64
+                                  "flash_ht8_qt8_bn32_w8_st2_spa_sm120",    # another arch
+                                  "not a variant"])
+def test_a_table_entry_that_does_not_fit_is_passed_over(name):
+    p = Problem(heads=64)
+    _save({tables.bucket_key(p, 9, 1, 4160): {"variant": name, "us": 1.0}})
+    assert dispatch.choose_variant(p, 9, 1, 4160, "sm_90", GPU) == dispatch.heuristic_variant(p, 9, "sm_90")
+
+
+@pytest.mark.parametrize("arch", CI_ARCHS)
+def test_dispatched_variant_always_validates(arch):
+    for preset in PRESETS.values():
+        for mask in ("causal", "tree"):
+            p = preset.problem.with_(mask=mask)
+            for s in range(1, 65):
+                for b in (1, 3, 8, 32, 128):
+                    for cap in (64, 4160, 65600):
+                        validate(p, dispatch.choose_variant(p, s, b, cap, arch, GPU))
+
+
+def test_num_splits_bounds():
+    v = Variant(family="flash", head_tile=8, q_tile=9, arch="sm_90")
+    assert dispatch.num_splits(v, 64, 1, 9, 64, 132) == 1                 # too short to split
+    assert 1 < dispatch.num_splits(v, 64, 1, 9, 65600, 132) <= dispatch.MAX_SPLITS
+    assert dispatch.num_splits(v.with_(kv_split=5), 64, 1, 9, 64, 132) == 5
+    assert dispatch.num_splits(naive(), 64, 1, 9, 65600, 132) == 1
+
+
+def test_space_candidates_validate_and_are_bounded():
+    p = Problem(heads=64)
+    for fam in FAMILIES:
+        for v in structures(p, 33, "sm_90", fam, limit=12):
+            validate(p, v)
+    cands = candidates(p, 9, "sm_90", 10)
+    assert len(cands) <= 10 and len(set(cands)) == len(cands)
+    assert cands[0] == dispatch.heuristic_variant(p, 9, "sm_90")
+    assert any(v.family == "naive" for v in cands)
+
+
+def test_tile_shapes_prefer_fewer_kv_passes():
+    shapes = tile_shapes(64, 9)
+    passes = [-(-9 // q) * (64 // h) for h, q in shapes]
+    assert passes == sorted(passes) and all(h * q <= 128 for h, q in shapes)
+
+
+def test_split_variants():
+    v = Variant(family="flash", head_tile=8, q_tile=9, block_n=32, arch="sm_90")
+    splits = [w.kv_split for w in split_variants(v, 256, skip=2)]
+    assert splits == [1, 4, 8]           # at most 256/32 = 8 tiles; the adaptive one skipped

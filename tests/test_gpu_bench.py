@@ -1,0 +1,53 @@
+"""GPU: a tiny bench row and a tiny tune run end to end; the host cost of a call."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mlagen import dispatch, tables
+from mlagen.bench import DISPATCH, EAGER, BenchConfig, run_bench
+from mlagen.grids import Row
+from mlagen.report import write_all
+from mlagen.timing import TimingConfig
+from mlagen.tune import TuneConfig, tune
+
+pytestmark = pytest.mark.gpu
+
+QUICK = TimingConfig(target_ms=1.0, reps=3, max_calls=50, budget_ms=10.0)
+
+
+@pytest.fixture
+def user_tables(tmp_path, monkeypatch):
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path / "tables"))
+    dispatch.reset()
+    yield
+    dispatch.reset()
+
+
+def test_tiny_bench_row(tmp_path, user_tables):
+    result = run_bench([(Row(8, 2, 3, 100), ("custom",))], BenchConfig(timing=QUICK, host_calls=200))
+    (row,) = result.rows
+    for name in ("naive", "flash", EAGER, DISPATCH):
+        cell = row.cells[name]
+        assert cell.us is not None and math.isfinite(cell.us) and cell.us > 0, (name, cell)
+    assert row.floor_us > 0 and result.meta["copy_tbps"] > 0 and result.meta["matmul_tflops"] > 0
+    assert result.meta["host"]["us_per_call_out_given"] > 0
+    assert all(p.exists() for p in write_all(result, tmp_path / "bench"))
+
+
+def test_tiny_tune_writes_a_table_dispatch_uses(tmp_path, user_tables):
+    row = Row(8, 1, 2, 64)
+    path, (result,) = tune([row], TuneConfig(max_candidates=3, split_top=1, workers=2, timing=QUICK))
+    assert path.exists() and math.isfinite(result.best.us)
+    entry = tables.load_table(path).entries[result.key]
+    assert entry["variant"] == result.best.variant.name
+    bench = run_bench([(row, ("custom",))], BenchConfig(timing=QUICK, host_calls=100))
+    assert bench.rows[0].cells[DISPATCH].variant == result.best.variant.name
+
+
+def test_host_cost_under_target(user_tables):
+    result = run_bench([(Row(64, 1, 9, 256), ("seed",))], BenchConfig(timing=QUICK, host_calls=2000))
+    host = result.meta["host"]
+    assert host["us_per_call_out_given"] < 20, host
