@@ -10,19 +10,29 @@ class Arch:
     name: str             # "sm_90"
     capability: int       # 90
     smem_per_block: int   # largest dynamic shared memory a block may opt into, bytes
+    smem_per_sm: int      # shared memory of one SM, bytes
+    threads_per_sm: int
     regs_per_sm: int = 65536
     mma: bool = True      # mma.sync m16n8k16 with bf16/fp16 inputs
+
+    def blocks_per_sm(self, threads: int, smem: int, registers: int) -> int:
+        """Blocks of a kernel that fit on one SM at once (1 KB of shared memory per block is
+        reserved by the hardware)."""
+        by_smem = self.smem_per_sm // (smem + 1024)
+        by_threads = self.threads_per_sm // threads
+        by_regs = self.regs_per_sm // max(1, registers * threads)
+        return max(1, min(by_smem, by_threads, by_regs))
 
 
 ARCHS: dict[str, Arch] = {
     a.name: a
     for a in (
-        Arch("sm_80", 80, 163 * 1024),
-        Arch("sm_86", 86, 99 * 1024),
-        Arch("sm_89", 89, 99 * 1024),
-        Arch("sm_90", 90, 227 * 1024),
-        Arch("sm_90a", 90, 227 * 1024),
-        Arch("sm_120", 120, 99 * 1024),
+        Arch("sm_80", 80, 163 * 1024, 164 * 1024, 2048),
+        Arch("sm_86", 86, 99 * 1024, 100 * 1024, 1536),
+        Arch("sm_89", 89, 99 * 1024, 100 * 1024, 1536),
+        Arch("sm_90", 90, 227 * 1024, 228 * 1024, 2048),
+        Arch("sm_90a", 90, 227 * 1024, 228 * 1024, 2048),
+        Arch("sm_120", 120, 99 * 1024, 100 * 1024, 1536),
     )
 }
 

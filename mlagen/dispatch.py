@@ -7,10 +7,11 @@
    changes only which scores are dropped, not the tiling that wins); else the bucket one KV
    length step (a factor of two) shorter or longer. An entry whose variant does not validate
    for this problem (another problem's tables, a family that changed) is passed over.
-2. The heuristic: the flash family; put as many query rows (positions x heads) in a block as its
-   thread mapping holds, so each KV tile is loaded for as many rows as possible; then split the
-   key range until the grid fills the GPU about twice, but keep every split at least a few KV
-   tiles long (short splits cost more in the combine than they save).
+2. The heuristic: the tensor-core (mma) family wherever one of its variants fits the arch, else
+   the scalar flash family; put as many query rows (positions x heads) in a block as the
+   family's register budget holds, so each KV tile is loaded for as many rows as possible
+   (`mma_plan.heuristic_mma`, `flash_heuristic`); then split the key range by a small cost
+   model of waves, tiles per block and the combine (`num_splits`).
 Answers are memoized per shape: a call costs one cache lookup, no file I/O.
 """
 
@@ -19,13 +20,16 @@ from __future__ import annotations
 import functools
 
 from . import tables
-from .space import structures
+from .mma_plan import heuristic_mma
 from .spec import Problem, Variant, naive, parse_variant
 from .validate import SpecError, validate
 
 MAX_FLASH_ROWS = 64        # 8 warps x 8 rows: the scalar kernel's accumulator budget
-WAVES = 2                  # blocks per SM the split aims for
-MIN_TILES_PER_SPLIT = 4    # shortest split, in KV tiles
+# The split-count model's costs, in KV-tile times of one block (~4 us on an H200 for the mma
+# family): the combine launch, and per query row and split the partial's 4 KB written and
+# read back (~3 TB/s).
+COMBINE_TILES = 0.75
+SPLIT_TILES_PER_ROW = 3.4e-4
 MAX_SPLITS = 128
 
 
@@ -35,6 +39,13 @@ def _divisors(n: int) -> list[int]:
 
 @functools.lru_cache(maxsize=4096)
 def heuristic_variant(problem: Problem, seqlen_q: int, arch: str) -> Variant:
+    """The heuristic's pick: the tensor-core family where a variant fits (mma_plan.heuristic_mma
+    says how it tiles), else the scalar flash family."""
+    return heuristic_mma(problem, seqlen_q, arch) or flash_heuristic(problem, seqlen_q, arch)
+
+
+@functools.lru_cache(maxsize=4096)
+def flash_heuristic(problem: Problem, seqlen_q: int, arch: str) -> Variant:
     """The flash variant for `problem` at S=seqlen_q on `arch`: the largest row tile that fits."""
     q_tiles = -(-seqlen_q // 8)
     q_tile = -(-seqlen_q // q_tiles)            # balanced tiles of at most 8 positions
@@ -107,13 +118,12 @@ def family_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int
         return tuned
     if family == "naive":
         return naive(arch=arch)
-    if family == "flash":
-        try:
-            return heuristic_variant(problem, seqlen_q, arch)
-        except SpecError:
-            return None
-    found = structures(problem, seqlen_q, arch, family, limit=1)
-    return found[0] if found else None
+    if family == "mma":
+        return heuristic_mma(problem, seqlen_q, arch)
+    try:
+        return flash_heuristic(problem, seqlen_q, arch)
+    except SpecError:
+        return None
 
 
 def reset() -> None:
@@ -122,15 +132,30 @@ def reset() -> None:
     choose_variant.cache_clear()
 
 
+@functools.lru_cache(maxsize=8192)
 def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capacity: int,
-               sm_count: int) -> int:
-    """Splits of the key range for one launch; `kv_capacity` bounds every request's length."""
+               sm_count: int, blocks_per_sm: int = 1) -> int:
+    """Splits of the key range for one launch; `kv_capacity` bounds every request's length.
+
+    Time is modelled in KV tiles per block: the waves the grid needs (sm_count * blocks_per_sm
+    blocks run at once) times the tiles each block streams, plus the combine when there is more
+    than one split (a launch, about a tile, and partials that grow with the split count). A
+    ragged last wave is paid in full, so e.g. 9 row blocks on 132 SMs take 29 splits (261
+    blocks, two full waves) rather than 30 (270 blocks, three waves). Measured by `mlagen bench`;
+    a tuned table's fixed split overrides it.
+    """
     if variant.family == "naive":
         return 1
     if variant.kv_split != "adaptive":
         return int(variant.kv_split)
     blocks = batch * -(-seqlen_q // variant.q_tile) * (heads // variant.head_tile)
-    want = -(-WAVES * sm_count // max(blocks, 1))
-    tiles = -(-kv_capacity // variant.block_n)
-    most = max(1, tiles // MIN_TILES_PER_SPLIT)
-    return max(1, min(want, most, MAX_SPLITS))
+    per_wave = max(1, sm_count * blocks_per_sm)
+    tiles = max(1, -(-kv_capacity // variant.block_n))
+    best, best_cost = 1, float("inf")
+    for splits in range(1, min(MAX_SPLITS, tiles) + 1):
+        waves = -(-blocks * splits // per_wave)
+        partials = SPLIT_TILES_PER_ROW * batch * seqlen_q * heads * splits
+        cost = waves * -(-tiles // splits) + (COMBINE_TILES + partials if splits > 1 else 0)
+        if cost < best_cost - 1e-9:
+            best, best_cost = splits, cost
+    return best

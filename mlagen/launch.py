@@ -24,6 +24,7 @@ class Loaded:
     main: object            # cupy Function of the main kernel
     combine: object | None  # cupy Function of the combine kernel (split families)
     module: object          # keeps the CUmodule alive
+    blocks_per_sm: int      # occupancy of the main kernel (what the split count plans waves with)
 
 
 _loaded: dict[tuple[Problem, Variant, int], Loaded] = {}
@@ -59,7 +60,9 @@ def load(problem: Problem, variant: Variant, device_index: int) -> Loaded:
                                         driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         plan.smem_bytes)
             combine = module.get_function(plan.combine_kernel) if plan.uses_split else None
-        loaded = Loaded(plan=plan, main=main, combine=combine, module=module)
+        regs = built.module.resources[plan.main_kernel].registers
+        occupancy = plan.arch.blocks_per_sm(plan.threads, plan.smem_bytes, regs)
+        loaded = Loaded(plan=plan, main=main, combine=combine, module=module, blocks_per_sm=occupancy)
         _loaded[key] = loaded
         return loaded
 

@@ -44,7 +44,8 @@ def _launch_plan(problem: Problem, variant: Variant, device: int, batch: int, se
     """(loaded kernels, splits, main grid, combine grid) of a shape: memoized, since every
     call of a serving step repeats the same shapes and each piece costs host time."""
     loaded = load(problem, variant, device)
-    splits = num_splits(variant, problem.heads, batch, seqlen_q, kv_capacity, sm_count)
+    splits = num_splits(variant, problem.heads, batch, seqlen_q, kv_capacity, sm_count,
+                        loaded.blocks_per_sm)
     return (loaded, splits, loaded.plan.grid(batch, seqlen_q, splits),
             loaded.plan.combine_grid(batch, seqlen_q))
 

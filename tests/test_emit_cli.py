@@ -41,7 +41,7 @@ def test_emit_default_writes_sm90_and_sm120_with_manifests(tmp_path):
             assert meta["params"]["size"] == PARAMS_SIZE
             assert [x["name"] for x in meta["params"]["fields"]] == [x.name for x in FIELDS]
             for k in meta["kernels"]:
-                assert re.search(rf'__global__ void __launch_bounds__\({k["block"][0]}\)\s*{k["name"]}\(',
+                assert re.search(rf'__global__ void __launch_bounds__\({k["block"][0]}(, 1)?\)\s*{k["name"]}\(',
                                  f.read_text())
     again = runner.invoke(app, ["emit", "--out", str(tmp_path)])
     assert "0 changed" in again.output
