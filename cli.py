@@ -41,6 +41,7 @@ def emit(
         None, help="variant name(s) to emit instead of the preset's "
         "(e.g. flash_ht8_qt8_bn32_w8_st2_spa_sm90)"),
     out: Path = typer.Option(Path("generated"), help="output folder"),
+    launcher: bool = typer.Option(False, help="also write a C++ host launcher header per kernel"),
 ) -> None:
     """Write standalone .cu files plus JSON manifests into OUT/<preset>/<arch>/."""
     from mlagen.emit import emit_one, emit_preset
@@ -49,14 +50,16 @@ def emit(
         p = get_preset(preset)
         if variant:
             vs = [parse_variant(name) for name in variant]
-            written = [emit_one(p.problem, v, out / p.name / v.arch) for v in vs]
+            written = [emit_one(p.problem, v, out / p.name / v.arch, launcher) for v in vs]
         else:
-            written = emit_preset(p, _archs(arch, DEFAULT_EMIT_ARCHS), out)
+            written = emit_preset(p, _archs(arch, DEFAULT_EMIT_ARCHS), out, launcher)
     except (ValueError, SpecError) as e:
         _fail(str(e))
     changed = sum(e.changed for e in written)
     for e in written:
         console.print(f"{'wrote' if e.changed else 'same '} {e.source}")
+        if e.launcher:
+            console.print(f"      {e.launcher}")
     console.print(f"{len(written)} kernels files for preset {preset}, {changed} changed")
 
 

@@ -25,6 +25,7 @@ class Emitted:
     source: Path
     manifest: Path
     changed: bool
+    launcher: Path | None = None
 
 
 def manifest(plan: KernelPlan) -> dict:
@@ -75,16 +76,22 @@ def _write_if_changed(path: Path, text: str) -> bool:
     return True
 
 
-def emit_one(problem: Problem, variant: Variant, folder: Path) -> Emitted:
+def emit_one(problem: Problem, variant: Variant, folder: Path, launcher: bool = False) -> Emitted:
+    """`folder`/<name>.cu and <name>.json, plus the C++ launcher header <name>_launch.h if asked."""
     plan = validate(problem, variant)
     source = folder / f"{plan.name}.cu"
     meta = folder / f"{plan.name}.json"
     changed = _write_if_changed(source, render(plan))
     changed |= _write_if_changed(meta, json.dumps(manifest(plan), indent=2) + "\n")
-    return Emitted(source=source, manifest=meta, changed=changed)
+    header = None
+    if launcher:
+        from .launcher import emit_launcher  # launcher builds on this module's helpers
+
+        header = emit_launcher(plan, folder)
+    return Emitted(source=source, manifest=meta, changed=changed, launcher=header)
 
 
-def emit_preset(preset: Preset, archs: tuple[str, ...], out: Path) -> list[Emitted]:
+def emit_preset(preset: Preset, archs: tuple[str, ...], out: Path, launcher: bool = False) -> list[Emitted]:
     """Every variant of `preset` for each arch into out/<preset>/<arch>/."""
-    return [emit_one(preset.problem, v, out / preset.name / arch)
+    return [emit_one(preset.problem, v, out / preset.name / arch, launcher)
             for arch in archs for v in preset.variants(arch)]

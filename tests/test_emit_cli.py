@@ -55,6 +55,14 @@ def test_emitted_file_compiles_alone(tmp_path):
         assert {k["name"] for k in meta["kernels"]} == set(module.resources)
 
 
+def test_emit_with_launcher_headers(tmp_path):
+    result = runner.invoke(app, ["emit", "--arch", "sm_90", "--launcher", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    for source in (tmp_path / "kimi-k2" / "sm_90").glob("*.cu"):
+        header = source.with_name(source.stem + "_launch.h")
+        assert header.exists() and "cudaStream_t" in header.read_text()
+
+
 def test_emit_named_variant_and_errors(tmp_path):
     ok = runner.invoke(app, ["emit", "--variant", "flash_ht4_qt4_bn32_w4_st2_spa_sm80", "--out", str(tmp_path)])
     assert ok.exit_code == 0, ok.output
