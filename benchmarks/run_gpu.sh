@@ -14,7 +14,7 @@ steps=${*:-tests sanitize bench}
 for step in $steps; do
   case $step in
     tests)
-      timeout 420 python3 -m pytest -q -m gpu tests/test_gpu_verify.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+      timeout 420 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" ;;
     sanitize)
       for tool in memcheck racecheck; do
         timeout 240 compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize.py 2>&1 \
