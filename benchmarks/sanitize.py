@@ -30,7 +30,7 @@ def main() -> None:
     variants = [naive(arch=arch), None,
                 Variant(family="flash", head_tile=8, q_tile=3, block_n=64, warps=4, stages=2, kv_split=3, arch=arch),
                 Variant(family="mma", head_tile=8, q_tile=4, block_n=64, warps=4, stages=2, kv_split=3, arch=arch),
-                Variant(family="mma", head_tile=8, q_tile=1, block_n=32, warps=4, stages=1, kv_split=1, arch=arch)]
+                Variant(family="mma", head_tile=8, q_tile=1, block_n=64, warps=4, stages=1, kv_split=1, arch=arch)]
     for i, shape in enumerate(CASES):
         case = make_case(seed=i, **shape)
         for v in variants:

@@ -67,10 +67,17 @@ def load(problem: Problem, variant: Variant, device_index: int) -> Loaded:
         return loaded
 
 
-def launch(func: object, grid: tuple[int, int, int], threads: int, smem: int, stream: int,
-           params: bytes) -> None:
-    """cuLaunchKernel(func, grid, (threads,), smem, stream, {&params})."""
+def launch(loaded: Loaded, grid: tuple[int, int, int], combine_grid: tuple[int, int, int] | None,
+           stream: int, params: bytes) -> None:
+    """cuLaunchKernel of the main kernel, then (combine_grid given) of the combine kernel, on
+    `stream`, both with the one parameter block `params` (the driver copies it at launch)."""
     buf = ctypes.create_string_buffer(params, len(params))
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
-    _driver().launchKernel(func.ptr, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream,
-                           ctypes.addressof(argv), 0)
+    argp = ctypes.addressof(argv)
+    plan = loaded.plan
+    launch_kernel = _driver().launchKernel
+    launch_kernel(loaded.main.ptr, grid[0], grid[1], grid[2], plan.threads, 1, 1, plan.smem_bytes,
+                  stream, argp, 0)
+    if combine_grid is not None:
+        launch_kernel(loaded.combine.ptr, combine_grid[0], combine_grid[1], combine_grid[2],
+                      plan.combine_threads, 1, 1, 0, stream, argp, 0)

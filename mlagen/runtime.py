@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -37,17 +38,38 @@ def device_name(index: int) -> str:
     return torch.cuda.get_device_properties(index).name
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """Everything about a call that its shape decides, computed once per shape."""
+
+    loaded: Loaded
+    splits: int
+    grid: tuple[int, int, int]
+    combine_grid: tuple[int, int, int] | None     # None: one split, no combine launch
+    workspace_rows: int                           # splits * B * S * H when split, else 0
+
+
 @functools.lru_cache(maxsize=4096)
-def _launch_plan(problem: Problem, variant: Variant, device: int, batch: int, seqlen_q: int,
-                 kv_capacity: int, sm_count: int) -> tuple[Loaded, int, tuple[int, int, int],
-                                                           tuple[int, int, int]]:
-    """(loaded kernels, splits, main grid, combine grid) of a shape: memoized, since every
-    call of a serving step repeats the same shapes and each piece costs host time."""
+def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str, lse: bool,
+             batch: int, seqlen_q: int, max_pages: int, device: int,
+             variant: Variant | None) -> _Prepared:
+    """Problem, variant (given or dispatched), loaded kernels, split and grids of a shape:
+    memoized on plain values, since a serving step repeats the same shapes and each piece
+    costs host time."""
+    problem = Problem(heads=heads, dl=dl, dr=dr, dtype=dtype, page_size=page_size, mask=mask, lse=lse)
+    device_arch, sm_count = device_info(device)
+    kv_capacity = max_pages * page_size
+    if variant is None:
+        variant = choose_variant(problem, seqlen_q, batch, kv_capacity, device_arch, device_name(device))
+    elif not _runs_on(variant.arch, device_arch):
+        raise inputs.InputError(f"variant.arch: got {variant.arch!r}, expected a target that runs "
+                                f"on this {device_arch} device (e.g. {device_arch!r})")
     loaded = load(problem, variant, device)
-    splits = num_splits(variant, problem.heads, batch, seqlen_q, kv_capacity, sm_count,
-                        loaded.blocks_per_sm)
-    return (loaded, splits, loaded.plan.grid(batch, seqlen_q, splits),
-            loaded.plan.combine_grid(batch, seqlen_q))
+    splits = num_splits(variant, heads, batch, seqlen_q, kv_capacity, sm_count, loaded.blocks_per_sm)
+    split = splits > 1
+    return _Prepared(loaded=loaded, splits=splits, grid=loaded.plan.grid(batch, seqlen_q, splits),
+                     combine_grid=loaded.plan.combine_grid(batch, seqlen_q) if split else None,
+                     workspace_rows=splits * batch * seqlen_q * heads if split else 0)
 
 
 def _runs_on(arch: str, device_arch: str) -> bool:
@@ -105,16 +127,9 @@ def verify_attention(
         inputs.check_values(shapes, block_table, cache_seqlens)
     B, S, H = shapes.batch, shapes.seqlen_q, shapes.heads
     mask = "tree" if tree_mask is not None else ("causal" if causal else "none")
-    problem = Problem(heads=H, dl=shapes.dl, dr=shapes.head_dim - shapes.dl, dtype=shapes.dtype,
-                      page_size=shapes.page_size, mask=mask, lse=return_lse)
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    device_arch, sm_count = device_info(device)
-    kv_capacity = shapes.max_pages * shapes.page_size
-    if variant is None:
-        variant = choose_variant(problem, S, B, kv_capacity, device_arch, device_name(device))
-    elif not _runs_on(variant.arch, device_arch):
-        raise inputs.InputError(f"variant.arch: got {variant.arch!r}, expected a target that runs "
-                                f"on this {device_arch} device (e.g. {device_arch!r})")
+    prep = _prepare(H, shapes.dl, shapes.head_dim - shapes.dl, shapes.dtype, shapes.page_size, mask,
+                    return_lse, B, S, shapes.max_pages, device, variant)
 
     if out is None:
         out = torch.empty(B, S, H, shapes.dl, dtype=q.dtype, device=q.device)
@@ -124,17 +139,13 @@ def verify_attention(
     if B == 0:
         return (out, lse) if return_lse else out
 
-    loaded, splits, grid, combine_grid = _launch_plan(problem, variant, device, B, S, kv_capacity,
-                                                      sm_count)
-    plan = loaded.plan
     part_o = part_ml = 0
-    if splits > 1:
+    if prep.workspace_rows:
         # One allocation holds part_o [splits, B, S, H, Dl] then part_ml [splits, B, S, H, 2]
         # (fp32; part_o's size is a multiple of 8 bytes, so part_ml stays float2-aligned).
-        rows = splits * B * S * H
-        workspace = torch.empty(rows * (shapes.dl + 2), dtype=torch.float32, device=q.device)
+        workspace = torch.empty(prep.workspace_rows * (shapes.dl + 2), dtype=torch.float32, device=q.device)
         part_o = workspace.data_ptr()
-        part_ml = part_o + rows * shapes.dl * 4
+        part_ml = part_o + prep.workspace_rows * shapes.dl * 4
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shapes.head_dim)
     kv, tm = shapes.kv, shapes.tree_mask
     params = pack({
@@ -149,12 +160,13 @@ def verify_attention(
         "mask_stride_q": tm.stride(-2) if tm is not None else 0,
         "out_stride_b": out.stride(0), "out_stride_s": out.stride(1), "out_stride_h": out.stride(2),
         "batch": B, "seqlen_q": S, "max_pages": shapes.max_pages, "num_pages": shapes.num_pages,
-        "num_splits": splits, "scale_log2": scale * LOG2E,
+        "num_splits": prep.splits, "scale_log2": scale * LOG2E,
     })
-    with torch.cuda.device(device):
-        # The raw handle of torch's current stream, without building a torch.cuda.Stream object.
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        launch(loaded.main, grid, plan.threads, plan.smem_bytes, stream, params)
-        if splits > 1:
-            launch(loaded.combine, combine_grid, plan.combine_threads, 0, stream, params)
+    # The raw handle of torch's current stream, without building a torch.cuda.Stream object.
+    if torch.cuda.current_device() == device:
+        launch(prep.loaded, prep.grid, prep.combine_grid, torch._C._cuda_getCurrentRawStream(device), params)
+    else:   # kernels load into, and launch in, the context of q's device
+        with torch.cuda.device(device):
+            launch(prep.loaded, prep.grid, prep.combine_grid, torch._C._cuda_getCurrentRawStream(device),
+                   params)
     return (out, lse) if return_lse else out
