@@ -68,7 +68,9 @@ def manifest(plan: KernelPlan) -> dict:
     }
 
 
-def _write_if_changed(path: Path, text: str) -> bool:
+def write_if_changed(path: Path, text: str) -> bool:
+    """Write `text` to `path` (creating its folder) unless the file already holds it; returns
+    whether it wrote. Keeps emitted files' timestamps stable for build systems."""
     if path.exists() and path.read_text() == text:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,8 +83,8 @@ def emit_one(problem: Problem, variant: Variant, folder: Path, launcher: bool = 
     plan = validate(problem, variant)
     source = folder / f"{plan.name}.cu"
     meta = folder / f"{plan.name}.json"
-    changed = _write_if_changed(source, render(plan))
-    changed |= _write_if_changed(meta, json.dumps(manifest(plan), indent=2) + "\n")
+    changed = write_if_changed(source, render(plan))
+    changed |= write_if_changed(meta, json.dumps(manifest(plan), indent=2) + "\n")
     header = None
     if launcher:
         from .launcher import emit_launcher  # launcher builds on this module's helpers

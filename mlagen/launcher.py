@@ -15,11 +15,12 @@ The launch geometry and split heuristic are rendered from the plan and `mlagen.d
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from . import __version__, dispatch
 from .codegen import _environment
-from .emit import _write_if_changed
+from .emit import write_if_changed
 from .launch import _DEFAULT_SMEM_LIMIT
 from .params import FIELDS, PARAMS_SIZE, Field
 from .validate import COMBINE_WARPS, MAX_SEQLEN_Q, KernelPlan
@@ -56,12 +57,21 @@ def _host_field(f: Field) -> Field:
     return Field(f.name, f.ctype.replace("elem_t", "void"), f.fmt, f.doc)
 
 
-def _grid(plan: KernelPlan) -> tuple[str, str, str]:
-    """`plan.grid` as C expressions of batch, seqlen_q and num_splits."""
-    if plan.variant.family == "naive":
-        return (str(plan.problem.heads), "seqlen_q", "batch")
-    qt = plan.variant.q_tile
-    return (f"((seqlen_q + {qt} - 1) / {qt}) * {plan.head_tiles}", "num_splits", "batch")
+_CEIL = re.compile(r"ceil\((\w+) / (\d+)\)")
+_NAMES = {"B": "batch", "S": "seqlen_q", "num_splits": "num_splits"}
+_C_EXPR = re.compile(r"[\w+\-*/() ]*")
+
+
+def _c_expr(expr: str) -> str:
+    """One of `KernelPlan.grid_expr()`'s expressions (B, S, num_splits, integers, `ceil(a / n)`)
+    as C integer arithmetic over the launcher's arguments batch, seqlen_q and num_splits.
+    Raises ValueError for anything else, so a new form in grid_expr fails here, not in C."""
+    c = _CEIL.sub(lambda m: f"(({m[1]} + {m[2]} - 1) / {m[2]})", expr)
+    names = set(re.findall(r"[A-Za-z_]\w*", c))
+    if not _C_EXPR.fullmatch(c) or not names <= set(_NAMES):
+        raise ValueError(f"launcher: cannot translate grid expression {expr!r} to C "
+                         f"(expected B, S, num_splits, integers, + - * / and ceil(a / n))")
+    return re.sub(r"[A-Za-z_]\w*", lambda m: _NAMES[m[0]], c)
 
 
 def render_launcher(plan: KernelPlan) -> str:
@@ -72,7 +82,7 @@ def render_launcher(plan: KernelPlan) -> str:
     return _environment().get_template("launcher.h.j2").render(
         plan=plan, version=__version__, short_name=namespace(plan),
         fields=[_host_field(f) for f in FIELDS], params_size=PARAMS_SIZE, assign=_ASSIGN,
-        grid=_grid(plan), combine_warps=COMBINE_WARPS,
+        grid=tuple(_c_expr(e) for e in plan.grid_expr()), combine_warps=COMBINE_WARPS,
         max_seqlen_q=MAX_SEQLEN_Q,
         combine_tiles=repr(dispatch.COMBINE_TILES), split_tiles_per_row=repr(dispatch.SPLIT_TILES_PER_ROW),
         max_splits=dispatch.MAX_SPLITS,
@@ -84,5 +94,5 @@ def emit_launcher(plan: KernelPlan, folder: Path) -> Path:
     """Write `plan`'s launcher header into `folder` (beside its .cu); rewritten only when its
     text changes. Returns the header's path."""
     path = Path(folder) / header_name(plan)
-    _write_if_changed(path, render_launcher(plan))
+    write_if_changed(path, render_launcher(plan))
     return path

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mlagen.dispatch import num_splits
-from mlagen.launcher import emit_launcher, header_name, namespace, render_launcher
+from mlagen.launcher import _c_expr, emit_launcher, header_name, namespace, render_launcher
 from mlagen.params import FIELDS
 from mlagen.spec import Problem, Variant, naive
 from mlagen.validate import validate
@@ -49,6 +49,25 @@ def test_emit_launcher_writes_beside_the_kernel(tmp_path):
     mtime = path.stat().st_mtime_ns
     emit_launcher(PLANS[1], tmp_path)
     assert path.stat().st_mtime_ns == mtime, "an unchanged header is not rewritten"
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.variant.name)
+def test_header_grid_is_the_plans_grid(plan):
+    """The header's grid is plan.grid_expr() translated to C: evaluate it with C's integer
+    division and compare with plan.grid (no nvcc needed)."""
+    exprs = re.search(r"return dim3\((.*)\);", render_launcher(plan)).group(1).split(", ")
+    assert exprs == [_c_expr(e) for e in plan.grid_expr()]
+    for batch, seqlen_q, *_ in SHAPES:
+        for n in ((1, 7) if plan.uses_split else (1,)):
+            env = {"batch": batch, "seqlen_q": seqlen_q, "num_splits": n}
+            got = tuple(eval(e.replace("/", "//"), {}, dict(env)) for e in exprs)
+            assert got == plan.grid(batch, seqlen_q, n)
+
+
+@pytest.mark.parametrize("expr", ["max(S, 2)", "ceil(S / q)", "S % 3", "H * S"])
+def test_untranslatable_grid_expression_is_refused(expr):
+    with pytest.raises(ValueError, match="cannot translate grid expression"):
+        _c_expr(expr)
 
 
 def _compile(args: list[str], cwd: Path) -> None:
