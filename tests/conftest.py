@@ -11,6 +11,7 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
 )
 settings.register_profile("quick", parent=settings.get_profile("default"), max_examples=15)
+settings.register_profile("gpu", parent=settings.get_profile("default"), max_examples=40)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
