@@ -137,7 +137,8 @@ def check(
                 spill = r.spill_stores + r.spill_loads
                 bad += spill > 0
                 role = "combine" if name.endswith("_combine") else "main"
-                table.add_row(p.name, v.name, role, str(r.registers), str(built.plan.smem_bytes),
+                smem = built.plan.smem_bytes if role == "main" else r.shared_static
+                table.add_row(p.name, v.name, role, str(r.registers), str(smem),
                               f"[red]{spill}[/red]" if spill else "0")
             progress.advance(task)
     console.print(table)

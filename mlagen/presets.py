@@ -13,8 +13,8 @@ class Preset:
     name: str
     problem: Problem
     description: str
-    # Draft lengths the emitted variants must cover: one flash variant per distinct choice of
-    # the dispatcher over these S, plus the naive baseline.
+    # Draft lengths the emitted variants must cover: one variant per distinct choice of the
+    # heuristic dispatcher over these S, plus the naive baseline.
     seqlens_q: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 33, 64)
 
     def variants(self, arch: str) -> list[Variant]:

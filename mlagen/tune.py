@@ -64,7 +64,8 @@ class RowTune:
     @property
     def heuristic(self) -> Trial | None:
         """The heuristic's trial (the first one timed), if the heuristic had a variant."""
-        return self.trials[0] if self.trials and self.trials[0].variant.family == "flash" else None
+        # candidates() puts the heuristic's pick first, or naive when the heuristic had none.
+        return self.trials[0] if self.trials and self.trials[0].variant.family != "naive" else None
 
     def entry(self) -> dict:
         """The table entry: the best variant, and the best of each family that ran."""
