@@ -2,9 +2,14 @@
 
 `check_inputs` looks only at metadata (dtype, device, shape, stride, alignment): no device
 reads, so it is cheap and safe under CUDA graph capture. `check_values` reads page ids and
-lengths back to the host; it runs when the caller asks (an argument or MLAGEN_CHECK_VALUES=1).
+lengths back to the host; it runs when the caller asks (an argument, or MLAGEN_CHECK_VALUES=1
+in the environment when mlagen is imported: read once, since an environment lookup on every
+call costs host time; `CHECK_VALUES_DEFAULT` holds it and may be set at run time).
 Kernels never read or write outside the tensors they are given either way: lengths are
 clamped to what the block table addresses and page ids outside the cache read as zeros.
+
+The metadata checks depend only on what `signature` gathers, so the runtime runs them once per
+signature and afterwards checks only what changes from call to call (data-pointer alignment).
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ from .validate import MAX_SEQLEN_Q
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _ALIGN_ELEMS = 8     # kernels move rows in 16-byte chunks
+CHECK_VALUES_DEFAULT: bool = os.environ.get("MLAGEN_CHECK_VALUES", "") not in ("", "0")
 
 
 class InputError(ValueError):
     """A bad argument: names it, says what it got and what was expected."""
 
 
-class Shapes(NamedTuple):   # a tuple: built on every call, and a dataclass costs ~1 µs more
+class Shapes(NamedTuple):   # no tensors: the runtime keeps one per argument signature
     batch: int
     seqlen_q: int
     heads: int
@@ -34,8 +40,8 @@ class Shapes(NamedTuple):   # a tuple: built on every call, and a dataclass cost
     page_size: int
     max_pages: int
     dtype: str
-    kv: torch.Tensor          # the cache as [num_pages, page_size, D]
-    tree_mask: torch.Tensor | None
+    kv_strides: tuple[int, int]     # (page, row) strides of the cache as [num_pages, page_size, D]
+    mask_strides: tuple[int, int]   # (request, query row) of tree_mask: request 0 if shared, (0, 0) if none
 
 
 def _fail(name: str, got: object, expected: str) -> None:
@@ -132,9 +138,12 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
                                           and abs(softmax_scale) != float("inf")):
         _fail("softmax_scale", softmax_scale, "a finite float or None")
 
+    mask_strides = (0, 0)
+    if mask is not None:
+        mask_strides = (mask.stride(0) if mask.dim() == 3 else 0, mask.stride(-2))
     return Shapes(batch=B, seqlen_q=S, heads=H, head_dim=D, dl=head_dim_v,
                   num_pages=kv.size(0), page_size=kv.size(1), max_pages=block_table.size(1),
-                  dtype=DTYPES[q.dtype], kv=kv, tree_mask=mask)
+                  dtype=DTYPES[q.dtype], kv_strides=(kv.stride(0), kv.stride(1)), mask_strides=mask_strides)
 
 
 def check_out(out: object, q: torch.Tensor, shapes: Shapes) -> None:
@@ -150,9 +159,28 @@ def check_out(out: object, q: torch.Tensor, shapes: Shapes) -> None:
 
 
 def values_requested(flag: bool | None) -> bool:
-    if flag is not None:
-        return flag
-    return os.environ.get("MLAGEN_CHECK_VALUES", "") not in ("", "0")
+    """`flag`, or when None the default read from MLAGEN_CHECK_VALUES at import."""
+    return CHECK_VALUES_DEFAULT if flag is None else flag
+
+
+def signature(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+              cache_seqlens: torch.Tensor, tree_mask: torch.Tensor | None, out: torch.Tensor | None,
+              head_dim_v: int, softmax_scale: float | None) -> tuple:
+    """Everything `check_inputs` and `check_out` look at except data pointers: calls with equal
+    signatures pass or fail those checks alike, and have the same Shapes. The type is part of
+    it so that only tensors (which passed the isinstance checks) can match. Raises
+    AttributeError, TypeError or RuntimeError for arguments that are not (strided) tensors;
+    the full checks name those."""
+    # Written out, not a per-tensor helper: this runs on every call and each frame costs.
+    return (type(q), q.shape, q.stride(), q.dtype, q.device,
+            type(kv_cache), kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device,
+            type(block_table), block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
+            type(cache_seqlens), cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype,
+            cache_seqlens.device,
+            None if tree_mask is None else (type(tree_mask), tree_mask.shape, tree_mask.stride(), tree_mask.dtype,
+                                            tree_mask.device),
+            None if out is None else (type(out), out.shape, out.stride(), out.dtype, out.device),
+            head_dim_v, softmax_scale)
 
 
 def check_values(shapes: Shapes, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:

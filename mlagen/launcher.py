@@ -21,7 +21,7 @@ from pathlib import Path
 from . import __version__, dispatch
 from .codegen import _environment
 from .emit import write_if_changed
-from .launch import _DEFAULT_SMEM_LIMIT
+from .launch import DEFAULT_SMEM_LIMIT
 from .params import FIELDS, PARAMS_SIZE, Field
 from .validate import COMBINE_WARPS, MAX_SEQLEN_Q, KernelPlan
 
@@ -86,7 +86,7 @@ def render_launcher(plan: KernelPlan) -> str:
         max_seqlen_q=MAX_SEQLEN_Q,
         combine_tiles=repr(dispatch.COMBINE_TILES), split_tiles_per_row=repr(dispatch.SPLIT_TILES_PER_ROW),
         max_splits=dispatch.MAX_SPLITS,
-        default_smem=_DEFAULT_SMEM_LIMIT,
+        default_smem=DEFAULT_SMEM_LIMIT,
     )
 
 

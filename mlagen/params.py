@@ -8,7 +8,6 @@ layout has no padding and `struct.pack` reproduces it exactly.
 
 from __future__ import annotations
 
-import operator
 import struct
 from dataclasses import dataclass
 
@@ -53,16 +52,25 @@ FIELDS: tuple[Field, ...] = (
 _FORMAT = "<" + "".join(f.fmt for f in FIELDS)
 PARAMS_SIZE = struct.calcsize(_FORMAT)
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS)
-_PACK = struct.Struct(_FORMAT).pack
-_VALUES = operator.itemgetter(*FIELD_NAMES)
+# The pointers change on every call; the rest (strides, sizes, splits, scale) is fixed by the
+# arguments' metadata, so the runtime gathers it once per argument signature.
+POINTER_NAMES: tuple[str, ...] = tuple(f.name for f in FIELDS if f.fmt == "Q")
+TAIL_NAMES: tuple[str, ...] = FIELD_NAMES[len(POINTER_NAMES):]
+_STRUCT = struct.Struct(_FORMAT)
 
 assert PARAMS_SIZE % 8 == 0, PARAMS_SIZE  # no tail padding: C and struct agree
+assert FIELD_NAMES[:len(POINTER_NAMES)] == POINTER_NAMES, "pointers must lead the struct"
 
 
-def pack(values: dict[str, int | float]) -> bytes:
-    """The struct's bytes for `values`, one per field (pointers as ints, 0 for none)."""
-    try:
-        return _PACK(*_VALUES(values))   # runs once per launch: no per-field Python loop
-    except KeyError:
-        missing = set(FIELD_NAMES) - set(values)
-        raise KeyError(f"parameter block is missing {sorted(missing)}") from None
+def tail(values: dict[str, int | float]) -> tuple[int | float, ...]:
+    """The fields after the pointers, in struct order, from `values` (one entry per name)."""
+    missing = set(TAIL_NAMES) - set(values)
+    if missing:
+        raise KeyError(f"parameter block is missing {sorted(missing)}")
+    return tuple(values[name] for name in TAIL_NAMES)
+
+
+# pack_into(buffer, 0, *pointers, *rest): the struct into `buffer` (PARAMS_SIZE writable
+# bytes), `pointers` (ints, 0 for none) in POINTER_NAMES order, then `rest` as `tail` returns
+# it. It runs once per launch, so it is the struct's own method: no Python frame around it.
+pack_into = _STRUCT.pack_into

@@ -5,6 +5,12 @@ Flow per call: check the arguments (metadata only) -> build the Problem -> pick 
 -> allocate outputs and, with more than one split, the workspace from torch's allocator ->
 launch on torch's current stream. Nothing synchronizes the host, so the op can be captured
 in a CUDA graph.
+
+A serving loop repeats the same argument metadata call after call, so everything that the
+metadata decides (checks, Problem, variant, kernels, grids, the parameter block's strides and
+sizes) is computed once per argument signature (`mlagen.inputs.signature` plus the op's
+flags) and remembered; a repeat call builds the signature, does one dict lookup, checks the
+data pointers' alignment and launches.
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ import torch
 from . import inputs
 from .arch import arch_for_capability, get_arch
 from .dispatch import choose_variant, num_splits
-from .launch import Loaded, launch, load
-from .params import pack
+from .launch import Kernels, Loaded, kernels, launch, load
+from .params import tail
 from .spec import Problem, Variant
 
 LOG2E = 1.4426950408889634
@@ -43,9 +49,8 @@ class _Prepared:
     """Everything about a call that its shape decides, computed once per shape."""
 
     loaded: Loaded
+    kernels: Kernels                              # launch arguments of main (and combine)
     splits: int
-    grid: tuple[int, int, int]
-    combine_grid: tuple[int, int, int] | None     # None: one split, no combine launch
     workspace_rows: int                           # splits * B * S * H when split, else 0
 
 
@@ -67,9 +72,9 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
     loaded = load(problem, variant, device)
     splits = num_splits(variant, heads, batch, seqlen_q, kv_capacity, sm_count, loaded.blocks_per_sm)
     split = splits > 1
-    return _Prepared(loaded=loaded, splits=splits, grid=loaded.plan.grid(batch, seqlen_q, splits),
-                     combine_grid=loaded.plan.combine_grid(batch, seqlen_q) if split else None,
-                     workspace_rows=splits * batch * seqlen_q * heads if split else 0)
+    combine_grid = loaded.plan.combine_grid(batch, seqlen_q) if split else None
+    return _Prepared(loaded=loaded, kernels=kernels(loaded, loaded.plan.grid(batch, seqlen_q, splits), combine_grid),
+                     splits=splits, workspace_rows=splits * batch * seqlen_q * heads if split else 0)
 
 
 def _runs_on(arch: str, device_arch: str) -> bool:
@@ -77,6 +82,108 @@ def _runs_on(arch: str, device_arch: str) -> bool:
     if arch == "sm_90a":
         return d.capability == 90
     return a.capability // 10 == d.capability // 10 and a.capability <= d.capability
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Everything about a call that its argument signature decides: checked and computed once."""
+
+    shapes: inputs.Shapes
+    kernels: Kernels
+    device: int
+    torch_device: torch.device
+    dtype: torch.dtype
+    out_size: tuple[int, int, int, int]     # [B, S, H, Dl]
+    lse_size: tuple[int, int, int]          # [B, H, S]
+    workspace_size: int                     # fp32 elements; 0: one split, no workspace
+    part_ml_offset: int                     # bytes from part_o to part_ml inside the workspace
+    tail: tuple[int | float, ...]           # the parameter block after its pointers
+
+
+# Signature -> _Call. Bounded: a serving loop has a handful of signatures per batch-size bucket;
+# past the bound the dict starts over (rare, and cheaper than tracking recency on every call).
+_calls: dict[tuple, _Call] = {}
+_MAX_CALLS = 1024
+
+
+def _key(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+         tree_mask: torch.Tensor | None, out: torch.Tensor | None, head_dim_v: int, softmax_scale: float | None,
+         causal: bool, return_lse: bool, variant: Variant | None) -> tuple:
+    return (inputs.signature(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale),
+            causal, return_lse, variant)
+
+
+def _lookup(q: object, kv_cache: object, block_table: object, cache_seqlens: object, tree_mask: object,
+            out: object, head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
+            variant: Variant | None) -> _Call | None:
+    """The remembered _Call for these arguments' `_key`, or None (also for arguments that are
+    not tensors or not hashable: the full checks name those)."""
+    try:
+        return _calls.get(_key(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v,
+                               softmax_scale, causal, return_lse, variant))
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
+def _require_cuda(q: object) -> None:
+    if not isinstance(q, torch.Tensor) or not q.is_cuda:
+        raise inputs.InputError(f"q.device: got {getattr(q, 'device', type(q).__name__)}, "
+                                "expected a CUDA tensor")
+
+
+def _checked_call(q: object, kv_cache: object, block_table: object, cache_seqlens: object, tree_mask: object,
+                  out: object, head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
+                  variant: Variant | None, check_values: bool | None) -> _Call:
+    """Every check, in the op's order (each names the bad argument), then the _Call, which is
+    remembered under the arguments' signature."""
+    _require_cuda(q)
+    shapes = inputs.check_inputs(q, kv_cache, block_table, cache_seqlens, tree_mask, head_dim_v, softmax_scale)
+    if inputs.values_requested(check_values):
+        inputs.check_values(shapes, block_table, cache_seqlens)
+    B, S, H, dl = shapes.batch, shapes.seqlen_q, shapes.heads, shapes.dl
+    mask = "tree" if tree_mask is not None else ("causal" if causal else "none")
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    prep = _prepare(H, dl, shapes.head_dim - dl, shapes.dtype, shapes.page_size, mask,
+                    return_lse, B, S, shapes.max_pages, device, variant)
+    if out is not None:
+        inputs.check_out(out, q, shapes)
+    out_size = (B, S, H, dl)
+    # An allocated out is contiguous: torch's strides for that size, from a meta tensor.
+    out_strides = (out if out is not None else torch.empty(out_size, device="meta")).stride()
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shapes.head_dim)
+    q_strides = q.stride()
+    call = _Call(
+        shapes=shapes, kernels=prep.kernels, device=device, torch_device=q.device, dtype=q.dtype,
+        out_size=out_size, lse_size=(B, H, S), workspace_size=prep.workspace_rows * (dl + 2),
+        # part_o [splits, B, S, H, Dl] then part_ml [splits, B, S, H, 2], both fp32; part_o's
+        # size is a multiple of 8 bytes, so part_ml stays float2-aligned.
+        part_ml_offset=prep.workspace_rows * dl * 4,
+        tail=tail({
+            "q_stride_b": q_strides[0], "q_stride_s": q_strides[1], "q_stride_h": q_strides[2],
+            "kv_stride_page": shapes.kv_strides[0], "kv_stride_row": shapes.kv_strides[1],
+            "bt_stride_b": block_table.stride(0),
+            "mask_stride_b": shapes.mask_strides[0], "mask_stride_q": shapes.mask_strides[1],
+            "out_stride_b": out_strides[0], "out_stride_s": out_strides[1], "out_stride_h": out_strides[2],
+            "batch": B, "seqlen_q": S, "max_pages": shapes.max_pages, "num_pages": shapes.num_pages,
+            "num_splits": prep.splits, "scale_log2": scale * LOG2E,
+        }))
+    if len(_calls) >= _MAX_CALLS:
+        _calls.clear()
+    _calls[_key(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale,
+                causal, return_lse, variant)] = call
+    return call
+
+
+def _launch(call: _Call, pointers: tuple[int, ...]) -> None:
+    """Launch on torch's current stream of q's device, in that device's context."""
+    # The raw stream handle, without building a torch.cuda.Stream object.
+    stream = torch._C._cuda_getCurrentRawStream(call.device)
+    # torch.cuda.current_device() without its lazy-init check: q is a CUDA tensor, so CUDA is up.
+    if torch._C._cuda_getDevice() == call.device:
+        launch(call.kernels, stream, pointers, call.tail)
+    else:   # kernels load into, and launch in, the context of q's device
+        with torch.cuda.device(call.device):
+            launch(call.kernels, stream, pointers, call.tail)
 
 
 def verify_attention(
@@ -118,55 +225,34 @@ def verify_attention(
         out [B, S, H, Dl] in q's dtype, and lse if return_lse. A row that sees no key gives
         out = 0 and lse = -inf.
     """
-    if not isinstance(q, torch.Tensor) or not q.is_cuda:
-        raise inputs.InputError(f"q.device: got {getattr(q, 'device', type(q).__name__)}, "
-                                "expected a CUDA tensor")
-    shapes = inputs.check_inputs(q, kv_cache, block_table, cache_seqlens, tree_mask,
-                                 head_dim_v, softmax_scale)
-    if inputs.values_requested(check_values):
-        inputs.check_values(shapes, block_table, cache_seqlens)
-    B, S, H = shapes.batch, shapes.seqlen_q, shapes.heads
-    mask = "tree" if tree_mask is not None else ("causal" if causal else "none")
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    prep = _prepare(H, shapes.dl, shapes.head_dim - shapes.dl, shapes.dtype, shapes.page_size, mask,
-                    return_lse, B, S, shapes.max_pages, device, variant)
+    call = _lookup(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale,
+                   causal, return_lse, variant)
+    if call is not None:
+        # Pointers change from call to call, so alignment is checked every time; a misaligned
+        # one goes through the full checks, which name it.
+        q_ptr, kv_ptr = q.data_ptr(), kv_cache.data_ptr()
+        if (q_ptr | kv_ptr | (out.data_ptr() if out is not None else 0)) & 15:
+            call = None
+    if call is None:
+        call = _checked_call(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v,
+                             softmax_scale, causal, return_lse, variant, check_values)
+        q_ptr, kv_ptr = q.data_ptr(), kv_cache.data_ptr()
+    elif inputs.values_requested(check_values):
+        inputs.check_values(call.shapes, block_table, cache_seqlens)
 
+    # Sizes as separate ints: torch.empty parses those faster than a tuple.
     if out is None:
-        out = torch.empty(B, S, H, shapes.dl, dtype=q.dtype, device=q.device)
-    else:
-        inputs.check_out(out, q, shapes)
-    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device) if return_lse else None
-    if B == 0:
+        out = torch.empty(*call.out_size, dtype=call.dtype, device=call.torch_device)
+    lse = torch.empty(*call.lse_size, dtype=torch.float32, device=call.torch_device) if return_lse else None
+    if call.shapes.batch == 0:
         return (out, lse) if return_lse else out
-
     part_o = part_ml = 0
-    if prep.workspace_rows:
-        # One allocation holds part_o [splits, B, S, H, Dl] then part_ml [splits, B, S, H, 2]
-        # (fp32; part_o's size is a multiple of 8 bytes, so part_ml stays float2-aligned).
-        workspace = torch.empty(prep.workspace_rows * (shapes.dl + 2), dtype=torch.float32, device=q.device)
+    if call.workspace_size:   # referenced until the launches are queued on the stream
+        workspace = torch.empty(call.workspace_size, dtype=torch.float32, device=call.torch_device)
         part_o = workspace.data_ptr()
-        part_ml = part_o + prep.workspace_rows * shapes.dl * 4
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shapes.head_dim)
-    kv, tm = shapes.kv, shapes.tree_mask
-    params = pack({
-        "q": q.data_ptr(), "kv": kv.data_ptr(), "block_table": block_table.data_ptr(),
-        "seqlens": cache_seqlens.data_ptr(), "tree_mask": tm.data_ptr() if tm is not None else 0,
-        "out": out.data_ptr(), "lse": lse.data_ptr() if lse is not None else 0,
-        "part_o": part_o, "part_ml": part_ml,
-        "q_stride_b": q.stride(0), "q_stride_s": q.stride(1), "q_stride_h": q.stride(2),
-        "kv_stride_page": kv.stride(0), "kv_stride_row": kv.stride(1),
-        "bt_stride_b": block_table.stride(0),
-        "mask_stride_b": tm.stride(0) if tm is not None and tm.dim() == 3 else 0,
-        "mask_stride_q": tm.stride(-2) if tm is not None else 0,
-        "out_stride_b": out.stride(0), "out_stride_s": out.stride(1), "out_stride_h": out.stride(2),
-        "batch": B, "seqlen_q": S, "max_pages": shapes.max_pages, "num_pages": shapes.num_pages,
-        "num_splits": prep.splits, "scale_log2": scale * LOG2E,
-    })
-    # The raw handle of torch's current stream, without building a torch.cuda.Stream object.
-    if torch.cuda.current_device() == device:
-        launch(prep.loaded, prep.grid, prep.combine_grid, torch._C._cuda_getCurrentRawStream(device), params)
-    else:   # kernels load into, and launch in, the context of q's device
-        with torch.cuda.device(device):
-            launch(prep.loaded, prep.grid, prep.combine_grid, torch._C._cuda_getCurrentRawStream(device),
-                   params)
+        part_ml = part_o + call.part_ml_offset
+    # kv_cache's pointer is the [num_pages, page_size, D] view's too (a 4-dim cache's index 0).
+    _launch(call, (q_ptr, kv_ptr, block_table.data_ptr(), cache_seqlens.data_ptr(),
+                   tree_mask.data_ptr() if tree_mask is not None else 0, out.data_ptr(),
+                   lse.data_ptr() if lse is not None else 0, part_o, part_ml))
     return (out, lse) if return_lse else out

@@ -20,7 +20,13 @@ def test_good_arguments_give_the_sizes():
     assert (s.num_pages, s.page_size, s.max_pages, s.dtype) == (5, 16, 2, "bf16")
     four_d = args()
     four_d["kv_cache"] = torch.zeros(5, 16, 1, 576, dtype=torch.bfloat16)
-    assert check_inputs(**four_d).kv.shape == (5, 16, 576)
+    assert check_inputs(**four_d).kv_strides == (16 * 576, 576)     # of the [pages, page, D] view
+    assert s.mask_strides == (0, 0)
+    shared, per_request = args(), args()
+    shared["tree_mask"] = torch.ones(3, 3, dtype=torch.bool)
+    per_request["tree_mask"] = torch.ones(2, 3, 3, dtype=torch.bool)
+    assert check_inputs(**shared).mask_strides == (0, 3)
+    assert check_inputs(**per_request).mask_strides == (9, 3)
 
 
 @pytest.mark.parametrize("change,match", [

@@ -1,0 +1,242 @@
+"""The op's per-call host path without a GPU: CPU tensors stand in for CUDA ones, and the
+GPU-only pieces (the CUDA check, dispatch and loading, torch's CUDA device and stream, the
+driver's cuLaunchKernel) are replaced by fakes that record what would reach the driver."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+import types
+
+import pytest
+import torch
+
+from mlagen import inputs, launch, runtime
+from mlagen.inputs import InputError
+from mlagen.params import FIELD_NAMES, PARAMS_SIZE, POINTER_NAMES, TAIL_NAMES, tail
+
+B, S, H, D, DL, PAGES, PAGE = 2, 3, 4, 576, 512, 5, 16
+MAIN = (0x7F00, 8, 2, B, 256, 1, 1, 100_000)        # function, grid, block, shared memory
+COMBINE = (0x7F10, 4, 1, B, 128, 1, 1, 0)
+_FORMAT = struct.Struct("<9Q11q5if")
+
+
+class Driver:
+    """A fake cuLaunchKernel: records each launch's arguments and its parameter block."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.launches: list[tuple[tuple[int, ...], bytes]] = []
+        self.fail = fail
+
+    def __call__(self, *args: int) -> None:
+        assert len(args) == 11 and args[-1] == 0          # ..., stream, kernelParams, extra
+        block = ctypes.c_void_p.from_address(args[9]).value   # kernelParams[0]
+        self.launches.append((args, ctypes.string_at(block, PARAMS_SIZE)))
+        if self.fail:
+            raise RuntimeError("CUDA_ERROR_INVALID_VALUE: invalid argument")
+
+
+def fields(block: bytes) -> dict[str, int | float]:
+    return dict(zip(FIELD_NAMES, _FORMAT.unpack(block), strict=True))
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """verify_attention runnable on CPU tensors; returns the fake driver and a list of the
+    _prepare calls (one per checked signature)."""
+    driver, prepared = Driver(), []
+    kernels = launch.Kernels(main=MAIN, main_name="main_k", combine=COMBINE, combine_name="combine_k")
+
+    def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, max_pages, device, variant):
+        prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, max_pages, device, variant))
+        return runtime._Prepared(loaded=None, kernels=kernels, splits=2, workspace_rows=2 * batch * seqlen_q * heads)
+
+    monkeypatch.setattr(runtime, "_calls", {})
+    monkeypatch.setattr(runtime, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(runtime, "_prepare", prepare)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0x5EAB, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(launch, "_launch_kernel", lambda: driver)
+    return types.SimpleNamespace(driver=driver, prepared=prepared)
+
+
+def make_args(**change) -> dict:
+    a = dict(q=torch.zeros(B, S, H, D, dtype=torch.bfloat16),
+             kv_cache=torch.zeros(PAGES, PAGE, D, dtype=torch.bfloat16),
+             block_table=torch.zeros(B, 2, dtype=torch.int32),
+             cache_seqlens=torch.full((B,), 20, dtype=torch.int32))
+    a.update(change)
+    return a
+
+
+def call(a: dict, **kw):
+    a = dict(a)
+    return runtime.verify_attention(a.pop("q"), a.pop("kv_cache"), a.pop("block_table"), a.pop("cache_seqlens"),
+                                    **a, **kw)
+
+
+def misaligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous tensor of `shape` one element past a 16-byte boundary (same strides)."""
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.zeros(n + 8, dtype=dtype)[1: n + 1].view(shape)
+
+
+def test_repeat_calls_reuse_one_checked_call(fake_gpu):
+    a = make_args()
+    out = torch.empty(B, S, H, DL, dtype=torch.bfloat16)
+    for _ in range(3):
+        assert call(a, out=out) is out
+    assert len(fake_gpu.prepared) == 1 and len(runtime._calls) == 1
+    (key, checked), = runtime._calls.items()
+    assert checked.shapes == inputs.check_inputs(a["q"], a["kv_cache"], a["block_table"], a["cache_seqlens"],
+                                                 None, DL, None)
+    # new tensors with equal metadata hit the same entry
+    call(make_args(), out=torch.empty(B, S, H, DL, dtype=torch.bfloat16))
+    assert len(fake_gpu.prepared) == 1
+
+
+def test_launch_gets_pointers_strides_and_sizes(fake_gpu):
+    a = make_args(kv_cache=torch.zeros(PAGES, PAGE, 1, D, dtype=torch.bfloat16))
+    tree = torch.ones(B, S, S, dtype=torch.bool)
+    out, lse = call(a, tree_mask=tree, return_lse=True, softmax_scale=0.5)
+    assert out.shape == (B, S, H, DL) and lse.shape == (B, H, S) and lse.dtype == torch.float32
+    (main_args, block), (combine_args, combine_block) = fake_gpu.driver.launches
+    assert main_args[:8] == MAIN and combine_args[:8] == COMBINE
+    assert main_args[8] == combine_args[8] == 0x5EAB and block == combine_block   # one block, both launches
+    f = fields(block)
+    assert (f["q"], f["kv"], f["block_table"], f["seqlens"], f["tree_mask"], f["out"], f["lse"]) == (
+        a["q"].data_ptr(), a["kv_cache"].data_ptr(), a["block_table"].data_ptr(), a["cache_seqlens"].data_ptr(),
+        tree.data_ptr(), out.data_ptr(), lse.data_ptr())
+    assert f["part_o"] != 0 and f["part_ml"] == f["part_o"] + 2 * B * S * H * DL * 4
+    assert (f["q_stride_b"], f["q_stride_s"], f["q_stride_h"]) == a["q"].stride()[:3]
+    assert (f["kv_stride_page"], f["kv_stride_row"]) == (PAGE * D, D)
+    assert (f["bt_stride_b"], f["mask_stride_b"], f["mask_stride_q"]) == (2, S * S, S)
+    assert (f["out_stride_b"], f["out_stride_s"], f["out_stride_h"]) == out.stride()[:3]
+    assert (f["batch"], f["seqlen_q"], f["max_pages"], f["num_pages"], f["num_splits"]) == (B, S, 2, PAGES, 2)
+    assert f["scale_log2"] == pytest.approx(0.5 * runtime.LOG2E)
+
+
+def test_default_scale_and_pointers_refresh_on_a_hit(fake_gpu):
+    call(make_args())
+    a = make_args()
+    out = call(a)
+    f = fields(fake_gpu.driver.launches[-1][1])
+    assert (f["q"], f["out"], f["lse"], f["tree_mask"]) == (a["q"].data_ptr(), out.data_ptr(), 0, 0)
+    assert f["scale_log2"] == pytest.approx(runtime.LOG2E / D ** 0.5)
+    assert len(fake_gpu.prepared) == 1
+
+
+@pytest.mark.parametrize("change", [
+    dict(q=torch.zeros(B, S, H, D, dtype=torch.float16), kv_cache=torch.zeros(PAGES, PAGE, D, dtype=torch.float16)),
+    dict(q=torch.zeros(B, S + 1, H, D, dtype=torch.bfloat16)),
+    dict(q=torch.zeros(B, H, S, D, dtype=torch.bfloat16).transpose(1, 2)),              # strides only
+    dict(kv_cache=torch.zeros(PAGES + 1, PAGE, D, dtype=torch.bfloat16)),
+    dict(kv_cache=torch.zeros(PAGES, PAGE, 1, D, dtype=torch.bfloat16)),
+    dict(block_table=torch.zeros(B, 3, dtype=torch.int32)),
+    dict(block_table=torch.zeros(B, 4, dtype=torch.int32)[:, :2]),                      # strides only
+    dict(tree_mask=torch.ones(S, S, dtype=torch.bool)),
+    dict(out=torch.empty(B, S, H, DL, dtype=torch.bfloat16)),
+    dict(out=torch.empty(B, S, H, DL + 8, dtype=torch.bfloat16)[..., :DL]),
+    dict(head_dim_v=256),
+    dict(softmax_scale=0.25),
+    dict(causal=False),
+    dict(return_lse=True),
+    dict(q=torch.nn.Parameter(torch.zeros(B, S, H, D, dtype=torch.bfloat16), requires_grad=False)),  # type
+])
+def test_any_metadata_change_checks_again(fake_gpu, change):
+    call(make_args())
+    a = make_args()
+    a.update(change)
+    call(a)
+    assert len(fake_gpu.prepared) == 2 and len(runtime._calls) == 2
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=misaligned((B, S, H, D), torch.bfloat16)), r"q.data_ptr\(\): got 0x[0-9a-f]+, expected a 16-byte"),
+    (dict(kv_cache=misaligned((PAGES, PAGE, D), torch.bfloat16)), r"kv_cache.data_ptr\(\)"),
+    (dict(out=misaligned((B, S, H, DL), torch.bfloat16)), r"out.data_ptr\(\)"),
+    (dict(block_table=[[0, 1], [2, 3]]), r"block_table: got list, expected a torch.Tensor"),
+    (dict(cache_seqlens=torch.zeros(B, 2, dtype=torch.int32)[:, 0]), r"cache_seqlens.shape: .*a contiguous"),
+    (dict(cache_seqlens=torch.full((B,), 99, dtype=torch.int32), check_values=True), r"cache_seqlens\[0\]: got 99"),
+    (dict(block_table=torch.full((B, 2), 7, dtype=torch.int32), check_values=True), r"block_table: got page id 7"),
+    (dict(softmax_scale=[1.0]), r"softmax_scale: got \[1.0\]"),
+])
+def test_errors_still_raised_after_a_cached_call(fake_gpu, change, match):
+    good_out = torch.empty(B, S, H, DL, dtype=torch.bfloat16)
+    call(make_args(), out=good_out)
+    a = make_args(out=good_out)
+    a.update(change)
+    launches = len(fake_gpu.driver.launches)
+    with pytest.raises(InputError, match=match):
+        call(a)
+    assert len(fake_gpu.driver.launches) == launches      # nothing launched
+
+
+def test_check_values_default_comes_from_the_module_flag(fake_gpu, monkeypatch):
+    bad = make_args(cache_seqlens=torch.full((B,), 99, dtype=torch.int32))
+    call(bad)                                             # unchecked by default
+    monkeypatch.setattr(inputs, "CHECK_VALUES_DEFAULT", True)
+    with pytest.raises(InputError, match=r"cache_seqlens\[0\]"):
+        call(bad)
+    call(bad, check_values=False)
+
+
+def test_signature_cache_is_bounded(fake_gpu, monkeypatch):
+    monkeypatch.setattr(runtime, "_MAX_CALLS", 3)
+    for scale in (0.1, 0.2, 0.3, 0.4):
+        call(make_args(), softmax_scale=scale)
+    assert len(runtime._calls) == 1                        # started over at the bound
+
+
+def test_empty_batch_launches_nothing(fake_gpu):
+    out = call(make_args(q=torch.zeros(0, S, H, D, dtype=torch.bfloat16),
+                         block_table=torch.zeros(0, 2, dtype=torch.int32),
+                         cache_seqlens=torch.zeros(0, dtype=torch.int32)))
+    assert out.shape == (0, S, H, DL) and not fake_gpu.driver.launches
+
+
+def test_kernels_hold_the_launch_arguments():
+    plan = types.SimpleNamespace(threads=256, smem_bytes=100_000, combine_threads=128,
+                                 main_kernel="main_k", combine_kernel="combine_k")
+    loaded = types.SimpleNamespace(plan=plan, main=types.SimpleNamespace(ptr=0x7F00),
+                                   combine=types.SimpleNamespace(ptr=0x7F10))
+    k = launch.kernels(loaded, (8, 2, B), (4, 1, B))
+    assert (k.main, k.combine, k.main_name, k.combine_name) == (MAIN, COMBINE, "main_k", "combine_k")
+    single = launch.kernels(loaded, (8, 1, B), None)
+    assert single.combine is None and single.combine_name is None
+
+
+def test_launch_errors_name_the_kernel(monkeypatch):
+    monkeypatch.setattr(launch, "_launch_kernel", lambda: Driver(fail=True))
+    kernels = launch.Kernels(main=MAIN, main_name="main_k", combine=None, combine_name=None)
+    rest = tail(dict.fromkeys(TAIL_NAMES, 0))
+    with pytest.raises(RuntimeError, match="cuLaunchKernel of main_k failed: CUDA_ERROR_INVALID_VALUE"):
+        launch.launch(kernels, 0, (0,) * len(POINTER_NAMES), rest)
+
+
+def test_parameter_blocks_are_per_thread(monkeypatch):
+    driver = Driver()
+    monkeypatch.setattr(launch, "_launch_kernel", lambda: driver)
+    kernels = launch.Kernels(main=MAIN, main_name="main_k", combine=None, combine_name=None)
+    rest = tail(dict.fromkeys(TAIL_NAMES, 1))
+
+    def run(first_pointer: int) -> None:
+        launch.launch(kernels, 0, (first_pointer,) + (0,) * (len(POINTER_NAMES) - 1), rest)
+
+    run(16)
+    worker = threading.Thread(target=run, args=(32,))
+    worker.start()
+    worker.join()
+    (main_args, block), (thread_args, thread_block) = driver.launches
+    assert main_args[9] != thread_args[9]
+    assert fields(block)["q"] == 16 and fields(thread_block)["q"] == 32
+
+
+def test_tail_names_missing_fields():
+    with pytest.raises(KeyError, match="missing"):
+        tail({"batch": 1})
