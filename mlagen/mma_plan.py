@@ -1,11 +1,14 @@
 """Layout rules of the tensor-core family (mma.sync m16n8k16, fp32 accumulation).
 
 A block holds q_tile*head_tile query rows, padded to M_PAD = 16*m_tiles (the mma's M). For the
-scores S = Q K^T its warps form a WMQ x WNQ grid over (rows, keys) of each KV tile; for the
+scores S = Q K^T its warps form a WMQ x WNQ grid over (rows, keys) of each KV tile (on sm_90a
+the two warpgroups run wgmma from shared memory instead, 32 keys each); for the
 output O += P V every warp holds all M_PAD rows and Dl/warps of the value dims, so O stays in
 registers (M_PAD * Dl / (32*warps) fp32 per thread). P and the row maxima cross warps through
-shared memory. Q and KV tiles are stored unpadded with an XOR swizzle of 16-byte chunks
-(ldmatrix reads 8 rows at one chunk column); P rows are padded by 16 bytes instead.
+shared memory. Q and KV tiles are stored in 64-element column blocks of 128-byte rows with the
+128-byte XOR swizzle (chunk ^ row%8): ldmatrix reads 8 rows at one chunk column without bank
+conflicts, and it is the layout wgmma's K-major descriptors read. P rows are padded by 16
+bytes instead.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class MmaLayout:
     dims_w: int           # output dims per warp
     p_stride: int         # elements per row of P in shared memory (padded)
     smem_bytes: int
+    wgmma: bool = False   # scores by warpgroup wgmma (sm_90a) instead of mma.sync
 
 
 def _score_split(m_pad: int, block_n: int, warps: int) -> tuple[int, int] | None:
@@ -61,7 +65,12 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
     if o_regs > MAX_O_REGS:
         return (f"at most {MAX_O_REGS} output accumulators per thread; {m_pad} padded rows x "
                 f"{dims_w} dims / 32 lanes = {o_regs}: use more warps or fewer rows")
-    split = _score_split(m_pad, v.block_n, v.warps)
+    wgmma = v.arch == "sm_90a"
+    if wgmma and (m_pad, v.warps, v.block_n) != (64, 8, 64):
+        return (f"on sm_90a the scores run on wgmma (m64n32k16 per warpgroup): 64 padded rows, "
+                f"8 warps and block_n=64, got {m_pad} rows, {v.warps} warps, block_n={v.block_n}")
+    # wgmma: each warpgroup takes 32 keys of all 64 rows, its warps 16 rows each.
+    split = (4, 2) if wgmma else _score_split(m_pad, v.block_n, v.warps)
     if split is None:
         return (f"warps={v.warps} that tile {m_pad} rows x block_n={v.block_n} keys in 16x16 "
                 "pieces for the scores")
@@ -70,7 +79,7 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
     smem = (m_pad * p.head_dim * 2 + v.stages * v.block_n * p.head_dim * 2 + m_pad * p_stride * 2
             + wnq * m_pad * 4 + m_pad * 4 + 64 * 8)
     return MmaLayout(m_pad=m_pad, wmq=wmq, wnq=wnq, rows_w=m_pad // wmq, keys_w=v.block_n // wnq,
-                     dims_w=dims_w, p_stride=p_stride, smem_bytes=smem)
+                     dims_w=dims_w, p_stride=p_stride, smem_bytes=smem, wgmma=wgmma)
 
 
 def plan_mma(p: Problem, v: Variant, arch: Arch):

@@ -61,6 +61,17 @@ def test_preset_variants_compile_without_spills(preset, variant):
     assert built.plan.smem_bytes <= built.plan.arch.smem_per_block
 
 
+def test_sm90a_scores_run_on_wgmma():
+    v = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=2, arch="sm_90a")
+    for dtype in ("bf16", "fp16"):
+        built = build(Problem(dtype=dtype), v)
+        assert "wgmma.mma_async" in built.source and built.plan.mma.wgmma
+        assert not any(r.spills for r in built.module.resources.values())
+        assert "wgmma.mma_async" not in render(validate(Problem(dtype=dtype), v.with_(arch="sm_90")))
+    with pytest.raises(SpecError, match="on sm_90a the scores run on wgmma"):
+        validate(Problem(), v.with_(block_n=32))
+
+
 def test_sources_are_self_contained():
     plan = validate(Problem(mask="tree"), Variant())
     includes = re.findall(r'#include\s*[<"]([^>"]+)[>"]', render(plan))

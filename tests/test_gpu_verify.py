@@ -85,6 +85,23 @@ def test_tiled_families_match_reference(family, shape, data):
     assert_matches(out, lse_out, case)
 
 
+def _wgmma_variant(heads: int) -> Variant:
+    """The sm_90a mma variant: 64 rows (positions x heads), 8 warps, 64-key tiles."""
+    head_tile = min(heads, 64)
+    return Variant(family="mma", head_tile=head_tile, q_tile=64 // head_tile, block_n=64, warps=8,
+                   stages=2, arch="sm_90a")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="wgmma needs a compute capability 9.0 GPU (sm_90a)")
+@given(shape=shapes(max_work=4e9))
+def test_wgmma_scores_match_reference(shape):
+    lse = shape.pop("lse")
+    case = make_case(**shape)
+    out, lse_out = _run(case, _wgmma_variant(shape["heads"]), lse)
+    assert_matches(out, lse_out, case)
+
+
 @given(shape=shapes(max_work=4e9))
 def test_dispatched_matches_reference(shape):
     lse = shape.pop("lse")

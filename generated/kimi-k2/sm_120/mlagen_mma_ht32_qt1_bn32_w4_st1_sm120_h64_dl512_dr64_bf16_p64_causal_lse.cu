@@ -284,12 +284,18 @@ constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
 static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
 static_assert(CH % 8 == 0, "the swizzle permutes chunks within groups of 8");
+static_assert((M_PAD * D * 2) % 1024 == 0 && (BN * D * 2) % 1024 == 0, "tiles start 1024-byte aligned");
 static_assert(M_PAD * D * 2 + STAGES * BN * D * 2 + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + 64 * 8
               == 77184, "shared-memory plan matches mlagen/mma_plan.py");
 
-// Element offset of 16-byte chunk `c` of row `r` in an unpadded [rows][D] tile: chunks are
-// XOR-swizzled within groups of 8 so that 8 rows read at one chunk column hit 8 bank groups.
-__device__ __forceinline__ int swz(int r, int c) { return r * D + (((c & ~7) | ((c ^ r) & 7)) << 3); }
+// Element offset of 16-byte chunk `c` of row `r` in a tile of NROWS rows: the tile is stored as
+// D/64 column blocks of [NROWS][64] (128-byte rows) and chunks are XOR-swizzled by row % 8, so
+// 8 rows read at one chunk column hit 8 bank groups. This is also the K-major 128-byte-swizzle
+// layout wgmma descriptors read (blocks start 1024-byte aligned).
+template <int NROWS>
+__device__ __forceinline__ int swz(int r, int c) {
+  return (c >> 3) * (NROWS * 64) + r * 64 + (((c ^ r) & 7) << 3);
+}
 
 __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned* r) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0,%1,%2,%3}, [%4];\n"
@@ -312,6 +318,8 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
   }
 }
 
+
+
 // Rows of a [rows][D] tile into swizzled shared memory: 8 threads per row, each 1/8 of its
 // chunks, so one page lookup serves 9 copies. `row_ptr(r)` gives the global row or nullptr
 // (zero fill).
@@ -324,7 +332,7 @@ __device__ __forceinline__ void load_rows(elem_t* dst, const elem_t* fallback, R
 #pragma unroll
     for (int k = 0; k < CH / 8; ++k) {
       const int c = 8 * k + sub;
-      cp_async16(dst + swz(r, c), src ? src + c * CHUNK : fallback, src != nullptr);
+      cp_async16(dst + swz<NROWS>(r, c), src ? src + c * CHUNK : fallback, src != nullptr);
     }
   }
 }
@@ -335,7 +343,7 @@ __device__ __forceinline__ void load_rows(elem_t* dst, const elem_t* fallback, R
 extern "C" __global__ void __launch_bounds__(128, 1)
 mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
   using namespace mlagen_mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
   elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
   elem_t* sKV = sQ + M_PAD * D;                                           // (STAGES, BN, D) swizzled
   elem_t* sP = sKV + STAGES * BN * D;                                     // (M_PAD, PS)
@@ -345,7 +353,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates
-  const int wmq = warp / WNQ, wnq = warp % WNQ;
+  const int wmq = warp % WMQ, wnq = warp / WMQ;   // wgmma: wnq is the warpgroup
   const int b = blockIdx.z, split = blockIdx.y;
   const int h0 = (blockIdx.x % HEAD_TILES) * HT, q0 = (blockIdx.x / HEAD_TILES) * QT;
   const int S = p.seqlen_q;
@@ -384,6 +392,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       cp_async_commit();
     }
     cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
+
     __syncthreads();                                      // tile kb landed; tile kb-1 fully used
     if (STAGES > 1) {
       if (kb + STAGES - 1 < kb_end) load_kv(kb + STAGES - 1);
@@ -394,22 +403,24 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
 
     // ---- scores: rows [wmq*ROWS_W, +ROWS_W) x keys [wnq*KEYS_W, +KEYS_W), k over D ----
     float s[MTQ][NTQ][4] = {};
+
 #pragma unroll 4
     for (int ks = 0; ks < D / 16; ++ks) {
       unsigned a[MTQ][4], bk[NTQ / 2][4];
 #pragma unroll
       for (int mt = 0; mt < MTQ; ++mt)
-        ldsm_x4(sQa + 2 * swz(wmq * ROWS_W + mt * 16 + lane % 16, 2 * ks + lane / 16), a[mt]);
+        ldsm_x4(sQa + 2 * swz<M_PAD>(wmq * ROWS_W + mt * 16 + lane % 16, 2 * ks + lane / 16), a[mt]);
 #pragma unroll
       for (int np = 0; np < NTQ / 2; ++np) {
         const int mi = lane / 8;
-        ldsm_x4(tileA + 2 * swz(wnq * KEYS_W + np * 16 + lane % 8 + 8 * (mi / 2), 2 * ks + mi % 2), bk[np]);
+        ldsm_x4(tileA + 2 * swz<BN>(wnq * KEYS_W + np * 16 + lane % 8 + 8 * (mi / 2), 2 * ks + mi % 2), bk[np]);
       }
 #pragma unroll
       for (int mt = 0; mt < MTQ; ++mt)
 #pragma unroll
         for (int nt = 0; nt < NTQ; ++nt) mma16816(s[mt][nt], a[mt], &bk[nt / 2][2 * (nt % 2)]);
     }
+
 
     // ---- mask, scale, and this warp's row maxima ----
 #pragma unroll
@@ -489,7 +500,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       for (int np = 0; np < NTO / 2; ++np) {
         unsigned bv[4];
         const int mi = lane / 8;
-        ldsm_x4_t(tileA + 2 * swz(ks * 16 + lane % 8 + 8 * (mi % 2), (warp * DIMS_W + np * 16) / 8 + mi / 2), bv);
+        ldsm_x4_t(tileA + 2 * swz<BN>(ks * 16 + lane % 8 + 8 * (mi % 2), (warp * DIMS_W + np * 16) / 8 + mi / 2), bv);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma16816(o[mt][2 * np], a[mt], bv);
