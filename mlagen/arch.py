@@ -49,6 +49,20 @@ def get_arch(name: str) -> Arch:
         ) from None
 
 
+def runs_on(arch: str, device_arch: str) -> bool:
+    """Whether a cubin built for `arch` loads on a device whose target is `device_arch`: the same
+    major revision, an equal or lower minor; the arch-specific sm_90a only on compute 9.0."""
+    a, d = get_arch(arch), get_arch(device_arch)
+    if arch == "sm_90a":
+        return d.capability == 90
+    return a.capability // 10 == d.capability // 10 and a.capability <= d.capability
+
+
+def specializations(arch: str) -> tuple[str, ...]:
+    """Arch-specific targets a device of target `arch` also runs (wgmma needs sm_90a)."""
+    return ("sm_90a",) if arch in ("sm_90", "sm_90a") else ()
+
+
 def arch_for_capability(major: int, minor: int) -> str:
     """The compile target for a device of compute capability major.minor."""
     name = f"sm_{major}{minor}"

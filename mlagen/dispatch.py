@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 from . import tables
+from .arch import runs_on
 from .mma_plan import heuristic_mma
 from .spec import Problem, Variant, naive, parse_variant
 from .validate import SpecError, validate
@@ -90,7 +91,7 @@ def tuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
             continue
         try:
             v = parse_variant(name)
-            if v.arch == arch:
+            if runs_on(v.arch, arch):
                 validate(problem, v)
                 return v
         except (ValueError, SpecError):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from . import inputs
-from .arch import arch_for_capability, get_arch
+from .arch import arch_for_capability, runs_on
 from .dispatch import choose_variant, num_splits
 from .launch import Kernels, Loaded, kernels, launch, load
 from .params import tail
@@ -66,7 +66,7 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
     kv_capacity = max_pages * page_size
     if variant is None:
         variant = choose_variant(problem, seqlen_q, batch, kv_capacity, device_arch, device_name(device))
-    elif not _runs_on(variant.arch, device_arch):
+    elif not runs_on(variant.arch, device_arch):
         raise inputs.InputError(f"variant.arch: got {variant.arch!r}, expected a target that runs "
                                 f"on this {device_arch} device (e.g. {device_arch!r})")
     loaded = load(problem, variant, device)
@@ -75,13 +75,6 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
     combine_grid = loaded.plan.combine_grid(batch, seqlen_q) if split else None
     return _Prepared(loaded=loaded, kernels=kernels(loaded, loaded.plan.grid(batch, seqlen_q, splits), combine_grid),
                      splits=splits, workspace_rows=splits * batch * seqlen_q * heads if split else 0)
-
-
-def _runs_on(arch: str, device_arch: str) -> bool:
-    a, d = get_arch(arch), get_arch(device_arch)
-    if arch == "sm_90a":
-        return d.capability == 90
-    return a.capability // 10 == d.capability // 10 and a.capability <= d.capability
 
 
 @dataclass(frozen=True, slots=True)

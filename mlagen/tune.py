@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from . import dispatch, tables
+from .arch import specializations
 from .dispatch import heuristic_variant, num_splits
 from .grids import Row
 from .precompile import code_identity, precompile
@@ -93,6 +94,8 @@ def candidates(problem: Problem, seqlen_q: int, arch: str, max_candidates: int) 
     others = [f for f in FAMILIES if f != "naive"]
     share = max(1, max_candidates // max(1, len(others)))
     lists = [structures(problem, seqlen_q, arch, f, limit=share) for f in others]
+    # Arch-specific targets the device also runs (sm_90a's wgmma on Hopper) compete too.
+    lists += [structures(problem, seqlen_q, target, "mma", limit=share) for target in specializations(arch)]
     for i in range(max((len(x) for x in lists), default=0)):
         found += [x[i] for x in lists if i < len(x)]
     return list(dict.fromkeys(found))[:max_candidates]

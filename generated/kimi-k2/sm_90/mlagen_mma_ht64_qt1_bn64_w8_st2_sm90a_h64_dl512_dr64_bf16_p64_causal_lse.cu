@@ -1,0 +1,558 @@
+// mlagen generated kernel: mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+// family mma: head-tiled split-KV on the tensor cores (mma.sync m16n8k16, fp32 accumulation).
+// One block per (query tile x head tile, split, request) holds q_tile*head_tile = 64 query
+// rows (padded to 64); each KV tile of 64 keys is staged once in shared memory
+// (2-stage cp.async pipeline) and feeds both products:
+//   scores S = Q K^T: warps form a 4 x 2 grid over (64 rows, 64 keys);
+//   their row maxima meet in shared memory, P = exp2(S - m) goes to shared memory as bf16;
+//   output O += P V: every warp holds all rows and 64 of the 512 value dims, in registers.
+// With one split the block writes out/lse; otherwise partials go to the workspace for the combine.
+#include <cuda_bf16.h>
+
+#ifndef INFINITY   // NVRTC has no <math.h>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+typedef __nv_bfloat16 elem_t;
+typedef __nv_bfloat162 elem2_t;
+__device__ __forceinline__ float2 to_float2(elem2_t v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ elem2_t from_float2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+
+// Problem constants, derived in Python (mlagen/validate.py).
+constexpr int H = 64;
+constexpr int DL = 512;                 // value width (first DL dims of a KV row)
+constexpr int DR = 64;                 // rope width
+constexpr int D = DL + DR;
+constexpr int CHUNK = 8;                                  // elements per 16-byte access
+constexpr int CH = D / CHUNK;                             // 16-byte chunks per KV row
+constexpr int CHV = DL / CHUNK;
+constexpr int PAGE = 64;
+constexpr int MASK_CAUSAL = 1;
+constexpr int MASK_TREE = 0;
+constexpr bool WRITE_LSE = true;
+constexpr float LN2 = 0.693147180559945309f;
+static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
+static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
+
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+
+// The parameter block every kernel of this file takes by value (mlagen/params.py).
+struct __align__(8) VerifyParams {
+  const elem_t* q;  // (B, S, H, Dl+Dr), last dim contiguous
+  const elem_t* kv;  // (num_pages, page_size, Dl+Dr), last dim contiguous
+  const int* block_table;  // (B, max_pages) page ids of each request, in order
+  const int* seqlens;  // (B,) valid keys per request, draft tokens included
+  const unsigned char* tree_mask;  // (B or 1, S, S) bool, tree mask kind only
+  elem_t* out;  // (B, S, H, Dl)
+  float* lse;  // (B, H, S) fp32, natural log; written when the problem has lse
+  float* part_o;  // (num_splits, B, S, H, Dl) unnormalized partial outputs
+  float2* part_ml;  // (num_splits, B, S, H) partial (max, sum), log2 domain
+  long long q_stride_b;  // elements between requests of q
+  long long q_stride_s;  // elements between query positions of q
+  long long q_stride_h;  // elements between heads of q
+  long long kv_stride_page;  // elements between pages of kv
+  long long kv_stride_row;  // elements between rows of a page
+  long long bt_stride_b;  // elements between rows of block_table
+  long long mask_stride_b;  // elements between requests of tree_mask (0: shared)
+  long long mask_stride_q;  // elements between query rows of tree_mask
+  long long out_stride_b;  // elements between requests of out
+  long long out_stride_s;  // elements between query positions of out
+  long long out_stride_h;  // elements between heads of out
+  int batch;  // B
+  int seqlen_q;  // S, draft tokens per request
+  int max_pages;  // columns of block_table
+  int num_pages;  // pages in kv; page ids outside [0, num_pages) read as zeros
+  int num_splits;  // key-range splits; 1 writes out directly, no combine
+  float scale_log2;  // softmax_scale * log2(e)
+};
+
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+
+// Keys of request b that may be read: the stored length, clamped to what block_table can
+// address, so a bad length never makes a kernel read outside the cache it was given.
+__device__ __forceinline__ int request_keys(const VerifyParams& p, int b) {
+  const int n = p.seqlens[b];
+  const long long cap = (long long)p.max_pages * PAGE;
+  return n < 0 ? 0 : (n > cap ? (int)cap : n);
+}
+
+// Address of key j of request b, or nullptr when its page id is outside the cache.
+__device__ __forceinline__ const elem_t* kv_row(const VerifyParams& p, int b, int j) {
+  const int page = p.block_table[(long long)b * p.bt_stride_b + j / PAGE];
+  if (page < 0 || page >= p.num_pages) return nullptr;
+  return p.kv + (long long)page * p.kv_stride_page + (long long)(j % PAGE) * p.kv_stride_row;
+}
+
+// Draft-tree rows as bit sets: bit k of tree_bits(p, b, i) says query i sees draft token k.
+__device__ __forceinline__ unsigned long long tree_bits(const VerifyParams& p, int b, int i) {
+  const unsigned char* row = p.tree_mask + (long long)b * p.mask_stride_b + (long long)i * p.mask_stride_q;
+  unsigned long long bits = 0;
+  for (int k = 0; k < p.seqlen_q; ++k) bits |= (unsigned long long)(row[k] != 0) << k;
+  return bits;
+}
+
+// Whether query i (of S) sees key j (of n keys): prefix keys always, draft keys by the mask.
+// `bits` is tree_bits(...) of the row for tree masks, unused otherwise.
+__device__ __forceinline__ bool key_visible(int j, int n, int i, int S, unsigned long long bits) {
+  if (j >= n) return false;
+  const int prefix = n - S;          // the S draft tokens sit at n-S .. n-1
+  if (j < prefix) return true;
+  if (MASK_CAUSAL) return j <= prefix + i;
+  if (MASK_TREE) return (bits >> (j - prefix)) & 1ull;
+  return true;
+}
+
+// One past the last key any query of [i0, i1) can see: causal rows stop at their own token.
+__device__ __forceinline__ int key_limit(int n, int S, int i1) {
+  if (!MASK_CAUSAL) return n;
+  const int lim = n - S + i1;
+  return lim < 0 ? 0 : (lim > n ? n : lim);
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* ptr) {
+  return (unsigned)__cvta_generic_to_shared(ptr);
+}
+
+// 16-byte global->shared copy; when !valid it fills zeros and reads nothing (src must still
+// be some global address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
+  const elem2_t* h = reinterpret_cast<const elem2_t*>(&v);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) { const float2 t = to_float2(h[e]); f[2 * e] = t.x; f[2 * e + 1] = t.y; }
+}
+__device__ __forceinline__ uint4 pack8(const float* f) {
+  uint4 v;
+  elem2_t* h = reinterpret_cast<elem2_t*>(&v);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) h[e] = from_float2(f[2 * e], f[2 * e + 1]);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// The natural-log LSE of a row from its log2-domain max m and sum l; -inf for an empty row.
+__device__ __forceinline__ float row_lse(float m, float l) {
+  return l > 0.f ? (m + __log2f(l)) * LN2 : -INFINITY;
+}
+
+// Writes `vals` (N = 8 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
+// divided by l; an empty row (l == 0) writes zeros.
+template <int N>
+__device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, int h, int d0,
+                                          const float* vals, float l) {
+  static_assert(N == 8 || N == 2, "16-byte or 4-byte stores");
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  elem_t* dst = p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s
+                + (long long)h * p.out_stride_h + d0;
+  if constexpr (N == 8) {
+    float f[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = vals[e] * inv;
+    *reinterpret_cast<uint4*>(dst) = pack8(f);
+  } else {
+    *reinterpret_cast<elem2_t*>(dst) = from_float2(vals[0] * inv, vals[1] * inv);
+  }
+}
+
+// Index of row (split, b, i, h) in the partial-result workspace.
+__device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h) {
+  return (((long long)split * p.batch + b) * p.seqlen_q + i) * H + h;
+}
+
+// Blocks of `bn` keys of [0, limit) that split `split` of `num_splits` owns: [*begin, *end).
+__device__ __forceinline__ void split_blocks(int limit, int bn, int split, int num_splits,
+                                             int* begin, int* end) {
+  const int blocks = (limit + bn - 1) / bn;
+  const int per = (blocks + num_splits - 1) / num_splits;
+  const int b0 = split * per;
+  *begin = b0 < blocks ? b0 : blocks;
+  *end = b0 + per < blocks ? b0 + per : blocks;
+}
+
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+
+// Ends row (b, i, h) of one split. With one split the row is final: out = acc / l and lse.
+// Otherwise acc (unnormalized) and (m, l) go to the workspace for the combine kernel.
+// `acc` holds N (8 or 2) consecutive dims starting at d0; writes_stats picks one thread per row.
+template <int N>
+__device__ __forceinline__ void finish_row(const VerifyParams& p, int split, int b, int i, int h,
+                                           int d0, const float* acc, float m, float l,
+                                           bool writes_stats) {
+  if (p.num_splits == 1) {
+    store_out<N>(p, b, i, h, d0, acc, l);
+    if (WRITE_LSE && writes_stats)
+      p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
+    return;
+  }
+  const long long row = part_row(p, split, b, i, h);
+  float2* dst = reinterpret_cast<float2*>(p.part_o + row * DL + d0);
+#pragma unroll
+  for (int e = 0; e < N / 2; ++e) dst[e] = make_float2(acc[2 * e], acc[2 * e + 1]);
+  if (writes_stats) p.part_ml[row] = make_float2(l > 0.f ? m : -INFINITY, l);
+}
+
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+
+// Merges the num_splits partial results of each row:
+//   m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l.
+// grid: (ceil(B*S*H / 4),); block: 128 threads,
+// one warp per row, each lane DL/128 float4s.
+extern "C" __global__ void __launch_bounds__(128)
+mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_combine(const VerifyParams p) {
+  using namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long row = (long long)blockIdx.x * 4 + warp;
+  const long long rows = (long long)p.batch * p.seqlen_q * H;
+  if (row >= rows) return;
+  const int h = (int)(row % H);
+  const int i = (int)((row / H) % p.seqlen_q);
+  const int b = (int)(row / ((long long)H * p.seqlen_q));
+
+  float m = -INFINITY;
+  for (int k = 0; k < p.num_splits; ++k) m = fmaxf(m, p.part_ml[part_row(p, k, b, i, h)].x);
+  constexpr int V4 = DL / 128;   // float4s per lane
+  float acc[V4 * 4] = {};
+  float l = 0.f;
+  if (m != -INFINITY) {
+    for (int k = 0; k < p.num_splits; ++k) {
+      const long long r = part_row(p, k, b, i, h);
+      const float2 ml = p.part_ml[r];
+      if (ml.y == 0.f) continue;           // an empty split holds no keys (and maybe no acc)
+      const float w = exp2f(ml.x - m);
+      l += ml.y * w;
+      const float4* src = reinterpret_cast<const float4*>(p.part_o + r * DL);
+#pragma unroll
+      for (int v = 0; v < V4; ++v) {
+        const float4 x = src[lane + 32 * v];
+        acc[4 * v] += w * x.x; acc[4 * v + 1] += w * x.y;
+        acc[4 * v + 2] += w * x.z; acc[4 * v + 3] += w * x.w;
+      }
+    }
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  elem_t* dst = p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s
+                + (long long)h * p.out_stride_h;
+#pragma unroll
+  for (int v = 0; v < V4; ++v) {
+    elem2_t* d2 = reinterpret_cast<elem2_t*>(dst + 4 * (lane + 32 * v));
+    d2[0] = from_float2(acc[4 * v] * inv, acc[4 * v + 1] * inv);
+    d2[1] = from_float2(acc[4 * v + 2] * inv, acc[4 * v + 3] * inv);
+  }
+  if (WRITE_LSE && lane == 0) p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
+}
+
+
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+constexpr int HT = 64;
+constexpr int QT = 1;
+constexpr int ROWS = QT * HT;
+constexpr int M_PAD = 64;
+constexpr int WARPS = 8;
+constexpr int THREADS = WARPS * 32;
+constexpr int BN = 64;
+constexpr int STAGES = 2;
+constexpr int WMQ = 4, WNQ = 2;
+constexpr int ROWS_W = 16, KEYS_W = 32;     // score tile per warp
+constexpr int MTQ = ROWS_W / 16, NTQ = KEYS_W / 8;                  // its m16 / n8 pieces
+constexpr int MT = M_PAD / 16;                                      // output m16 pieces
+constexpr int DIMS_W = 64;                              // output dims per warp
+constexpr int NTO = DIMS_W / 8;
+constexpr int PS = 72;                                // P row stride (padded)
+constexpr int HEAD_TILES = H / HT;
+constexpr bool FP16 = false;
+static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
+static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
+static_assert(CH % 8 == 0, "the swizzle permutes chunks within groups of 8");
+static_assert((M_PAD * D * 2) % 1024 == 0 && (BN * D * 2) % 1024 == 0, "tiles start 1024-byte aligned");
+static_assert(M_PAD * D * 2 + STAGES * BN * D * 2 + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + 64 * 8
+              == 231680, "shared-memory plan matches mlagen/mma_plan.py");
+
+// Element offset of 16-byte chunk `c` of row `r` in a tile of NROWS rows: the tile is stored as
+// D/64 column blocks of [NROWS][64] (128-byte rows) and chunks are XOR-swizzled by row % 8, so
+// 8 rows read at one chunk column hit 8 bank groups. This is also the K-major 128-byte-swizzle
+// layout wgmma descriptors read (blocks start 1024-byte aligned).
+template <int NROWS>
+__device__ __forceinline__ int swz(int r, int c) {
+  return (c >> 3) * (NROWS * 64) + r * 64 + (((c ^ r) & 7) << 3);
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned* r) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned* r) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// c += a * b for one m16n8k16 piece.
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b) {
+  if (FP16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 { %0,%1,%2,%3}, { %4,%5,%6,%7}, { %8,%9}, { %0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { %0,%1,%2,%3}, { %4,%5,%6,%7}, { %8,%9}, { %0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
+
+// wgmma descriptor of a K-major, 128-byte-swizzled operand at shared address `addr`: 8-row
+// groups 1024 bytes apart (stride byte offset); the leading byte offset is unused.
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+// d (+)= A B^T for A = 64 rows x 16 k, B = 32 rows x 16 k, both from shared memory; one
+// warpgroup, asynchronous until wgmma_wait.
+__device__ __forceinline__ void wgmma_m64n32k16(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               : "l"(a), "l"(b), "r"(accumulate));
+}
+
+
+// Rows of a [rows][D] tile into swizzled shared memory: 8 threads per row, each 1/8 of its
+// chunks, so one page lookup serves 9 copies. `row_ptr(r)` gives the global row or nullptr
+// (zero fill).
+template <int NROWS, typename RowPtr>
+__device__ __forceinline__ void load_rows(elem_t* dst, const elem_t* fallback, RowPtr row_ptr) {
+  constexpr int PER_PASS = THREADS / 8;
+  const int sub = threadIdx.x % 8;
+  for (int r = threadIdx.x / 8; r < NROWS; r += PER_PASS) {
+    const elem_t* src = row_ptr(r);
+#pragma unroll
+    for (int k = 0; k < CH / 8; ++k) {
+      const int c = 8 * k + sub;
+      cp_async16(dst + swz<NROWS>(r, c), src ? src + c * CHUNK : fallback, src != nullptr);
+    }
+  }
+}
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+
+// grid: (ceil(S/QT) * H/HT, num_splits, B); block: 256 threads;
+// dynamic shared memory 231680 bytes.
+extern "C" __global__ void __launch_bounds__(256, 1)
+mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
+  using namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
+  elem_t* sKV = sQ + M_PAD * D;                                           // (STAGES, BN, D) swizzled
+  elem_t* sP = sKV + STAGES * BN * D;                                     // (M_PAD, PS)
+  float* sPart = reinterpret_cast<float*>(sP + M_PAD * PS);               // (WNQ, M_PAD) row max / sum parts
+  float* sM = sPart + WNQ * M_PAD;                                        // (M_PAD,) running row max
+  unsigned long long* sBits = reinterpret_cast<unsigned long long*>(sM + M_PAD);   // (64,)
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates
+  const int wmq = warp % WMQ, wnq = warp / WMQ;   // wgmma: wnq is the warpgroup
+  const int b = blockIdx.z, split = blockIdx.y;
+  const int h0 = (blockIdx.x % HEAD_TILES) * HT, q0 = (blockIdx.x / HEAD_TILES) * QT;
+  const int S = p.seqlen_q;
+  const int n = request_keys(p, b);
+  const int q_end = q0 + QT < S ? q0 + QT : S;
+  int kb_begin, kb_end;
+  split_blocks(key_limit(n, S, q_end), BN, split, p.num_splits, &kb_begin, &kb_end);
+
+  load_rows<M_PAD>(sQ, p.q, [&](int r) -> const elem_t* {
+    const int i = q0 + r / HT;
+    if (r >= ROWS || i >= S) return nullptr;
+    return p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)(h0 + r % HT) * p.q_stride_h;
+  });
+  auto load_kv = [&](int kb) {
+    load_rows<BN>(sKV + ((kb - kb_begin) % STAGES) * BN * D, p.kv, [&](int r) -> const elem_t* {
+      const int j = kb * BN + r;
+      return j < n ? kv_row(p, b, j) : nullptr;
+    });
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (kb_begin + s < kb_end) load_kv(kb_begin + s);
+    cp_async_commit();
+  }
+  if (MASK_TREE && threadIdx.x < QT) sBits[threadIdx.x] = q0 + threadIdx.x < S ? tree_bits(p, b, q0 + threadIdx.x) : 0ull;
+  if (threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;
+
+  float o[MT][NTO][4] = {};
+  float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
+  const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
+
+  for (int kb = kb_begin; kb < kb_end; ++kb) {
+    if (STAGES == 1) {                                    // one buffer: refill it once all used it
+      __syncthreads();
+      load_kv(kb);
+      cp_async_commit();
+    }
+    cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
+
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async data -> wgmma reads
+
+    __syncthreads();                                      // tile kb landed; tile kb-1 fully used
+    if (STAGES > 1) {
+      if (kb + STAGES - 1 < kb_end) load_kv(kb + STAGES - 1);
+      cp_async_commit();
+    }
+    const elem_t* tile = sKV + ((kb - kb_begin) % STAGES) * BN * D;
+    const unsigned tileA = smem_addr(tile);
+
+    // ---- scores: rows [wmq*ROWS_W, +ROWS_W) x keys [wnq*KEYS_W, +KEYS_W), k over D ----
+    float s[MTQ][NTQ][4] = {};
+
+    // Warpgroup wnq: all 64 rows x keys [32*wnq, +32); its warp wmq gets rows 16*wmq.. in the
+    // mma.sync accumulator layout (per 8 keys: row g cols 2t,2t+1; row g+8 likewise).
+    static_assert(MTQ == 1 && NTQ == 4 && M_PAD == 64, "one m64n32 wgmma per warpgroup");
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const unsigned within = (ks % 4) * 32, block = ks / 4;   // 4 k-steps per 128-byte column block
+      wgmma_m64n32k16(&s[0][0][0], wgmma_desc(sQa + block * (M_PAD * 128) + within),
+                      wgmma_desc(tileA + block * (BN * 128) + wnq * KEYS_W * 128 + within), ks > 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+
+
+    // ---- mask, scale, and this warp's row maxima ----
+#pragma unroll
+    for (int mt = 0; mt < MTQ; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
+        const int i = q0 + row / HT;
+        const bool live = row < ROWS && i < S;
+        const unsigned long long bits = MASK_TREE && live ? sBits[row / HT] : 0ull;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < NTQ; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = kb * BN + wnq * KEYS_W + nt * 8 + 2 * t + e;
+            float& x = s[mt][nt][2 * half + e];
+            x = live && key_visible(j, n, i, S, bits) ? x * p.scale_log2 : -INFINITY;
+            mx = fmaxf(mx, x);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        if (t == 0) sPart[wnq * M_PAD + row] = mx;
+      }
+    __syncthreads();
+
+    // ---- new row maxima; P = exp2(S - m) to shared memory ----
+#pragma unroll
+    for (int mt = 0; mt < MTQ; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
+        float m_new = sM[row];
+        const float m_old = m_new;
+#pragma unroll
+        for (int w = 0; w < WNQ; ++w) m_new = fmaxf(m_new, sPart[w * M_PAD + row]);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;     // an all-masked row stays empty
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NTQ; ++nt) {
+          const float p0 = exp2f(s[mt][nt][2 * half] - m_use), p1 = exp2f(s[mt][nt][2 * half + 1] - m_use);
+          sum += p0 + p1;
+          *reinterpret_cast<elem2_t*>(sP + row * PS + wnq * KEYS_W + nt * 8 + 2 * t) = from_float2(p0, p1);
+        }
+        lpart[mt][half] = lpart[mt][half] * exp2f(m_old - m_use) + sum;
+      }
+    // Output rows of this thread: rescale by exp2(m_old - m_new) before adding this tile.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = mt * 16 + g + 8 * half;
+        float m_new = sM[row];
+        const float m_old = m_new;
+#pragma unroll
+        for (int w = 0; w < WNQ; ++w) m_new = fmaxf(m_new, sPart[w * M_PAD + row]);
+        const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
+#pragma unroll
+        for (int nt = 0; nt < NTO; ++nt) { o[mt][nt][2 * half] *= alpha; o[mt][nt][2 * half + 1] *= alpha; }
+      }
+    __syncthreads();                                      // P complete; sM and sPart read
+    if (threadIdx.x < M_PAD) {
+      float m_new = sM[threadIdx.x];
+#pragma unroll
+      for (int w = 0; w < WNQ; ++w) m_new = fmaxf(m_new, sPart[w * M_PAD + threadIdx.x]);
+      sM[threadIdx.x] = m_new;                            // next read after the next tile's barriers
+    }
+
+    // ---- O += P V over the tile's keys; this warp's dims [warp*DIMS_W, +DIMS_W) ----
+#pragma unroll 2
+    for (int ks = 0; ks < BN / 16; ++ks) {
+      unsigned a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        ldsm_x4(sPa + 2 * ((mt * 16 + lane % 16) * PS + ks * 16 + 8 * (lane / 16)), a[mt]);
+#pragma unroll
+      for (int np = 0; np < NTO / 2; ++np) {
+        unsigned bv[4];
+        const int mi = lane / 8;
+        ldsm_x4_t(tileA + 2 * swz<BN>(ks * 16 + lane % 8 + 8 * (mi % 2), (warp * DIMS_W + np * 16) / 8 + mi / 2), bv);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816(o[mt][2 * np], a[mt], bv);
+          mma16816(o[mt][2 * np + 1], a[mt], bv + 2);
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: row sums meet in shared memory; write out/lse or the split's partial ----
+  cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int mt = 0; mt < MTQ; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float l = lpart[mt][half];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (t == 0) sPart[wnq * M_PAD + wmq * ROWS_W + mt * 16 + g + 8 * half] = l;
+    }
+  __syncthreads();
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = mt * 16 + g + 8 * half;
+      const int i = q0 + row / HT, h = h0 + row % HT;
+      if (row >= ROWS || i >= S) continue;
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
+      const float m = sM[row];
+#pragma unroll
+      for (int nt = 0; nt < NTO; ++nt) {
+        const float pair[2] = {o[mt][nt][2 * half], o[mt][nt][2 * half + 1]};
+        finish_row<2>(p, split, b, i, h, warp * DIMS_W + nt * 8 + 2 * t, pair, m, l,
+                      warp == 0 && nt == 0 && t == 0);
+      }
+    }
+}
