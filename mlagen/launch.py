@@ -64,7 +64,9 @@ def load(problem: Problem, variant: Variant, device_index: int) -> Loaded:
                                         driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         plan.smem_bytes)
             combine = module.get_function(plan.combine_kernel) if plan.uses_split else None
-        regs = built.module.resources[plan.main_kernel].registers
+            # The loaded function's own count: a cache entry's parsed ptxas log can lack it
+            # (seen once on the H200 for an entry a precompile worker wrote).
+            regs = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, main.ptr)
         occupancy = plan.arch.blocks_per_sm(plan.threads, plan.smem_bytes, regs)
         loaded = Loaded(plan=plan, main=main, combine=combine, module=module, blocks_per_sm=occupancy)
         _loaded[key] = loaded

@@ -331,8 +331,8 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned
          | ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
 }
 // o += P V for P = 64 rows x 16 keys (K-major, shared) and V = 16 keys x DL/2 dims read
-// N-major (transposed) from the KV tile: 8-key groups 1024 bytes apart (leading byte offset),
-// 64-dim column blocks BN*128 bytes apart (stride byte offset).
+// N-major (transposed) from the KV tile: 64-dim column blocks BN*128 bytes apart (leading byte
+// offset), 8-key groups 1024 bytes apart (stride byte offset); measured, benchmarks/NOTES.md.
 
 __device__ __forceinline__ void wgmma_pv(float* o, unsigned long long a, unsigned long long b) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
@@ -540,7 +540,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
 #pragma unroll
     for (int ks = 0; ks < BN / 16; ++ks)
       wgmma_pv(&o[0][0][0], wgmma_desc(sPa + ks * 32),
-               wgmma_desc(tileA + (DL / 128) * wnq * (BN * 128) + ks * 2048, 1024, BN * 128));
+               wgmma_desc(tileA + (DL / 128) * wnq * (BN * 128) + ks * 2048, BN * 128, 1024));
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 
