@@ -94,6 +94,16 @@ def emit_one(problem: Problem, variant: Variant, folder: Path, launcher: bool = 
 
 
 def emit_preset(preset: Preset, archs: tuple[str, ...], out: Path, launcher: bool = False) -> list[Emitted]:
-    """Every variant of `preset` for each arch into out/<preset>/<arch>/."""
-    return [emit_one(preset.problem, v, out / preset.name / arch, launcher)
-            for arch in archs for v in preset.variants(arch)]
+    """Every variant of `preset` for each arch into out/<preset>/<arch>/. The folder then holds
+    exactly the preset's kernels: mlagen files left there by an earlier emit whose variant the
+    preset no longer picks are removed (files not named mlagen_* are left alone)."""
+    emitted = []
+    for arch in archs:
+        folder = out / preset.name / arch
+        mine = [emit_one(preset.problem, v, folder, launcher) for v in preset.variants(arch)]
+        keep = {p for e in mine for p in (e.source, e.manifest, e.launcher) if p is not None}
+        for stale in folder.glob("mlagen_*"):
+            if stale.suffix in (".cu", ".json", ".h") and stale not in keep:
+                stale.unlink()
+        emitted += mine
+    return emitted

@@ -56,6 +56,19 @@ def test_emitted_file_compiles_alone(tmp_path):
         assert {k["name"] for k in meta["kernels"]} == set(module.resources)
 
 
+def test_preset_emit_removes_its_stale_kernels_only(tmp_path):
+    folder = tmp_path / "kimi-k2" / "sm_90"
+    folder.mkdir(parents=True)
+    stale = folder / "mlagen_mma_ht2_qt1_bn32_w4_st1_sm90_h64_old.cu"
+    stale.write_text("// an earlier emit's kernel\n")
+    mine = folder / "engine_notes.cu"
+    mine.write_text("// the user's own file\n")
+    emit_preset(PRESETS["kimi-k2"], ("sm_90",), tmp_path)
+    assert not stale.exists() and mine.exists()
+    assert {p.name for p in folder.glob("mlagen_*.cu")} == {
+        f"{validate(PRESETS['kimi-k2'].problem, v).name}.cu" for v in PRESETS["kimi-k2"].variants("sm_90")}
+
+
 def test_emit_with_launcher_headers(tmp_path):
     result = runner.invoke(app, ["emit", "--arch", "sm_90", "--launcher", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
