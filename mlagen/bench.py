@@ -17,7 +17,7 @@ import torch
 from .dispatch import choose_variant, family_variant
 from .floor import floor_us
 from .grids import Row
-from .peers import peer
+from .peers import PEER_GPU, peer
 from .precompile import code_identity, precompile
 from .runtime import device_info, device_name, verify_attention
 from .spec import FAMILIES, Problem, Variant
@@ -146,6 +146,9 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     row_task = progress.add_task("timing rows", total=len(plans)) if progress else None
 
     result = BenchResult(meta=meta, families=families)
+    # The peer figures were measured on one GPU, page 64, causal: show them only for the same.
+    show_peers = (torch.cuda.get_device_name() == PEER_GPU and config.page_size == 64
+                  and config.mask == "causal")
     for row, grids, problem, variants in plans:
         if progress:
             progress.update(row_task, description=f"timing H={row.heads} B={row.batch} S={row.seqlen_q} "
@@ -161,7 +164,7 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
         result.rows.append(RowResult(
             heads=row.heads, batch=row.batch, seqlen_q=row.seqlen_q, prefix=row.prefix, grids=list(grids),
             floor_us=floor_us(row.heads, row.batch, row.seqlen_q, row.keys, ceilings), cells=cells,
-            flashmla_us=p.flashmla_us if p and config.page_size == 64 and config.mask == "causal" else None))
+            flashmla_us=p.flashmla_us if p and show_peers else None))
         torch.cuda.empty_cache()
         if progress:
             progress.advance(row_task)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 
-from .spec import FAMILIES, Problem, Variant, naive
+from .spec import Problem, Variant, naive
 from .validate import SpecError, validate
 
 BLOCK_NS = (32, 64)
@@ -77,7 +77,3 @@ def split_variants(variant: Variant, kv_capacity: int, skip: int) -> list[Varian
     tiles = max(1, -(-kv_capacity // variant.block_n))
     return [variant.with_(kv_split=s) for s in SPLITS if s <= tiles and s != skip]
 
-
-def available_families(problem: Problem, seqlen_q: int, arch: str) -> list[str]:
-    """The families with at least one valid variant for this problem and S on `arch`."""
-    return [f for f in FAMILIES if structures(problem, seqlen_q, arch, f, limit=1)]

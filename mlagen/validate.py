@@ -58,15 +58,6 @@ class KernelPlan:
         return f"{self.name}_combine"
 
     @property
-    def chunks(self) -> int:
-        """16-byte chunks per KV row (Dl + Dr)."""
-        return self.problem.head_dim // CHUNK
-
-    @property
-    def chunks_v(self) -> int:
-        return self.problem.dl // CHUNK
-
-    @property
     def uses_split(self) -> bool:
         return self.variant.family != "naive"
 

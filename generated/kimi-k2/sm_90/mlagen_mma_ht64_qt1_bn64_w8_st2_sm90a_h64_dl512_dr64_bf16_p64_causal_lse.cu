@@ -336,6 +336,14 @@ __device__ __forceinline__ void wgmma_m64n32k16(float* d, unsigned long long a, 
 }
 
 
+// Row max of `row` after the current tile: the running max in sM and every warp's tile maximum.
+__device__ __forceinline__ float new_max(const float* sM, const float* sPart, int row) {
+  float m = sM[row];
+#pragma unroll
+  for (int w = 0; w < WNQ; ++w) m = fmaxf(m, sPart[w * M_PAD + row]);
+  return m;
+}
+
 // Rows of a [rows][D] tile into swizzled shared memory: 8 threads per row, each 1/8 of its
 // chunks, so one page lookup serves 9 copies. `row_ptr(r)` gives the global row or nullptr
 // (zero fill).
@@ -467,10 +475,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
-        float m_new = sM[row];
-        const float m_old = m_new;
-#pragma unroll
-        for (int w = 0; w < WNQ; ++w) m_new = fmaxf(m_new, sPart[w * M_PAD + row]);
+        const float m_old = sM[row], m_new = new_max(sM, sPart, row);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;     // an all-masked row stays empty
         float sum = 0.f;
 #pragma unroll
@@ -487,21 +492,14 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = mt * 16 + g + 8 * half;
-        float m_new = sM[row];
-        const float m_old = m_new;
-#pragma unroll
-        for (int w = 0; w < WNQ; ++w) m_new = fmaxf(m_new, sPart[w * M_PAD + row]);
+        const float m_old = sM[row], m_new = new_max(sM, sPart, row);
         const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
 #pragma unroll
         for (int nt = 0; nt < NTO; ++nt) { o[mt][nt][2 * half] *= alpha; o[mt][nt][2 * half + 1] *= alpha; }
       }
     __syncthreads();                                      // P complete; sM and sPart read
-    if (threadIdx.x < M_PAD) {
-      float m_new = sM[threadIdx.x];
-#pragma unroll
-      for (int w = 0; w < WNQ; ++w) m_new = fmaxf(m_new, sPart[w * M_PAD + threadIdx.x]);
-      sM[threadIdx.x] = m_new;                            // next read after the next tile's barriers
-    }
+    if (threadIdx.x < M_PAD)                              // next read after the next tile's barriers
+      sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
 
     // ---- O += P V over the tile's keys; this warp's dims [warp*DIMS_W, +DIMS_W) ----
 #pragma unroll 2
