@@ -279,6 +279,9 @@ constexpr int MT = M_PAD / 16;                                      // output m1
 constexpr int DIMS_W = 64;                              // output dims per warp
 constexpr int NTO = DIMS_W / 8;
 constexpr int PS = 72;                                // P row stride (padded)
+
+constexpr int MT_O = MT, NT_O = NTO;                                // every warp: all rows, DIMS_W dims
+
 constexpr int HEAD_TILES = H / HT;
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
@@ -326,6 +329,14 @@ __device__ __forceinline__ float new_max(const float* sM, const float* sPart, in
 #pragma unroll
   for (int w = 0; w < WNQ; ++w) m = fmaxf(m, sPart[w * M_PAD + row]);
   return m;
+}
+
+// Element offset of P(row, key) in shared memory: on wgmma the K-major 128-byte-swizzle layout
+// (BN = 64 keys = one 128-byte row), else padded rows for ldmatrix.
+__device__ __forceinline__ int p_off(int row, int key) {
+
+  return row * PS + key;
+
 }
 
 // Rows of a [rows][D] tile into swizzled shared memory: 8 threads per row, each 1/8 of its
@@ -389,7 +400,10 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
   if (MASK_TREE && threadIdx.x < QT) sBits[threadIdx.x] = q0 + threadIdx.x < S ? tree_bits(p, b, q0 + threadIdx.x) : 0ull;
   if (threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;
 
-  float o[MT][NTO][4] = {};
+  float o[MT_O][NT_O][4] = {};
+
+  const int o_row0 = 0, o_dim0 = warp * DIMS_W;
+
   float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
   const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
 
@@ -468,26 +482,29 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
         for (int nt = 0; nt < NTQ; ++nt) {
           const float p0 = exp2f(s[mt][nt][2 * half] - m_use), p1 = exp2f(s[mt][nt][2 * half + 1] - m_use);
           sum += p0 + p1;
-          *reinterpret_cast<elem2_t*>(sP + row * PS + wnq * KEYS_W + nt * 8 + 2 * t) = from_float2(p0, p1);
+          *reinterpret_cast<elem2_t*>(sP + p_off(row, wnq * KEYS_W + nt * 8 + 2 * t)) = from_float2(p0, p1);
         }
         lpart[mt][half] = lpart[mt][half] * exp2f(m_old - m_use) + sum;
       }
     // Output rows of this thread: rescale by exp2(m_old - m_new) before adding this tile.
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < MT_O; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int row = mt * 16 + g + 8 * half;
+        const int row = o_row0 + mt * 16 + g + 8 * half;
         const float m_old = sM[row], m_new = new_max(sM, sPart, row);
         const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
 #pragma unroll
-        for (int nt = 0; nt < NTO; ++nt) { o[mt][nt][2 * half] *= alpha; o[mt][nt][2 * half + 1] *= alpha; }
+        for (int nt = 0; nt < NT_O; ++nt) { o[mt][nt][2 * half] *= alpha; o[mt][nt][2 * half + 1] *= alpha; }
       }
+
     __syncthreads();                                      // P complete; sM and sPart read
     if (threadIdx.x < M_PAD)                              // next read after the next tile's barriers
       sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
 
-    // ---- O += P V over the tile's keys; this warp's dims [warp*DIMS_W, +DIMS_W) ----
+    // ---- O += P V over the tile's keys ----
+
+    // this warp's dims [warp*DIMS_W, +DIMS_W)
 #pragma unroll 2
     for (int ks = 0; ks < BN / 16; ++ks) {
       unsigned a[MT][4];
@@ -506,6 +523,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
         }
       }
     }
+
   }
 
   // ---- epilogue: row sums meet in shared memory; write out/lse or the split's partial ----
@@ -522,10 +540,10 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
     }
   __syncthreads();
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int mt = 0; mt < MT_O; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = mt * 16 + g + 8 * half;
+      const int row = o_row0 + mt * 16 + g + 8 * half;
       const int i = q0 + row / HT, h = h0 + row % HT;
       if (row >= ROWS || i >= S) continue;
       float l = 0.f;
@@ -533,10 +551,10 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
       for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
       const float m = sM[row];
 #pragma unroll
-      for (int nt = 0; nt < NTO; ++nt) {
+      for (int nt = 0; nt < NT_O; ++nt) {
         const float pair[2] = {o[mt][nt][2 * half], o[mt][nt][2 * half + 1]};
-        finish_row<2>(p, split, b, i, h, warp * DIMS_W + nt * 8 + 2 * t, pair, m, l,
-                      warp == 0 && nt == 0 && t == 0);
+        finish_row<2>(p, split, b, i, h, o_dim0 + nt * 8 + 2 * t, pair, m, l,
+                      o_dim0 == 0 && nt == 0 && t == 0);
       }
     }
 }

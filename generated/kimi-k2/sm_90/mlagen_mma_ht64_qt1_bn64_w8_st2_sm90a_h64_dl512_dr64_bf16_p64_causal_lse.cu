@@ -279,6 +279,11 @@ constexpr int MT = M_PAD / 16;                                      // output m1
 constexpr int DIMS_W = 64;                              // output dims per warp
 constexpr int NTO = DIMS_W / 8;
 constexpr int PS = 72;                                // P row stride (padded)
+
+// Output on wgmma: warpgroup wnq holds all 64 rows x dims [DL/2*wnq, +DL/2); its warp wmq rows
+// 16*wmq.. as one m16 piece of DL/16 n8 pieces (the same register order as mma.sync pieces).
+constexpr int MT_O = 1, NT_O = DL / 16;
+
 constexpr int HEAD_TILES = H / HT;
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
@@ -321,8 +326,20 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
 
 // wgmma descriptor of a K-major, 128-byte-swizzled operand at shared address `addr`: 8-row
 // groups 1024 bytes apart (stride byte offset); the leading byte offset is unused.
-__device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr) {
-  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned lbo = 16, unsigned sbo = 1024) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16)
+         | ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
+}
+// o += P V for P = 64 rows x 16 keys (K-major, shared) and V = 16 keys x DL/2 dims read
+// N-major (transposed) from the KV tile: 64-dim column blocks BN*128 bytes apart (leading byte
+// offset), 8-key groups 1024 bytes apart (stride byte offset); measured, benchmarks/NOTES.md.
+
+__device__ __forceinline__ void wgmma_pv(float* o, unsigned long long a, unsigned long long b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+               : "+f"(o[0]), "+f"(o[1]), "+f"(o[2]), "+f"(o[3]), "+f"(o[4]), "+f"(o[5]), "+f"(o[6]), "+f"(o[7]), "+f"(o[8]), "+f"(o[9]), "+f"(o[10]), "+f"(o[11]), "+f"(o[12]), "+f"(o[13]), "+f"(o[14]), "+f"(o[15]), "+f"(o[16]), "+f"(o[17]), "+f"(o[18]), "+f"(o[19]), "+f"(o[20]), "+f"(o[21]), "+f"(o[22]), "+f"(o[23]), "+f"(o[24]), "+f"(o[25]), "+f"(o[26]), "+f"(o[27]), "+f"(o[28]), "+f"(o[29]), "+f"(o[30]), "+f"(o[31]), "+f"(o[32]), "+f"(o[33]), "+f"(o[34]), "+f"(o[35]), "+f"(o[36]), "+f"(o[37]), "+f"(o[38]), "+f"(o[39]), "+f"(o[40]), "+f"(o[41]), "+f"(o[42]), "+f"(o[43]), "+f"(o[44]), "+f"(o[45]), "+f"(o[46]), "+f"(o[47]), "+f"(o[48]), "+f"(o[49]), "+f"(o[50]), "+f"(o[51]), "+f"(o[52]), "+f"(o[53]), "+f"(o[54]), "+f"(o[55]), "+f"(o[56]), "+f"(o[57]), "+f"(o[58]), "+f"(o[59]), "+f"(o[60]), "+f"(o[61]), "+f"(o[62]), "+f"(o[63]), "+f"(o[64]), "+f"(o[65]), "+f"(o[66]), "+f"(o[67]), "+f"(o[68]), "+f"(o[69]), "+f"(o[70]), "+f"(o[71]), "+f"(o[72]), "+f"(o[73]), "+f"(o[74]), "+f"(o[75]), "+f"(o[76]), "+f"(o[77]), "+f"(o[78]), "+f"(o[79]), "+f"(o[80]), "+f"(o[81]), "+f"(o[82]), "+f"(o[83]), "+f"(o[84]), "+f"(o[85]), "+f"(o[86]), "+f"(o[87]), "+f"(o[88]), "+f"(o[89]), "+f"(o[90]), "+f"(o[91]), "+f"(o[92]), "+f"(o[93]), "+f"(o[94]), "+f"(o[95]), "+f"(o[96]), "+f"(o[97]), "+f"(o[98]), "+f"(o[99]), "+f"(o[100]), "+f"(o[101]), "+f"(o[102]), "+f"(o[103]), "+f"(o[104]), "+f"(o[105]), "+f"(o[106]), "+f"(o[107]), "+f"(o[108]), "+f"(o[109]), "+f"(o[110]), "+f"(o[111]), "+f"(o[112]), "+f"(o[113]), "+f"(o[114]), "+f"(o[115]), "+f"(o[116]), "+f"(o[117]), "+f"(o[118]), "+f"(o[119]), "+f"(o[120]), "+f"(o[121]), "+f"(o[122]), "+f"(o[123]), "+f"(o[124]), "+f"(o[125]), "+f"(o[126]), "+f"(o[127])
+               : "l"(a), "l"(b));
 }
 // d (+)= A B^T for A = 64 rows x 16 k, B = 32 rows x 16 k, both from shared memory; one
 // warpgroup, asynchronous until wgmma_wait.
@@ -342,6 +359,14 @@ __device__ __forceinline__ float new_max(const float* sM, const float* sPart, in
 #pragma unroll
   for (int w = 0; w < WNQ; ++w) m = fmaxf(m, sPart[w * M_PAD + row]);
   return m;
+}
+
+// Element offset of P(row, key) in shared memory: on wgmma the K-major 128-byte-swizzle layout
+// (BN = 64 keys = one 128-byte row), else padded rows for ldmatrix.
+__device__ __forceinline__ int p_off(int row, int key) {
+
+  return row * 64 + ((((key >> 3) ^ row) & 7) << 3) + (key & 7);
+
 }
 
 // Rows of a [rows][D] tile into swizzled shared memory: 8 threads per row, each 1/8 of its
@@ -405,7 +430,10 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   if (MASK_TREE && threadIdx.x < QT) sBits[threadIdx.x] = q0 + threadIdx.x < S ? tree_bits(p, b, q0 + threadIdx.x) : 0ull;
   if (threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;
 
-  float o[MT][NTO][4] = {};
+  float o[MT_O][NT_O][4] = {};
+
+  const int o_row0 = 16 * wmq, o_dim0 = (DL / 2) * wnq;   // this warp's output piece
+
   float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
   const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
 
@@ -482,44 +510,38 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
         for (int nt = 0; nt < NTQ; ++nt) {
           const float p0 = exp2f(s[mt][nt][2 * half] - m_use), p1 = exp2f(s[mt][nt][2 * half + 1] - m_use);
           sum += p0 + p1;
-          *reinterpret_cast<elem2_t*>(sP + row * PS + wnq * KEYS_W + nt * 8 + 2 * t) = from_float2(p0, p1);
+          *reinterpret_cast<elem2_t*>(sP + p_off(row, wnq * KEYS_W + nt * 8 + 2 * t)) = from_float2(p0, p1);
         }
         lpart[mt][half] = lpart[mt][half] * exp2f(m_old - m_use) + sum;
       }
     // Output rows of this thread: rescale by exp2(m_old - m_new) before adding this tile.
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < MT_O; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int row = mt * 16 + g + 8 * half;
+        const int row = o_row0 + mt * 16 + g + 8 * half;
         const float m_old = sM[row], m_new = new_max(sM, sPart, row);
         const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
 #pragma unroll
-        for (int nt = 0; nt < NTO; ++nt) { o[mt][nt][2 * half] *= alpha; o[mt][nt][2 * half + 1] *= alpha; }
+        for (int nt = 0; nt < NT_O; ++nt) { o[mt][nt][2 * half] *= alpha; o[mt][nt][2 * half + 1] *= alpha; }
       }
+
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // P stores -> wgmma reads
+
     __syncthreads();                                      // P complete; sM and sPart read
     if (threadIdx.x < M_PAD)                              // next read after the next tile's barriers
       sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
 
-    // ---- O += P V over the tile's keys; this warp's dims [warp*DIMS_W, +DIMS_W) ----
-#pragma unroll 2
-    for (int ks = 0; ks < BN / 16; ++ks) {
-      unsigned a[MT][4];
+    // ---- O += P V over the tile's keys ----
+
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        ldsm_x4(sPa + 2 * ((mt * 16 + lane % 16) * PS + ks * 16 + 8 * (lane / 16)), a[mt]);
-#pragma unroll
-      for (int np = 0; np < NTO / 2; ++np) {
-        unsigned bv[4];
-        const int mi = lane / 8;
-        ldsm_x4_t(tileA + 2 * swz<BN>(ks * 16 + lane % 8 + 8 * (mi % 2), (warp * DIMS_W + np * 16) / 8 + mi / 2), bv);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma16816(o[mt][2 * np], a[mt], bv);
-          mma16816(o[mt][2 * np + 1], a[mt], bv + 2);
-        }
-      }
-    }
+    for (int ks = 0; ks < BN / 16; ++ks)
+      wgmma_pv(&o[0][0][0], wgmma_desc(sPa + ks * 32),
+               wgmma_desc(tileA + (DL / 128) * wnq * (BN * 128) + ks * 2048, BN * 128, 1024));
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+
   }
 
   // ---- epilogue: row sums meet in shared memory; write out/lse or the split's partial ----
@@ -536,10 +558,10 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     }
   __syncthreads();
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int mt = 0; mt < MT_O; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = mt * 16 + g + 8 * half;
+      const int row = o_row0 + mt * 16 + g + 8 * half;
       const int i = q0 + row / HT, h = h0 + row % HT;
       if (row >= ROWS || i >= S) continue;
       float l = 0.f;
@@ -547,10 +569,10 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
       const float m = sM[row];
 #pragma unroll
-      for (int nt = 0; nt < NTO; ++nt) {
+      for (int nt = 0; nt < NT_O; ++nt) {
         const float pair[2] = {o[mt][nt][2 * half], o[mt][nt][2 * half + 1]};
-        finish_row<2>(p, split, b, i, h, warp * DIMS_W + nt * 8 + 2 * t, pair, m, l,
-                      warp == 0 && nt == 0 && t == 0);
+        finish_row<2>(p, split, b, i, h, o_dim0 + nt * 8 + 2 * t, pair, m, l,
+                      o_dim0 == 0 && nt == 0 && t == 0);
       }
     }
 }
