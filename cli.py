@@ -136,9 +136,8 @@ def check(
             for name, r in built.module.resources.items():
                 spill = r.spill_stores + r.spill_loads
                 bad += spill > 0
-                role = "combine" if name.endswith("_combine") else "main"
-                smem = built.plan.smem_bytes if role == "main" else r.shared_static
-                table.add_row(p.name, v.name, role, str(r.registers), str(smem),
+                table.add_row(p.name, v.name, name.removeprefix(built.plan.name + "_"), str(r.registers),
+                              str(built.plan.smem_bytes),
                               f"[red]{spill}[/red]" if spill else "0")
             progress.advance(task)
     console.print(table)

@@ -36,17 +36,8 @@ def manifest(plan: KernelPlan) -> dict:
         "grid": list(plan.grid_expr()),
         "block": [plan.threads, 1, 1],
         "dynamic_shared_memory": plan.smem_bytes,
-        "launch": "always",
+        "launch": "always; with num_splits > 1 the grid's y axis also holds the merge blocks",
     }]
-    if plan.uses_split:
-        kernels.append({
-            "name": plan.combine_kernel,
-            "role": "combine",
-            "grid": list(plan.combine_grid_expr()),
-            "block": [plan.combine_threads, 1, 1],
-            "dynamic_shared_memory": 0,
-            "launch": "after main, on the same stream, when num_splits > 1",
-        })
     return {
         "generator": f"mlagen {__version__}",
         "name": plan.name,
@@ -63,6 +54,9 @@ def manifest(plan: KernelPlan) -> dict:
             "when": "num_splits > 1",
             "part_o": "float32 [num_splits, B, S, H, Dl]",
             "part_ml": "float32 [num_splits, B, S, H, 2]",
+            "counters": (f"uint32 [B * grid.x] ({plan.merge_blocks} merge blocks per row group wait on them); "
+                         "zero before the first launch, every launch leaves them zero: zero once and reuse "
+                         "on one stream"),
         },
         "kernels": kernels,
     }

@@ -26,7 +26,6 @@ DEFAULT_SMEM_LIMIT = 48 * 1024   # above this a kernel must opt in to more dynam
 class Loaded:
     plan: KernelPlan
     main: object            # cupy Function of the main kernel
-    combine: object | None  # cupy Function of the combine kernel (split families)
     module: object          # keeps the CUmodule alive
     blocks_per_sm: int      # occupancy of the main kernel (what the split count plans waves with)
 
@@ -63,36 +62,28 @@ def load(problem: Problem, variant: Variant, device_index: int) -> Loaded:
                 driver.funcSetAttribute(main.ptr,
                                         driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                         plan.smem_bytes)
-            combine = module.get_function(plan.combine_kernel) if plan.uses_split else None
             # The loaded function's own count: a cache entry's parsed ptxas log can lack it
             # (seen once on the H200 for an entry a precompile worker wrote).
             regs = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, main.ptr)
         occupancy = plan.arch.blocks_per_sm(plan.threads, plan.smem_bytes, regs)
-        loaded = Loaded(plan=plan, main=main, combine=combine, module=module, blocks_per_sm=occupancy)
+        loaded = Loaded(plan=plan, main=main, module=module, blocks_per_sm=occupancy)
         _loaded[key] = loaded
         return loaded
 
 
 @dataclass(frozen=True, slots=True)
-class Kernels:
-    """The launches of one shape, as cuLaunchKernel's leading arguments (function, grid xyz,
+class KernelLaunch:
+    """The launch of one shape, as cuLaunchKernel's leading arguments (function, grid xyz,
     block xyz, dynamic shared memory), computed once so that a launch only adds the stream."""
 
-    main: tuple[int, ...]
-    main_name: str
-    combine: tuple[int, ...] | None     # None: one split, no combine launch
-    combine_name: str | None
+    args: tuple[int, ...]
+    name: str
 
 
-def kernels(loaded: Loaded, grid: tuple[int, int, int],
-            combine_grid: tuple[int, int, int] | None) -> Kernels:
-    """The main kernel on `grid`, then (combine_grid given) the combine kernel on it."""
+def kernel_launch(loaded: Loaded, grid: tuple[int, int, int]) -> KernelLaunch:
+    """The kernel on `grid` (merge blocks included when split)."""
     plan = loaded.plan
-    main = (loaded.main.ptr, *grid, plan.threads, 1, 1, plan.smem_bytes)
-    if combine_grid is None:
-        return Kernels(main=main, main_name=plan.main_kernel, combine=None, combine_name=None)
-    combine = (loaded.combine.ptr, *combine_grid, plan.combine_threads, 1, 1, 0)
-    return Kernels(main=main, main_name=plan.main_kernel, combine=combine, combine_name=plan.combine_kernel)
+    return KernelLaunch(args=(loaded.main.ptr, *grid, plan.threads, 1, 1, plan.smem_bytes), name=plan.main_kernel)
 
 
 @functools.cache
@@ -115,18 +106,11 @@ class _ParamsBuffer(threading.local):
 _params = _ParamsBuffer()
 
 
-def launch(kernels: Kernels, stream: int, pointers: tuple[int, ...], rest: tuple[int | float, ...]) -> None:
-    """Pack the parameter block (see `mlagen.params.pack_into`) and launch the main kernel,
-    then the combine kernel if any, on `stream`, both with that one block."""
+def launch(kernel: KernelLaunch, stream: int, pointers: tuple[int, ...], rest: tuple[int | float, ...]) -> None:
+    """Pack the parameter block (see `mlagen.params.pack_into`) and launch the kernel on `stream`."""
     params = _params
     pack_into(params.block, 0, *pointers, *rest)
-    launch_kernel = _launch_kernel()
     try:
-        launch_kernel(*kernels.main, stream, params.address, 0)
+        _launch_kernel()(*kernel.args, stream, params.address, 0)
     except RuntimeError as e:   # CuPy's CUDADriverError names the error, not the kernel
-        raise RuntimeError(f"cuLaunchKernel of {kernels.main_name} failed: {e}") from e
-    if kernels.combine is not None:
-        try:
-            launch_kernel(*kernels.combine, stream, params.address, 0)
-        except RuntimeError as e:
-            raise RuntimeError(f"cuLaunchKernel of {kernels.combine_name} failed: {e}") from e
+        raise RuntimeError(f"cuLaunchKernel of {kernel.name} failed: {e}") from e

@@ -2,9 +2,9 @@
 
 For a validated plan, `emit_launcher` writes `<plan.name>_launch.h` beside the kernel's .cu: a
 header-only C++ launcher in namespace `mlagen::<variant and problem>` with the kernel's
-constants, `grid`, `combine_grid`, `workspace_bytes`, `default_num_splits` and `launch`, which
-takes raw pointers, strides, sizes and a cudaStream_t, fills the parameter block and launches
-the main kernel and (with num_splits > 1) the combine kernel through cudaLaunchKernel.
+constants, `grid`, `workspace_bytes`, `default_num_splits` and `launch`, which takes raw
+pointers, strides, sizes and a cudaStream_t, fills the parameter block and launches the kernel
+(whose grid holds the merge blocks when num_splits > 1) through cudaLaunchKernel.
 
 The header is meant for a different translation unit than the .cu (see the header's comment):
 it declares its own twin of the parameter block, rendered from the same field list
@@ -23,7 +23,7 @@ from .codegen import _environment
 from .emit import write_if_changed
 from .launch import DEFAULT_SMEM_LIMIT
 from .params import FIELDS, PARAMS_SIZE, Field
-from .validate import COMBINE_WARPS, MAX_SEQLEN_Q, KernelPlan
+from .validate import MAX_SEQLEN_Q, KernelPlan
 
 _LOG2E = "1.4426950408889634f"
 
@@ -32,7 +32,7 @@ _LOG2E = "1.4426950408889634f"
 _ASSIGN: dict[str, str] = {
     "q": "q", "kv": "kv_cache", "block_table": "block_table", "seqlens": "cache_seqlens",
     "tree_mask": "kTreeMask ? tree_mask : nullptr", "out": "out", "lse": "kWritesLse ? lse : nullptr",
-    "part_o": "part_o", "part_ml": "part_ml",
+    "part_o": "part_o", "part_ml": "part_ml", "counters": "counters",
     "q_stride_b": "q_stride_b", "q_stride_s": "q_stride_s", "q_stride_h": "q_stride_h",
     "kv_stride_page": "kv_stride_page", "kv_stride_row": "kv_stride_row", "bt_stride_b": "bt_stride_b",
     "mask_stride_b": "kTreeMask ? mask_stride_b : 0", "mask_stride_q": "kTreeMask ? mask_stride_q : 0",
@@ -59,18 +59,18 @@ def _host_field(f: Field) -> Field:
 
 _CEIL = re.compile(r"ceil\((\w+) / (\d+)\)")
 _NAMES = {"B": "batch", "S": "seqlen_q", "num_splits": "num_splits"}
-_C_EXPR = re.compile(r"[\w+\-*/() ]*")
+_C_EXPR = re.compile(r"[\w+\-*/()?:> ]*")
 
 
 def _c_expr(expr: str) -> str:
-    """One of `KernelPlan.grid_expr()`'s expressions (B, S, num_splits, integers, `ceil(a / n)`)
-    as C integer arithmetic over the launcher's arguments batch, seqlen_q and num_splits.
+    """One of `KernelPlan.grid_expr()`'s expressions (B, S, num_splits, integers, `ceil(a / n)`,
+    `a > b ? c : d`) as C integer arithmetic over the launcher's arguments batch, seqlen_q and num_splits.
     Raises ValueError for anything else, so a new form in grid_expr fails here, not in C."""
     c = _CEIL.sub(lambda m: f"(({m[1]} + {m[2]} - 1) / {m[2]})", expr)
     names = set(re.findall(r"[A-Za-z_]\w*", c))
     if not _C_EXPR.fullmatch(c) or not names <= set(_NAMES):
         raise ValueError(f"launcher: cannot translate grid expression {expr!r} to C "
-                         f"(expected B, S, num_splits, integers, + - * / and ceil(a / n))")
+                         f"(expected B, S, num_splits, integers, + - * / > ?: and ceil(a / n))")
     return re.sub(r"[A-Za-z_]\w*", lambda m: _NAMES[m[0]], c)
 
 
@@ -82,7 +82,7 @@ def render_launcher(plan: KernelPlan) -> str:
     return _environment().get_template("launcher.h.j2").render(
         plan=plan, version=__version__, short_name=namespace(plan),
         fields=[_host_field(f) for f in FIELDS], params_size=PARAMS_SIZE, assign=_ASSIGN,
-        grid=tuple(_c_expr(e) for e in plan.grid_expr()), combine_warps=COMBINE_WARPS,
+        grid=tuple(_c_expr(e) for e in plan.grid_expr()),
         max_seqlen_q=MAX_SEQLEN_Q,
         combine_tiles=repr(dispatch.COMBINE_TILES), split_tiles_per_row=repr(dispatch.SPLIT_TILES_PER_ROW),
         max_splits=dispatch.MAX_SPLITS,

@@ -30,6 +30,7 @@ FIELDS: tuple[Field, ...] = (
     Field("lse", "float*", "Q", "(B, H, S) fp32, natural log; written when the problem has lse"),
     Field("part_o", "float*", "Q", "(num_splits, B, S, H, Dl) unnormalized partial outputs"),
     Field("part_ml", "float2*", "Q", "(num_splits, B, S, H) partial (max, sum), log2 domain"),
+    Field("counters", "unsigned int*", "Q", "(row groups,) finished splits per row group; zero between calls"),
     Field("q_stride_b", "long long", "q", "elements between requests of q"),
     Field("q_stride_s", "long long", "q", "elements between query positions of q"),
     Field("q_stride_h", "long long", "q", "elements between heads of q"),
@@ -45,7 +46,7 @@ FIELDS: tuple[Field, ...] = (
     Field("seqlen_q", "int", "i", "S, draft tokens per request"),
     Field("max_pages", "int", "i", "columns of block_table"),
     Field("num_pages", "int", "i", "pages in kv; page ids outside [0, num_pages) read as zeros"),
-    Field("num_splits", "int", "i", "key-range splits; 1 writes out directly, no combine"),
+    Field("num_splits", "int", "i", "key-range splits; 1 writes out directly, no merge blocks"),
     Field("scale_log2", "float", "f", "softmax_scale * log2(e)"),
 )
 

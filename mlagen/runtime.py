@@ -2,9 +2,9 @@
 
 Flow per call: check the arguments (metadata only) -> build the Problem -> pick the variant
 (given, or dispatched for the shape on this GPU) -> load it (compiled once, cached on disk)
--> allocate outputs and, with more than one split, the workspace from torch's allocator ->
-launch on torch's current stream. Nothing synchronizes the host, so the op can be captured
-in a CUDA graph.
+-> allocate outputs from torch's allocator and, with more than one split, take the stream's
+workspace (`mlagen.workspace`) -> launch one kernel on torch's current stream. Nothing
+synchronizes the host, so the op can be captured in a CUDA graph.
 
 A serving loop repeats the same argument metadata call after call, so everything that the
 metadata decides (checks, Problem, variant, kernels, grids, the parameter block's strides and
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import inputs
+from . import inputs, workspace
 from .arch import arch_for_capability, runs_on
 from .dispatch import choose_variant, num_splits
-from .launch import Kernels, Loaded, kernels, launch, load
+from .launch import KernelLaunch, Loaded, kernel_launch, launch, load
 from .params import tail
 from .spec import Problem, Variant
 
@@ -49,9 +49,10 @@ class _Prepared:
     """Everything about a call that its shape decides, computed once per shape."""
 
     loaded: Loaded
-    kernels: Kernels                              # launch arguments of main (and combine)
+    kernel: KernelLaunch
     splits: int
     workspace_rows: int                           # splits * B * S * H when split, else 0
+    row_groups: int                               # split counters in the workspace when split, else 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -72,9 +73,9 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
     loaded = load(problem, variant, device)
     splits = num_splits(variant, heads, batch, seqlen_q, kv_capacity, sm_count, loaded.blocks_per_sm)
     split = splits > 1
-    combine_grid = loaded.plan.combine_grid(batch, seqlen_q) if split else None
-    return _Prepared(loaded=loaded, kernels=kernels(loaded, loaded.plan.grid(batch, seqlen_q, splits), combine_grid),
-                     splits=splits, workspace_rows=splits * batch * seqlen_q * heads if split else 0)
+    return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, loaded.plan.grid(batch, seqlen_q, splits)),
+                     splits=splits, workspace_rows=splits * batch * seqlen_q * heads if split else 0,
+                     row_groups=loaded.plan.row_groups(batch, seqlen_q) if split else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +83,13 @@ class _Call:
     """Everything about a call that its argument signature decides: checked and computed once."""
 
     shapes: inputs.Shapes
-    kernels: Kernels
+    kernel: KernelLaunch
     device: int
     torch_device: torch.device
     dtype: torch.dtype
     out_size: tuple[int, int, int, int]     # [B, S, H, Dl]
     lse_size: tuple[int, int, int]          # [B, H, S]
-    workspace_size: int                     # fp32 elements; 0: one split, no workspace
-    part_ml_offset: int                     # bytes from part_o to part_ml inside the workspace
+    layout: workspace.Layout | None         # None: one split, no workspace
     tail: tuple[int | float, ...]           # the parameter block after its pointers
 
 
@@ -99,21 +99,16 @@ _calls: dict[tuple, _Call] = {}
 _MAX_CALLS = 1024
 
 
-def _key(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
-         tree_mask: torch.Tensor | None, out: torch.Tensor | None, head_dim_v: int, softmax_scale: float | None,
-         causal: bool, return_lse: bool, variant: Variant | None) -> tuple:
-    return (inputs.signature(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale),
-            causal, return_lse, variant)
-
-
-def _lookup(q: object, kv_cache: object, block_table: object, cache_seqlens: object, tree_mask: object,
-            out: object, head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
-            variant: Variant | None) -> _Call | None:
-    """The remembered _Call for these arguments' `_key`, or None (also for arguments that are
-    not tensors or not hashable: the full checks name those)."""
+def _key(q: object, kv_cache: object, block_table: object, cache_seqlens: object, tree_mask: object,
+         out: object, head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
+         variant: Variant | None) -> tuple | None:
+    """The key a call's _Call is remembered under, or None for arguments that are not tensors
+    or not hashable (the full checks name those)."""
     try:
-        return _calls.get(_key(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v,
-                               softmax_scale, causal, return_lse, variant))
+        key = (inputs.signature(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale),
+               causal, return_lse, variant)
+        hash(key)
+        return key
     except (AttributeError, TypeError, RuntimeError):
         return None
 
@@ -124,11 +119,11 @@ def _require_cuda(q: object) -> None:
                                 "expected a CUDA tensor")
 
 
-def _checked_call(q: object, kv_cache: object, block_table: object, cache_seqlens: object, tree_mask: object,
-                  out: object, head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
-                  variant: Variant | None, check_values: bool | None) -> _Call:
+def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: object, cache_seqlens: object,
+                  tree_mask: object, out: object, head_dim_v: int, softmax_scale: float | None, causal: bool,
+                  return_lse: bool, variant: Variant | None, check_values: bool | None) -> _Call:
     """Every check, in the op's order (each names the bad argument), then the _Call, which is
-    remembered under the arguments' signature."""
+    remembered under `key` (the arguments' `_key`)."""
     _require_cuda(q)
     shapes = inputs.check_inputs(q, kv_cache, block_table, cache_seqlens, tree_mask, head_dim_v, softmax_scale)
     if inputs.values_requested(check_values):
@@ -146,11 +141,9 @@ def _checked_call(q: object, kv_cache: object, block_table: object, cache_seqlen
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shapes.head_dim)
     q_strides = q.stride()
     call = _Call(
-        shapes=shapes, kernels=prep.kernels, device=device, torch_device=q.device, dtype=q.dtype,
-        out_size=out_size, lse_size=(B, H, S), workspace_size=prep.workspace_rows * (dl + 2),
-        # part_o [splits, B, S, H, Dl] then part_ml [splits, B, S, H, 2], both fp32; part_o's
-        # size is a multiple of 8 bytes, so part_ml stays float2-aligned.
-        part_ml_offset=prep.workspace_rows * dl * 4,
+        shapes=shapes, kernel=prep.kernel, device=device, torch_device=q.device, dtype=q.dtype,
+        out_size=out_size, lse_size=(B, H, S),
+        layout=workspace.Layout.of(prep.workspace_rows, dl, prep.row_groups) if prep.splits > 1 else None,
         tail=tail({
             "q_stride_b": q_strides[0], "q_stride_s": q_strides[1], "q_stride_h": q_strides[2],
             "kv_stride_page": shapes.kv_strides[0], "kv_stride_row": shapes.kv_strides[1],
@@ -160,23 +153,11 @@ def _checked_call(q: object, kv_cache: object, block_table: object, cache_seqlen
             "batch": B, "seqlen_q": S, "max_pages": shapes.max_pages, "num_pages": shapes.num_pages,
             "num_splits": prep.splits, "scale_log2": scale * LOG2E,
         }))
-    if len(_calls) >= _MAX_CALLS:
-        _calls.clear()
-    _calls[_key(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale,
-                causal, return_lse, variant)] = call
+    if key is not None:
+        if len(_calls) >= _MAX_CALLS:
+            _calls.clear()
+        _calls[key] = call
     return call
-
-
-def _launch(call: _Call, pointers: tuple[int, ...]) -> None:
-    """Launch on torch's current stream of q's device, in that device's context."""
-    # The raw stream handle, without building a torch.cuda.Stream object.
-    stream = torch._C._cuda_getCurrentRawStream(call.device)
-    # torch.cuda.current_device() without its lazy-init check: q is a CUDA tensor, so CUDA is up.
-    if torch._C._cuda_getDevice() == call.device:
-        launch(call.kernels, stream, pointers, call.tail)
-    else:   # kernels load into, and launch in, the context of q's device
-        with torch.cuda.device(call.device):
-            launch(call.kernels, stream, pointers, call.tail)
 
 
 def verify_attention(
@@ -218,8 +199,9 @@ def verify_attention(
         out [B, S, H, Dl] in q's dtype, and lse if return_lse. A row that sees no key gives
         out = 0 and lse = -inf.
     """
-    call = _lookup(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale,
-                   causal, return_lse, variant)
+    key = _key(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale, causal,
+               return_lse, variant)
+    call = _calls.get(key) if key is not None else None
     if call is not None:
         # Pointers change from call to call, so alignment is checked every time; a misaligned
         # one goes through the full checks, which name it.
@@ -227,7 +209,7 @@ def verify_attention(
         if (q_ptr | kv_ptr | (out.data_ptr() if out is not None else 0)) & 15:
             call = None
     if call is None:
-        call = _checked_call(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v,
+        call = _checked_call(key, q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v,
                              softmax_scale, causal, return_lse, variant, check_values)
         q_ptr, kv_ptr = q.data_ptr(), kv_cache.data_ptr()
     elif inputs.values_requested(check_values):
@@ -239,13 +221,20 @@ def verify_attention(
     lse = torch.empty(*call.lse_size, dtype=torch.float32, device=call.torch_device) if return_lse else None
     if call.shapes.batch == 0:
         return (out, lse) if return_lse else out
-    part_o = part_ml = 0
-    if call.workspace_size:   # referenced until the launches are queued on the stream
-        workspace = torch.empty(call.workspace_size, dtype=torch.float32, device=call.torch_device)
-        part_o = workspace.data_ptr()
-        part_ml = part_o + call.part_ml_offset
+    # The raw stream handle, without building a torch.cuda.Stream object.
+    stream = torch._C._cuda_getCurrentRawStream(call.device)
+    part_o = part_ml = counters = 0
+    if call.layout is not None:   # `held` is referenced until the launch is queued on the stream
+        held, part_o, counters = workspace.get(call.device, stream, call.layout, call.torch_device)
+        part_ml = part_o + call.layout.part_ml_offset
     # kv_cache's pointer is the [num_pages, page_size, D] view's too (a 4-dim cache's index 0).
-    _launch(call, (q_ptr, kv_ptr, block_table.data_ptr(), cache_seqlens.data_ptr(),
-                   tree_mask.data_ptr() if tree_mask is not None else 0, out.data_ptr(),
-                   lse.data_ptr() if lse is not None else 0, part_o, part_ml))
+    pointers = (q_ptr, kv_ptr, block_table.data_ptr(), cache_seqlens.data_ptr(),
+                tree_mask.data_ptr() if tree_mask is not None else 0, out.data_ptr(),
+                lse.data_ptr() if lse is not None else 0, part_o, part_ml, counters)
+    # torch.cuda.current_device() without its lazy-init check: q is a CUDA tensor, so CUDA is up.
+    if torch._C._cuda_getDevice() == call.device:
+        launch(call.kernel, stream, pointers, call.tail)
+    else:   # kernels load into, and launch in, the context of q's device
+        with torch.cuda.device(call.device):
+            launch(call.kernel, stream, pointers, call.tail)
     return (out, lse) if return_lse else out

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from .mma_plan import MmaLayout
 
 MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
-COMBINE_WARPS = 4          # rows merged per block of the combine kernel
 CHUNK = 8                  # elements per 16-byte load
 MAX_ACCUMULATORS = 128     # fp32 output accumulators per thread the scalar flash kernel may hold
 
@@ -38,7 +37,7 @@ class KernelPlan:
     problem: Problem
     variant: Variant
     arch: Arch
-    name: str               # C symbol prefix; kernels are <name>_main and <name>_combine
+    name: str               # C symbol prefix; the kernel is <name>_main
     threads: int            # threads per block of the main kernel
     rows: int               # query rows per block: q_tile * head_tile
     rows_pad: int           # rows rounded up to what the family's thread mapping covers
@@ -46,7 +45,6 @@ class KernelPlan:
     head_tiles: int         # H / head_tile
     row_elems: int          # padded shared-memory row of q/kv tiles, in elements
     smem_bytes: int         # dynamic shared memory of the main kernel
-    combine_threads: int = COMBINE_WARPS * 32
     mma: MmaLayout | None = None   # the tensor-core family's warp layout
 
     @property
@@ -54,12 +52,22 @@ class KernelPlan:
         return f"{self.name}_main"
 
     @property
-    def combine_kernel(self) -> str:
-        return f"{self.name}_combine"
-
-    @property
     def uses_split(self) -> bool:
         return self.variant.family != "naive"
+
+    @property
+    def merge_blocks(self) -> int:
+        """Blocks per row group that merge the splits' partials (one warp per row), placed after
+        the split blocks on the grid's y axis; 0 for the naive family."""
+        return -(-self.rows // (self.threads // 32)) if self.uses_split else 0
+
+    def blocks_y(self, num_splits: int) -> int:
+        """The grid's y extent: the splits, then (with more than one) the merge blocks."""
+        return num_splits + self.merge_blocks if num_splits > 1 else 1
+
+    def row_groups(self, batch: int, seqlen_q: int) -> int:
+        """Row groups (query tile x head tile of one request): the split counters in the workspace."""
+        return self.q_tiles(seqlen_q) * self.head_tiles * batch
 
     def q_tiles(self, seqlen_q: int) -> int:
         return -(-seqlen_q // self.variant.q_tile)
@@ -68,20 +76,14 @@ class KernelPlan:
         """Grid of the main kernel."""
         if self.variant.family == "naive":
             return (self.problem.heads, seqlen_q, batch)
-        return (self.q_tiles(seqlen_q) * self.head_tiles, num_splits, batch)
+        return (self.q_tiles(seqlen_q) * self.head_tiles, self.blocks_y(num_splits), batch)
 
     def grid_expr(self) -> tuple[str, str, str]:
         """`grid` as C-like expressions of B, S and num_splits, for manifests and launchers."""
         if self.variant.family == "naive":
             return (str(self.problem.heads), "S", "B")
-        return (f"ceil(S / {self.variant.q_tile}) * {self.head_tiles}", "num_splits", "B")
-
-    def combine_grid_expr(self) -> tuple[str, str, str]:
-        return (f"ceil(B * S * {self.problem.heads} / {COMBINE_WARPS})", "1", "1")
-
-    def combine_grid(self, batch: int, seqlen_q: int) -> tuple[int, int, int]:
-        rows = batch * seqlen_q * self.problem.heads
-        return (-(-rows // COMBINE_WARPS), 1, 1)
+        return (f"ceil(S / {self.variant.q_tile}) * {self.head_tiles}",
+                f"num_splits > 1 ? num_splits + {self.merge_blocks} : 1", "B")
 
 
 def _require(ok: bool, field: str, value: object, expected: str) -> None:

@@ -1,44 +1,102 @@
-"""The split-KV workspace: fp32 partial results one call's main kernel writes and its combine
-kernel reads, both queued on one stream.
+"""The split-KV workspace of a call: the splits' fp32 partial results and, per row group, the
+counter its merge blocks wait on (see templates/merge.cuh.j2).
 
-Eager calls reuse one buffer per (device, stream): work on a stream runs in order, so a call's
-kernels never overlap the previous call's on that stream, and reusing skips a torch.empty per
-call (~3 µs of host time on the H200 machine). Calls on different streams get different
-buffers, so concurrent streams never share one. Under CUDA graph capture each call takes its
-own buffer from torch's allocator (the graph's private pool): a graph never shares its
-workspace with eager calls or with other graphs.
+The counters must be zero when a launch starts; every launch leaves them zero. So:
 
-The buffers are torch tensors, so they count in torch's memory statistics; `release()` drops
-them (torch's caching allocator then holds the memory until `torch.cuda.empty_cache()`).
+- Eager calls reuse one zeroed buffer per (device, stream): work on a stream runs in order, so
+  a call's launch never overlaps the previous one on that stream, and reusing skips a
+  torch.empty per call (~3 µs of host time on the H200 machine). Other streams get their own.
+- A call being captured in a CUDA graph takes its partials from torch's allocator (the graph's
+  private pool) and its counters from a zeroed arena that eager calls set up on the device:
+  slices handed out once and never again, so no two graphs, and no graph and eager call,
+  share anything. Without arena room (no eager call yet on the device, or exhausted) the
+  capture records a memset of its own counters instead, which the graph repeats per replay.
+
+The buffers are torch tensors, counted in torch's memory statistics; `release()` drops the
+eager ones (torch's caching allocator then holds the memory until `torch.cuda.empty_cache()`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-# (device index, raw stream handle) -> buffer. Handles are per device (the default stream is 0
-# on every device), hence the pair. Bounded: code that creates a stream per request would
-# otherwise keep a buffer per stream it ever used.
-_buffers: dict[tuple[int, int], torch.Tensor] = {}
+ARENA_COUNTERS = 1 << 16      # uint32 counters per arena (256 KB)
 _MAX_STREAMS = 64
 
 
-def get(device: int, stream: int, numel: int, torch_device: torch.device) -> torch.Tensor:
-    """A float32 CUDA tensor of at least `numel` elements for a call queued on `stream` of
-    `device`; the caller keeps it referenced until its launches are queued."""
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A split call's partials in float32 elements, part_o [splits, B, S, H, Dl] then part_ml
+    [splits, B, S, H, 2], and its uint32 counters, one per row group."""
+
+    numel: int
+    part_ml_offset: int      # bytes from the start of part_o
+    counters: int
+
+    @classmethod
+    def of(cls, rows: int, dl: int, row_groups: int) -> Layout:
+        """For `rows` = splits * B * S * H partial rows of width `dl`. part_o's size is a multiple
+        of 8 bytes, so part_ml stays float2-aligned."""
+        return cls(numel=rows * (dl + 2), part_ml_offset=rows * dl * 4, counters=row_groups)
+
+
+class _Arena:
+    """Zeroed counters handed out once each, for captured calls."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.counters = torch.zeros(ARENA_COUNTERS, dtype=torch.int32, device=device)
+        torch.cuda.current_stream(device).synchronize()   # zero before any stream reads it
+        self.used = 0
+
+    def take(self, n: int) -> int | None:
+        if self.used + n > ARENA_COUNTERS:
+            return None
+        self.used += n
+        return self.counters.data_ptr() + 4 * (self.used - n)
+
+
+# (device index, raw stream handle) -> the eager calls' (partials, counters). Handles are per
+# device (the default stream is 0 on every device), hence the pair. Bounded: code that creates a
+# stream per request would otherwise keep buffers per stream it ever used. The counters are
+# their own tensor so that no call's partials ever land where another call's counters are.
+_buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+# device index -> arenas, the last one current; earlier ones stay alive for the graphs using them.
+_arenas: dict[int, list[_Arena]] = {}
+
+
+def get(device: int, stream: int, layout: Layout, torch_device: torch.device) -> tuple[torch.Tensor, int, int]:
+    """(buffer to keep referenced until the launch is queued, partials address, counters
+    address) for a call queued on `stream` of `device`."""
     if torch._C._cuda_isCurrentStreamCapturing():
-        return torch.empty(numel, dtype=torch.float32, device=torch_device)
+        partials = torch.empty(layout.numel, dtype=torch.float32, device=torch_device)
+        arenas = _arenas.get(device)
+        counters = arenas[-1].take(layout.counters) if arenas else None
+        if counters is None:
+            # Recorded into the graph: its replays zero these counters first.
+            held = torch.zeros(layout.counters, dtype=torch.int32, device=torch_device)
+            return (partials, held), partials.data_ptr(), held.data_ptr()
+        return partials, partials.data_ptr(), counters
     key = (device, stream)
-    buf = _buffers.get(key)
-    if buf is None or buf.numel() < numel:
-        if buf is None and len(_buffers) >= _MAX_STREAMS:
+    bufs = _buffers.get(key)
+    if bufs is None or bufs[0].numel() < layout.numel or bufs[1].numel() < layout.counters:
+        if bufs is None and len(_buffers) >= _MAX_STREAMS:
             _buffers.clear()   # stream-ordered frees: work queued on those streams stays valid
         # The current stream is `stream`, so torch's allocator ties the memory to it: freed
         # memory (a smaller buffer replaced here) is reused on it only after queued work.
-        buf = _buffers[key] = torch.empty(numel, dtype=torch.float32, device=torch_device)
-    return buf
+        partials = bufs[0] if bufs is not None and bufs[0].numel() >= layout.numel else \
+            torch.empty(layout.numel, dtype=torch.float32, device=torch_device)
+        counters = bufs[1] if bufs is not None and bufs[1].numel() >= layout.counters else \
+            torch.zeros(layout.counters, dtype=torch.int32, device=torch_device)
+        bufs = _buffers[key] = (partials, counters)
+        arenas = _arenas.setdefault(device, [])
+        if not arenas or arenas[-1].used * 2 > ARENA_COUNTERS:
+            arenas.append(_Arena(torch_device))
+    return bufs, bufs[0].data_ptr(), bufs[1].data_ptr()
 
 
 def release() -> None:
-    """Drop every reused workspace buffer (calls allocate new ones as needed)."""
+    """Drop the eager calls' buffers (calls allocate new ones as needed). Arenas stay: captured
+    graphs may use them."""
     _buffers.clear()

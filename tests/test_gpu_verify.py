@@ -149,6 +149,51 @@ def test_cuda_graph_capture_and_replay():
         assert_matches(out, lse, case)
 
 
+def test_split_merge_across_calls_streams_and_graphs():
+    """The merge blocks' counters: left at zero by every launch (repeat calls), per stream
+    (concurrent streams), and per graph (two graphs replayed at once on two streams)."""
+    split = Variant(family="mma", head_tile=16, q_tile=2, block_n=64, warps=8, stages=2, kv_split=5,
+                    arch=_arch())
+    cases = [make_case(batch=3, seqlen_q=5, heads=16, prefixes=[3000, 700, 0], page_size=64,
+                       mask="tree", empty=[False, False, True], seed=s) for s in (11, 12)]
+
+    def run(case):
+        return mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                       variant=split, return_lse=True, **case.kwargs())
+
+    for _ in range(3):                                     # same stream, call after call
+        out, lse = run(cases[0])
+        torch.cuda.synchronize()
+        assert_matches(out, lse, cases[0])
+    streams = [torch.cuda.Stream() for _ in cases]
+    for _ in range(3):                                     # two streams at once
+        results = []
+        for stream, case in zip(streams, cases, strict=True):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                results.append(run(case))
+        torch.cuda.synchronize()
+        for (out, lse), case in zip(results, cases, strict=True):
+            assert_matches(out, lse, case)
+    graphs, outputs = [], []
+    for case in cases:                                     # one graph per case, replayed at once
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs.append(run(case))
+        graphs.append(graph)
+    for _ in range(3):
+        for (out, lse) in outputs:
+            out.fill_(math.nan)
+            lse.fill_(math.nan)
+        for stream, graph in zip(streams, graphs, strict=True):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                graph.replay()
+        torch.cuda.synchronize()
+        for (out, lse), case in zip(outputs, cases, strict=True):
+            assert_matches(out, lse, case)
+
+
 def test_runs_on_the_current_stream():
     case = make_case(batch=2, seqlen_q=4, heads=16, prefixes=[5000, 100], page_size=16, mask="tree",
                      seed=7)

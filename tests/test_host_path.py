@@ -12,14 +12,14 @@ import types
 import pytest
 import torch
 
-from mlagen import inputs, launch, runtime
+from mlagen import inputs, launch, runtime, workspace
 from mlagen.inputs import InputError
 from mlagen.params import FIELD_NAMES, PARAMS_SIZE, POINTER_NAMES, TAIL_NAMES, tail
 
 B, S, H, D, DL, PAGES, PAGE = 2, 3, 4, 576, 512, 5, 16
-MAIN = (0x7F00, 8, 2, B, 256, 1, 1, 100_000)        # function, grid, block, shared memory
-COMBINE = (0x7F10, 4, 1, B, 128, 1, 1, 0)
-_FORMAT = struct.Struct("<9Q11q5if")
+MAIN = (0x7F00, 8, 2 + 4, B, 256, 1, 1, 100_000)    # function, grid (2 splits, 4 merge blocks), block, smem
+GROUPS = 8 * B                                        # row groups: grid x * B
+_FORMAT = struct.Struct("<10Q11q5if")
 
 
 class Driver:
@@ -46,11 +46,12 @@ def fake_gpu(monkeypatch):
     """verify_attention runnable on CPU tensors; returns the fake driver and a list of the
     _prepare calls (one per checked signature)."""
     driver, prepared = Driver(), []
-    kernels = launch.Kernels(main=MAIN, main_name="main_k", combine=COMBINE, combine_name="combine_k")
+    kernel = launch.KernelLaunch(args=MAIN, name="main_k")
 
     def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, max_pages, device, variant):
         prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, max_pages, device, variant))
-        return runtime._Prepared(loaded=None, kernels=kernels, splits=2, workspace_rows=2 * batch * seqlen_q * heads)
+        return runtime._Prepared(loaded=None, kernel=kernel, splits=2, workspace_rows=2 * batch * seqlen_q * heads,
+                                 row_groups=GROUPS)
 
     monkeypatch.setattr(runtime, "_calls", {})
     monkeypatch.setattr(runtime, "_require_cuda", lambda q: None)
@@ -59,6 +60,11 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0x5EAB, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False, raising=False)
+    monkeypatch.setattr(workspace, "_buffers", {})
+    monkeypatch.setattr(workspace, "_arenas", {})
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: types.SimpleNamespace(synchronize=lambda: None))
     monkeypatch.setattr(launch, "_launch_kernel", lambda: driver)
     return types.SimpleNamespace(driver=driver, prepared=prepared)
 
@@ -105,14 +111,15 @@ def test_launch_gets_pointers_strides_and_sizes(fake_gpu):
     tree = torch.ones(B, S, S, dtype=torch.bool)
     out, lse = call(a, tree_mask=tree, return_lse=True, softmax_scale=0.5)
     assert out.shape == (B, S, H, DL) and lse.shape == (B, H, S) and lse.dtype == torch.float32
-    (main_args, block), (combine_args, combine_block) = fake_gpu.driver.launches
-    assert main_args[:8] == MAIN and combine_args[:8] == COMBINE
-    assert main_args[8] == combine_args[8] == 0x5EAB and block == combine_block   # one block, both launches
+    (main_args, block), = fake_gpu.driver.launches                  # one launch: merge blocks inside
+    assert main_args[:8] == MAIN and main_args[8] == 0x5EAB
     f = fields(block)
     assert (f["q"], f["kv"], f["block_table"], f["seqlens"], f["tree_mask"], f["out"], f["lse"]) == (
         a["q"].data_ptr(), a["kv_cache"].data_ptr(), a["block_table"].data_ptr(), a["cache_seqlens"].data_ptr(),
         tree.data_ptr(), out.data_ptr(), lse.data_ptr())
     assert f["part_o"] != 0 and f["part_ml"] == f["part_o"] + 2 * B * S * H * DL * 4
+    counters = workspace._buffers[(0, 0x5EAB)][1]
+    assert f["counters"] == counters.data_ptr() and counters.numel() == GROUPS and not counters.any()
     assert (f["q_stride_b"], f["q_stride_s"], f["q_stride_h"]) == a["q"].stride()[:3]
     assert (f["kv_stride_page"], f["kv_stride_row"]) == (PAGE * D, D)
     assert (f["bt_stride_b"], f["mask_stride_b"], f["mask_stride_q"]) == (2, S * S, S)
@@ -193,6 +200,47 @@ def test_signature_cache_is_bounded(fake_gpu, monkeypatch):
     assert len(runtime._calls) == 1                        # started over at the bound
 
 
+def _last(driver: Driver) -> tuple[int, int]:
+    f = fields(driver.launches[-1][1])
+    return f["part_o"], f["counters"]
+
+
+def test_workspace_reused_per_stream_and_fresh_under_capture(fake_gpu, monkeypatch):
+    a, driver = make_args(), fake_gpu.driver
+    call(a)
+    first = _last(driver)
+    call(a)
+    assert _last(driver) == first and 0 not in first          # eager, same stream: one buffer
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0x0777, raising=False)
+    call(a)
+    other = _last(driver)
+    assert not set(other) & set(first)                        # another stream: its own buffers
+    assert set(workspace._buffers) == {(0, 0x5EAB), (0, 0x0777)}
+    # A larger shape on the same stream replaces the partials with a big enough buffer and
+    # keeps the (zero) counters, which are large enough.
+    call(make_args(q=torch.zeros(B, S + 2, H, D, dtype=torch.bfloat16)))
+    partials, counters = workspace._buffers[(0, 0x0777)]
+    assert partials.numel() == 2 * B * (S + 2) * H * (DL + 2) and _last(driver)[1] == other[1]
+    # Under capture: partials from the allocator, counters handed out once from the arena.
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: True, raising=False)
+    (arena,) = workspace._arenas[0]
+    used = arena.used
+    eager = {t.data_ptr() for bufs in workspace._buffers.values() for t in bufs}
+    call(a)
+    c1 = _last(driver)
+    call(a)
+    c2 = _last(driver)
+    assert not eager & {c1[0], c1[1], c2[0], c2[1]}
+    assert c2[1] == c1[1] + 4 * GROUPS and arena.used == used + 2 * GROUPS
+    assert c1[1] == arena.counters.data_ptr() + 4 * used
+    # An exhausted arena: the capture zeroes counters of its own.
+    arena.used = workspace.ARENA_COUNTERS
+    call(a)
+    assert not arena.counters.data_ptr() <= _last(driver)[1] < arena.counters.data_ptr() + 4 * arena.used
+    workspace.release()
+    assert workspace._buffers == {}
+
+
 def test_empty_batch_launches_nothing(fake_gpu):
     out = call(make_args(q=torch.zeros(0, S, H, D, dtype=torch.bfloat16),
                          block_table=torch.zeros(0, 2, dtype=torch.int32),
@@ -200,33 +248,29 @@ def test_empty_batch_launches_nothing(fake_gpu):
     assert out.shape == (0, S, H, DL) and not fake_gpu.driver.launches
 
 
-def test_kernels_hold_the_launch_arguments():
-    plan = types.SimpleNamespace(threads=256, smem_bytes=100_000, combine_threads=128,
-                                 main_kernel="main_k", combine_kernel="combine_k")
-    loaded = types.SimpleNamespace(plan=plan, main=types.SimpleNamespace(ptr=0x7F00),
-                                   combine=types.SimpleNamespace(ptr=0x7F10))
-    k = launch.kernels(loaded, (8, 2, B), (4, 1, B))
-    assert (k.main, k.combine, k.main_name, k.combine_name) == (MAIN, COMBINE, "main_k", "combine_k")
-    single = launch.kernels(loaded, (8, 1, B), None)
-    assert single.combine is None and single.combine_name is None
+def test_kernel_launch_holds_the_launch_arguments():
+    plan = types.SimpleNamespace(threads=256, smem_bytes=100_000, main_kernel="main_k")
+    loaded = types.SimpleNamespace(plan=plan, main=types.SimpleNamespace(ptr=0x7F00))
+    k = launch.kernel_launch(loaded, (8, 6, B))
+    assert (k.args, k.name) == (MAIN, "main_k")
 
 
 def test_launch_errors_name_the_kernel(monkeypatch):
     monkeypatch.setattr(launch, "_launch_kernel", lambda: Driver(fail=True))
-    kernels = launch.Kernels(main=MAIN, main_name="main_k", combine=None, combine_name=None)
+    kernel = launch.KernelLaunch(args=MAIN, name="main_k")
     rest = tail(dict.fromkeys(TAIL_NAMES, 0))
     with pytest.raises(RuntimeError, match="cuLaunchKernel of main_k failed: CUDA_ERROR_INVALID_VALUE"):
-        launch.launch(kernels, 0, (0,) * len(POINTER_NAMES), rest)
+        launch.launch(kernel, 0, (0,) * len(POINTER_NAMES), rest)
 
 
 def test_parameter_blocks_are_per_thread(monkeypatch):
     driver = Driver()
     monkeypatch.setattr(launch, "_launch_kernel", lambda: driver)
-    kernels = launch.Kernels(main=MAIN, main_name="main_k", combine=None, combine_name=None)
+    kernel = launch.KernelLaunch(args=MAIN, name="main_k")
     rest = tail(dict.fromkeys(TAIL_NAMES, 1))
 
     def run(first_pointer: int) -> None:
-        launch.launch(kernels, 0, (first_pointer,) + (0,) * (len(POINTER_NAMES) - 1), rest)
+        launch.launch(kernel, 0, (first_pointer,) + (0,) * (len(POINTER_NAMES) - 1), rest)
 
     run(16)
     worker = threading.Thread(target=run, args=(32,))

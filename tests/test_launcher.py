@@ -40,7 +40,7 @@ def test_header_fills_every_field_once(plan):
     for f in FIELDS:
         assert len(re.findall(rf"\bp\.{f.name} = ", text)) == 1, f.name
     assert f"namespace {namespace(plan)} {{" in text
-    assert (plan.combine_kernel in text) == plan.uses_split
+    assert f"constexpr int kMergeBlocks = {plan.merge_blocks};" in text
 
 
 def test_emit_launcher_writes_beside_the_kernel(tmp_path):
@@ -60,7 +60,9 @@ def test_header_grid_is_the_plans_grid(plan):
     for batch, seqlen_q, *_ in SHAPES:
         for n in ((1, 7) if plan.uses_split else (1,)):
             env = {"batch": batch, "seqlen_q": seqlen_q, "num_splits": n}
-            got = tuple(eval(e.replace("/", "//"), {}, dict(env)) for e in exprs)
+            # C's a ? b : c as Python's conditional expression
+            py = [re.sub(r"^(.+?) \? (.+?) : (.+)$", r"(\2) if (\1) else (\3)", e.replace("/", "//")) for e in exprs]
+            got = tuple(eval(e, {}, dict(env)) for e in py)
             assert got == plan.grid(batch, seqlen_q, n)
 
 
@@ -85,9 +87,9 @@ def test_host_helpers_match_python(tmp_path):
         for B, S, pages, sms, occ in SHAPES:
             lines.append(
                 f"  {{ const int n = {ns}::default_num_splits({B}, {S}, {pages}, {sms}, {occ});"
-                f" const dim3 g = {ns}::grid({B}, {S}, n), c = {ns}::combine_grid({B}, {S});"
-                f' std::printf("%d %u %u %u %u %zu\\n", n, g.x, g.y, g.z, c.x,'
-                f" {ns}::workspace_bytes({B}, {S}, n)); }}")
+                f" const dim3 g = {ns}::grid({B}, {S}, n);"
+                f' std::printf("%d %u %u %u %zu %zu\\n", n, g.x, g.y, g.z,'
+                f" {ns}::workspace_bytes({B}, {S}, n), {ns}::counters_bytes({B}, {S}, n)); }}")
     lines.append("  return 0;\n}")
     (tmp_path / "helpers.cpp").write_text("\n".join(lines) + "\n")
     _compile(["-std=c++17", "-o", "helpers", "helpers.cpp"], tmp_path)
@@ -97,7 +99,8 @@ def test_host_helpers_match_python(tmp_path):
         for B, S, pages, sms, occ in SHAPES:
             n = num_splits(p.variant, p.problem.heads, B, S, pages * p.problem.page_size, sms, occ)
             ws = 0 if n == 1 else n * B * S * p.problem.heads * (p.problem.dl + 2) * 4
-            want = [n, *p.grid(B, S, n), p.combine_grid(B, S)[0], ws]
+            counters = 0 if n == 1 else 4 * p.row_groups(B, S)
+            want = [n, *p.grid(B, S, n), ws, counters]
             assert [int(x) for x in got[k].split()] == want, (p.variant.name, B, S, pages, sms, occ)
             k += 1
 

@@ -113,10 +113,17 @@ bool run(const Batch& b, int num_splits, float scale, const std::vector<float>& 
   __nv_bfloat16* out = nullptr;
   float* lse = nullptr;
   void* workspace = nullptr;
+  unsigned int* counters = nullptr;
   CHECK_CUDA(cudaMalloc(&out, (size_t)B * S * H * DV * sizeof(__nv_bfloat16)));
   CHECK_CUDA(cudaMalloc(&lse, (size_t)B * H * S * sizeof(float)));
   const size_t ws = kernel::workspace_bytes(B, S, num_splits);
   if (ws) CHECK_CUDA(cudaMalloc(&workspace, ws));
+  // Zeroed once; every launch leaves them zero, so an engine keeps them per stream.
+  const size_t cs = kernel::counters_bytes(B, S, num_splits);
+  if (cs) {
+    CHECK_CUDA(cudaMalloc(&counters, cs));
+    CHECK_CUDA(cudaMemsetAsync(counters, 0, cs, stream));
+  }
 
   CHECK_CUDA(kernel::launch(q, (long long)S * H * D, (long long)H * D, D,
                             kv, (long long)PAGE * D, D, b.num_pages,
@@ -124,7 +131,7 @@ bool run(const Batch& b, int num_splits, float scale, const std::vector<float>& 
                             lengths,
                             nullptr, 0, 0,   // causal kernel: no tree mask
                             out, (long long)S * H * DV, (long long)H * DV, DV,
-                            lse, B, S, scale, num_splits, workspace, stream));
+                            lse, B, S, scale, num_splits, workspace, counters, stream));
   CHECK_CUDA(cudaStreamSynchronize(stream));
 
   std::vector<__nv_bfloat16> got((size_t)B * S * H * DV);
@@ -146,7 +153,8 @@ bool run(const Batch& b, int num_splits, float scale, const std::vector<float>& 
   const bool ok = rel < 1e-2 && lse_err < 1e-2 && lse_inf_ok;
   std::printf("num_splits=%-3d relative error %.2e, max lse error %.2e, empty rows %s: %s\n",
               num_splits, rel, lse_err, lse_inf_ok ? "ok" : "WRONG", ok ? "ok" : "FAILED");
-  for (void* p : {(void*)q, (void*)kv, (void*)table, (void*)lengths, (void*)out, (void*)lse, workspace})
+  for (void* p : {(void*)q, (void*)kv, (void*)table, (void*)lengths, (void*)out, (void*)lse, workspace,
+                  (void*)counters})
     CHECK_CUDA(cudaFree(p));
   return ok;
 }

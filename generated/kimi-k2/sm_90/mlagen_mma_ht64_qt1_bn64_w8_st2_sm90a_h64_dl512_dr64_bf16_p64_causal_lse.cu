@@ -6,7 +6,8 @@
 //   scores S = Q K^T: warps form a 4 x 2 grid over (64 rows, 64 keys);
 //   their row maxima meet in shared memory, P = exp2(S - m) goes to shared memory as bf16;
 //   output O += P V: every warp holds all rows and 64 of the 512 value dims, in registers.
-// With one split the block writes out/lse; otherwise partials go to the workspace for the combine.
+// With one split the block writes out/lse; otherwise partials go to the workspace for the row
+// group's merge blocks (later on the grid's y axis).
 #include <cuda_bf16.h>
 
 #ifndef INFINITY   // NVRTC has no <math.h>
@@ -49,6 +50,7 @@ struct __align__(8) VerifyParams {
   float* lse;  // (B, H, S) fp32, natural log; written when the problem has lse
   float* part_o;  // (num_splits, B, S, H, Dl) unnormalized partial outputs
   float2* part_ml;  // (num_splits, B, S, H) partial (max, sum), log2 domain
+  unsigned int* counters;  // (row groups,) finished splits per row group; zero between calls
   long long q_stride_b;  // elements between requests of q
   long long q_stride_s;  // elements between query positions of q
   long long q_stride_h;  // elements between heads of q
@@ -64,7 +66,7 @@ struct __align__(8) VerifyParams {
   int seqlen_q;  // S, draft tokens per request
   int max_pages;  // columns of block_table
   int num_pages;  // pages in kv; page ids outside [0, num_pages) read as zeros
-  int num_splits;  // key-range splits; 1 writes out directly, no combine
+  int num_splits;  // key-range splits; 1 writes out directly, no merge blocks
   float scale_log2;  // softmax_scale * log2(e)
 };
 
@@ -193,7 +195,7 @@ __device__ __forceinline__ void split_blocks(int limit, int bn, int split, int n
 namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 
 // Ends row (b, i, h) of one split. With one split the row is final: out = acc / l and lse.
-// Otherwise acc (unnormalized) and (m, l) go to the workspace for the combine kernel.
+// Otherwise acc (unnormalized) and (m, l) go to the workspace for the row group's merge blocks.
 // `acc` holds N (8 or 2) consecutive dims starting at d0; writes_stats picks one thread per row.
 template <int N>
 __device__ __forceinline__ void finish_row(const VerifyParams& p, int split, int b, int i, int h,
@@ -212,39 +214,54 @@ __device__ __forceinline__ void finish_row(const VerifyParams& p, int split, int
   if (writes_stats) p.part_ml[row] = make_float2(l > 0.f ? m : -INFINITY, l);
 }
 
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+// With num_splits > 1 the grid's y axis holds the num_splits split blocks of each row group
+// (a query tile x head tile of one request), then its MERGE_BLOCKS merge blocks: one launch, no
+// combine kernel. A split block counts itself done in the group's counter after writing its
+// partials; a merge block waits for the count, counts itself too (the last of all wraps the
+// counter back to 0 for the next call), and merges MERGE_WARPS rows, one per warp.
+// The wait cannot deadlock: blocks start in grid order, and a group's split blocks come before
+// its merge blocks on the y axis, so they are running or done when a merge block waits.
+constexpr int MERGE_WARPS = 8;
+constexpr int MERGE_BLOCKS = 8;
+constexpr int GROUP_ROWS = 64;              // q_tile * head_tile
 
-// Merges the num_splits partial results of each row:
-//   m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l.
-// grid: (ceil(B*S*H / 4),); block: 128 threads,
-// one warp per row, each lane DL/128 float4s.
-extern "C" __global__ void __launch_bounds__(128)
-mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_combine(const VerifyParams p) {
-  using namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const long long row = (long long)blockIdx.x * 4 + warp;
-  const long long rows = (long long)p.batch * p.seqlen_q * H;
-  if (row >= rows) return;
-  const int h = (int)(row % H);
-  const int i = (int)((row / H) % p.seqlen_q);
-  const int b = (int)(row / ((long long)H * p.seqlen_q));
+__device__ __forceinline__ unsigned* group_counter(const VerifyParams& p) {
+  return p.counters + ((long long)blockIdx.z * gridDim.x + blockIdx.x);
+}
 
+__device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+// A split block, after every finish_row: counts itself done for the group's merge blocks.
+__device__ __forceinline__ void count_split_done(const VerifyParams& p) {
+  if (p.num_splits == 1) return;
+  __threadfence();   // each thread's partials are visible GPU-wide before the block counts
+  __syncthreads();
+  if (threadIdx.x == 0) atomicInc(group_counter(p), p.num_splits + MERGE_BLOCKS - 1);
+}
+
+// Row (b, i, h): m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l.
+// One warp, each lane DL/128 float4s; partials are read from L2 (other SMs wrote them).
+__device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane) {
   float m = -INFINITY;
-  for (int k = 0; k < p.num_splits; ++k) m = fmaxf(m, p.part_ml[part_row(p, k, b, i, h)].x);
+  for (int k = 0; k < p.num_splits; ++k) m = fmaxf(m, __ldcg(&p.part_ml[part_row(p, k, b, i, h)]).x);
   constexpr int V4 = DL / 128;   // float4s per lane
   float acc[V4 * 4] = {};
   float l = 0.f;
   if (m != -INFINITY) {
     for (int k = 0; k < p.num_splits; ++k) {
       const long long r = part_row(p, k, b, i, h);
-      const float2 ml = p.part_ml[r];
+      const float2 ml = __ldcg(&p.part_ml[r]);
       if (ml.y == 0.f) continue;           // an empty split holds no keys (and maybe no acc)
       const float w = exp2f(ml.x - m);
       l += ml.y * w;
       const float4* src = reinterpret_cast<const float4*>(p.part_o + r * DL);
 #pragma unroll
       for (int v = 0; v < V4; ++v) {
-        const float4 x = src[lane + 32 * v];
+        const float4 x = __ldcg(src + lane + 32 * v);
         acc[4 * v] += w * x.x; acc[4 * v + 1] += w * x.y;
         acc[4 * v + 2] += w * x.z; acc[4 * v + 3] += w * x.w;
       }
@@ -261,6 +278,22 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_combine
   }
   if (WRITE_LSE && lane == 0) p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
 }
+
+// Merge block `part` (0..MERGE_BLOCKS-1) of the row group at query q0, head h0 of request b.
+__device__ void merge_group(const VerifyParams& p, int b, int q0, int h0, int part) {
+  unsigned* counter = group_counter(p);
+  if (threadIdx.x == 0) {
+    while (load_acquire(counter) < (unsigned)p.num_splits) __nanosleep(100);
+    atomicInc(counter, p.num_splits + MERGE_BLOCKS - 1);
+  }
+  __syncthreads();   // the partials thread 0 acquired are visible to the whole block
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = part * MERGE_WARPS + warp;
+  const int i = q0 + r / 64, h = h0 + r % 64;
+  if (r < GROUP_ROWS && i < p.seqlen_q) merge_row(p, b, i, h, lane);
+}
+
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 
 namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
@@ -387,7 +420,7 @@ __device__ __forceinline__ void load_rows(elem_t* dst, const elem_t* fallback, R
 }
 }  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
-// grid: (ceil(S/QT) * H/HT, num_splits, B); block: 256 threads;
+// grid: (ceil(S/QT) * H/HT, num_splits (+ MERGE_BLOCKS when > 1), B); block: 256 threads;
 // dynamic shared memory 231680 bytes.
 extern "C" __global__ void __launch_bounds__(256, 1)
 mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
@@ -405,6 +438,10 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   const int wmq = warp % WMQ, wnq = warp / WMQ;   // wgmma: wnq is the warpgroup
   const int b = blockIdx.z, split = blockIdx.y;
   const int h0 = (blockIdx.x % HEAD_TILES) * HT, q0 = (blockIdx.x / HEAD_TILES) * QT;
+  if (split >= p.num_splits) {     // a merge block of the row group (split grids only)
+    merge_group(p, b, q0, h0, split - p.num_splits);
+    return;
+  }
   const int S = p.seqlen_q;
   const int n = request_keys(p, b);
   const int q_end = q0 + QT < S ? q0 + QT : S;
@@ -575,4 +612,5 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
                       o_dim0 == 0 && nt == 0 && t == 0);
       }
     }
+  count_split_done(p);
 }

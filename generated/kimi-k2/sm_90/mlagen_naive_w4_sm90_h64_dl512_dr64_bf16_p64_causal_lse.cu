@@ -44,6 +44,7 @@ struct __align__(8) VerifyParams {
   float* lse;  // (B, H, S) fp32, natural log; written when the problem has lse
   float* part_o;  // (num_splits, B, S, H, Dl) unnormalized partial outputs
   float2* part_ml;  // (num_splits, B, S, H) partial (max, sum), log2 domain
+  unsigned int* counters;  // (row groups,) finished splits per row group; zero between calls
   long long q_stride_b;  // elements between requests of q
   long long q_stride_s;  // elements between query positions of q
   long long q_stride_h;  // elements between heads of q
@@ -59,7 +60,7 @@ struct __align__(8) VerifyParams {
   int seqlen_q;  // S, draft tokens per request
   int max_pages;  // columns of block_table
   int num_pages;  // pages in kv; page ids outside [0, num_pages) read as zeros
-  int num_splits;  // key-range splits; 1 writes out directly, no combine
+  int num_splits;  // key-range splits; 1 writes out directly, no merge blocks
   float scale_log2;  // softmax_scale * log2(e)
 };
 
