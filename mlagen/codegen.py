@@ -38,6 +38,6 @@ def _environment() -> jinja2.Environment:
 
 @functools.lru_cache(maxsize=512)
 def render(plan: KernelPlan) -> str:
-    """The CUDA C++ source of `plan`: its main kernel and, for split families, the combine."""
+    """The CUDA C++ source of `plan`: its kernel (with the merge blocks of split families)."""
     template = _environment().get_template(f"{plan.variant.family}.cu.j2")
     return template.render(plan=plan, fields=FIELDS)

@@ -11,7 +11,7 @@
    the scalar flash family; put as many query rows (positions x heads) in a block as the
    family's register budget holds, so each KV tile is loaded for as many rows as possible
    (`mma_plan.heuristic_mma`, `flash_heuristic`); then split the key range by a small cost
-   model of waves, tiles per block and the combine (`num_splits`).
+   model of waves, tiles per block and the merge (`num_splits`).
 Answers are memoized per shape: a call costs one cache lookup, no file I/O.
 """
 
@@ -27,9 +27,9 @@ from .validate import SpecError, validate
 
 MAX_FLASH_ROWS = 64        # 8 warps x 8 rows: the scalar kernel's accumulator budget
 # The split-count model's costs, in KV-tile times of one block (~4 us on an H200 for the mma
-# family): the combine launch, and per query row and split the partial's 4 KB written and
-# read back (~3 TB/s).
-COMBINE_TILES = 0.75
+# family): the merge blocks' wait and start, and per query row and split the partial's 4 KB
+# written and read back (~3 TB/s).
+MERGE_TILES = 0.75
 SPLIT_TILES_PER_ROW = 3.4e-4
 MAX_SPLITS = 128
 
@@ -139,8 +139,8 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
     """Splits of the key range for one launch; `kv_capacity` bounds every request's length.
 
     Time is modelled in KV tiles per block: the waves the grid needs (sm_count * blocks_per_sm
-    blocks run at once) times the tiles each block streams, plus the combine when there is more
-    than one split (a launch, about a tile, and partials that grow with the split count). A
+    blocks run at once) times the tiles each block streams, plus the merge when there is more
+    than one split (about a tile, and partials that grow with the split count). A
     ragged last wave is paid in full, so e.g. 9 row blocks on 132 SMs take 29 splits (261
     blocks, two full waves) rather than 30 (270 blocks, three waves). Measured by `mlagen bench`;
     a tuned table's fixed split overrides it.
@@ -156,7 +156,7 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
     for splits in range(1, min(MAX_SPLITS, tiles) + 1):
         waves = -(-blocks * splits // per_wave)
         partials = SPLIT_TILES_PER_ROW * batch * seqlen_q * heads * splits
-        cost = waves * -(-tiles // splits) + (COMBINE_TILES + partials if splits > 1 else 0)
+        cost = waves * -(-tiles // splits) + (MERGE_TILES + partials if splits > 1 else 0)
         if cost < best_cost - 1e-9:
             best, best_cost = splits, cost
     return best

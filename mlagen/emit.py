@@ -36,7 +36,7 @@ def manifest(plan: KernelPlan) -> dict:
         "grid": list(plan.grid_expr()),
         "block": [plan.threads, 1, 1],
         "dynamic_shared_memory": plan.smem_bytes,
-        "launch": "always; with num_splits > 1 the grid's y axis also holds the merge blocks",
+        "launch": "always; with num_splits > 1 the z slabs after the first B hold the merge blocks",
     }]
     return {
         "generator": f"mlagen {__version__}",
@@ -54,7 +54,7 @@ def manifest(plan: KernelPlan) -> dict:
             "when": "num_splits > 1",
             "part_o": "float32 [num_splits, B, S, H, Dl]",
             "part_ml": "float32 [num_splits, B, S, H, 2]",
-            "counters": (f"uint32 [B * grid.x] ({plan.merge_blocks} merge blocks per row group wait on them); "
+            "counters": ("uint32 [B * grid.x] (each row group's merge blocks wait on its counter); "
                          "zero before the first launch, every launch leaves them zero: zero once and reuse "
                          "on one stream"),
         },

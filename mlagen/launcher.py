@@ -23,7 +23,7 @@ from .codegen import _environment
 from .emit import write_if_changed
 from .launch import DEFAULT_SMEM_LIMIT
 from .params import FIELDS, PARAMS_SIZE, Field
-from .validate import MAX_SEQLEN_Q, KernelPlan
+from .validate import MAX_SEQLEN_Q, MERGE_TARGET_BLOCKS, KernelPlan
 
 _LOG2E = "1.4426950408889634f"
 
@@ -38,7 +38,8 @@ _ASSIGN: dict[str, str] = {
     "mask_stride_b": "kTreeMask ? mask_stride_b : 0", "mask_stride_q": "kTreeMask ? mask_stride_q : 0",
     "out_stride_b": "out_stride_b", "out_stride_s": "out_stride_s", "out_stride_h": "out_stride_h",
     "batch": "batch", "seqlen_q": "seqlen_q", "max_pages": "max_pages", "num_pages": "num_pages",
-    "num_splits": "num_splits", "scale_log2": f"softmax_scale * {_LOG2E}",
+    "num_splits": "num_splits", "merge_blocks": "num_splits > 1 ? merge_blocks(batch, seqlen_q) : 0",
+    "scale_log2": f"softmax_scale * {_LOG2E}", "pad": "0",
 }
 
 
@@ -58,19 +59,20 @@ def _host_field(f: Field) -> Field:
 
 
 _CEIL = re.compile(r"ceil\((\w+) / (\d+)\)")
-_NAMES = {"B": "batch", "S": "seqlen_q", "num_splits": "num_splits"}
+_NAMES = {"B": "batch", "S": "seqlen_q", "num_splits": "num_splits", "merge_blocks": "merge_blocks(batch, seqlen_q)"}
 _C_EXPR = re.compile(r"[\w+\-*/()?:> ]*")
 
 
 def _c_expr(expr: str) -> str:
-    """One of `KernelPlan.grid_expr()`'s expressions (B, S, num_splits, integers, `ceil(a / n)`,
-    `a > b ? c : d`) as C integer arithmetic over the launcher's arguments batch, seqlen_q and num_splits.
+    """One of `KernelPlan.grid_expr()`'s expressions (B, S, num_splits, merge_blocks, integers,
+    `ceil(a / n)`, `a > b ? c : d`) as C integer arithmetic over the launcher's arguments batch,
+    seqlen_q and num_splits (merge_blocks is the header's function of batch and seqlen_q).
     Raises ValueError for anything else, so a new form in grid_expr fails here, not in C."""
     c = _CEIL.sub(lambda m: f"(({m[1]} + {m[2]} - 1) / {m[2]})", expr)
     names = set(re.findall(r"[A-Za-z_]\w*", c))
     if not _C_EXPR.fullmatch(c) or not names <= set(_NAMES):
         raise ValueError(f"launcher: cannot translate grid expression {expr!r} to C "
-                         f"(expected B, S, num_splits, integers, + - * / > ?: and ceil(a / n))")
+                         f"(expected B, S, num_splits, merge_blocks, integers, + - * / > ?: and ceil(a / n))")
     return re.sub(r"[A-Za-z_]\w*", lambda m: _NAMES[m[0]], c)
 
 
@@ -83,8 +85,8 @@ def render_launcher(plan: KernelPlan) -> str:
         plan=plan, version=__version__, short_name=namespace(plan),
         fields=[_host_field(f) for f in FIELDS], params_size=PARAMS_SIZE, assign=_ASSIGN,
         grid=tuple(_c_expr(e) for e in plan.grid_expr()),
-        max_seqlen_q=MAX_SEQLEN_Q,
-        combine_tiles=repr(dispatch.COMBINE_TILES), split_tiles_per_row=repr(dispatch.SPLIT_TILES_PER_ROW),
+        max_seqlen_q=MAX_SEQLEN_Q, merge_target=MERGE_TARGET_BLOCKS,
+        merge_tiles=repr(dispatch.MERGE_TILES), split_tiles_per_row=repr(dispatch.SPLIT_TILES_PER_ROW),
         max_splits=dispatch.MAX_SPLITS,
         default_smem=DEFAULT_SMEM_LIMIT,
     )

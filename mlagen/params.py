@@ -47,7 +47,9 @@ FIELDS: tuple[Field, ...] = (
     Field("max_pages", "int", "i", "columns of block_table"),
     Field("num_pages", "int", "i", "pages in kv; page ids outside [0, num_pages) read as zeros"),
     Field("num_splits", "int", "i", "key-range splits; 1 writes out directly, no merge blocks"),
+    Field("merge_blocks", "int", "i", "merge blocks per row group (num_splits > 1), in z slabs >= batch"),
     Field("scale_log2", "float", "f", "softmax_scale * log2(e)"),
+    Field("pad", "int", "i", "unused, 0: keeps the block a multiple of 8 bytes"),
 )
 
 _FORMAT = "<" + "".join(f.fmt for f in FIELDS)

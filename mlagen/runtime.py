@@ -53,6 +53,7 @@ class _Prepared:
     splits: int
     workspace_rows: int                           # splits * B * S * H when split, else 0
     row_groups: int                               # split counters in the workspace when split, else 0
+    merge_blocks: int                             # per row group when split, else 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -75,7 +76,8 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
     split = splits > 1
     return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, loaded.plan.grid(batch, seqlen_q, splits)),
                      splits=splits, workspace_rows=splits * batch * seqlen_q * heads if split else 0,
-                     row_groups=loaded.plan.row_groups(batch, seqlen_q) if split else 0)
+                     row_groups=loaded.plan.row_groups(batch, seqlen_q) if split else 0,
+                     merge_blocks=loaded.plan.merge_blocks(batch, seqlen_q) if split else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +153,7 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
             "mask_stride_b": shapes.mask_strides[0], "mask_stride_q": shapes.mask_strides[1],
             "out_stride_b": out_strides[0], "out_stride_s": out_strides[1], "out_stride_h": out_strides[2],
             "batch": B, "seqlen_q": S, "max_pages": shapes.max_pages, "num_pages": shapes.num_pages,
-            "num_splits": prep.splits, "scale_log2": scale * LOG2E,
+            "num_splits": prep.splits, "merge_blocks": prep.merge_blocks, "scale_log2": scale * LOG2E, "pad": 0,
         }))
     if key is not None:
         if len(_calls) >= _MAX_CALLS:

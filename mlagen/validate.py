@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .mma_plan import MmaLayout
 
 MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
+MERGE_TARGET_BLOCKS = 128  # merge blocks a split launch aims for in all (about one wave on big GPUs)
 CHUNK = 8                  # elements per 16-byte load
 MAX_ACCUMULATORS = 128     # fp32 output accumulators per thread the scalar flash kernel may hold
 
@@ -56,34 +57,42 @@ class KernelPlan:
         return self.variant.family != "naive"
 
     @property
-    def merge_blocks(self) -> int:
-        """Blocks per row group that merge the splits' partials (one warp per row), placed after
-        the split blocks on the grid's y axis; 0 for the naive family."""
+    def max_merge_blocks(self) -> int:
+        """Most merge blocks a row group gets: one warp per row; 0 for the naive family."""
         return -(-self.rows // (self.threads // 32)) if self.uses_split else 0
 
-    def blocks_y(self, num_splits: int) -> int:
-        """The grid's y extent: the splits, then (with more than one) the merge blocks."""
-        return num_splits + self.merge_blocks if num_splits > 1 else 1
+    def q_tiles(self, seqlen_q: int) -> int:
+        return -(-seqlen_q // self.variant.q_tile)
 
     def row_groups(self, batch: int, seqlen_q: int) -> int:
         """Row groups (query tile x head tile of one request): the split counters in the workspace."""
         return self.q_tiles(seqlen_q) * self.head_tiles * batch
 
-    def q_tiles(self, seqlen_q: int) -> int:
-        return -(-seqlen_q // self.variant.q_tile)
+    def merge_blocks(self, batch: int, seqlen_q: int) -> int:
+        """Merge blocks per row group of a split launch: enough for about MERGE_TARGET_BLOCKS in
+        all (latency rows spread each group's merge over many SMs; large batches, whose merge
+        blocks would otherwise outnumber the SMs, get one per group)."""
+        groups = max(1, self.row_groups(batch, seqlen_q))
+        return max(1, min(self.max_merge_blocks, -(-MERGE_TARGET_BLOCKS // groups)))
 
     def grid(self, batch: int, seqlen_q: int, num_splits: int) -> tuple[int, int, int]:
-        """Grid of the main kernel."""
+        """Grid of the kernel. Split launches add z slabs after the B request slabs for the merge
+        blocks, so that every merge block comes after every split block in grid order."""
         if self.variant.family == "naive":
             return (self.problem.heads, seqlen_q, batch)
-        return (self.q_tiles(seqlen_q) * self.head_tiles, self.blocks_y(num_splits), batch)
+        x = self.q_tiles(seqlen_q) * self.head_tiles
+        if num_splits == 1:
+            return (x, 1, batch)
+        merge = batch * self.merge_blocks(batch, seqlen_q)
+        return (x, num_splits, batch + -(-merge // num_splits))
 
     def grid_expr(self) -> tuple[str, str, str]:
-        """`grid` as C-like expressions of B, S and num_splits, for manifests and launchers."""
+        """`grid` as C-like expressions of B, S, num_splits and merge_blocks (`merge_blocks`'s
+        value), for manifests and launchers."""
         if self.variant.family == "naive":
             return (str(self.problem.heads), "S", "B")
-        return (f"ceil(S / {self.variant.q_tile}) * {self.head_tiles}",
-                f"num_splits > 1 ? num_splits + {self.merge_blocks} : 1", "B")
+        return (f"ceil(S / {self.variant.q_tile}) * {self.head_tiles}", "num_splits",
+                "num_splits > 1 ? B + (B * merge_blocks + num_splits - 1) / num_splits : B")
 
 
 def _require(ok: bool, field: str, value: object, expected: str) -> None:

@@ -17,9 +17,9 @@ from mlagen.inputs import InputError
 from mlagen.params import FIELD_NAMES, PARAMS_SIZE, POINTER_NAMES, TAIL_NAMES, tail
 
 B, S, H, D, DL, PAGES, PAGE = 2, 3, 4, 576, 512, 5, 16
-MAIN = (0x7F00, 8, 2 + 4, B, 256, 1, 1, 100_000)    # function, grid (2 splits, 4 merge blocks), block, smem
+MAIN = (0x7F00, 8, 2, B + 4, 256, 1, 1, 100_000)    # function, grid (2 splits, merge slabs), block, smem
 GROUPS = 8 * B                                        # row groups: grid x * B
-_FORMAT = struct.Struct("<10Q11q5if")
+_FORMAT = struct.Struct("<10Q11q6ifi")
 
 
 class Driver:
@@ -51,7 +51,7 @@ def fake_gpu(monkeypatch):
     def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, max_pages, device, variant):
         prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, max_pages, device, variant))
         return runtime._Prepared(loaded=None, kernel=kernel, splits=2, workspace_rows=2 * batch * seqlen_q * heads,
-                                 row_groups=GROUPS)
+                                 row_groups=GROUPS, merge_blocks=3)
 
     monkeypatch.setattr(runtime, "_calls", {})
     monkeypatch.setattr(runtime, "_require_cuda", lambda q: None)
@@ -125,6 +125,7 @@ def test_launch_gets_pointers_strides_and_sizes(fake_gpu):
     assert (f["bt_stride_b"], f["mask_stride_b"], f["mask_stride_q"]) == (2, S * S, S)
     assert (f["out_stride_b"], f["out_stride_s"], f["out_stride_h"]) == out.stride()[:3]
     assert (f["batch"], f["seqlen_q"], f["max_pages"], f["num_pages"], f["num_splits"]) == (B, S, 2, PAGES, 2)
+    assert (f["merge_blocks"], f["pad"]) == (3, 0)
     assert f["scale_log2"] == pytest.approx(0.5 * runtime.LOG2E)
 
 
@@ -251,7 +252,7 @@ def test_empty_batch_launches_nothing(fake_gpu):
 def test_kernel_launch_holds_the_launch_arguments():
     plan = types.SimpleNamespace(threads=256, smem_bytes=100_000, main_kernel="main_k")
     loaded = types.SimpleNamespace(plan=plan, main=types.SimpleNamespace(ptr=0x7F00))
-    k = launch.kernel_launch(loaded, (8, 6, B))
+    k = launch.kernel_launch(loaded, (8, 2, B + 4))
     assert (k.args, k.name) == (MAIN, "main_k")
 
 

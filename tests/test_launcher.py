@@ -40,7 +40,7 @@ def test_header_fills_every_field_once(plan):
     for f in FIELDS:
         assert len(re.findall(rf"\bp\.{f.name} = ", text)) == 1, f.name
     assert f"namespace {namespace(plan)} {{" in text
-    assert f"constexpr int kMergeBlocks = {plan.merge_blocks};" in text
+    assert f"constexpr int kMaxMergeBlocks = {plan.max_merge_blocks};" in text
 
 
 def test_emit_launcher_writes_beside_the_kernel(tmp_path):
@@ -55,11 +55,15 @@ def test_emit_launcher_writes_beside_the_kernel(tmp_path):
 def test_header_grid_is_the_plans_grid(plan):
     """The header's grid is plan.grid_expr() translated to C: evaluate it with C's integer
     division and compare with plan.grid (no nvcc needed)."""
-    exprs = re.search(r"return dim3\((.*)\);", render_launcher(plan)).group(1).split(", ")
-    assert exprs == [_c_expr(e) for e in plan.grid_expr()]
+    # merge_blocks(batch, seqlen_q), the header's function, stands for the plan's value
+    grid = re.search(r"return dim3\((.*)\);", render_launcher(plan)).group(1)
+    exprs = grid.replace("merge_blocks(batch, seqlen_q)", "merge_blocks").split(", ")
+    assert exprs == [_c_expr(e).replace("merge_blocks(batch, seqlen_q)", "merge_blocks") for e in plan.grid_expr()]
     for batch, seqlen_q, *_ in SHAPES:
         for n in ((1, 7) if plan.uses_split else (1,)):
             env = {"batch": batch, "seqlen_q": seqlen_q, "num_splits": n}
+            if plan.uses_split:
+                env["merge_blocks"] = plan.merge_blocks(batch, seqlen_q)
             # C's a ? b : c as Python's conditional expression
             py = [re.sub(r"^(.+?) \? (.+?) : (.+)$", r"(\2) if (\1) else (\3)", e.replace("/", "//")) for e in exprs]
             got = tuple(eval(e, {}, dict(env)) for e in py)

@@ -80,10 +80,15 @@ def test_plan_derives_the_template_numbers():
     plan = validate(Problem(heads=64), Variant(head_tile=8, q_tile=5, warps=8, block_n=32, stages=2))
     assert plan.rows == 40 and plan.rows_per_warp == 5 and plan.rows_pad == 40
     assert plan.head_tiles == 8 and plan.threads == 256
-    assert plan.merge_blocks == 5                       # 40 rows, one per warp of 8
-    assert plan.grid(batch=3, seqlen_q=9, num_splits=4) == (2 * 8, 4 + 5, 3)
-    assert plan.grid(batch=3, seqlen_q=9, num_splits=1) == (2 * 8, 1, 3)
+    assert plan.max_merge_blocks == 5                   # 40 rows, one per warp of 8
     assert plan.row_groups(batch=3, seqlen_q=9) == 2 * 8 * 3
-    assert plan.grid_expr() == ("ceil(S / 5) * 8", "num_splits > 1 ? num_splits + 5 : 1", "B")
+    assert plan.merge_blocks(batch=3, seqlen_q=9) == 3  # ceil(128 / 48 groups)
+    assert plan.merge_blocks(batch=1, seqlen_q=1) == 5  # 8 groups: capped at one warp per row
+    assert plan.merge_blocks(batch=64, seqlen_q=9) == 1
+    # split blocks in z slabs 0..2, then ceil(3 requests * 3 merge blocks / 4 splits) merge slabs
+    assert plan.grid(batch=3, seqlen_q=9, num_splits=4) == (2 * 8, 4, 3 + 3)
+    assert plan.grid(batch=3, seqlen_q=9, num_splits=1) == (2 * 8, 1, 3)
+    assert plan.grid_expr() == ("ceil(S / 5) * 8", "num_splits",
+                                "num_splits > 1 ? B + (B * merge_blocks + num_splits - 1) / num_splits : B")
     n = validate(Problem(heads=16), naive())
     assert n.grid(batch=2, seqlen_q=3, num_splits=1) == (16, 3, 2)

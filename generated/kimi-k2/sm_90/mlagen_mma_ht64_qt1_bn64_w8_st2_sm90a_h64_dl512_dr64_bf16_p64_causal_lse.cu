@@ -7,7 +7,7 @@
 //   their row maxima meet in shared memory, P = exp2(S - m) goes to shared memory as bf16;
 //   output O += P V: every warp holds all rows and 64 of the 512 value dims, in registers.
 // With one split the block writes out/lse; otherwise partials go to the workspace for the row
-// group's merge blocks (later on the grid's y axis).
+// group's merge blocks (z slabs after the requests').
 #include <cuda_bf16.h>
 
 #ifndef INFINITY   // NVRTC has no <math.h>
@@ -67,7 +67,9 @@ struct __align__(8) VerifyParams {
   int max_pages;  // columns of block_table
   int num_pages;  // pages in kv; page ids outside [0, num_pages) read as zeros
   int num_splits;  // key-range splits; 1 writes out directly, no merge blocks
+  int merge_blocks;  // merge blocks per row group (num_splits > 1), in z slabs >= batch
   float scale_log2;  // softmax_scale * log2(e)
+  int pad;  // unused, 0: keeps the block a multiple of 8 bytes
 };
 
 namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
@@ -214,19 +216,18 @@ __device__ __forceinline__ void finish_row(const VerifyParams& p, int split, int
   if (writes_stats) p.part_ml[row] = make_float2(l > 0.f ? m : -INFINITY, l);
 }
 
-// With num_splits > 1 the grid's y axis holds the num_splits split blocks of each row group
-// (a query tile x head tile of one request), then its MERGE_BLOCKS merge blocks: one launch, no
-// combine kernel. A split block counts itself done in the group's counter after writing its
-// partials; a merge block waits for the count, counts itself too (the last of all wraps the
-// counter back to 0 for the next call), and merges MERGE_WARPS rows, one per warp.
-// The wait cannot deadlock: blocks start in grid order, and a group's split blocks come before
-// its merge blocks on the y axis, so they are running or done when a merge block waits.
+// With num_splits > 1 the grid's z slabs 0..B-1 hold the split blocks (x: row group of request z,
+// y: split) and the slabs after them the merge blocks: one launch, no combine kernel. A split
+// block counts itself done in its row group's counter after writing its partials; each of the
+// group's p.merge_blocks merge blocks waits for num_splits counts, counts itself too (the last of
+// all wraps the counter back to 0 for the next launch) and merges its share of the group's rows,
+// one row per warp at a time. The wait cannot deadlock: blocks start in grid order and every
+// merge block comes after every split block, so those are running or done when it waits.
 constexpr int MERGE_WARPS = 8;
-constexpr int MERGE_BLOCKS = 8;
 constexpr int GROUP_ROWS = 64;              // q_tile * head_tile
 
-__device__ __forceinline__ unsigned* group_counter(const VerifyParams& p) {
-  return p.counters + ((long long)blockIdx.z * gridDim.x + blockIdx.x);
+__device__ __forceinline__ unsigned* group_counter(const VerifyParams& p, int b, int x) {
+  return p.counters + ((long long)b * gridDim.x + x);
 }
 
 __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
@@ -240,7 +241,7 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p) {
   if (p.num_splits == 1) return;
   __threadfence();   // each thread's partials are visible GPU-wide before the block counts
   __syncthreads();
-  if (threadIdx.x == 0) atomicInc(group_counter(p), p.num_splits + MERGE_BLOCKS - 1);
+  if (threadIdx.x == 0) atomicInc(group_counter(p, blockIdx.z, blockIdx.x), p.num_splits + p.merge_blocks - 1);
 }
 
 // Row (b, i, h): m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l.
@@ -279,18 +280,29 @@ __device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane) 
   if (WRITE_LSE && lane == 0) p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
 }
 
-// Merge block `part` (0..MERGE_BLOCKS-1) of the row group at query q0, head h0 of request b.
-__device__ void merge_group(const VerifyParams& p, int b, int q0, int h0, int part) {
-  unsigned* counter = group_counter(p);
+// A merge block (blockIdx.z >= p.batch). Merge blocks are numbered x fastest, then y, then z
+// slab; number f merges part f / groups of row group f % groups (request g / grid.x, tile g % grid.x).
+__device__ void merge_block(const VerifyParams& p) {
+  const long long groups = (long long)gridDim.x * p.batch;
+  const long long f = ((long long)(blockIdx.z - p.batch) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  if (f >= groups * p.merge_blocks) return;             // the last slab's spare blocks
+  const int part = (int)(f / groups), g = (int)(f % groups);
+  const int x = g % gridDim.x, b = g / gridDim.x;
+  const int h0 = (x % 1) * 64;
+  const int q0 = (x / 1) * 1;
+  unsigned* counter = group_counter(p, b, x);
   if (threadIdx.x == 0) {
     while (load_acquire(counter) < (unsigned)p.num_splits) __nanosleep(100);
-    atomicInc(counter, p.num_splits + MERGE_BLOCKS - 1);
+    atomicInc(counter, p.num_splits + p.merge_blocks - 1);
   }
   __syncthreads();   // the partials thread 0 acquired are visible to the whole block
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r = part * MERGE_WARPS + warp;
-  const int i = q0 + r / 64, h = h0 + r % 64;
-  if (r < GROUP_ROWS && i < p.seqlen_q) merge_row(p, b, i, h, lane);
+  const int per = (GROUP_ROWS + p.merge_blocks - 1) / p.merge_blocks;
+  const int end = (part + 1) * per < GROUP_ROWS ? (part + 1) * per : GROUP_ROWS;
+  for (int r = part * per + warp; r < end; r += MERGE_WARPS) {
+    const int i = q0 + r / 64, h = h0 + r % 64;
+    if (i < p.seqlen_q) merge_row(p, b, i, h, lane);
+  }
 }
 
 }  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
@@ -420,7 +432,7 @@ __device__ __forceinline__ void load_rows(elem_t* dst, const elem_t* fallback, R
 }
 }  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
-// grid: (ceil(S/QT) * H/HT, num_splits (+ MERGE_BLOCKS when > 1), B); block: 256 threads;
+// grid: (ceil(S/QT) * H/HT, num_splits, B + merge slabs when num_splits > 1); block: 256 threads;
 // dynamic shared memory 231680 bytes.
 extern "C" __global__ void __launch_bounds__(256, 1)
 mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
@@ -436,12 +448,12 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates
   const int wmq = warp % WMQ, wnq = warp / WMQ;   // wgmma: wnq is the warpgroup
-  const int b = blockIdx.z, split = blockIdx.y;
-  const int h0 = (blockIdx.x % HEAD_TILES) * HT, q0 = (blockIdx.x / HEAD_TILES) * QT;
-  if (split >= p.num_splits) {     // a merge block of the row group (split grids only)
-    merge_group(p, b, q0, h0, split - p.num_splits);
+  if (blockIdx.z >= p.batch) {      // a merge block (split launches only)
+    merge_block(p);
     return;
   }
+  const int b = blockIdx.z, split = blockIdx.y;
+  const int h0 = (blockIdx.x % HEAD_TILES) * HT, q0 = (blockIdx.x / HEAD_TILES) * QT;
   const int S = p.seqlen_q;
   const int n = request_keys(p, b);
   const int q_end = q0 + QT < S ? q0 + QT : S;

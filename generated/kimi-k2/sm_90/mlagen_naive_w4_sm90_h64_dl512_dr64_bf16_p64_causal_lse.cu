@@ -61,7 +61,9 @@ struct __align__(8) VerifyParams {
   int max_pages;  // columns of block_table
   int num_pages;  // pages in kv; page ids outside [0, num_pages) read as zeros
   int num_splits;  // key-range splits; 1 writes out directly, no merge blocks
+  int merge_blocks;  // merge blocks per row group (num_splits > 1), in z slabs >= batch
   float scale_log2;  // softmax_scale * log2(e)
+  int pad;  // unused, 0: keeps the block a multiple of 8 bytes
 };
 
 namespace mlagen_mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse {
