@@ -214,7 +214,7 @@ def verify_attention(
         call = _checked_call(key, q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v,
                              softmax_scale, causal, return_lse, variant, check_values)
         q_ptr, kv_ptr = q.data_ptr(), kv_cache.data_ptr()
-    elif inputs.values_requested(check_values):
+    elif check_values or (check_values is None and inputs.CHECK_VALUES_DEFAULT):   # values_requested, inlined
         inputs.check_values(call.shapes, block_table, cache_seqlens)
 
     # Sizes as separate ints: torch.empty parses those faster than a tuple.

@@ -57,43 +57,55 @@ class _Arena:
         return self.counters.data_ptr() + 4 * (self.used - n)
 
 
-# (device index, raw stream handle) -> the eager calls' (partials, counters). Handles are per
-# device (the default stream is 0 on every device), hence the pair. Bounded: code that creates a
-# stream per request would otherwise keep buffers per stream it ever used. The counters are
-# their own tensor so that no call's partials ever land where another call's counters are.
-_buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+# (device index, raw stream handle) -> the eager calls' buffers, as (partials, counters, partials
+# address, counters address, partials size, counters size): plain ints for the per-call checks.
+# Handles are per device (the default stream is 0 on every device), hence the pair. Bounded:
+# code that creates a stream per request would otherwise keep buffers per stream it ever used.
+# The counters are their own tensor so that no call's partials land where another call's
+# counters are.
+_buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int, int, int, int]] = {}
 # device index -> arenas, the last one current; earlier ones stay alive for the graphs using them.
 _arenas: dict[int, list[_Arena]] = {}
 
 
-def get(device: int, stream: int, layout: Layout, torch_device: torch.device) -> tuple[torch.Tensor, int, int]:
-    """(buffer to keep referenced until the launch is queued, partials address, counters
+def get(device: int, stream: int, layout: Layout, torch_device: torch.device) -> tuple[object, int, int]:
+    """(object to keep referenced until the launch is queued, partials address, counters
     address) for a call queued on `stream` of `device`."""
     if torch._C._cuda_isCurrentStreamCapturing():
-        partials = torch.empty(layout.numel, dtype=torch.float32, device=torch_device)
-        arenas = _arenas.get(device)
-        counters = arenas[-1].take(layout.counters) if arenas else None
-        if counters is None:
-            # Recorded into the graph: its replays zero these counters first.
-            held = torch.zeros(layout.counters, dtype=torch.int32, device=torch_device)
-            return (partials, held), partials.data_ptr(), held.data_ptr()
-        return partials, partials.data_ptr(), counters
-    key = (device, stream)
-    bufs = _buffers.get(key)
-    if bufs is None or bufs[0].numel() < layout.numel or bufs[1].numel() < layout.counters:
-        if bufs is None and len(_buffers) >= _MAX_STREAMS:
-            _buffers.clear()   # stream-ordered frees: work queued on those streams stays valid
-        # The current stream is `stream`, so torch's allocator ties the memory to it: freed
-        # memory (a smaller buffer replaced here) is reused on it only after queued work.
-        partials = bufs[0] if bufs is not None and bufs[0].numel() >= layout.numel else \
-            torch.empty(layout.numel, dtype=torch.float32, device=torch_device)
-        counters = bufs[1] if bufs is not None and bufs[1].numel() >= layout.counters else \
-            torch.zeros(layout.counters, dtype=torch.int32, device=torch_device)
-        bufs = _buffers[key] = (partials, counters)
-        arenas = _arenas.setdefault(device, [])
-        if not arenas or arenas[-1].used * 2 > ARENA_COUNTERS:
-            arenas.append(_Arena(torch_device))
-    return bufs, bufs[0].data_ptr(), bufs[1].data_ptr()
+        return _for_capture(device, layout, torch_device)
+    bufs = _buffers.get((device, stream))
+    if bufs is None or bufs[4] < layout.numel or bufs[5] < layout.counters:
+        bufs = _grow(device, stream, layout, torch_device, bufs)
+    return bufs, bufs[2], bufs[3]
+
+
+def _for_capture(device: int, layout: Layout, torch_device: torch.device) -> tuple[object, int, int]:
+    partials = torch.empty(layout.numel, dtype=torch.float32, device=torch_device)
+    arenas = _arenas.get(device)
+    counters = arenas[-1].take(layout.counters) if arenas else None
+    if counters is None:
+        # Recorded into the graph: its replays zero these counters first.
+        held = torch.zeros(layout.counters, dtype=torch.int32, device=torch_device)
+        return (partials, held), partials.data_ptr(), held.data_ptr()
+    return partials, partials.data_ptr(), counters
+
+
+def _grow(device: int, stream: int, layout: Layout, torch_device: torch.device,
+          bufs: tuple | None) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
+    if bufs is None and len(_buffers) >= _MAX_STREAMS:
+        _buffers.clear()   # stream-ordered frees: work queued on those streams stays valid
+    # The current stream is `stream`, so torch's allocator ties the memory to it: freed memory
+    # (a smaller buffer replaced here) is reused on it only after queued work.
+    partials = bufs[0] if bufs is not None and bufs[4] >= layout.numel else \
+        torch.empty(layout.numel, dtype=torch.float32, device=torch_device)
+    counters = bufs[1] if bufs is not None and bufs[5] >= layout.counters else \
+        torch.zeros(layout.counters, dtype=torch.int32, device=torch_device)
+    bufs = _buffers[(device, stream)] = (partials, counters, partials.data_ptr(), counters.data_ptr(),
+                                         partials.numel(), counters.numel())
+    arenas = _arenas.setdefault(device, [])
+    if not arenas or arenas[-1].used * 2 > ARENA_COUNTERS:
+        arenas.append(_Arena(torch_device))
+    return bufs
 
 
 def release() -> None:
