@@ -245,28 +245,42 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p) {
 }
 
 // Row (b, i, h): m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l.
-// One warp, each lane DL/128 float4s; partials are read from L2 (other SMs wrote them).
+// One warp; partials are read from L2 (other SMs wrote them). Latency decides this on short
+// rows, so no load waits on another: lane k reads split k's (m, l) and the warp reduces them,
+// then every split's acc loads go out together (a split without keys gets weight 0 by select,
+// not by branch, so its loads stay in flight with the others).
 __device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane) {
+  const int splits = p.num_splits;
   float m = -INFINITY;
-  for (int k = 0; k < p.num_splits; ++k) m = fmaxf(m, __ldcg(&p.part_ml[part_row(p, k, b, i, h)]).x);
+  for (int k = lane; k < splits; k += 32) m = fmaxf(m, __ldcg(&p.part_ml[part_row(p, k, b, i, h)]).x);
+  m = warp_max(m);
   constexpr int V4 = DL / 128;   // float4s per lane
   float acc[V4 * 4] = {};
   float l = 0.f;
   if (m != -INFINITY) {
-    for (int k = 0; k < p.num_splits; ++k) {
-      const long long r = part_row(p, k, b, i, h);
-      const float2 ml = __ldcg(&p.part_ml[r]);
-      if (ml.y == 0.f) continue;           // an empty split holds no keys (and maybe no acc)
-      const float w = exp2f(ml.x - m);
-      l += ml.y * w;
-      const float4* src = reinterpret_cast<const float4*>(p.part_o + r * DL);
+    for (int k0 = 0; k0 < splits; k0 += 32) {
+      float w = 0.f;             // lane j: the weight of split k0 + j (0 without keys)
+      if (k0 + lane < splits) {
+        const float2 ml = __ldcg(&p.part_ml[part_row(p, k0 + lane, b, i, h)]);
+        w = ml.y > 0.f ? exp2f(ml.x - m) : 0.f;
+        l += ml.y * w;
+      }
+      const int n = splits - k0 < 32 ? splits - k0 : 32;
+#pragma unroll 4
+      for (int j = 0; j < n; ++j) {
+        const float wj = __shfl_sync(0xffffffffu, w, j);
+        const float4* src = reinterpret_cast<const float4*>(p.part_o + part_row(p, k0 + j, b, i, h) * DL);
 #pragma unroll
-      for (int v = 0; v < V4; ++v) {
-        const float4 x = __ldcg(src + lane + 32 * v);
-        acc[4 * v] += w * x.x; acc[4 * v + 1] += w * x.y;
-        acc[4 * v + 2] += w * x.z; acc[4 * v + 3] += w * x.w;
+        for (int v = 0; v < V4; ++v) {
+          const float4 x = __ldcg(src + lane + 32 * v);
+          acc[4 * v] += wj != 0.f ? wj * x.x : 0.f;
+          acc[4 * v + 1] += wj != 0.f ? wj * x.y : 0.f;
+          acc[4 * v + 2] += wj != 0.f ? wj * x.z : 0.f;
+          acc[4 * v + 3] += wj != 0.f ? wj * x.w : 0.f;
+        }
       }
     }
+    l = warp_sum(l);
   }
   const float inv = l > 0.f ? 1.f / l : 0.f;
   elem_t* dst = p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s
