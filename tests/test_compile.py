@@ -11,7 +11,7 @@ from mlagen.arch import CI_ARCHS
 from mlagen.build import build
 from mlagen.codegen import render
 from mlagen.presets import PRESETS
-from mlagen.spec import Problem, Variant, naive
+from mlagen.spec import Problem, Variant, naive, parse_variant
 from mlagen.validate import SpecError, validate
 
 problems = st.builds(
@@ -74,3 +74,14 @@ def test_sources_are_self_contained():
     plan = validate(Problem(mask="tree"), Variant())
     includes = re.findall(r'#include\s*[<"]([^>"]+)[>"]', render(plan))
     assert includes == ["cuda_bf16.h"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("mask", ["causal", "tree"])
+def test_wgmma_variants_are_not_serialized(dtype, mask):
+    """ptxas serializes every wgmma of a kernel (C7519, a large slowdown it only warns about)
+    when, e.g., a wgmma sits in a branch ptxas sees as divergent; keep the sm_90a kernels free of it."""
+    problem = Problem(heads=64, dtype=dtype, mask=mask)
+    for v in ("mma_ht64_qt1_bn64_w8_st2_spa_sm90a", "mma_ht8_qt8_bn64_w8_st2_spa_sm90a"):
+        log = build(problem, parse_variant(v)).module.log
+        assert "C7519" not in log and "serialized" not in log, log

@@ -508,6 +508,9 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
 
 
     // ---- mask, scale, and this warp's row maxima ----
+    // A tile inside every row's prefix needs no mask. Its padding rows (past ROWS or S) then
+    // hold finite scores of zero-filled queries; they are never written out.
+    const bool all_visible = (kb + 1) * BN <= n - S;
 #pragma unroll
     for (int mt = 0; mt < MTQ; ++mt)
 #pragma unroll
@@ -517,15 +520,26 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
         const bool live = row < ROWS && i < S;
         const unsigned long long bits = MASK_TREE && live ? sBits[row / HT] : 0ull;
         float mx = -INFINITY;
+        if (all_visible) {
 #pragma unroll
-        for (int nt = 0; nt < NTQ; ++nt)
+          for (int nt = 0; nt < NTQ; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = kb * BN + wnq * KEYS_W + nt * 8 + 2 * t + e;
-            float& x = s[mt][nt][2 * half + e];
-            x = live && key_visible(j, n, i, S, bits) ? x * p.scale_log2 : -INFINITY;
-            mx = fmaxf(mx, x);
-          }
+            for (int e = 0; e < 2; ++e) {
+              float& x = s[mt][nt][2 * half + e];
+              x *= p.scale_log2;
+              mx = fmaxf(mx, x);
+            }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < NTQ; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = kb * BN + wnq * KEYS_W + nt * 8 + 2 * t + e;
+              float& x = s[mt][nt][2 * half + e];
+              x = live && key_visible(j, n, i, S, bits) ? x * p.scale_log2 : -INFINITY;
+              mx = fmaxf(mx, x);
+            }
+        }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         if (t == 0) sPart[wnq * M_PAD + row] = mx;
@@ -556,6 +570,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
       for (int half = 0; half < 2; ++half) {
         const int row = o_row0 + mt * 16 + g + 8 * half;
         const float m_old = sM[row], m_new = new_max(sM, sPart, row);
+        if (m_new == m_old) continue;     // most tiles of a long row: alpha = 1, skip the multiplies
         const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
 #pragma unroll
         for (int nt = 0; nt < NT_O; ++nt) { o[mt][nt][2 * half] *= alpha; o[mt][nt][2 * half + 1] *= alpha; }

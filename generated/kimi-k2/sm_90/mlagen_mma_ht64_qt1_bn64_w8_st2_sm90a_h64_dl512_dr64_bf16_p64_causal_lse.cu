@@ -410,6 +410,24 @@ __device__ __forceinline__ void wgmma_m64n32k16(float* d, unsigned long long a, 
                  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
                : "l"(a), "l"(b), "r"(accumulate));
 }
+// Scores of one warpgroup: all 64 rows of Q at `q` x 32 keys of the KV tile at `tile` (offset to
+// the warpgroup's keys). Branching to per-warpgroup copies with constant offsets would save the
+// descriptor moves, but ptxas then serializes the wgmmas (divergent path), which costs more.
+__device__ __forceinline__ void scores_wgmma(float* s, unsigned q, unsigned tile) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const unsigned within = (ks % 4) * 32, block = ks / 4;   // 4 k-steps per 128-byte column block
+    wgmma_m64n32k16(s, wgmma_desc(q + block * (M_PAD * 128) + within),
+                    wgmma_desc(tile + block * (BN * 128) + within), ks > 0);
+  }
+}
+// O (+)= P V for one warpgroup: P (64 rows x BN keys) at `pa`, V = the KV tile at `tile`
+// (offset to the warpgroup's DL/2 dims).
+__device__ __forceinline__ void pv_wgmma(float* o, unsigned pa, unsigned tile) {
+#pragma unroll
+  for (int ks = 0; ks < BN / 16; ++ks)
+    wgmma_pv(o, wgmma_desc(pa + ks * 32), wgmma_desc(tile + ks * 2048, BN * 128, 1024));
+}
 
 
 // Row max of `row` after the current tile: the running max in sM and every warp's tile maximum.
@@ -525,17 +543,15 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     // mma.sync accumulator layout (per 8 keys: row g cols 2t,2t+1; row g+8 likewise).
     static_assert(MTQ == 1 && NTQ == 4 && M_PAD == 64, "one m64n32 wgmma per warpgroup");
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const unsigned within = (ks % 4) * 32, block = ks / 4;   // 4 k-steps per 128-byte column block
-      wgmma_m64n32k16(&s[0][0][0], wgmma_desc(sQa + block * (M_PAD * 128) + within),
-                      wgmma_desc(tileA + block * (BN * 128) + wnq * KEYS_W * 128 + within), ks > 0);
-    }
+    scores_wgmma(&s[0][0][0], sQa, tileA + wnq * KEYS_W * 128);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 
 
     // ---- mask, scale, and this warp's row maxima ----
+    // A tile inside every row's prefix needs no mask. Its padding rows (past ROWS or S) then
+    // hold finite scores of zero-filled queries; they are never written out.
+    const bool all_visible = (kb + 1) * BN <= n - S;
 #pragma unroll
     for (int mt = 0; mt < MTQ; ++mt)
 #pragma unroll
@@ -545,15 +561,26 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
         const bool live = row < ROWS && i < S;
         const unsigned long long bits = MASK_TREE && live ? sBits[row / HT] : 0ull;
         float mx = -INFINITY;
+        if (all_visible) {
 #pragma unroll
-        for (int nt = 0; nt < NTQ; ++nt)
+          for (int nt = 0; nt < NTQ; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = kb * BN + wnq * KEYS_W + nt * 8 + 2 * t + e;
-            float& x = s[mt][nt][2 * half + e];
-            x = live && key_visible(j, n, i, S, bits) ? x * p.scale_log2 : -INFINITY;
-            mx = fmaxf(mx, x);
-          }
+            for (int e = 0; e < 2; ++e) {
+              float& x = s[mt][nt][2 * half + e];
+              x *= p.scale_log2;
+              mx = fmaxf(mx, x);
+            }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < NTQ; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = kb * BN + wnq * KEYS_W + nt * 8 + 2 * t + e;
+              float& x = s[mt][nt][2 * half + e];
+              x = live && key_visible(j, n, i, S, bits) ? x * p.scale_log2 : -INFINITY;
+              mx = fmaxf(mx, x);
+            }
+        }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         if (t == 0) sPart[wnq * M_PAD + row] = mx;
@@ -584,6 +611,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       for (int half = 0; half < 2; ++half) {
         const int row = o_row0 + mt * 16 + g + 8 * half;
         const float m_old = sM[row], m_new = new_max(sM, sPart, row);
+        if (m_new == m_old) continue;     // most tiles of a long row: alpha = 1, skip the multiplies
         const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
 #pragma unroll
         for (int nt = 0; nt < NT_O; ++nt) { o[mt][nt][2 * half] *= alpha; o[mt][nt][2 * half + 1] *= alpha; }
@@ -598,10 +626,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     // ---- O += P V over the tile's keys ----
 
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-    for (int ks = 0; ks < BN / 16; ++ks)
-      wgmma_pv(&o[0][0][0], wgmma_desc(sPa + ks * 32),
-               wgmma_desc(tileA + (DL / 128) * wnq * (BN * 128) + ks * 2048, BN * 128, 1024));
+    pv_wgmma(&o[0][0][0], sPa, tileA + (DL / 128) * wnq * (BN * 128));
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 
