@@ -411,22 +411,25 @@ __device__ __forceinline__ void wgmma_m64n32k16(float* d, unsigned long long a, 
                : "l"(a), "l"(b), "r"(accumulate));
 }
 // Scores of one warpgroup: all 64 rows of Q at `q` x 32 keys of the KV tile at `tile` (offset to
-// the warpgroup's keys). Branching to per-warpgroup copies with constant offsets would save the
-// descriptor moves, but ptxas then serializes the wgmmas (divergent path), which costs more.
+// the warpgroup's keys). A descriptor's address field is the byte address / 16, so each k-step's
+// descriptor is the tile's plus a constant (addresses stay below 256 KB: no carry out of the
+// field). Branching to per-warpgroup copies with constant addresses would save more, but ptxas
+// then serializes the wgmmas (divergent path), which costs far more.
 __device__ __forceinline__ void scores_wgmma(float* s, unsigned q, unsigned tile) {
+  const unsigned long long qd = wgmma_desc(q), kd = wgmma_desc(tile);
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const unsigned within = (ks % 4) * 32, block = ks / 4;   // 4 k-steps per 128-byte column block
-    wgmma_m64n32k16(s, wgmma_desc(q + block * (M_PAD * 128) + within),
-                    wgmma_desc(tile + block * (BN * 128) + within), ks > 0);
+    wgmma_m64n32k16(s, qd + ((block * (M_PAD * 128) + within) >> 4), kd + ((block * (BN * 128) + within) >> 4),
+                    ks > 0);
   }
 }
 // O (+)= P V for one warpgroup: P (64 rows x BN keys) at `pa`, V = the KV tile at `tile`
 // (offset to the warpgroup's DL/2 dims).
 __device__ __forceinline__ void pv_wgmma(float* o, unsigned pa, unsigned tile) {
+  const unsigned long long pd = wgmma_desc(pa), vd = wgmma_desc(tile, BN * 128, 1024);
 #pragma unroll
-  for (int ks = 0; ks < BN / 16; ++ks)
-    wgmma_pv(o, wgmma_desc(pa + ks * 32), wgmma_desc(tile + ks * 2048, BN * 128, 1024));
+  for (int ks = 0; ks < BN / 16; ++ks) wgmma_pv(o, pd + ks * 2, vd + ks * 128);   // 32 and 2048 bytes
 }
 
 
