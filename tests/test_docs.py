@@ -1,6 +1,7 @@
 """docs/api.md must match what docs/make_api.py renders from the code now; the guide's
 commands and names must exist."""
 
+import doctest
 import importlib.util
 import re
 from pathlib import Path
@@ -27,3 +28,13 @@ def test_guide_names_real_functions():
     for name in re.findall(r"\bmlagen\.(\w+)\(", guide):
         assert hasattr(mlagen, name), f"guide.md calls mlagen.{name}, which mlagen does not export"
     assert "from mlagen.compat.flash_mla import" in guide
+
+
+def test_guide_dispatcher_example_runs():
+    """The guide's dispatcher session, run as a doctest against the shipped table."""
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", guide, re.S) if "choose_variant" in b)
+    test = doctest.DocTestParser().get_doctest(block, {}, "guide.md dispatcher", "guide.md", 0)
+    runner = doctest.DocTestRunner()
+    runner.run(test)
+    assert runner.failures == 0 and runner.tries >= 8

@@ -1,0 +1,52 @@
+"""Executed SASS instructions and stall samples per opcode, from ncu's source page as CSV.
+
+On the GPU machine:
+
+    ncu --clock-control none -k regex:_main --launch-skip 2 --launch-count 1 \\
+        --section SourceCounters --page source --print-source sass --csv \\
+        python3 benchmarks/profile_row.py 64 1 9 65536 > src.csv
+    python3 benchmarks/sass_histogram.py src.csv
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import re
+import sys
+
+_OPCODE = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)")
+
+
+def histogram(path: str) -> tuple[collections.Counter, collections.Counter]:
+    """(executed instructions, stall samples) per opcode of the profiled kernel."""
+    rows = list(csv.reader(open(path)))
+    start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    header = rows[start]
+    executed_col = header.index("Instructions Executed")
+    stall_col = header.index("Warp Stall Sampling (All Samples)")
+    source_col = header.index("Source")
+    executed, stalls = collections.Counter(), collections.Counter()
+    for r in rows[start + 1:]:
+        try:
+            n, s = int(r[executed_col].replace(",", "")), int(r[stall_col].replace(",", ""))
+        except (IndexError, ValueError):
+            continue
+        m = _OPCODE.match(r[source_col].strip())
+        op = m.group(1) if m else "?"
+        executed[op] += n
+        stalls[op] += s
+    return executed, stalls
+
+
+def main(path: str, top: int = 32) -> None:
+    executed, stalls = histogram(path)
+    total, samples = sum(executed.values()), max(1, sum(stalls.values()))
+    print(f"{total:,d} instructions executed, {samples:,d} stall samples")
+    print(f"{'opcode':10s} {'executed':>13s} {'share':>6s} {'stalls':>7s}")
+    for op, n in executed.most_common(top):
+        print(f"{op:10s} {n:>13,d} {100 * n / total:5.1f}% {100 * stalls[op] / samples:6.1f}%")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
