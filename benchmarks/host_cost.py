@@ -64,7 +64,7 @@ def main() -> None:
     for fn in cases.values():   # compile, load and remember each signature first
         fn()
     torch.cuda.synchronize()
-    call = runtime._calls[runtime._key(*args, None, out, 512, causal.scale, True, False, None)]
+    _, call = runtime._lookup(*args, None, out, 512, causal.scale, True, False, None)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; kernel: {call.kernel.name}, grid "
           f"{call.kernel.args[1:4]}" + (" (split, merge blocks inside)" if call.layout else " (one split)"))
     rows = [(name, host_us_per_call(fn, CALLS)) for name, fn in cases.items()]

@@ -101,18 +101,17 @@ _calls: dict[tuple, _Call] = {}
 _MAX_CALLS = 1024
 
 
-def _key(q: object, kv_cache: object, block_table: object, cache_seqlens: object, tree_mask: object,
-         out: object, head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
-         variant: Variant | None) -> tuple | None:
-    """The key a call's _Call is remembered under, or None for arguments that are not tensors
-    or not hashable (the full checks name those)."""
+def _lookup(q: object, kv_cache: object, block_table: object, cache_seqlens: object, tree_mask: object,
+            out: object, head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
+            variant: Variant | None) -> tuple[tuple | None, _Call | None]:
+    """(key, remembered _Call or None) for these arguments; the key is None for arguments that
+    are not tensors or not hashable (the full checks name those)."""
     try:
         key = (inputs.signature(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale),
                causal, return_lse, variant)
-        hash(key)
-        return key
+        return key, _calls.get(key)
     except (AttributeError, TypeError, RuntimeError):
-        return None
+        return None, None
 
 
 def _require_cuda(q: object) -> None:
@@ -125,7 +124,7 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
                   tree_mask: object, out: object, head_dim_v: int, softmax_scale: float | None, causal: bool,
                   return_lse: bool, variant: Variant | None, check_values: bool | None) -> _Call:
     """Every check, in the op's order (each names the bad argument), then the _Call, which is
-    remembered under `key` (the arguments' `_key`)."""
+    remembered under `key` (from `_lookup`)."""
     _require_cuda(q)
     shapes = inputs.check_inputs(q, kv_cache, block_table, cache_seqlens, tree_mask, head_dim_v, softmax_scale)
     if inputs.values_requested(check_values):
@@ -201,9 +200,8 @@ def verify_attention(
         out [B, S, H, Dl] in q's dtype, and lse if return_lse. A row that sees no key gives
         out = 0 and lse = -inf.
     """
-    key = _key(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale, causal,
-               return_lse, variant)
-    call = _calls.get(key) if key is not None else None
+    key, call = _lookup(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale, causal,
+                        return_lse, variant)
     if call is not None:
         # Pointers change from call to call, so alignment is checked every time; a misaligned
         # one goes through the full checks, which name it.
