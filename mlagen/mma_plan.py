@@ -1,14 +1,15 @@
 """Layout rules of the tensor-core family (mma.sync m16n8k16, fp32 accumulation).
 
 A block holds q_tile*head_tile query rows, padded to M_PAD = 16*m_tiles (the mma's M). For the
-scores S = Q K^T its warps form a WMQ x WNQ grid over (rows, keys) of each KV tile (on sm_90a
-the two warpgroups run wgmma from shared memory instead, 32 keys each); for the
+scores S = Q K^T its warps form a WMQ x WNQ grid over (rows, keys) of each KV tile; for the
 output O += P V every warp holds all M_PAD rows and Dl/warps of the value dims, so O stays in
-registers (M_PAD * Dl / (32*warps) fp32 per thread). P and the row maxima cross warps through
-shared memory. Q and KV tiles are stored in 64-element column blocks of 128-byte rows with the
-128-byte XOR swizzle (chunk ^ row%8): ldmatrix reads 8 rows at one chunk column without bank
-conflicts, and it is the layout wgmma's K-major descriptors read. P rows are padded by 16
-bytes instead.
+registers (M_PAD * Dl / (32*warps) fp32 per thread). On sm_90a the two warpgroups run both
+products on wgmma from shared memory instead: scores for 32 keys each of all 64 rows, output
+for Dl/2 dims each. P and the row maxima cross warps through shared memory. Q and KV tiles are
+stored in 64-element column blocks of 128-byte rows with the 128-byte XOR swizzle
+(chunk ^ row%8): ldmatrix reads 8 rows at one chunk column without bank conflicts, and it is
+the layout wgmma's K-major descriptors read. P rows are padded by 16 bytes for ldmatrix, or
+take the same swizzle for wgmma.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class MmaLayout:
     dims_w: int           # output dims per warp
     p_stride: int         # elements per row of P in shared memory (padded)
     smem_bytes: int
-    wgmma: bool = False   # scores by warpgroup wgmma (sm_90a) instead of mma.sync
+    wgmma: bool = False   # both products by warpgroup wgmma (sm_90a) instead of mma.sync
 
 
 def _score_split(m_pad: int, block_n: int, warps: int) -> tuple[int, int] | None:
@@ -67,8 +68,8 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
                 f"{dims_w} dims / 32 lanes = {o_regs}: use more warps or fewer rows")
     wgmma = v.arch == "sm_90a"
     if wgmma and (m_pad, v.warps, v.block_n) != (64, 8, 64):
-        return (f"on sm_90a the scores run on wgmma (m64n32k16 per warpgroup): 64 padded rows, "
-                f"8 warps and block_n=64, got {m_pad} rows, {v.warps} warps, block_n={v.block_n}")
+        return (f"on sm_90a both products run on wgmma (m64n32k16 and m64n256k16 per warpgroup): "
+                f"64 padded rows, 8 warps and block_n=64, got {m_pad} rows, {v.warps} warps, block_n={v.block_n}")
     # wgmma: each warpgroup takes 32 keys of all 64 rows, its warps 16 rows each.
     split = (4, 2) if wgmma else _score_split(m_pad, v.block_n, v.warps)
     if split is None:

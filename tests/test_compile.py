@@ -59,14 +59,16 @@ def test_preset_variants_compile_without_spills(preset, variant):
     assert built.plan.smem_bytes <= built.plan.arch.smem_per_block
 
 
-def test_sm90a_scores_run_on_wgmma():
+def test_sm90a_products_run_on_wgmma():
     v = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=2, arch="sm_90a")
     for dtype in ("bf16", "fp16"):
         built = build(Problem(dtype=dtype), v)
-        assert "wgmma.mma_async" in built.source and built.plan.mma.wgmma
+        assert built.plan.mma.wgmma
+        assert "wgmma.mma_async.sync.aligned.m64n32k16" in built.source       # scores
+        assert "wgmma.mma_async.sync.aligned.m64n256k16" in built.source      # output
         assert not any(r.spills for r in built.module.resources.values())
         assert "wgmma.mma_async" not in render(validate(Problem(dtype=dtype), v.with_(arch="sm_90")))
-    with pytest.raises(SpecError, match="on sm_90a the scores run on wgmma"):
+    with pytest.raises(SpecError, match="on sm_90a both products run on wgmma"):
         validate(Problem(), v.with_(block_n=32))
 
 
