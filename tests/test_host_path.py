@@ -242,6 +242,15 @@ def test_workspace_reused_per_stream_and_fresh_under_capture(fake_gpu, monkeypat
     assert workspace._buffers == {}
 
 
+def test_workspace_buffers_are_bounded_per_stream(fake_gpu, monkeypatch):
+    a = make_args()
+    for stream in range(1, workspace._MAX_STREAMS + 2):
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device, s=stream: s, raising=False)
+        call(a)
+        assert (0, stream) in workspace._buffers and len(workspace._buffers) <= workspace._MAX_STREAMS
+    assert len(workspace._arenas[0]) == 1          # one arena serves every stream's captures
+
+
 def test_empty_batch_launches_nothing(fake_gpu):
     out = call(make_args(q=torch.zeros(0, S, H, D, dtype=torch.bfloat16),
                          block_table=torch.zeros(0, 2, dtype=torch.int32),
