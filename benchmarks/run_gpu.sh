@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call: GPU facts, GPU tests, compute-sanitizer,
-# benchmark. Logs go to $OUT (the device tool's folder) or ./out.
-#   bash benchmarks/run_gpu.sh [tests] [sanitize] [bench]     (default: all three)
+# tuning, benchmark, host cost. Logs go to $OUT (the device tool's folder) or ./out.
+#   bash benchmarks/run_gpu.sh [tests] [sanitize] [tune] [bench] [host]
+# (default: tests sanitize bench). `tune` rewrites the shipped table (mlagen/tables/) and copies
+# it to $OUT, so run it before `bench`.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -20,7 +22,14 @@ for step in $steps; do
         timeout 240 compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize.py 2>&1 \
           | tail -n 40 | tee "$OUT/sanitize_$tool.log"
       done ;;
+    tune)
+      timeout 300 python3 cli.py tune --grid seed --grid serving --write-default 2>&1 | tail -n 40 | tee "$OUT/tune.log"
+      cp mlagen/tables/*.json "$OUT/" ;;
     bench)
       timeout 400 python3 cli.py bench --grid seed --grid serving --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" ;;
+    host)
+      timeout 120 python3 benchmarks/host_cost.py 2>&1 | tee "$OUT/host.log" ;;
+    *)
+      echo "unknown step $step (tests, sanitize, tune, bench, host)"; exit 2 ;;
   esac
 done
