@@ -3,9 +3,10 @@ counter its merge blocks wait on (see templates/merge.cuh.j2).
 
 The counters must be zero when a launch starts; every launch leaves them zero. So:
 
-- Eager calls reuse one zeroed buffer per (device, stream): work on a stream runs in order, so
-  a call's launch never overlaps the previous one on that stream, and reusing skips a
-  torch.empty per call (~3 µs of host time on the H200 machine). Other streams get their own.
+- Eager calls reuse their buffers per (device, stream), the counters zeroed once when
+  allocated: work on a stream runs in order, so a call's launch never overlaps the previous
+  one on that stream, and reusing skips a torch.empty per call (~3 µs of host time on the
+  H200 machine). Other streams get their own.
 - A call being captured in a CUDA graph takes its partials from torch's allocator (the graph's
   private pool) and its counters from a zeroed arena that eager calls set up on the device:
   slices handed out once and never again, so no two graphs, and no graph and eager call,
