@@ -2,9 +2,12 @@
 
 For a validated plan, `emit_launcher` writes `<plan.name>_launch.h` beside the kernel's .cu: a
 header-only C++ launcher in namespace `mlagen::<variant and problem>` with the kernel's
-constants, `grid`, `workspace_bytes`, `default_num_splits` and `launch`, which takes raw
-pointers, strides, sizes and a cudaStream_t, fills the parameter block and launches the kernel
-(whose grid holds the merge blocks when num_splits > 1) through cudaLaunchKernel.
+constants, `grid`, `row_groups`, `merge_blocks`, `workspace_bytes`, `counters_bytes`,
+`default_num_splits` and `launch`, which takes raw pointers, strides, sizes, the workspace, the
+split counters and a cudaStream_t, fills the parameter block and launches the kernel (whose grid
+holds the merge blocks when num_splits > 1) through cudaLaunchKernel. `merge_blocks` and
+`default_num_splits` are C++ twins of `KernelPlan.merge_blocks` and `dispatch.num_splits`;
+tests/test_launcher.py compiles them and compares with the Python.
 
 The header is meant for a different translation unit than the .cu (see the header's comment):
 it declares its own twin of the parameter block, rendered from the same field list
