@@ -33,7 +33,8 @@ class MmaLayout:
     dims_w: int           # output dims per warp
     p_stride: int         # elements per row of P in shared memory (padded)
     smem_bytes: int
-    wgmma: bool = False   # both products by warpgroup wgmma (sm_90a) instead of mma.sync
+    wgmma: bool = False   # scores by warpgroup wgmma (sm_90a) instead of mma.sync
+    pv_wgmma: bool = False  # the output product too (sm_90a unless the variant says mma_pv)
 
 
 def _score_split(m_pad: int, block_n: int, warps: int) -> tuple[int, int] | None:
@@ -67,6 +68,8 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
         return (f"at most {MAX_O_REGS} output accumulators per thread; {m_pad} padded rows x "
                 f"{dims_w} dims / 32 lanes = {o_regs}: use more warps or fewer rows")
     wgmma = v.arch == "sm_90a"
+    if v.mma_pv and not wgmma:
+        return f"mma_pv only on sm_90a (elsewhere P·V runs on mma.sync anyway), got arch {v.arch}"
     if wgmma and (m_pad, v.warps, v.block_n) != (64, 8, 64):
         return (f"on sm_90a both products run on wgmma (m64n32k16 and m64n256k16 per warpgroup): "
                 f"64 padded rows, 8 warps and block_n=64, got {m_pad} rows, {v.warps} warps, block_n={v.block_n}")
@@ -80,7 +83,8 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
     smem = (m_pad * p.head_dim * 2 + v.stages * v.block_n * p.head_dim * 2 + m_pad * p_stride * 2
             + wnq * m_pad * 4 + m_pad * 4 + 64 * 8)
     return MmaLayout(m_pad=m_pad, wmq=wmq, wnq=wnq, rows_w=m_pad // wmq, keys_w=v.block_n // wnq,
-                     dims_w=dims_w, p_stride=p_stride, smem_bytes=smem, wgmma=wgmma)
+                     dims_w=dims_w, p_stride=p_stride, smem_bytes=smem, wgmma=wgmma,
+                     pv_wgmma=wgmma and not v.mma_pv)
 
 
 def plan_mma(p: Problem, v: Variant, arch: Arch):

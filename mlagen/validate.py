@@ -121,6 +121,8 @@ def _check_common(v: Variant) -> None:
              "an int in 1..16")
     _require(v.kv_split == "adaptive" or (isinstance(v.kv_split, int) and 1 <= v.kv_split <= 256),
              "variant.kv_split", v.kv_split, "'adaptive' or an int in 1..256")
+    _require(v.mma_pv is False or (v.mma_pv is True and v.family == "mma"), "variant.mma_pv", v.mma_pv,
+             "False, or True for the mma family (on sm_90a)")
 
 
 def _smem_fits(arch: Arch, smem: int, what: str) -> None:

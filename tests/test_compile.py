@@ -66,6 +66,9 @@ def test_sm90a_products_run_on_wgmma():
         assert built.plan.mma.wgmma
         assert "wgmma.mma_async.sync.aligned.m64n32k16" in built.source       # scores
         assert "wgmma.mma_async.sync.aligned.m64n256k16" in built.source      # output
+        scores_only = build(Problem(dtype=dtype), v.with_(mma_pv=True))             # output on mma.sync
+        assert "m64n256k16" not in scores_only.source and "m64n32k16" in scores_only.source
+        assert not any(r.spills for r in scores_only.module.resources.values())
         assert not any(r.spills for r in built.module.resources.values())
         assert "wgmma.mma_async" not in render(validate(Problem(dtype=dtype), v.with_(arch="sm_90")))
     with pytest.raises(SpecError, match="on sm_90a both products run on wgmma"):
@@ -84,6 +87,7 @@ def test_wgmma_variants_are_not_serialized(dtype, mask):
     """ptxas serializes every wgmma of a kernel (C7519, a large slowdown it only warns about)
     when, e.g., a wgmma sits in a branch ptxas sees as divergent; keep the sm_90a kernels free of it."""
     problem = Problem(heads=64, dtype=dtype, mask=mask)
-    for v in ("mma_ht64_qt1_bn64_w8_st2_spa_sm90a", "mma_ht8_qt8_bn64_w8_st2_spa_sm90a"):
+    for v in ("mma_ht64_qt1_bn64_w8_st2_spa_sm90a", "mma_ht8_qt8_bn64_w8_st2_spa_sm90a",
+              "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a"):
         log = build(problem, parse_variant(v)).module.log
         assert "C7519" not in log and "serialized" not in log, log

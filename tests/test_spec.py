@@ -18,6 +18,7 @@ variants = st.builds(
     warps=st.integers(1, 16),
     stages=st.integers(1, 4),
     arch=st.sampled_from(sorted(ARCHS)),
+    mma_pv=st.booleans(),
 )
 
 
@@ -39,6 +40,9 @@ def test_names_are_readable_and_distinct():
     p = Problem(heads=64, mask="tree", lse=True)
     assert p.name == "h64_dl512_dr64_bf16_p64_tree_lse"
     assert kernel_name(p, a) == "mlagen_flash_ht8_qt8_bn32_w8_st2_sm90_h64_dl512_dr64_bf16_p64_tree_lse"
+    w = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", mma_pv=True)
+    assert w.name == "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a"
+    assert w.code_name == "mma_ht64_qt1_bn64_w8_st2_pvm_sm90a" != w.with_(mma_pv=False).code_name
 
 
 @pytest.mark.parametrize("bad", ["flash_ht8", "flash_hx8_qt8_bn32_w8_st2_spa_sm90", "conv_ht8_qt8_bn32_w8_st2_spa_sm90",
@@ -63,6 +67,8 @@ def test_bad_names_say_what_was_expected(bad):
     (Problem(mask="sliding"), Variant(), "problem.mask"),
     (Problem(dtype="fp8"), Variant(), "problem.dtype"),
     (Problem(), naive().with_(head_tile=2), "variant.head_tile"),
+    (Problem(), Variant(mma_pv=True), "variant.mma_pv"),                           # flash family
+    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, mma_pv=True), "variant"),  # sm_90
 ])
 def test_validation_names_field_value_and_limit(problem, variant, field):
     with pytest.raises(SpecError) as info:
