@@ -71,8 +71,8 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
     if v.mma_pv and not wgmma:
         return f"mma_pv only on sm_90a (elsewhere P·V runs on mma.sync anyway), got arch {v.arch}"
     if wgmma and (m_pad, v.warps, v.block_n) != (64, 8, 64):
-        return (f"on sm_90a both products run on wgmma (m64n32k16 and m64n256k16 per warpgroup): "
-                f"64 padded rows, 8 warps and block_n=64, got {m_pad} rows, {v.warps} warps, block_n={v.block_n}")
+        return (f"on sm_90a the scores run on wgmma (m64n32k16 per warpgroup) in 64-row, 64-key "
+                f"blocks of two warpgroups: 64 padded rows, 8 warps and block_n=64, got {m_pad} rows, {v.warps} warps, block_n={v.block_n}")
     # wgmma: each warpgroup takes 32 keys of all 64 rows, its warps 16 rows each.
     split = (4, 2) if wgmma else _score_split(m_pad, v.block_n, v.warps)
     if split is None:
