@@ -12,7 +12,7 @@ from rich.table import Table
 
 from mlagen.arch import ARCHS, CI_ARCHS
 from mlagen.presets import DEFAULT_EMIT_ARCHS, DEFAULT_PRESET, PRESETS, get_preset
-from mlagen.spec import DTYPES, MASKS, parse_variant
+from mlagen.spec import DTYPES, MASKS, Variant, parse_variant
 from mlagen.validate import SpecError, validate
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -166,6 +166,20 @@ def _problem_options(page_size: int, masks: list[str], dtype: str) -> None:
         _fail(f"--dtype: got {dtype!r}, expected one of {', '.join(DTYPES)}")
 
 
+def _variants(names: list[str] | None) -> tuple[Variant, ...]:
+    """The --variant names parsed, in order, repeats dropped; a bad name fails here, before any GPU work."""
+    variants: dict[Variant, None] = {}
+    for name in names or []:
+        try:
+            v = parse_variant(name)
+        except ValueError as e:
+            _fail(f"--variant: {e}")
+        if v.arch not in ARCHS:
+            _fail(f"--variant: got {name!r} (arch {v.arch}), expected an arch among {', '.join(ARCHS)}")
+        variants[v] = None
+    return tuple(variants)
+
+
 def _need_gpu(command: str) -> None:
     import torch
 
@@ -181,6 +195,10 @@ def bench(
     mask: str = typer.Option("causal", help="causal, tree or none"),
     dtype: str = typer.Option("bf16", help="bf16 or fp16"),
     target_ms: float = typer.Option(15.0, help="device time of one graph replay to aim for"),
+    variant: list[str] | None = typer.Option(
+        None, help="a variant name to time on every row too, as an extra column after the families "
+        "(repeatable; e.g. mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a). Named variants count toward "
+        "'dispatch vs best'; on rows where one is invalid its cell fails with the reason"),
     out: Path = typer.Option(Path("benchmarks/latest"), help="folder for bench.json, bench.md, bench.png"),
 ) -> None:
     """Time every family, the dispatcher's pick and torch eager per row; compare with the floor."""
@@ -188,12 +206,14 @@ def bench(
     _problem_options(page_size, [mask], dtype)
     if target_ms <= 0:
         _fail(f"--target-ms: got {target_ms}, expected > 0")
+    extra = _variants(variant)
     _need_gpu("bench")
     from mlagen.bench import BenchConfig, run_bench
     from mlagen.report import rich_table, write_all
     from mlagen.timing import TimingConfig
 
-    config = BenchConfig(page_size=page_size, mask=mask, dtype=dtype, timing=TimingConfig(target_ms=target_ms))
+    config = BenchConfig(page_size=page_size, mask=mask, dtype=dtype, timing=TimingConfig(target_ms=target_ms),
+                         extra=extra)
     with Progress(console=console, transient=True) as progress:
         result = run_bench(rows, config, progress)
     console.print(rich_table(result))

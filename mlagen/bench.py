@@ -1,15 +1,16 @@
 """`mlagen bench`: every family, torch eager, the floor and the peers, per benchmark row.
 
 Per row: each family's variant as the dispatcher would pick it within that family (tuned
-table, else the family default), the dispatcher's own choice, torch eager, the floor from the
-ceilings measured in the same run, and FlashMLA's figure where DESIGN.md has the row. A cell
-that raises shows its error; the run goes on.
+table, else the family default), the variants named with `--variant` (A/B columns), the
+dispatcher's own choice, torch eager, the floor from the ceilings measured in the same run, and
+FlashMLA's figure where DESIGN.md has the row. A cell that raises, or a named variant that is
+invalid for the row's problem, shows its error; the run goes on.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ from .runtime import device_info, device_name, verify_attention
 from .spec import FAMILIES, Problem, Variant
 from .stamp import stamp
 from .timing import TimingConfig, host_us_per_call, l2_bytes, measure, measure_ceilings
+from .validate import SpecError, validate
 from .workload import Workload, eager_call, make_workload, mlagen_call, problem_for
 
 EAGER, DISPATCH = "eager", "dispatch"
@@ -44,7 +46,7 @@ class RowResult:
     prefix: int
     grids: list[str]
     floor_us: float
-    cells: dict[str, Cell]      # family names, "eager", "dispatch"
+    cells: dict[str, Cell]      # family names, named variants, "eager", "dispatch"
     flashmla_us: float | None = None
 
     @property
@@ -63,7 +65,8 @@ class RowResult:
 
     @property
     def best_us(self) -> float | None:
-        """The fastest mlagen variant timed for this row (every family and the dispatcher's)."""
+        """The fastest mlagen variant timed for this row (every family, every named variant and
+        the dispatcher's)."""
         times = [c.us for n, c in self.cells.items() if n != EAGER and c.us is not None]
         return min(times) if times else None
 
@@ -87,6 +90,7 @@ class BenchResult:
     meta: dict                  # stamp, ceilings, options, host cost
     families: list[str]         # family columns, in FAMILIES order
     rows: list[RowResult] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)     # named variant columns (`--variant`), in order
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,7 +98,8 @@ class BenchResult:
     @classmethod
     def from_dict(cls, data: dict) -> BenchResult:
         rows = [RowResult(**{**r, "cells": {k: Cell(**c) for k, c in r["cells"].items()}}) for r in data["rows"]]
-        return cls(meta=data["meta"], families=list(data["families"]), rows=rows)
+        return cls(meta=data["meta"], families=list(data["families"]), rows=rows,
+                   extra=list(data.get("extra", [])))    # results written before --variant have none
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,7 @@ class BenchConfig:
     dtype: str = "bf16"
     timing: TimingConfig = TimingConfig()
     host_calls: int = 2000
+    extra: tuple[Variant, ...] = ()     # named variants timed on every row, besides the families
 
 
 def kv_capacity(row: Row, page_size: int) -> int:
@@ -111,13 +117,30 @@ def kv_capacity(row: Row, page_size: int) -> int:
     return -(-row.keys // page_size) * page_size
 
 
-def row_variants(problem: Problem, row: Row, page_size: int, arch: str, gpu: str) -> dict[str, Variant]:
-    """{family or "dispatch": variant} for a row; families with no valid variant left out."""
+def spec_error(problem: Problem, variant: Variant) -> str:
+    """'' when `variant` is valid for `problem` (checked without a GPU), else why not."""
+    try:
+        validate(problem, variant)
+    except SpecError as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def row_variants(problem: Problem, row: Row, page_size: int, arch: str, gpu: str,
+                 extra: Sequence[Variant] = ()) -> dict[str, Variant]:
+    """{family, named variant or "dispatch": variant} for a row; families with no valid variant
+    and named variants invalid for `problem` (see `invalid_cells`) left out."""
     cap = kv_capacity(row, page_size)
     chosen = {f: family_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu, f) for f in FAMILIES}
     found = {f: v for f, v in chosen.items() if v is not None}
+    found |= {v.name: v for v in extra if not spec_error(problem, v)}
     found[DISPATCH] = choose_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu)
     return found
+
+
+def invalid_cells(problem: Problem, extra: Sequence[Variant]) -> dict[str, Cell]:
+    """{name: failed cell} for the named variants that are invalid for `problem`."""
+    return {v.name: Cell(variant=v.name, error=err) for v in extra if (err := spec_error(problem, v))}
 
 
 def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, progress=None) -> BenchResult:
@@ -133,7 +156,7 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     plans = []
     for row, grids in rows:
         problem = problem_for(row, config.page_size, config.mask, config.dtype)
-        plans.append((row, grids, problem, row_variants(problem, row, config.page_size, arch, gpu)))
+        plans.append((row, grids, problem, row_variants(problem, row, config.page_size, arch, gpu, config.extra)))
     families = [f for f in FAMILIES if any(f in vs for *_, vs in plans)]
 
     jobs = [(p, v) for *_, p, vs in plans for v in vs.values()]
@@ -145,7 +168,7 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     errors = precompile(jobs, on_done=compiled)
     row_task = progress.add_task("timing rows", total=len(plans)) if progress else None
 
-    result = BenchResult(meta=meta, families=families)
+    result = BenchResult(meta=meta, families=families, extra=[v.name for v in config.extra])
     # The peer figures were measured on one GPU, page 64, causal: show them only for the same.
     show_peers = (torch.cuda.get_device_name() == PEER_GPU and config.page_size == 64
                   and config.mask == "causal")
@@ -160,6 +183,7 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
         else:
             cells = _time_row(work, problem, variants, errors, config.timing)
             del work
+        cells |= invalid_cells(problem, config.extra)
         p = peer(row.heads, row.batch, row.seqlen_q, row.prefix)
         result.rows.append(RowResult(
             heads=row.heads, batch=row.batch, seqlen_q=row.seqlen_q, prefix=row.prefix, grids=list(grids),

@@ -1,6 +1,7 @@
 """Writing a bench result: the terminal table (rich), JSON, markdown and a PNG plot.
 
 Time cells read "µs (×floor)": the median device time per call and its ratio to the row's floor.
+Named variants (`mlagen bench --variant`) get a column each, after the families.
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ from .bench import DISPATCH, DISPATCH_SLACK, EAGER, BenchResult, RowResult
 FILES = ("bench.json", "bench.md", "bench.png")
 
 
+def _timed_columns(result: BenchResult) -> list[str]:
+    """Cell names with a time column of their own: the families, then the named variants."""
+    return [*result.families, *result.extra]
+
+
 def _columns(result: BenchResult) -> list[str]:
-    return ["H", "B", "S", "prefix", "floor µs", *[f"{f} µs" for f in result.families], "naive/flash",
+    return ["H", "B", "S", "prefix", "floor µs", *[f"{n} µs" for n in _timed_columns(result)], "naive/flash",
             "eager µs", "dispatch µs", "dispatch vs best", "FlashMLA µs", "dispatch variant"]
 
 
@@ -37,7 +43,7 @@ def row_cells(result: BenchResult, row: RowResult) -> list[str]:
     """One row of the table as text, in `_columns` order."""
     dispatch = row.cells.get(DISPATCH)
     return [str(row.heads), str(row.batch), str(row.seqlen_q), str(row.prefix), f"{row.floor_us:.1f}",
-            *[_time(row, f) for f in result.families], _ratio(row.speedup), _time(row, EAGER),
+            *[_time(row, n) for n in _timed_columns(result)], _ratio(row.speedup), _time(row, EAGER),
             _time(row, DISPATCH), _ratio(row.dispatch_vs_best) + ("" if row.dispatch_ok else " !"),
             f"{row.flashmla_us:.1f}" if row.flashmla_us is not None else "—",
             dispatch.variant if dispatch else "—"]
@@ -57,7 +63,8 @@ def _header_lines(result: BenchResult) -> list[str]:
                      f"{host['us_per_call_out_given']:.1f} µs/call with out=, "
                      f"{host['us_per_call_allocating']:.1f} µs/call allocating (target < 20)")
     lines.append(f"'!': the dispatched variant is slower than naive or torch eager, or more than "
-                 f"{DISPATCH_SLACK - 1:.0%} slower than the best variant timed for the row")
+                 f"{DISPATCH_SLACK - 1:.0%} slower than the best variant timed for the row"
+                 + (" (named variants included)" if result.extra else ""))
     return lines
 
 
@@ -116,12 +123,13 @@ def plot(result: BenchResult, path: Path) -> None:
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
     for ax in axes.flat[len(groups):]:
         ax.set_visible(False)
+    names = [*_timed_columns(result), EAGER, DISPATCH]      # one colour each, the same in every panel
     for ax, (group, rows) in zip(axes.flat, groups.items(), strict=False):
         prefixes = [r.prefix for r in rows]
-        for name in [*result.families, EAGER, DISPATCH]:
+        for i, name in enumerate(names):
             pts = [(r.prefix, r.us(name)) for r in rows if r.us(name)]
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", ms=3, label=name)
+                ax.plot(*zip(*pts, strict=True), marker="o", ms=3, color=f"C{i}", label=name)
         ax.plot(prefixes, [r.floor_us for r in rows], "k--", marker="_", ms=14, lw=1, label="floor")
         peers = [(r.prefix, r.flashmla_us) for r in rows if r.flashmla_us]
         if peers:
@@ -133,12 +141,23 @@ def plot(result: BenchResult, path: Path) -> None:
         ax.set_ylabel("µs per call")
         ax.grid(True, which="both", alpha=0.3)
     if groups:
-        axes.flat[0].legend(fontsize=7)
+        _legend(list(axes.flat[:len(groups)]), names)
     m = result.meta
     fig.suptitle(f"mlagen bench, {m.get('gpu', '?')}, {m.get('date_utc', '?')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _legend(axes: list, names: list[str]) -> None:
+    """One legend, on the first panel, naming the lines of every panel (a panel may lack some):
+    `names` in order, then the rest (floor, peers)."""
+    handles: dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    labels = sorted(handles, key=lambda label: names.index(label) if label in names else len(names))
+    axes[0].legend([handles[label] for label in labels], labels, fontsize=7)
 
 
 def write_all(result: BenchResult, out_dir: Path) -> list[Path]:

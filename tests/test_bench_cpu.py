@@ -12,19 +12,20 @@ from helpers import make_case
 from typer.testing import CliRunner
 
 from cli import app
-from mlagen.bench import DISPATCH, EAGER, BenchResult, Cell, RowResult
+from mlagen.bench import DISPATCH, EAGER, BenchResult, Cell, RowResult, invalid_cells, row_variants
 from mlagen.eager import eager_attention, eager_visible
 from mlagen.floor import Ceilings, floor_bytes, floor_flops, floor_us
 from mlagen.grids import SEED, SERVING, Row, parse_row, select_rows
 from mlagen.peers import PEERS, peer
 from mlagen.precompile import precompile
-from mlagen.report import FILES, from_json, markdown, rich_table, to_json, write_all
-from mlagen.spec import Problem, Variant, naive
+from mlagen.report import FILES, from_json, markdown, plot, rich_table, to_json, write_all
+from mlagen.spec import Problem, Variant, naive, parse_variant
 from mlagen.timing import rotation_count
 from mlagen.workload import draft_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = Ceilings(copy_bytes_per_s=4.25e12, matmul_flops_per_s=785e12)   # DESIGN.md's figures
+PVM = "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a"     # a named variant (--variant): valid for H=64 only
 runner = CliRunner()
 
 
@@ -143,6 +144,17 @@ def _synthetic() -> BenchResult:
     return BenchResult(meta=meta, families=["naive", "flash"], rows=rows)
 
 
+def _with_named_variant() -> BenchResult:
+    """_synthetic() plus a --variant column: timed on the H=64 rows, invalid on the H=8 one."""
+    result = _synthetic()
+    result.extra = [PVM]
+    r0, r1, r2 = result.rows
+    r0.cells[PVM] = Cell(8.0, PVM)           # faster than the dispatcher's pick: it is the best now
+    r1.cells[PVM] = Cell(31.0, PVM)
+    r2.cells.update(invalid_cells(Problem(heads=8), [parse_variant(PVM)]))
+    return result
+
+
 def test_derived_columns():
     r0, r1, r2 = _synthetic().rows
     assert r0.speedup == 4.0 and r0.dispatch_vs_best == 1.0 and r0.dispatch_ok
@@ -166,6 +178,59 @@ def test_reports_are_written(tmp_path):
     assert to_json(result) == to_json(back) and markdown(back) == md
 
 
+def test_named_variant_columns(tmp_path):
+    result = _with_named_variant()
+    r0, r1, r2 = result.rows
+    assert r0.best_us == 8.0 and r0.dispatch_vs_best == 1.25 and not r0.dispatch_ok   # counts toward best
+    assert r1.best_us == 30.0 and r2.us(PVM) is None
+    assert r2.cells[PVM].error == "SpecError: variant.head_tile: got 64, expected a divisor of problem.heads=8"
+    paths = write_all(result, tmp_path)
+    back = from_json(paths[0].read_text())
+    assert back == result and back.extra == [PVM] and to_json(back) == to_json(result)
+    md = paths[1].read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| H |"))
+    assert f"| flash µs | {PVM} µs | naive/flash |" in header               # after the families
+    lines = [line for line in md.splitlines() if line.startswith("| 64 | 1 | 9 | 256 |")]
+    assert len(lines) == 1 and "| 8.0 (4.0×) | 4.00× |" in lines[0] and "| 1.25× ! |" in lines[0]
+    assert "| 8 | 16 | 9 | 1024 |" in md and "| 25.0 (12.5×) | failed | 0.80× |" in md
+    assert f"- 8,16,9,1024 {PVM}: SpecError: variant.head_tile: got 64" in md
+    assert rich_table(result).columns[7].header == f"{PVM} µs"
+    assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_has_a_line_per_named_variant(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot(_with_named_variant(), tmp_path / "bench.png")
+    (fig,) = figures
+    first = fig.axes[0]             # H=8: the named variant has no point there, the legend still names it
+    assert first.get_title() == "H=8 B=16 S=9" and PVM not in first.get_legend_handles_labels()[1]
+    labels = [t.get_text() for t in first.get_legend().get_texts()]
+    assert labels == ["naive", "flash", PVM, EAGER, DISPATCH, "floor", "FlashMLA (H200)"]
+    plt.close(fig)
+
+
+def test_result_without_extra_loads():
+    """bench.json written before --variant existed has no "extra" key."""
+    result = _synthetic()
+    data = json.loads(to_json(result))
+    del data["extra"]
+    back = from_json(json.dumps(data))
+    assert back.extra == [] and back == result and markdown(back) == markdown(result)
+
+
+def test_row_variants_takes_valid_named_variants():
+    named = [parse_variant(PVM), parse_variant("flash_ht8_qt8_bn32_w8_st2_spa_sm90")]
+    for heads, timed in ((64, {PVM, named[1].name}), (8, {named[1].name})):
+        problem = Problem(heads=heads)
+        found = row_variants(problem, Row(heads, 1, 9, 256), 64, "sm_90a", "NVIDIA H200", named)
+        assert {n for n in found if n not in ("naive", "flash", "mma", DISPATCH)} == timed
+        assert set(invalid_cells(problem, named)) == {v.name for v in named} - timed
+        assert all(found[v.name] == v for v in named if v.name in timed)
+
+
 def test_empty_result_writes(tmp_path):
     paths = write_all(BenchResult(meta={}, families=[]), tmp_path)
     assert all(p.exists() for p in paths)
@@ -178,6 +243,8 @@ def test_empty_result_writes(tmp_path):
     (["bench", "--page-size", "48"], "--page-size: got 48"),
     (["bench", "--dtype", "fp8"], "--dtype: got 'fp8'"),
     (["bench", "--target-ms", "0"], "--target-ms: got 0"),
+    (["bench", "--variant", PVM, "--variant", "mma_fast"], "--variant: variant name: got 'mma_fast', expected e.g."),
+    (["bench", "--variant", "naive_w4_sm91"], "--variant: got 'naive_w4_sm91' (arch sm_91), expected an arch among"),
     (["tune", "--max-candidates", "0"], "--max-candidates: got 0"),
     (["tune", "--split-top", "-1"], "--split-top: got -1"),
     (["tune", "--workers", "0"], "--workers: got 0"),
