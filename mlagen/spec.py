@@ -78,6 +78,10 @@ class Variant:
     arch: target, one of mlagen.arch.ARCHS ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_120").
     mma_pv: sm_90a only: the output product P·V on mma.sync instead of wgmma (the scores stay
         on wgmma). Shorter per-tile latency, less tensor throughput; named `_pvm`.
+    seesaw: sm_90a only: the two warpgroups take alternate KV tiles, each computing all 64
+        rows' scores of its tile, and split the output's value dims between them, so one
+        warpgroup's softmax overlaps the other's matrix work (64 rows, 64 keys, 8 warps, 2
+        stages); named `_ss`.
     """
 
     family: Family = "flash"
@@ -89,6 +93,7 @@ class Variant:
     stages: int = 2
     arch: str = "sm_90"
     mma_pv: bool = False
+    seesaw: bool = False
 
     @property
     def name(self) -> str:
@@ -98,7 +103,7 @@ class Variant:
             return f"naive_w{self.warps}_{arch}"
         return (
             f"{self.family}_ht{self.head_tile}_qt{self.q_tile}_bn{self.block_n}"
-            f"_w{self.warps}_st{self.stages}_sp{split}{'_pvm' if self.mma_pv else ''}_{arch}"
+            f"_w{self.warps}_st{self.stages}_sp{split}{self._schedule}_{arch}"
         )
 
     @property
@@ -110,8 +115,13 @@ class Variant:
         arch = self.arch.replace("_", "")
         return (
             f"{self.family}_ht{self.head_tile}_qt{self.q_tile}_bn{self.block_n}"
-            f"_w{self.warps}_st{self.stages}{'_pvm' if self.mma_pv else ''}_{arch}"
+            f"_w{self.warps}_st{self.stages}{self._schedule}_{arch}"
         )
+
+    @property
+    def _schedule(self) -> str:
+        """The name's part for the sm_90a schedule knobs ("" for the default)."""
+        return ("_pvm" if self.mma_pv else "") + ("_ss" if self.seesaw else "")
 
     def with_(self, **changes: object) -> Variant:
         return replace(self, **changes)
@@ -133,15 +143,17 @@ def kernel_name(problem: Problem, variant: Variant) -> str:
 def parse_variant(name: str) -> Variant:
     """The Variant whose `name` is `name` (inverse of Variant.name)."""
     parts = name.split("_")
-    mma_pv = len(parts) == 9 and parts[7] == "pvm"
-    if mma_pv:
-        del parts[7]
+    knobs = {}
+    for knob, tag in (("seesaw", "ss"), ("mma_pv", "pvm")):
+        knobs[knob] = len(parts) > 8 and parts[-2] == tag
+        if knobs[knob]:
+            del parts[-2]
     if parts[0] == "naive" and len(parts) == 3 and parts[1].startswith("w"):
         return naive(arch=_parse_arch(parts[2], name), warps=_parse_int(parts[1][1:], name))
     if parts[0] not in FAMILIES or len(parts) != 8:
         raise ValueError(f"variant name: got {name!r}, expected e.g. "
-                         "'flash_ht8_qt8_bn32_w8_st2_spa_sm90', 'mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a' "
-                         "or 'naive_w4_sm90'")
+                         "'flash_ht8_qt8_bn32_w8_st2_spa_sm90', 'mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a', "
+                         "'mma_ht64_qt1_bn64_w8_st2_spa_ss_sm90a' or 'naive_w4_sm90'")
     fields = dict(zip(("ht", "qt", "bn", "w", "st", "sp"), parts[1:7], strict=True))
     for key, part in fields.items():
         if not part.startswith(key):
@@ -152,7 +164,7 @@ def parse_variant(name: str) -> Variant:
         q_tile=_parse_int(fields["qt"][2:], name), block_n=_parse_int(fields["bn"][2:], name),
         warps=_parse_int(fields["w"][1:], name), stages=_parse_int(fields["st"][2:], name),
         kv_split="adaptive" if split == "a" else _parse_int(split, name),
-        arch=_parse_arch(parts[7], name), mma_pv=mma_pv,
+        arch=_parse_arch(parts[7], name), **knobs,
     )
 
 

@@ -85,21 +85,25 @@ def test_tiled_families_match_reference(family, shape, data):
     assert_matches(out, lse_out, case)
 
 
-def _wgmma_variant(heads: int, mma_pv: bool = False) -> Variant:
+SCHEDULES = {"wgmma": {}, "pvm": {"mma_pv": True}, "seesaw": {"seesaw": True}}
+
+
+def _wgmma_variant(heads: int, schedule: str = "wgmma", kv_split: int | str = "adaptive") -> Variant:
     """The sm_90a mma variant: 64 rows (positions x heads), 8 warps, 64-key tiles; P·V on
-    wgmma, or on mma.sync with mma_pv."""
+    wgmma, on mma.sync ("pvm"), or the two warpgroups on alternate tiles ("seesaw")."""
     head_tile = min(heads, 64)
     return Variant(family="mma", head_tile=head_tile, q_tile=64 // head_tile, block_n=64, warps=8,
-                   stages=2, arch="sm_90a", mma_pv=mma_pv)
+                   stages=2, arch="sm_90a", kv_split=kv_split, **SCHEDULES[schedule])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="wgmma needs a compute capability 9.0 GPU (sm_90a)")
-@given(shape=shapes(max_work=4e9), mma_pv=st.booleans())
-def test_wgmma_scores_match_reference(shape, mma_pv):
+@given(shape=shapes(max_work=4e9), schedule=st.sampled_from(list(SCHEDULES)),
+       kv_split=st.sampled_from(["adaptive", 1, 3, 16]))
+def test_wgmma_schedules_match_reference(shape, schedule, kv_split):
     lse = shape.pop("lse")
     case = make_case(**shape)
-    out, lse_out = _run(case, _wgmma_variant(shape["heads"], mma_pv), lse)
+    out, lse_out = _run(case, _wgmma_variant(shape["heads"], schedule, kv_split), lse)
     assert_matches(out, lse_out, case)
 
 

@@ -322,6 +322,7 @@ __device__ void merge_block(const VerifyParams& p) {
 }  // namespace mlagen_mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse
 
 
+
 namespace mlagen_mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse {
 constexpr int HT = 32;
 constexpr int QT = 1;
@@ -398,20 +399,32 @@ __device__ __forceinline__ int p_off(int row, int key) {
 
 }
 
-// Rows of a [rows][D] tile into swizzled shared memory: 8 threads per row, each 1/8 of its
-// chunks, so one page lookup serves 9 copies. `row_ptr(r)` gives the global row or nullptr
-// (zero fill).
-template <int NROWS, typename RowPtr>
-__device__ __forceinline__ void load_rows(elem_t* dst, const elem_t* fallback, RowPtr row_ptr) {
-  constexpr int PER_PASS = THREADS / 8;
-  const int sub = threadIdx.x % 8;
-  for (int r = threadIdx.x / 8; r < NROWS; r += PER_PASS) {
+// 16-byte global->shared copy to shared address `dst`; `bytes` 0 fills zeros and reads nothing.
+__device__ __forceinline__ void cp_async16_to(unsigned dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes));
+}
+
+// Rows of a swizzled [NROWS][D] tile at shared address `dst`, column blocks [C0, C1) and
+// [C2, C3) (default: none): 8 threads
+// per row (`tid` of NT), each one 16-byte chunk of every block, so a warp reads whole 128-byte
+// lines and one row lookup serves C1 - C0 copies. A thread's rows are tid/8 + k*NT/8: they
+// share row % 8 and so their swizzled chunk offset, and every copy's addresses are a per-row
+// base plus constants. `row_ptr(r)` is the global row, or nullptr to zero-fill it.
+template <int NROWS, int C0, int C1, int NT, int C2 = 0, int C3 = 0, typename RowPtr>
+__device__ __forceinline__ void load_rows(unsigned dst, const elem_t* fallback, int tid, RowPtr row_ptr) {
+  static_assert(NT % 64 == 0, "NT/8 rows per pass keep row % 8");
+  const int sub = tid % 8;
+  const unsigned d0 = dst + ((((sub ^ (tid / 8)) & 7) << 4));
+#pragma unroll 1
+  for (int r = tid / 8; r < NROWS; r += NT / 8) {
     const elem_t* src = row_ptr(r);
+    const elem_t* s = (src ? src : fallback) + sub * CHUNK;
+    const int bytes = src ? 16 : 0;
+    const unsigned d = d0 + r * 128;
 #pragma unroll
-    for (int k = 0; k < CH / 8; ++k) {
-      const int c = 8 * k + sub;
-      cp_async16(dst + swz<NROWS>(r, c), src ? src + c * CHUNK : fallback, src != nullptr);
-    }
+    for (int blk = C0; blk < C1; ++blk) cp_async16_to(d + blk * (NROWS * 128), s + blk * 64, bytes);
+#pragma unroll
+    for (int blk = C2; blk < C3; ++blk) cp_async16_to(d + blk * (NROWS * 128), s + blk * 64, bytes);
   }
 }
 }  // namespace mlagen_mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse
@@ -445,13 +458,14 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   int kb_begin, kb_end;
   split_blocks(key_limit(n, S, q_end), BN, split, p.num_splits, &kb_begin, &kb_end);
 
-  load_rows<M_PAD>(sQ, p.q, [&](int r) -> const elem_t* {
+  load_rows<M_PAD, 0, CH / 8, THREADS>(smem_addr(sQ), p.q, threadIdx.x, [&](int r) -> const elem_t* {
     const int i = q0 + r / HT;
     if (r >= ROWS || i >= S) return nullptr;
     return p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)(h0 + r % HT) * p.q_stride_h;
   });
   auto load_kv = [&](int kb) {
-    load_rows<BN>(sKV + ((kb - kb_begin) % STAGES) * BN * D, p.kv, [&](int r) -> const elem_t* {
+    load_rows<BN, 0, CH / 8, THREADS>(smem_addr(sKV + ((kb - kb_begin) % STAGES) * BN * D), p.kv, threadIdx.x,
+                                      [&](int r) -> const elem_t* {
       const int j = kb * BN + r;
       return j < n ? kv_row(p, b, j) : nullptr;
     });

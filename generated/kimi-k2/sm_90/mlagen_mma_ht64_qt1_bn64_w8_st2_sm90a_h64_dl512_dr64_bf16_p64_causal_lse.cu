@@ -322,6 +322,7 @@ __device__ void merge_block(const VerifyParams& p) {
 }  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 
+
 namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 constexpr int HT = 64;
 constexpr int QT = 1;
@@ -383,8 +384,11 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
 }
 
 
-// wgmma descriptor of a K-major, 128-byte-swizzled operand at shared address `addr`: 8-row
-// groups 1024 bytes apart (stride byte offset); the leading byte offset is unused.
+// wgmma descriptor of a 128-byte-swizzled operand at shared address `addr`. K-major: 8-row
+// groups 1024 bytes apart (stride byte offset), the leading byte offset unused. Read N-major
+// (V as the B of P·V): 64-dim column blocks `lbo` bytes apart, 8-key groups `sbo` apart.
+// The address field is the byte address / 16: a k-step's descriptor is a base plus a constant
+// (shared addresses stay below 256 KB, so nothing carries out of the field).
 __device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned lbo = 16, unsigned sbo = 1024) {
   return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16)
          | ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
@@ -392,29 +396,28 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned
 // o += P V for P = 64 rows x 16 keys (K-major, shared) and V = 16 keys x DL/2 dims read
 // N-major (transposed) from the KV tile: 64-dim column blocks BN*128 bytes apart (leading byte
 // offset), 8-key groups 1024 bytes apart (stride byte offset); measured, benchmarks/NOTES.md.
-
-__device__ __forceinline__ void wgmma_pv(float* o, unsigned long long a, unsigned long long b) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+// d (+)= A B, m64n256k16 with fp32 accumulators, for one warpgroup: A from shared memory,
+// B from shared memory read N-major. `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
+__device__ __forceinline__ void wgmma_pv(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
-               : "+f"(o[0]), "+f"(o[1]), "+f"(o[2]), "+f"(o[3]), "+f"(o[4]), "+f"(o[5]), "+f"(o[6]), "+f"(o[7]), "+f"(o[8]), "+f"(o[9]), "+f"(o[10]), "+f"(o[11]), "+f"(o[12]), "+f"(o[13]), "+f"(o[14]), "+f"(o[15]), "+f"(o[16]), "+f"(o[17]), "+f"(o[18]), "+f"(o[19]), "+f"(o[20]), "+f"(o[21]), "+f"(o[22]), "+f"(o[23]), "+f"(o[24]), "+f"(o[25]), "+f"(o[26]), "+f"(o[27]), "+f"(o[28]), "+f"(o[29]), "+f"(o[30]), "+f"(o[31]), "+f"(o[32]), "+f"(o[33]), "+f"(o[34]), "+f"(o[35]), "+f"(o[36]), "+f"(o[37]), "+f"(o[38]), "+f"(o[39]), "+f"(o[40]), "+f"(o[41]), "+f"(o[42]), "+f"(o[43]), "+f"(o[44]), "+f"(o[45]), "+f"(o[46]), "+f"(o[47]), "+f"(o[48]), "+f"(o[49]), "+f"(o[50]), "+f"(o[51]), "+f"(o[52]), "+f"(o[53]), "+f"(o[54]), "+f"(o[55]), "+f"(o[56]), "+f"(o[57]), "+f"(o[58]), "+f"(o[59]), "+f"(o[60]), "+f"(o[61]), "+f"(o[62]), "+f"(o[63]), "+f"(o[64]), "+f"(o[65]), "+f"(o[66]), "+f"(o[67]), "+f"(o[68]), "+f"(o[69]), "+f"(o[70]), "+f"(o[71]), "+f"(o[72]), "+f"(o[73]), "+f"(o[74]), "+f"(o[75]), "+f"(o[76]), "+f"(o[77]), "+f"(o[78]), "+f"(o[79]), "+f"(o[80]), "+f"(o[81]), "+f"(o[82]), "+f"(o[83]), "+f"(o[84]), "+f"(o[85]), "+f"(o[86]), "+f"(o[87]), "+f"(o[88]), "+f"(o[89]), "+f"(o[90]), "+f"(o[91]), "+f"(o[92]), "+f"(o[93]), "+f"(o[94]), "+f"(o[95]), "+f"(o[96]), "+f"(o[97]), "+f"(o[98]), "+f"(o[99]), "+f"(o[100]), "+f"(o[101]), "+f"(o[102]), "+f"(o[103]), "+f"(o[104]), "+f"(o[105]), "+f"(o[106]), "+f"(o[107]), "+f"(o[108]), "+f"(o[109]), "+f"(o[110]), "+f"(o[111]), "+f"(o[112]), "+f"(o[113]), "+f"(o[114]), "+f"(o[115]), "+f"(o[116]), "+f"(o[117]), "+f"(o[118]), "+f"(o[119]), "+f"(o[120]), "+f"(o[121]), "+f"(o[122]), "+f"(o[123]), "+f"(o[124]), "+f"(o[125]), "+f"(o[126]), "+f"(o[127])
-               : "l"(a), "l"(b));
+               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+               "%128, %129, p, 1, 1, 0, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+               : "l"(a), "l"(b), "r"(accumulate));
 }
-// d (+)= A B^T for A = 64 rows x 16 k, B = 32 rows x 16 k, both from shared memory; one
-// warpgroup, asynchronous until wgmma_wait.
+// d (+)= A B, m64n32k16 with fp32 accumulators, for one warpgroup: A from shared memory,
+// B from shared memory. `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
 __device__ __forceinline__ void wgmma_m64n32k16(float* d, unsigned long long a, unsigned long long b, int accumulate) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                 "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+               "%16, %17, p, 1, 1, 0, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
                : "l"(a), "l"(b), "r"(accumulate));
 }
 // Scores of one warpgroup: all 64 rows of Q at `q` x 32 keys of the KV tile at `tile` (offset to
-// the warpgroup's keys). A descriptor's address field is the byte address / 16, so each k-step's
-// descriptor is the tile's plus a constant (addresses stay below 256 KB: no carry out of the
-// field). Branching to per-warpgroup copies with constant addresses would save more, but ptxas
-// then serializes the wgmmas (divergent path), which costs far more.
+// the warpgroup's keys); each k-step's descriptor is the tile's plus a constant.
 __device__ __forceinline__ void scores_wgmma(float* s, unsigned q, unsigned tile) {
   const unsigned long long qd = wgmma_desc(q), kd = wgmma_desc(tile);
 #pragma unroll
@@ -429,7 +432,7 @@ __device__ __forceinline__ void scores_wgmma(float* s, unsigned q, unsigned tile
 __device__ __forceinline__ void pv_wgmma(float* o, unsigned pa, unsigned tile) {
   const unsigned long long pd = wgmma_desc(pa), vd = wgmma_desc(tile, BN * 128, 1024);
 #pragma unroll
-  for (int ks = 0; ks < BN / 16; ++ks) wgmma_pv(o, pd + ks * 2, vd + ks * 128);   // 32 and 2048 bytes
+  for (int ks = 0; ks < BN / 16; ++ks) wgmma_pv(o, pd + ks * 2, vd + ks * 128, 1);   // 32 and 2048 bytes
 }
 
 
@@ -449,20 +452,32 @@ __device__ __forceinline__ int p_off(int row, int key) {
 
 }
 
-// Rows of a [rows][D] tile into swizzled shared memory: 8 threads per row, each 1/8 of its
-// chunks, so one page lookup serves 9 copies. `row_ptr(r)` gives the global row or nullptr
-// (zero fill).
-template <int NROWS, typename RowPtr>
-__device__ __forceinline__ void load_rows(elem_t* dst, const elem_t* fallback, RowPtr row_ptr) {
-  constexpr int PER_PASS = THREADS / 8;
-  const int sub = threadIdx.x % 8;
-  for (int r = threadIdx.x / 8; r < NROWS; r += PER_PASS) {
+// 16-byte global->shared copy to shared address `dst`; `bytes` 0 fills zeros and reads nothing.
+__device__ __forceinline__ void cp_async16_to(unsigned dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes));
+}
+
+// Rows of a swizzled [NROWS][D] tile at shared address `dst`, column blocks [C0, C1) and
+// [C2, C3) (default: none): 8 threads
+// per row (`tid` of NT), each one 16-byte chunk of every block, so a warp reads whole 128-byte
+// lines and one row lookup serves C1 - C0 copies. A thread's rows are tid/8 + k*NT/8: they
+// share row % 8 and so their swizzled chunk offset, and every copy's addresses are a per-row
+// base plus constants. `row_ptr(r)` is the global row, or nullptr to zero-fill it.
+template <int NROWS, int C0, int C1, int NT, int C2 = 0, int C3 = 0, typename RowPtr>
+__device__ __forceinline__ void load_rows(unsigned dst, const elem_t* fallback, int tid, RowPtr row_ptr) {
+  static_assert(NT % 64 == 0, "NT/8 rows per pass keep row % 8");
+  const int sub = tid % 8;
+  const unsigned d0 = dst + ((((sub ^ (tid / 8)) & 7) << 4));
+#pragma unroll 1
+  for (int r = tid / 8; r < NROWS; r += NT / 8) {
     const elem_t* src = row_ptr(r);
+    const elem_t* s = (src ? src : fallback) + sub * CHUNK;
+    const int bytes = src ? 16 : 0;
+    const unsigned d = d0 + r * 128;
 #pragma unroll
-    for (int k = 0; k < CH / 8; ++k) {
-      const int c = 8 * k + sub;
-      cp_async16(dst + swz<NROWS>(r, c), src ? src + c * CHUNK : fallback, src != nullptr);
-    }
+    for (int blk = C0; blk < C1; ++blk) cp_async16_to(d + blk * (NROWS * 128), s + blk * 64, bytes);
+#pragma unroll
+    for (int blk = C2; blk < C3; ++blk) cp_async16_to(d + blk * (NROWS * 128), s + blk * 64, bytes);
   }
 }
 }  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
@@ -496,13 +511,14 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   int kb_begin, kb_end;
   split_blocks(key_limit(n, S, q_end), BN, split, p.num_splits, &kb_begin, &kb_end);
 
-  load_rows<M_PAD>(sQ, p.q, [&](int r) -> const elem_t* {
+  load_rows<M_PAD, 0, CH / 8, THREADS>(smem_addr(sQ), p.q, threadIdx.x, [&](int r) -> const elem_t* {
     const int i = q0 + r / HT;
     if (r >= ROWS || i >= S) return nullptr;
     return p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)(h0 + r % HT) * p.q_stride_h;
   });
   auto load_kv = [&](int kb) {
-    load_rows<BN>(sKV + ((kb - kb_begin) % STAGES) * BN * D, p.kv, [&](int r) -> const elem_t* {
+    load_rows<BN, 0, CH / 8, THREADS>(smem_addr(sKV + ((kb - kb_begin) % STAGES) * BN * D), p.kv, threadIdx.x,
+                                      [&](int r) -> const elem_t* {
       const int j = kb * BN + r;
       return j < n ? kv_row(p, b, j) : nullptr;
     });
