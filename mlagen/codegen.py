@@ -1,8 +1,7 @@
 """Rendering: a validated `KernelPlan` becomes one self-contained CUDA C++ source.
 
 Templates live in `templates/` (shared fragments are `*.cuh.j2`, one `<family>.cu.j2` per
-kernel family, plus `mma_seesaw.cu.j2` for the mma family's seesaw schedule). They carry
-constants and `static_assert`s; every number comes from the plan.
+kernel family). They carry constants and `static_assert`s; every number comes from the plan.
 """
 
 from __future__ import annotations
@@ -40,5 +39,5 @@ def _environment() -> jinja2.Environment:
 @functools.lru_cache(maxsize=512)
 def render(plan: KernelPlan) -> str:
     """The CUDA C++ source of `plan`: its kernel (with the merge blocks of split families)."""
-    template = _environment().get_template(plan.template)
+    template = _environment().get_template(f"{plan.variant.family}.cu.j2")
     return template.render(plan=plan, fields=FIELDS)

@@ -35,7 +35,6 @@ class MmaLayout:
     smem_bytes: int
     wgmma: bool = False   # scores by warpgroup wgmma (sm_90a) instead of mma.sync
     pv_wgmma: bool = False  # the output product too (sm_90a unless the variant says mma_pv)
-    seesaw: bool = False    # sm_90a seesaw schedule (templates/mma_seesaw.cu.j2)
 
 
 def _score_split(m_pad: int, block_n: int, warps: int) -> tuple[int, int] | None:
@@ -71,8 +70,6 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
     wgmma = v.arch == "sm_90a"
     if v.mma_pv and not wgmma:
         return f"mma_pv only on sm_90a (elsewhere P·V runs on mma.sync anyway), got arch {v.arch}"
-    if v.seesaw:
-        return _seesaw_layout(p, v, m_pad, dims_w)
     if wgmma and (m_pad, v.warps, v.block_n) != (64, 8, 64):
         return (f"on sm_90a the scores run on wgmma (m64n32k16 per warpgroup) in 64-row, 64-key "
                 f"blocks of two warpgroups: 64 padded rows, 8 warps and block_n=64, got {m_pad} rows, "
@@ -89,24 +86,6 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
     return MmaLayout(m_pad=m_pad, wmq=wmq, wnq=wnq, rows_w=m_pad // wmq, keys_w=v.block_n // wnq,
                      dims_w=dims_w, p_stride=p_stride, smem_bytes=smem, wgmma=wgmma,
                      pv_wgmma=wgmma and not v.mma_pv)
-
-
-def _seesaw_layout(p: Problem, v: Variant, m_pad: int, dims_w: int) -> MmaLayout | str:
-    """The seesaw schedule: warpgroup 0 takes even KV tiles, warpgroup 1 odd ones (all 64 rows'
-    scores each, m64n64k16); the output splits by value dims (m64n{Dl/2}k16 each). Both tiles
-    of a pair stay in shared memory, and each P goes into its tile's first rope block once the
-    scores are done, so Q + 2 tiles + a few hundred bytes is the whole footprint."""
-    if v.arch != "sm_90a" or v.mma_pv:
-        return f"seesaw only on sm_90a with P·V on wgmma (mma_pv False), got arch {v.arch}, mma_pv {v.mma_pv}"
-    if (m_pad, v.warps, v.block_n, v.stages) != (64, 8, 64, 2):
-        return (f"seesaw: 64 padded rows, 8 warps, block_n=64 and 2 stages (one tile per warpgroup), "
-                f"got {m_pad} rows, {v.warps} warps, block_n={v.block_n}, stages={v.stages}")
-    if p.dl % 128 or p.dl // 2 > 256 or p.dr < 64:
-        return (f"seesaw: Dl a multiple of 128 up to 512 (each warpgroup's m64n{{Dl/2}} output) and "
-                f"Dr >= 64 (P takes a rope block), got Dl={p.dl}, Dr={p.dr}")
-    smem = 3 * m_pad * p.head_dim * 2 + 4 * m_pad * 4 + 4 * 8 + 64 * 8
-    return MmaLayout(m_pad=m_pad, wmq=4, wnq=2, rows_w=16, keys_w=64, dims_w=dims_w, p_stride=64,
-                     smem_bytes=smem, wgmma=True, pv_wgmma=True, seesaw=True)
 
 
 def plan_mma(p: Problem, v: Variant, arch: Arch):

@@ -1,7 +1,7 @@
 """The variant space `mlagen tune` searches, in a fixed order of promise.
 
 A structure is a variant with an adaptive split: family, head tile, q tile, block_n, warps,
-stages (and on sm_90a the schedule: P·V on wgmma or mma.sync, or seesaw).
+stages (and on sm_90a where P·V runs).
 Tile shapes come first by how often the KV is read (ceil(S/q_tile) * H/head_tile
 passes over it per request: fewer is better), each with its most common knobs; knob variations
 of the best tile shapes follow. Splits are searched separately (`split_variants`), since they
@@ -18,9 +18,7 @@ from .validate import SpecError, validate
 BLOCK_NS = (32, 64)
 WARPS = (8, 4, 16)
 STAGES = (2, 1, 3)
-# sm_90a schedules as (mma_pv, seesaw): P·V on wgmma, P·V on mma.sync, or the seesaw (valid
-# nowhere else)
-SCHEDULES = ((False, False), (True, False), (False, True))
+MMA_PV = (False, True)         # sm_90a: P·V on wgmma, or on mma.sync (valid nowhere else)
 MAX_ROWS = 128                 # q_tile * head_tile beyond this fits no family's block
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 KNOB_TILE_SHAPES = 3           # tile shapes whose knob variations are searched
@@ -48,13 +46,12 @@ def structures(problem: Problem, seqlen_q: int, arch: str, family: str,
     if family == "naive":
         found = [v for v in (naive(arch=arch, warps=4), naive(arch=arch, warps=8)) if _valid(problem, v)]
         return found[:limit]
-    knobs = list(itertools.product(BLOCK_NS, WARPS, STAGES, SCHEDULES))
+    knobs = list(itertools.product(BLOCK_NS, WARPS, STAGES, MMA_PV))
     shapes = tile_shapes(problem.heads, seqlen_q)
 
-    def make(shape: tuple[int, int], knob: tuple[int, int, int, tuple[bool, bool]]) -> Variant:
+    def make(shape: tuple[int, int], knob: tuple[int, int, int, bool]) -> Variant:
         return Variant(family=family, head_tile=shape[0], q_tile=shape[1], kv_split="adaptive",
-                       block_n=knob[0], warps=knob[1], stages=knob[2], arch=arch, mma_pv=knob[3][0],
-                       seesaw=knob[3][1])
+                       block_n=knob[0], warps=knob[1], stages=knob[2], arch=arch, mma_pv=knob[3])
 
     found: list[Variant] = []
     # Tier 0: each tile shape once, with the first knobs that fit it.

@@ -78,10 +78,6 @@ class Variant:
     arch: target, one of mlagen.arch.ARCHS ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_120").
     mma_pv: sm_90a only: the output product P·V on mma.sync instead of wgmma (the scores stay
         on wgmma). Shorter per-tile latency, less tensor throughput; named `_pvm`.
-    seesaw: sm_90a only: the two warpgroups take alternate KV tiles, each computing all 64
-        rows' scores of its tile, and split the output's value dims between them, so one
-        warpgroup's softmax overlaps the other's matrix work (64 rows, 64 keys, 8 warps, 2
-        stages); named `_ss`.
     """
 
     family: Family = "flash"
@@ -93,7 +89,6 @@ class Variant:
     stages: int = 2
     arch: str = "sm_90"
     mma_pv: bool = False
-    seesaw: bool = False
 
     @property
     def name(self) -> str:
@@ -121,7 +116,7 @@ class Variant:
     @property
     def _schedule(self) -> str:
         """The name's part for the sm_90a schedule knobs ("" for the default)."""
-        return ("_pvm" if self.mma_pv else "") + ("_ss" if self.seesaw else "")
+        return "_pvm" if self.mma_pv else ""
 
     def with_(self, **changes: object) -> Variant:
         return replace(self, **changes)
@@ -144,7 +139,7 @@ def parse_variant(name: str) -> Variant:
     """The Variant whose `name` is `name` (inverse of Variant.name)."""
     parts = name.split("_")
     knobs = {}
-    for knob, tag in (("seesaw", "ss"), ("mma_pv", "pvm")):
+    for knob, tag in (("mma_pv", "pvm"),):
         knobs[knob] = len(parts) > 8 and parts[-2] == tag
         if knobs[knob]:
             del parts[-2]
@@ -152,8 +147,8 @@ def parse_variant(name: str) -> Variant:
         return naive(arch=_parse_arch(parts[2], name), warps=_parse_int(parts[1][1:], name))
     if parts[0] not in FAMILIES or len(parts) != 8:
         raise ValueError(f"variant name: got {name!r}, expected e.g. "
-                         "'flash_ht8_qt8_bn32_w8_st2_spa_sm90', 'mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a', "
-                         "'mma_ht64_qt1_bn64_w8_st2_spa_ss_sm90a' or 'naive_w4_sm90'")
+                         "'flash_ht8_qt8_bn32_w8_st2_spa_sm90', 'mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a' "
+                         "or 'naive_w4_sm90'")
     fields = dict(zip(("ht", "qt", "bn", "w", "st", "sp"), parts[1:7], strict=True))
     for key, part in fields.items():
         if not part.startswith(key):

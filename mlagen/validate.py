@@ -53,12 +53,6 @@ class KernelPlan:
         return f"{self.name}_main"
 
     @property
-    def template(self) -> str:
-        """The template file that renders this plan (templates/)."""
-        seesaw = self.mma is not None and self.mma.seesaw
-        return "mma_seesaw.cu.j2" if seesaw else f"{self.variant.family}.cu.j2"
-
-    @property
     def uses_split(self) -> bool:
         return self.variant.family != "naive"
 
@@ -128,8 +122,6 @@ def _check_common(v: Variant) -> None:
     _require(v.kv_split == "adaptive" or (isinstance(v.kv_split, int) and 1 <= v.kv_split <= 256),
              "variant.kv_split", v.kv_split, "'adaptive' or an int in 1..256")
     _require(v.mma_pv is False or (v.mma_pv is True and v.family == "mma"), "variant.mma_pv", v.mma_pv,
-             "False, or True for the mma family (on sm_90a)")
-    _require(v.seesaw is False or (v.seesaw is True and v.family == "mma"), "variant.seesaw", v.seesaw,
              "False, or True for the mma family (on sm_90a)")
 
 

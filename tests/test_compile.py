@@ -90,6 +90,6 @@ def test_wgmma_variants_are_not_serialized(dtype, mask):
     kernels free of all of them."""
     problem = Problem(heads=64, dtype=dtype, mask=mask)
     for v in ("mma_ht64_qt1_bn64_w8_st2_spa_sm90a", "mma_ht8_qt8_bn64_w8_st2_spa_sm90a",
-              "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a", "mma_ht64_qt1_bn64_w8_st2_spa_ss_sm90a"):
+              "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a"):
         log = build(problem, parse_variant(v)).module.log
         assert "C751" not in log and "serialized" not in log and "injected" not in log, log

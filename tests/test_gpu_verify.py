@@ -85,12 +85,12 @@ def test_tiled_families_match_reference(family, shape, data):
     assert_matches(out, lse_out, case)
 
 
-SCHEDULES = {"wgmma": {}, "pvm": {"mma_pv": True}, "seesaw": {"seesaw": True}}
+SCHEDULES = {"wgmma": {}, "pvm": {"mma_pv": True}}
 
 
 def _wgmma_variant(heads: int, schedule: str = "wgmma", kv_split: int | str = "adaptive") -> Variant:
     """The sm_90a mma variant: 64 rows (positions x heads), 8 warps, 64-key tiles; P·V on
-    wgmma, on mma.sync ("pvm"), or the two warpgroups on alternate tiles ("seesaw")."""
+    wgmma, or on mma.sync ("pvm")."""
     head_tile = min(heads, 64)
     return Variant(family="mma", head_tile=head_tile, q_tile=64 // head_tile, block_n=64, warps=8,
                    stages=2, arch="sm_90a", kv_split=kv_split, **SCHEDULES[schedule])

@@ -19,7 +19,6 @@ variants = st.builds(
     stages=st.integers(1, 4),
     arch=st.sampled_from(sorted(ARCHS)),
     mma_pv=st.booleans(),
-    seesaw=st.booleans(),
 )
 
 
@@ -44,7 +43,6 @@ def test_names_are_readable_and_distinct():
     w = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", mma_pv=True)
     assert w.name == "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a"
     assert w.code_name == "mma_ht64_qt1_bn64_w8_st2_pvm_sm90a" != w.with_(mma_pv=False).code_name
-    assert w.with_(mma_pv=False, seesaw=True).name == "mma_ht64_qt1_bn64_w8_st2_spa_ss_sm90a"
 
 
 @pytest.mark.parametrize("bad", ["flash_ht8", "flash_hx8_qt8_bn32_w8_st2_spa_sm90", "conv_ht8_qt8_bn32_w8_st2_spa_sm90",
@@ -71,12 +69,6 @@ def test_bad_names_say_what_was_expected(bad):
     (Problem(), naive().with_(head_tile=2), "variant.head_tile"),
     (Problem(), Variant(mma_pv=True), "variant.mma_pv"),                           # flash family
     (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, mma_pv=True), "variant"),  # sm_90
-    (Problem(), Variant(seesaw=True), "variant.seesaw"),                            # flash family
-    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, seesaw=True), "variant"),  # sm_90
-    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, stages=1, seesaw=True,
-                        arch="sm_90a"), "variant"),                                 # one buffer
-    (Problem(dr=0), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, seesaw=True,
-                            arch="sm_90a"), "variant"),                             # no rope block for P
 ])
 def test_validation_names_field_value_and_limit(problem, variant, field):
     with pytest.raises(SpecError) as info:
