@@ -81,8 +81,10 @@ def show(
     preset: str = typer.Option(DEFAULT_PRESET, help="the problem to show it for"),
     source: bool = typer.Option(False, help="print the generated CUDA source"),
     compile_: bool = typer.Option(False, "--compile", help="compile and show ptxas's report"),
+    sass: bool = typer.Option(False, "--sass", help="print the main kernel's SASS (needs nvdisasm)"),
+    opcodes: bool = typer.Option(False, "--opcodes", help="static count of the main kernel's SASS per opcode"),
 ) -> None:
-    """A variant's plan (derived constants), and optionally its source and resources."""
+    """A variant's plan (derived constants), and optionally its source, resources and SASS."""
     try:
         p = get_preset(preset)
         plan = validate(p.problem, parse_variant(variant))
@@ -99,12 +101,34 @@ def show(
         from mlagen.codegen import render
 
         console.print(render(plan), markup=False, highlight=False)
-    if compile_:
+    if compile_ or sass or opcodes:
         from mlagen.build import build
 
         built = build(p.problem, plan.variant)
         for name, r in built.module.resources.items():
             console.print(f"{name}: {r}")
+    if sass or opcodes:
+        _show_sass(built.module.cubin, plan.main_kernel, plan.arch.name, sass, opcodes)
+
+
+def _show_sass(cubin: bytes, kernel: str, arch: str, listing: bool, counts: bool) -> None:
+    from mlagen.sass import SassError, disassemble
+    from mlagen.sass import opcodes as count_opcodes
+
+    try:
+        text = disassemble(cubin, kernel, arch)
+    except SassError as e:
+        _fail(str(e))
+    if listing:
+        console.print(text, markup=False, highlight=False, end="")
+    if counts:
+        found = count_opcodes(text)
+        table = Table(title=f"{kernel}: {sum(found.values())} instructions (static)")
+        table.add_column("opcode")
+        table.add_column("count", justify="right")
+        for op, n in found.most_common():
+            table.add_row(op, str(n))
+        console.print(table)
 
 
 @app.command()

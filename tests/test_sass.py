@@ -1,0 +1,79 @@
+"""mlagen.sass and `mlagen show --sass/--opcodes`: SASS read on a CPU-only machine."""
+
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from mlagen import sass
+from mlagen.build import build
+from mlagen.spec import Problem, parse_variant
+
+runner = CliRunner()
+WGMMA = "mma_ht64_qt1_bn64_w8_st2_spa_sm90a"
+
+
+def _built(name: str):
+    return build(Problem(heads=64), parse_variant(name))
+
+
+def _needs_nvdisasm() -> None:
+    try:
+        sass.find_nvdisasm()
+    except sass.SassError as e:
+        pytest.skip(str(e))
+
+
+def test_kernel_code_is_the_kernels_section():
+    b = _built("naive_w4_sm90")
+    code = sass.kernel_code(b.module.cubin, b.plan.main_kernel)
+    assert code and len(code) % 16 == 0          # 128-bit instructions since sm_70
+    with pytest.raises(sass.SassError, match="no code section for kernel 'nope'"):
+        sass.kernel_code(b.module.cubin, "nope")
+    with pytest.raises(sass.SassError, match="ELF"):
+        sass.kernel_code(b"not a cubin", b.plan.main_kernel)
+
+
+def test_wgmma_kernel_sass_shows_the_design():
+    """What the sm_90a kernel's design promises, read from its SASS: both products on wgmma,
+    the KV loader's copies at constant offsets from a per-row base, and no local memory."""
+    _needs_nvdisasm()
+    b = _built(WGMMA)
+    text = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a")
+    counts = sass.opcodes(text)
+    assert sum(counts.values()) == len(text.splitlines())
+    assert "HGMMA.64x32x16" in text and "HGMMA.64x256x16" in text
+    assert counts["LDL"] == counts["STL"] == 0
+    # Copies after a row's first: shared and global address both a register plus a constant
+    # (v7's loader computed every address: 0 of 27 copies looked like this).
+    copies = [line for line in text.splitlines() if "LDGSTS" in line]
+    constant = [c for c in copies if re.search(r"\[R\d+\+0x[0-9a-f]+\], desc\[UR\d+\]\[R\d+\.64\+0x[0-9a-f]+\]", c)]
+    assert copies and len(constant) >= 0.8 * len(copies)
+
+
+def test_mma_sync_kernel_has_no_wgmma():
+    _needs_nvdisasm()
+    b = _built("mma_ht8_qt3_bn32_w4_st2_spa_sm90")
+    counts = sass.opcodes(sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90"))
+    assert counts["HMMA"] > 0 and counts["HGMMA"] == 0
+
+
+def test_show_prints_sass_and_opcodes():
+    _needs_nvdisasm()
+    listing = runner.invoke(app, ["show", "naive_w4_sm90", "--sass"])
+    assert listing.exit_code == 0, listing.output
+    assert re.search(r"/\*0000\*/\s+\w", listing.output)
+    table = runner.invoke(app, ["show", WGMMA, "--opcodes"])
+    assert table.exit_code == 0, table.output
+    assert "HGMMA" in table.output and "instructions (static)" in table.output
+
+
+def test_show_without_nvdisasm_says_how_to_get_it(monkeypatch):
+    def missing() -> str:
+        raise sass.SassError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
+
+    monkeypatch.setattr(sass, "find_nvdisasm", missing)
+    result = runner.invoke(app, ["show", "naive_w4_sm90", "--opcodes"])
+    assert result.exit_code != 0
+    assert "pip install nvidia-cuda-nvdisasm" in result.output
