@@ -79,19 +79,23 @@ def nvrtc_version() -> tuple[int, int]:
     return tuple(_nvrtc().getVersion())
 
 
+def wheel_dirs(*subs: str) -> list[str]:
+    """Candidate folders nvidia/<sub> of the CUDA pip wheels (nvidia-cuda-runtime and friends:
+    the `nvidia` namespace package), in `subs` order; empty without the wheels."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return [os.path.join(base, sub) for base in nvidia.__path__ for sub in subs]
+
+
 @functools.lru_cache(maxsize=1)
 def cuda_include_dir() -> str:
     """A folder holding cuda_bf16.h: $MLAGEN_CUDA_INCLUDE, the pip wheels, or a toolkit."""
     candidates: list[str] = []
     if os.environ.get(_ENV_INCLUDE):
         candidates.append(os.environ[_ENV_INCLUDE])
-    try:
-        import nvidia  # the namespace package of nvidia-cuda-runtime and friends
-
-        for base in nvidia.__path__:
-            candidates += [os.path.join(base, sub, "include") for sub in ("cu13", "cu12", "cuda_runtime")]
-    except ImportError:
-        pass
+    candidates += [os.path.join(d, "include") for d in wheel_dirs("cu13", "cu12", "cuda_runtime")]
     for var in ("CUDA_PATH", "CUDA_HOME"):
         if os.environ.get(var):
             candidates.append(os.path.join(os.environ[var], "include"))

@@ -17,6 +17,8 @@ import struct
 import subprocess
 import tempfile
 
+from .compiler import wheel_dirs
+
 _ENV = "MLAGEN_NVDISASM"
 _OPCODE = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
@@ -28,13 +30,7 @@ class SassError(RuntimeError):
 def find_nvdisasm() -> str:
     """Path of nvdisasm: $MLAGEN_NVDISASM, the nvidia-cuda-nvdisasm wheel, or PATH."""
     candidates = [os.environ[_ENV]] if os.environ.get(_ENV) else []
-    try:
-        import nvidia  # the namespace package of the CUDA wheels
-
-        for base in nvidia.__path__:
-            candidates += [os.path.join(base, sub, "bin", "nvdisasm") for sub in ("cu13", "cu12", "cuda_nvdisasm")]
-    except ImportError:
-        pass
+    candidates += [os.path.join(d, "bin", "nvdisasm") for d in wheel_dirs("cu13", "cu12", "cuda_nvdisasm")]
     on_path = shutil.which("nvdisasm")
     if on_path:
         candidates.append(on_path)

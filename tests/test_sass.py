@@ -69,11 +69,11 @@ def test_show_prints_sass_and_opcodes():
     assert "HGMMA" in table.output and "instructions (static)" in table.output
 
 
-def test_show_without_nvdisasm_says_how_to_get_it(monkeypatch):
-    def missing() -> str:
-        raise sass.SassError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
-
-    monkeypatch.setattr(sass, "find_nvdisasm", missing)
+def test_show_without_nvdisasm_says_how_to_get_it(monkeypatch, tmp_path):
+    missing = str(tmp_path / "no-nvdisasm")
+    monkeypatch.setenv("MLAGEN_NVDISASM", missing)
+    monkeypatch.setattr(sass, "wheel_dirs", lambda *subs: [])
+    monkeypatch.setattr(sass.shutil, "which", lambda name: None)
     result = runner.invoke(app, ["show", "naive_w4_sm90", "--opcodes"])
     assert result.exit_code != 0
-    assert "pip install nvidia-cuda-nvdisasm" in result.output
+    assert "pip install nvidia-cuda-nvdisasm" in result.output and missing in result.output

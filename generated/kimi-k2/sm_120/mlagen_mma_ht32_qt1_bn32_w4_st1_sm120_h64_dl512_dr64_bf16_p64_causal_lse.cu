@@ -119,11 +119,13 @@ __device__ __forceinline__ unsigned smem_addr(const void* ptr) {
   return (unsigned)__cvta_generic_to_shared(ptr);
 }
 
-// 16-byte global->shared copy; when !valid it fills zeros and reads nothing (src must still
-// be some global address).
+// 16-byte global->shared copy to shared address `dst`; `bytes` 0 fills zeros and reads nothing
+// (src must still be some global address).
+__device__ __forceinline__ void cp_async16_to(unsigned dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes));
+}
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+  cp_async16_to(smem_addr(dst), src, valid ? 16 : 0);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -399,18 +401,12 @@ __device__ __forceinline__ int p_off(int row, int key) {
 
 }
 
-// 16-byte global->shared copy to shared address `dst`; `bytes` 0 fills zeros and reads nothing.
-__device__ __forceinline__ void cp_async16_to(unsigned dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes));
-}
-
-// Rows of a swizzled [NROWS][D] tile at shared address `dst`, column blocks [C0, C1) and
-// [C2, C3) (default: none): 8 threads
+// Rows of a swizzled [NROWS][D] tile at shared address `dst`, column blocks [C0, C1): 8 threads
 // per row (`tid` of NT), each one 16-byte chunk of every block, so a warp reads whole 128-byte
 // lines and one row lookup serves C1 - C0 copies. A thread's rows are tid/8 + k*NT/8: they
 // share row % 8 and so their swizzled chunk offset, and every copy's addresses are a per-row
 // base plus constants. `row_ptr(r)` is the global row, or nullptr to zero-fill it.
-template <int NROWS, int C0, int C1, int NT, int C2 = 0, int C3 = 0, typename RowPtr>
+template <int NROWS, int C0, int C1, int NT, typename RowPtr>
 __device__ __forceinline__ void load_rows(unsigned dst, const elem_t* fallback, int tid, RowPtr row_ptr) {
   static_assert(NT % 64 == 0, "NT/8 rows per pass keep row % 8");
   const int sub = tid % 8;
@@ -423,8 +419,6 @@ __device__ __forceinline__ void load_rows(unsigned dst, const elem_t* fallback, 
     const unsigned d = d0 + r * 128;
 #pragma unroll
     for (int blk = C0; blk < C1; ++blk) cp_async16_to(d + blk * (NROWS * 128), s + blk * 64, bytes);
-#pragma unroll
-    for (int blk = C2; blk < C3; ++blk) cp_async16_to(d + blk * (NROWS * 128), s + blk * 64, bytes);
   }
 }
 }  // namespace mlagen_mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse

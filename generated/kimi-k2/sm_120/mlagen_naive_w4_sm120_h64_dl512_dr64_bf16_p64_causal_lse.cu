@@ -113,11 +113,13 @@ __device__ __forceinline__ unsigned smem_addr(const void* ptr) {
   return (unsigned)__cvta_generic_to_shared(ptr);
 }
 
-// 16-byte global->shared copy; when !valid it fills zeros and reads nothing (src must still
-// be some global address).
+// 16-byte global->shared copy to shared address `dst`; `bytes` 0 fills zeros and reads nothing
+// (src must still be some global address).
+__device__ __forceinline__ void cp_async16_to(unsigned dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes));
+}
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+  cp_async16_to(smem_addr(dst), src, valid ? 16 : 0);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
