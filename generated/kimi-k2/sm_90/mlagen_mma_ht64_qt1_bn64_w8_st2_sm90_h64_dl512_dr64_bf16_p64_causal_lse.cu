@@ -82,11 +82,20 @@ __device__ __forceinline__ int request_keys(const VerifyParams& p, int b) {
   return n < 0 ? 0 : (n > cap ? (int)cap : n);
 }
 
-// Address of key j of request b, or nullptr when its page id is outside the cache.
-__device__ __forceinline__ const elem_t* kv_row(const VerifyParams& p, int b, int j) {
-  const int page = p.block_table[(long long)b * p.bt_stride_b + j / PAGE];
+// Page id of key j of request b, as block_table stores it (checked by kv_row_in).
+__device__ __forceinline__ int kv_page(const VerifyParams& p, int b, int j) {
+  return p.block_table[(long long)b * p.bt_stride_b + j / PAGE];
+}
+
+// Address of key j in page `page`, or nullptr when the page id is outside the cache.
+__device__ __forceinline__ const elem_t* kv_row_in(const VerifyParams& p, int page, int j) {
   if (page < 0 || page >= p.num_pages) return nullptr;
   return p.kv + (long long)page * p.kv_stride_page + (long long)(j % PAGE) * p.kv_stride_row;
+}
+
+// Address of key j of request b, or nullptr when its page id is outside the cache.
+__device__ __forceinline__ const elem_t* kv_row(const VerifyParams& p, int b, int j) {
+  return kv_row_in(p, kv_page(p, b, j), j);
 }
 
 // Draft-tree rows as bit sets: bit k of tree_bits(p, b, i) says query i sees draft token k.
@@ -98,14 +107,13 @@ __device__ __forceinline__ unsigned long long tree_bits(const VerifyParams& p, i
 }
 
 // Whether query i (of S) sees key j (of n keys): prefix keys always, draft keys by the mask.
-// `bits` is tree_bits(...) of the row for tree masks, unused otherwise.
+// `bits` is tree_bits(...) of the row for tree masks, unused otherwise. Written with `&` and
+// `|`, not early returns, so that a tile's mask compiles to selects rather than a branch per key.
 __device__ __forceinline__ bool key_visible(int j, int n, int i, int S, unsigned long long bits) {
-  if (j >= n) return false;
   const int prefix = n - S;          // the S draft tokens sit at n-S .. n-1
-  if (j < prefix) return true;
-  if (MASK_CAUSAL) return j <= prefix + i;
-  if (MASK_TREE) return (bits >> (j - prefix)) & 1ull;
-  return true;
+  const int d = j - prefix;          // draft index of key j (negative in the prefix)
+  const bool draft = MASK_CAUSAL ? d <= i : (MASK_TREE ? ((bits >> (d & 63)) & 1ull) != 0 : true);
+  return (j < n) & ((d < 0) | draft);
 }
 
 // One past the last key any query of [i0, i1) can see: causal rows stop at their own token.
@@ -403,17 +411,19 @@ __device__ __forceinline__ int p_off(int row, int key) {
 
 // Rows of a swizzled [NROWS][D] tile at shared address `dst`, column blocks [C0, C1): 8 threads
 // per row (`tid` of NT), each one 16-byte chunk of every block, so a warp reads whole 128-byte
-// lines and one row lookup serves C1 - C0 copies. A thread's rows are tid/8 + k*NT/8: they
-// share row % 8 and so their swizzled chunk offset, and every copy's addresses are a per-row
-// base plus constants. `row_ptr(r)` is the global row, or nullptr to zero-fill it.
+// lines and one row lookup serves C1 - C0 copies. A thread's rows are tid/8 + k*NT/8 (pass k):
+// they share row % 8 and so their swizzled chunk offset, and every copy's addresses are a
+// per-row base plus constants. `row_ptr(r, k)` is the global row, or nullptr to zero-fill it.
 template <int NROWS, int C0, int C1, int NT, typename RowPtr>
 __device__ __forceinline__ void load_rows(unsigned dst, const elem_t* fallback, int tid, RowPtr row_ptr) {
   static_assert(NT % 64 == 0, "NT/8 rows per pass keep row % 8");
   const int sub = tid % 8;
   const unsigned d0 = dst + ((((sub ^ (tid / 8)) & 7) << 4));
-#pragma unroll 1
-  for (int r = tid / 8; r < NROWS; r += NT / 8) {
-    const elem_t* src = row_ptr(r);
+#pragma unroll
+  for (int k = 0; k < (NROWS * 8 + NT - 1) / NT; ++k) {
+    const int r = tid / 8 + k * (NT / 8);
+    if (r >= NROWS) break;
+    const elem_t* src = row_ptr(r, k);
     const elem_t* s = (src ? src : fallback) + sub * CHUNK;
     const int bytes = src ? 16 : 0;
     const unsigned d = d0 + r * 128;
@@ -452,18 +462,29 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
   int kb_begin, kb_end;
   split_blocks(key_limit(n, S, q_end), BN, split, p.num_splits, &kb_begin, &kb_end);
 
-  load_rows<M_PAD, 0, CH / 8, THREADS>(smem_addr(sQ), p.q, threadIdx.x, [&](int r) -> const elem_t* {
+  load_rows<M_PAD, 0, CH / 8, THREADS>(smem_addr(sQ), p.q, threadIdx.x, [&](int r, int) -> const elem_t* {
     const int i = q0 + r / HT;
     if (r >= ROWS || i >= S) return nullptr;
     return p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)(h0 + r % HT) * p.q_stride_h;
   });
-  auto load_kv = [&](int kb) {
-    load_rows<BN, 0, CH / 8, THREADS>(smem_addr(sKV + ((kb - kb_begin) % STAGES) * BN * D), p.kv, threadIdx.x,
-                                      [&](int r) -> const elem_t* {
-      const int j = kb * BN + r;
-      return j < n ? kv_row(p, b, j) : nullptr;
-    });
+  // Block-table ids of this thread's rows of the next KV tile to load (-1: zero-fill the row),
+  // read one tile ahead: the read's latency then hides behind a tile instead of holding up
+  // that tile's copies (v9, benchmarks/NOTES.md).
+  constexpr int KV_PASSES = (BN * 8 + THREADS - 1) / THREADS;
+  int next_pages[KV_PASSES];
+  auto fetch_pages = [&](int kb) {
+#pragma unroll
+    for (int k = 0; k < KV_PASSES; ++k) {
+      const int r = threadIdx.x / 8 + k * (THREADS / 8), j = kb * BN + r;
+      next_pages[k] = r < BN && j < n ? kv_page(p, b, j) : -1;
+    }
   };
+  auto load_kv = [&](int kb) {     // loads go in tile order: next_pages holds tile kb's ids
+    load_rows<BN, 0, CH / 8, THREADS>(smem_addr(sKV + ((kb - kb_begin) % STAGES) * BN * D), p.kv, threadIdx.x,
+                                      [&](int r, int k) { return kv_row_in(p, next_pages[k], kb * BN + r); });
+    fetch_pages(kb + 1);
+  };
+  fetch_pages(kb_begin);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (kb_begin + s < kb_end) load_kv(kb_begin + s);
@@ -488,16 +509,19 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
     cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
 
     __syncthreads();                                      // tile kb landed; tile kb-1 fully used
-    if (STAGES > 1) {
-      if (kb + STAGES - 1 < kb_end) load_kv(kb + STAGES - 1);
-      cp_async_commit();
-    }
+    auto refill = [&] {                                   // the tile STAGES-1 ahead, into tile kb-1's buffer
+      if (STAGES > 1) {
+        if (kb + STAGES - 1 < kb_end) load_kv(kb + STAGES - 1);
+        cp_async_commit();
+      }
+    };
     const elem_t* tile = sKV + ((kb - kb_begin) % STAGES) * BN * D;
     const unsigned tileA = smem_addr(tile);
 
     // ---- scores: rows [wmq*ROWS_W, +ROWS_W) x keys [wnq*KEYS_W, +KEYS_W), k over D ----
     float s[MTQ][NTQ][4] = {};
 
+    refill();
 #pragma unroll 4
     for (int ks = 0; ks < D / 16; ++ks) {
       unsigned a[MTQ][4], bk[NTQ / 2][4];
@@ -545,7 +569,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
             for (int e = 0; e < 2; ++e) {
               const int j = kb * BN + wnq * KEYS_W + nt * 8 + 2 * t + e;
               float& x = s[mt][nt][2 * half + e];
-              x = live && key_visible(j, n, i, S, bits) ? x * p.scale_log2 : -INFINITY;
+              x = live & key_visible(j, n, i, S, bits) ? x * p.scale_log2 : -INFINITY;   // `&`: a select, no branch
               mx = fmaxf(mx, x);
             }
         }

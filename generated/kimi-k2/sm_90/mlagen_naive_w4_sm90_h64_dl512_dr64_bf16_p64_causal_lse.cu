@@ -76,11 +76,20 @@ __device__ __forceinline__ int request_keys(const VerifyParams& p, int b) {
   return n < 0 ? 0 : (n > cap ? (int)cap : n);
 }
 
-// Address of key j of request b, or nullptr when its page id is outside the cache.
-__device__ __forceinline__ const elem_t* kv_row(const VerifyParams& p, int b, int j) {
-  const int page = p.block_table[(long long)b * p.bt_stride_b + j / PAGE];
+// Page id of key j of request b, as block_table stores it (checked by kv_row_in).
+__device__ __forceinline__ int kv_page(const VerifyParams& p, int b, int j) {
+  return p.block_table[(long long)b * p.bt_stride_b + j / PAGE];
+}
+
+// Address of key j in page `page`, or nullptr when the page id is outside the cache.
+__device__ __forceinline__ const elem_t* kv_row_in(const VerifyParams& p, int page, int j) {
   if (page < 0 || page >= p.num_pages) return nullptr;
   return p.kv + (long long)page * p.kv_stride_page + (long long)(j % PAGE) * p.kv_stride_row;
+}
+
+// Address of key j of request b, or nullptr when its page id is outside the cache.
+__device__ __forceinline__ const elem_t* kv_row(const VerifyParams& p, int b, int j) {
+  return kv_row_in(p, kv_page(p, b, j), j);
 }
 
 // Draft-tree rows as bit sets: bit k of tree_bits(p, b, i) says query i sees draft token k.
@@ -92,14 +101,13 @@ __device__ __forceinline__ unsigned long long tree_bits(const VerifyParams& p, i
 }
 
 // Whether query i (of S) sees key j (of n keys): prefix keys always, draft keys by the mask.
-// `bits` is tree_bits(...) of the row for tree masks, unused otherwise.
+// `bits` is tree_bits(...) of the row for tree masks, unused otherwise. Written with `&` and
+// `|`, not early returns, so that a tile's mask compiles to selects rather than a branch per key.
 __device__ __forceinline__ bool key_visible(int j, int n, int i, int S, unsigned long long bits) {
-  if (j >= n) return false;
   const int prefix = n - S;          // the S draft tokens sit at n-S .. n-1
-  if (j < prefix) return true;
-  if (MASK_CAUSAL) return j <= prefix + i;
-  if (MASK_TREE) return (bits >> (j - prefix)) & 1ull;
-  return true;
+  const int d = j - prefix;          // draft index of key j (negative in the prefix)
+  const bool draft = MASK_CAUSAL ? d <= i : (MASK_TREE ? ((bits >> (d & 63)) & 1ull) != 0 : true);
+  return (j < n) & ((d < 0) | draft);
 }
 
 // One past the last key any query of [i0, i1) can see: causal rows stop at their own token.
