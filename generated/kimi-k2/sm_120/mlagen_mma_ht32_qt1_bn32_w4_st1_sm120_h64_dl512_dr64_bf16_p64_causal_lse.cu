@@ -409,28 +409,47 @@ __device__ __forceinline__ int p_off(int row, int key) {
 
 }
 
-// Rows of a swizzled [NROWS][D] tile at shared address `dst`, column blocks [C0, C1): 8 threads
-// per row (`tid` of NT), each one 16-byte chunk of every block, so a warp reads whole 128-byte
-// lines and one row lookup serves C1 - C0 copies. A thread's rows are tid/8 + k*NT/8 (pass k):
-// they share row % 8 and so their swizzled chunk offset, and every copy's addresses are a
-// per-row base plus constants. `row_ptr(r, k)` is the global row, or nullptr to zero-fill it.
-template <int NROWS, int C0, int C1, int NT, typename RowPtr>
-__device__ __forceinline__ void load_rows(unsigned dst, const elem_t* fallback, int tid, RowPtr row_ptr) {
+// One thread's share of loading a swizzled [NROWS][D] tile with cp.async: 8 threads per row
+// (thread `tid` of NT), each one 16-byte chunk of every 64-dim column block, so a warp reads
+// whole 128-byte lines. The thread's rows are tid/8 + k*NT/8 (pass k): they share row % 8 and
+// so the swizzled chunk offset, and every copy's addresses are a per-row base plus constants.
+// prepare() does the row lookups and copy() issues one column block: the two may be a tile
+// apart, and one tile's copies may be spread between other instructions (the score wgmmas).
+template <int NROWS, int NT>
+struct RowLoad {
   static_assert(NT % 64 == 0, "NT/8 rows per pass keep row % 8");
-  const int sub = tid % 8;
-  const unsigned d0 = dst + ((((sub ^ (tid / 8)) & 7) << 4));
+  static constexpr int PASSES = (NROWS * 8 + NT - 1) / NT;
+  const elem_t* src[PASSES];   // this thread's chunk of each row's first column block
+  int bytes[PASSES];           // 16, or 0 to zero-fill the row
+  unsigned dst;                // the chunk's byte offset in the tile's row tid/8
+  int row0;                    // tid/8
+
+  // `row_ptr(r, k)`: global address of row r (pass k), or nullptr to zero-fill it.
+  template <typename RowPtr>
+  __device__ __forceinline__ void prepare(int tid, const elem_t* fallback, RowPtr row_ptr) {
+    row0 = tid / 8;
+    const int sub = tid % 8;
+    dst = row0 * 128 + (((sub ^ row0) & 7) << 4);
 #pragma unroll
-  for (int k = 0; k < (NROWS * 8 + NT - 1) / NT; ++k) {
-    const int r = tid / 8 + k * (NT / 8);
-    if (r >= NROWS) break;
-    const elem_t* src = row_ptr(r, k);
-    const elem_t* s = (src ? src : fallback) + sub * CHUNK;
-    const int bytes = src ? 16 : 0;
-    const unsigned d = d0 + r * 128;
-#pragma unroll
-    for (int blk = C0; blk < C1; ++blk) cp_async16_to(d + blk * (NROWS * 128), s + blk * 64, bytes);
+    for (int k = 0; k < PASSES; ++k) {
+      const int r = row0 + k * (NT / 8);
+      const elem_t* p = r < NROWS ? row_ptr(r, k) : nullptr;
+      src[k] = (p ? p : fallback) + sub * CHUNK;
+      bytes[k] = p ? 16 : 0;
+    }
   }
-}
+  // Column block `blk` of the prepared rows, into the tile at shared address `tile`.
+  __device__ __forceinline__ void copy(unsigned tile, int blk) const {
+#pragma unroll
+    for (int k = 0; k < PASSES; ++k)
+      if (NROWS % (NT / 8) == 0 || row0 + k * (NT / 8) < NROWS)
+        cp_async16_to(tile + dst + k * (NT / 8) * 128 + blk * (NROWS * 128), src[k] + blk * 64, bytes[k]);
+  }
+  __device__ __forceinline__ void copy_all(unsigned tile) const {
+#pragma unroll
+    for (int blk = 0; blk < CH / 8; ++blk) copy(tile, blk);
+  }
+};
 }  // namespace mlagen_mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse
 
 // grid: (ceil(S/QT) * H/HT, num_splits, B + merge slabs when num_splits > 1); block: 128 threads;
@@ -462,34 +481,40 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   int kb_begin, kb_end;
   split_blocks(key_limit(n, S, q_end), BN, split, p.num_splits, &kb_begin, &kb_end);
 
-  load_rows<M_PAD, 0, CH / 8, THREADS>(smem_addr(sQ), p.q, threadIdx.x, [&](int r, int) -> const elem_t* {
-    const int i = q0 + r / HT;
-    if (r >= ROWS || i >= S) return nullptr;
-    return p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)(h0 + r % HT) * p.q_stride_h;
-  });
-  // Block-table ids of this thread's rows of the next KV tile to load (-1: zero-fill the row),
-  // read one tile ahead: the read's latency then hides behind a tile instead of holding up
-  // that tile's copies (v9, benchmarks/NOTES.md).
-  constexpr int KV_PASSES = (BN * 8 + THREADS - 1) / THREADS;
-  int next_pages[KV_PASSES];
+  {
+    RowLoad<M_PAD, THREADS> ql;
+    ql.prepare(threadIdx.x, p.q, [&](int r, int) -> const elem_t* {
+      const int i = q0 + r / HT;
+      if (r >= ROWS || i >= S) return nullptr;
+      return p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)(h0 + r % HT) * p.q_stride_h;
+    });
+    ql.copy_all(smem_addr(sQ));
+  }
+  // KV tiles load in order, each one in two steps a tile apart (v9-v10, benchmarks/NOTES.md):
+  // block-table ids are read (fetch_pages) a tile before the row lookups (prepare_kv), and
+  // the lookups a tile before the copies, so no copy waits on a dependent global read.
+  RowLoad<BN, THREADS> kv;                   // the prepared copies of the next tile to load
+  int next_pages[RowLoad<BN, THREADS>::PASSES];   // block-table ids of the tile after it (-1: none)
   auto fetch_pages = [&](int kb) {
 #pragma unroll
-    for (int k = 0; k < KV_PASSES; ++k) {
+    for (int k = 0; k < RowLoad<BN, THREADS>::PASSES; ++k) {
       const int r = threadIdx.x / 8 + k * (THREADS / 8), j = kb * BN + r;
       next_pages[k] = r < BN && j < n ? kv_page(p, b, j) : -1;
     }
   };
-  auto load_kv = [&](int kb) {     // loads go in tile order: next_pages holds tile kb's ids
-    load_rows<BN, 0, CH / 8, THREADS>(smem_addr(sKV + ((kb - kb_begin) % STAGES) * BN * D), p.kv, threadIdx.x,
-                                      [&](int r, int k) { return kv_row_in(p, next_pages[k], kb * BN + r); });
+  auto prepare_kv = [&](int kb) {            // past kb_end: zero-fill (those copies land in a free buffer)
+    kv.prepare(threadIdx.x, p.kv, [&](int r, int k) { return kb < kb_end ? kv_row_in(p, next_pages[k], kb * BN + r) : nullptr; });
     fetch_pages(kb + 1);
   };
+  auto stage = [&](int kb) { return smem_addr(sKV + ((kb - kb_begin) % STAGES) * BN * D); };
   fetch_pages(kb_begin);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (kb_begin + s < kb_end) load_kv(kb_begin + s);
+    prepare_kv(kb_begin + s);
+    if (kb_begin + s < kb_end) kv.copy_all(stage(kb_begin + s));
     cp_async_commit();
   }
+  prepare_kv(kb_begin + STAGES - 1);
   if (MASK_TREE && threadIdx.x < QT) sBits[threadIdx.x] = q0 + threadIdx.x < S ? tree_bits(p, b, q0 + threadIdx.x) : 0ull;
   if (threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;
 
@@ -503,25 +528,24 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   for (int kb = kb_begin; kb < kb_end; ++kb) {
     if (STAGES == 1) {                                    // one buffer: refill it once all used it
       __syncthreads();
-      load_kv(kb);
+      kv.copy_all(stage(kb));
       cp_async_commit();
+      prepare_kv(kb + 1);
     }
     cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
 
     __syncthreads();                                      // tile kb landed; tile kb-1 fully used
-    auto refill = [&] {                                   // the tile STAGES-1 ahead, into tile kb-1's buffer
-      if (STAGES > 1) {
-        if (kb + STAGES - 1 < kb_end) load_kv(kb + STAGES - 1);
-        cp_async_commit();
-      }
-    };
+    const int kr = kb + STAGES - 1;                       // refilled this iteration, into tile kb-1's buffer
     const elem_t* tile = sKV + ((kb - kb_begin) % STAGES) * BN * D;
     const unsigned tileA = smem_addr(tile);
 
     // ---- scores: rows [wmq*ROWS_W, +ROWS_W) x keys [wnq*KEYS_W, +KEYS_W), k over D ----
     float s[MTQ][NTQ][4] = {};
 
-    refill();
+    if (STAGES > 1) {
+      if (kr < kb_end) kv.copy_all(stage(kr));
+      cp_async_commit();
+    }
 #pragma unroll 4
     for (int ks = 0; ks < D / 16; ++ks) {
       unsigned a[MTQ][4], bk[NTQ / 2][4];
@@ -634,6 +658,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
         }
       }
     }
+    if (STAGES > 1) prepare_kv(kr + 1);
 
   }
 
