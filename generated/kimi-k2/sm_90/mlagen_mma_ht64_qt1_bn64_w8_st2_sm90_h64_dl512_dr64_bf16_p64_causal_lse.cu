@@ -604,12 +604,21 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
     __syncthreads();
 
     // ---- new row maxima; P = exp2(S - m) to shared memory ----
+    float m_prev[MTQ][2], m_next[MTQ][2];     // each score row's running max before / after this tile
 #pragma unroll
     for (int mt = 0; mt < MTQ; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
-        const float m_old = sM[row], m_new = new_max(sM, sPart, row);
+        m_prev[mt][half] = sM[row];
+        m_next[mt][half] = new_max(sM, sPart, row);
+      }
+#pragma unroll
+    for (int mt = 0; mt < MTQ; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
+        const float m_old = m_prev[mt][half], m_new = m_next[mt][half];
         const float m_use = m_new == -INFINITY ? 0.f : m_new;     // an all-masked row stays empty
         float sum = 0.f;
 #pragma unroll
@@ -625,8 +634,10 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
     for (int mt = 0; mt < MT_O; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
+
         const int row = o_row0 + mt * 16 + g + 8 * half;
         const float m_old = sM[row], m_new = new_max(sM, sPart, row);
+
         if (m_new == m_old) continue;     // most tiles of a long row: alpha = 1, skip the multiplies
         const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
 #pragma unroll
@@ -634,8 +645,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
       }
 
     __syncthreads();                                      // P complete; sM and sPart read
-    if (threadIdx.x < M_PAD)                              // next read after the next tile's barriers
-      sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
 
     // ---- O += P V over the tile's keys ----
 
@@ -660,6 +669,8 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
     }
     if (STAGES > 1) prepare_kv(kr + 1);
 
+    if (threadIdx.x < M_PAD)      // after P V's issue, off its path; read after the next tile's barriers
+      sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
   }
 
   // ---- epilogue: row sums meet in shared memory; write out/lse or the split's partial ----
