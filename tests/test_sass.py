@@ -52,6 +52,20 @@ def test_wgmma_kernel_sass_shows_the_design():
     assert copies and len(constant) >= 0.8 * len(copies)
 
 
+def test_wgmma_kernel_refills_between_its_score_wgmmas():
+    """v10: the next tile's copies go out between the 36 score wgmmas (one column block per 4
+    k-steps, 2 rows per thread: 16 copies before the last block's wgmmas), with their row
+    lookups done a tile earlier, so no global load sits among them."""
+    _needs_nvdisasm()
+    b = _built(WGMMA)
+    lines = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a").splitlines()
+    scores = [i for i, line in enumerate(lines) if "HGMMA.64x32x16" in line]
+    assert len(scores) == 36
+    span = lines[scores[0]:scores[-1]]
+    assert sum("LDGSTS" in line for line in span) == 16
+    assert not any(re.search(r"\bLDG\.", line) for line in span)
+
+
 def test_mma_sync_kernel_has_no_wgmma():
     _needs_nvdisasm()
     b = _built("mma_ht8_qt3_bn32_w4_st2_spa_sm90")
