@@ -536,8 +536,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
 
     __syncthreads();                                      // tile kb landed; tile kb-1 fully used
     const int kr = kb + STAGES - 1;                       // refilled this iteration, into tile kb-1's buffer
-    const elem_t* tile = sKV + ((kb - kb_begin) % STAGES) * BN * D;
-    const unsigned tileA = smem_addr(tile);
+    const unsigned tileA = stage(kb);
 
     // ---- scores: rows [wmq*ROWS_W, +ROWS_W) x keys [wnq*KEYS_W, +KEYS_W), k over D ----
     float s[MTQ][NTQ][4] = {};
