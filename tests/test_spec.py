@@ -77,6 +77,15 @@ def test_validation_names_field_value_and_limit(problem, variant, field):
     assert "expected" in str(info.value) and "got" in str(info.value)
 
 
+def test_sixteen_warp_mma_blocks_keep_their_accumulators_in_registers():
+    """512 threads get 128 registers each: 128 output accumulators then spill (ptxas: 728 bytes
+    for mma_ht64_qt2_bn32_w16_st1 on sm_90), so 16-warp blocks stop at 64 rows."""
+    with pytest.raises(SpecError, match=r"at most 64 output accumulators per thread with 16 warps; "
+                                        r"128 padded rows x 32 dims / 32 lanes = 128: use fewer rows$"):
+        validate(Problem(heads=64), parse_variant("mma_ht64_qt2_bn32_w16_st1_spa_sm90"))
+    validate(Problem(heads=64), parse_variant("mma_ht64_qt1_bn64_w16_st1_spa_sm90"))   # 64 rows fit
+
+
 def test_shared_memory_error_says_how_much():
     with pytest.raises(SpecError, match=r"at most 101376 bytes .* sm_120, this variant needs \d+"):
         validate(Problem(), Variant(q_tile=8, head_tile=8, stages=2, arch="sm_120"))
