@@ -30,9 +30,11 @@ def main() -> None:
     variants = [naive(arch=arch), None,
                 Variant(family="flash", head_tile=8, q_tile=3, block_n=64, warps=4, stages=2, kv_split=3, arch=arch),
                 Variant(family="mma", head_tile=8, q_tile=4, block_n=64, warps=4, stages=2, kv_split=3, arch=arch),
-                Variant(family="mma", head_tile=8, q_tile=1, block_n=64, warps=4, stages=1, kv_split=1, arch=arch)]
-    if torch.cuda.get_device_capability() == (9, 0):   # sm_90a: P·V on wgmma or on mma.sync
-        for knobs in ({}, {"mma_pv": True}):
+                Variant(family="mma", head_tile=8, q_tile=1, block_n=64, warps=4, stages=1, kv_split=1, arch=arch),
+                Variant(family="mma", head_tile=8, q_tile=4, block_n=64, warps=4, stages=2, kv_split="balanced",
+                        arch=arch)]
+    if torch.cuda.get_device_capability() == (9, 0):   # sm_90a: P·V on wgmma or on mma.sync; balanced split
+        for knobs in ({}, {"mma_pv": True}, {"kv_split": "balanced"}):
             variants.append(Variant(family="mma", head_tile=8, q_tile=8, block_n=64, warps=8, stages=2,
                                     arch="sm_90a", **({"kv_split": 2} | knobs)))
     for i, shape in enumerate(CASES):

@@ -147,6 +147,8 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
     """
     if variant.family == "naive":
         return 1
+    if variant.kv_split == "balanced":
+        return balanced_split(variant, heads, batch, seqlen_q, kv_capacity, sm_count, blocks_per_sm)[1]
     if variant.kv_split != "adaptive":
         return int(variant.kv_split)
     blocks = batch * -(-seqlen_q // variant.q_tile) * (heads // variant.head_tile)
@@ -160,3 +162,23 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
         if cost < best_cost - 1e-9:
             best, best_cost = splits, cost
     return best
+
+
+@functools.lru_cache(maxsize=8192)
+def balanced_split(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capacity: int,
+                   sm_count: int, blocks_per_sm: int = 1) -> tuple[int, int]:
+    """(split blocks, most splits of a row group) of a balanced-split launch.
+
+    The row groups' KV tiles (each group `kv_capacity` keys' worth, so a shorter request's extra
+    tiles are empty) form one list, cut into one equal range per block that can be resident at
+    once; a group is split wherever a range ends. The kernel (templates/merge.cuh.j2,
+    `balanced_work`) derives the same ranges from the grid, and the workspace holds the second
+    number of partial slots per row.
+    """
+    groups = batch * -(-seqlen_q // variant.q_tile) * (heads // variant.head_tile)
+    tiles = max(1, -(-kv_capacity // variant.block_n))
+    total = max(1, groups * tiles)
+    workers = max(1, min(sm_count * blocks_per_sm, total))
+    per = -(-total // workers)
+    splits = max(((g + 1) * tiles - 1) // per - g * tiles // per + 1 for g in range(max(1, groups)))
+    return workers, splits

@@ -75,7 +75,9 @@ def structures(problem: Problem, seqlen_q: int, arch: str, family: str,
 
 def split_variants(variant: Variant, kv_capacity: int, skip: int) -> list[Variant]:
     """`variant` with each fixed split that leaves every split at least one KV tile, except
-    `skip` (the split its adaptive rule already picks)."""
+    `skip` (the split its adaptive rule already picks), and for the mma family the balanced
+    split."""
     tiles = max(1, -(-kv_capacity // variant.block_n))
-    return [variant.with_(kv_split=s) for s in SPLITS if s <= tiles and s != skip]
+    fixed = [variant.with_(kv_split=s) for s in SPLITS if s <= tiles and s != skip]
+    return fixed + ([variant.with_(kv_split="balanced")] if variant.family == "mma" else [])
 

@@ -18,7 +18,7 @@ from typing import Literal
 Dtype = Literal["bf16", "fp16"]
 MaskKind = Literal["causal", "tree", "none"]
 Family = Literal["naive", "flash", "mma"]
-Split = int | Literal["adaptive"]
+Split = int | Literal["adaptive", "balanced"]
 
 DTYPES: tuple[str, ...] = ("bf16", "fp16")
 MASKS: tuple[str, ...] = ("causal", "tree", "none")
@@ -72,6 +72,9 @@ class Variant:
         naive: 1.
     kv_split: number of key-range splits, or "adaptive" (chosen per launch from the SM count
         and the KV capacity). With one split the block writes the final output directly.
+        "balanced" (mma only, named `spb`): one block per SM, each an equal range of all row
+        groups' KV tiles, so batches whose row groups do not fill whole waves keep every SM busy;
+        a row group cut by a range end is merged like a split one.
     block_n: keys per shared-memory tile.
     warps: warps per block.
     stages: depth of the cp.async pipeline that stages KV tiles (naive: 1).
@@ -92,7 +95,7 @@ class Variant:
 
     @property
     def name(self) -> str:
-        split = "a" if self.kv_split == "adaptive" else str(self.kv_split)
+        split = {"adaptive": "a", "balanced": "b"}.get(self.kv_split, str(self.kv_split))
         arch = self.arch.replace("_", "")
         if self.family == "naive":
             return f"naive_w{self.warps}_{arch}"
@@ -103,14 +106,16 @@ class Variant:
 
     @property
     def code_name(self) -> str:
-        """The name of the generated code: like `name` but without the split, which is a
-        launch parameter and does not change the source."""
+        """The name of the generated code: like `name` but without a counted or adaptive split,
+        which is a launch parameter and does not change the source (the balanced split does:
+        `_spb`)."""
         if self.family == "naive":
             return self.name
         arch = self.arch.replace("_", "")
+        balanced = "_spb" if self.kv_split == "balanced" else ""
         return (
             f"{self.family}_ht{self.head_tile}_qt{self.q_tile}_bn{self.block_n}"
-            f"_w{self.warps}_st{self.stages}{self._schedule}_{arch}"
+            f"_w{self.warps}_st{self.stages}{balanced}{self._schedule}_{arch}"
         )
 
     @property
@@ -158,7 +163,7 @@ def parse_variant(name: str) -> Variant:
         family=parts[0], head_tile=_parse_int(fields["ht"][2:], name),
         q_tile=_parse_int(fields["qt"][2:], name), block_n=_parse_int(fields["bn"][2:], name),
         warps=_parse_int(fields["w"][1:], name), stages=_parse_int(fields["st"][2:], name),
-        kv_split="adaptive" if split == "a" else _parse_int(split, name),
+        kv_split={"a": "adaptive", "b": "balanced"}.get(split) or _parse_int(split, name),
         arch=_parse_arch(parts[7], name), **knobs,
     )
 

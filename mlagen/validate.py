@@ -75,15 +75,19 @@ class KernelPlan:
         groups = max(1, self.row_groups(batch, seqlen_q))
         return max(1, min(self.max_merge_blocks, -(-MERGE_TARGET_BLOCKS // groups)))
 
-    def grid(self, batch: int, seqlen_q: int, num_splits: int) -> tuple[int, int, int]:
+    def grid(self, batch: int, seqlen_q: int, num_splits: int, workers: int = 0) -> tuple[int, int, int]:
         """Grid of the kernel. Split launches add z slabs after the B request slabs for the merge
-        blocks, so that every merge block comes after every split block in grid order."""
+        blocks, so that every merge block comes after every split block in grid order. A
+        balanced split has `workers` split blocks in slab 0 (`num_splits` is then the most
+        splits any row group gets, see `dispatch.balanced_split`)."""
         if self.variant.family == "naive":
             return (self.problem.heads, seqlen_q, batch)
+        merge = batch * self.merge_blocks(batch, seqlen_q)
+        if self.variant.kv_split == "balanced":
+            return (workers, 1, 1 if num_splits == 1 else 1 + -(-merge * self.row_groups(1, seqlen_q) // workers))
         x = self.q_tiles(seqlen_q) * self.head_tiles
         if num_splits == 1:
             return (x, 1, batch)
-        merge = batch * self.merge_blocks(batch, seqlen_q)
         return (x, num_splits, batch + -(-merge // num_splits))
 
     def grid_expr(self) -> tuple[str, str, str]:
@@ -119,8 +123,10 @@ def _check_common(v: Variant) -> None:
     _require(v.family in FAMILIES, "variant.family", v.family, f"one of {FAMILIES}")
     _require(isinstance(v.warps, int) and 1 <= v.warps <= 16, "variant.warps", v.warps,
              "an int in 1..16")
-    _require(v.kv_split == "adaptive" or (isinstance(v.kv_split, int) and 1 <= v.kv_split <= 256),
-             "variant.kv_split", v.kv_split, "'adaptive' or an int in 1..256")
+    _require(v.kv_split in ("adaptive", "balanced") or (isinstance(v.kv_split, int) and 1 <= v.kv_split <= 256),
+             "variant.kv_split", v.kv_split, "'adaptive', 'balanced' or an int in 1..256")
+    _require(v.kv_split != "balanced" or v.family == "mma", "variant.kv_split", v.kv_split,
+             "'adaptive' or an int for the naive and flash families ('balanced' is mma only)")
     _require(v.mma_pv is False or (v.mma_pv is True and v.family == "mma"), "variant.mma_pv", v.mma_pv,
              "False, or True for the mma family (on sm_90a)")
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlagen import dispatch, tables
 from mlagen.arch import CI_ARCHS
@@ -162,3 +164,45 @@ def test_split_variants():
     v = Variant(family="flash", head_tile=8, q_tile=9, block_n=32, arch="sm_90")
     splits = [w.kv_split for w in split_variants(v, 256, skip=2)]
     assert splits == [1, 4, 8]           # at most 256/32 = 8 tiles; the adaptive one skipped
+    mma = v.with_(family="mma", q_tile=8)
+    assert [w.kv_split for w in split_variants(mma, 256, skip=2)] == [1, 4, 8, "balanced"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(1, 40), seqlen_q=st.integers(1, 40), tiles=st.integers(1, 300),
+       sm_count=st.integers(1, 200), shape=st.sampled_from([(64, 1), (32, 2), (16, 4), (8, 8)]))
+def test_balanced_split_gives_every_tile_to_one_block(batch, seqlen_q, tiles, sm_count, shape):
+    """The balanced split, worked through as the kernel does it (templates/merge.cuh.j2's
+    balanced_work, mma.cu.j2's range loop): every row group's KV tile goes to exactly one split
+    block, each group's blocks fill its workspace slots 0..splits-1 (the ones its merge reads),
+    no slot passes the workspace's bound, and the grid has a merge block per group part."""
+    heads, block_n = 64, 64
+    v = Variant(family="mma", head_tile=shape[0], q_tile=shape[1], block_n=block_n, warps=8,
+                kv_split="balanced", arch="sm_90")
+    workers, bound = dispatch.balanced_split(v, heads, batch, seqlen_q, tiles * block_n, sm_count)
+    groups = batch * -(-seqlen_q // v.q_tile) * (heads // v.head_tile)
+    total = groups * tiles
+    per = -(-total // workers)
+    assert workers <= sm_count and workers * per >= total   # a last block may get nothing
+    owner: dict[tuple[int, int], int] = {}
+    slots: dict[int, set[int]] = {}
+    for w in range(workers):
+        u0, u1 = w * per, min(w * per + per, total)
+        g = u0 // tiles
+        while g * tiles < u1:
+            first = g * tiles // per
+            splits = ((g + 1) * tiles - 1) // per - first + 1
+            assert 0 <= w - first < splits <= bound
+            slots.setdefault(g, set()).add(w - first)
+            for t in range(max(u0, g * tiles) - g * tiles, min(u1, (g + 1) * tiles) - g * tiles):
+                assert (g, t) not in owner
+                owner[(g, t)] = w
+            g += 1
+    assert len(owner) == total
+    assert all(slots[g] == set(range(len(slots[g]))) for g in range(groups))
+    assert bound == max(len(s) for s in slots.values())
+    plan = validate(Problem(heads=heads), v)
+    grid = plan.grid(batch, seqlen_q, bound, workers)
+    assert grid[:2] == (workers, 1)
+    if bound > 1:
+        assert (grid[2] - 1) * workers >= groups * plan.merge_blocks(batch, seqlen_q)

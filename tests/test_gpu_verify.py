@@ -51,7 +51,7 @@ def tiled_variants(draw, family: str, heads: int, arch: str):
     return Variant(family=family, head_tile=draw(st.sampled_from(divisors)),
                    q_tile=draw(st.integers(1, 16)), block_n=draw(st.sampled_from([32, 64, 128])),
                    warps=draw(st.sampled_from([2, 4, 8, 16])), stages=draw(st.integers(1, 3)),
-                   kv_split=draw(st.sampled_from(["adaptive", 1, 2, 5])), arch=arch)
+                   kv_split=draw(st.sampled_from(["adaptive", 1, 2, 5, "balanced"])), arch=arch)
 
 
 def _run(case, variant, lse: bool):
@@ -99,7 +99,7 @@ def _wgmma_variant(heads: int, schedule: str = "wgmma", kv_split: int | str = "a
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="wgmma needs a compute capability 9.0 GPU (sm_90a)")
 @given(shape=shapes(max_work=4e9), schedule=st.sampled_from(list(SCHEDULES)),
-       kv_split=st.sampled_from(["adaptive", 1, 3, 16]))
+       kv_split=st.sampled_from(["adaptive", 1, 3, 16, "balanced"]))
 def test_wgmma_schedules_match_reference(shape, schedule, kv_split):
     lse = shape.pop("lse")
     case = make_case(**shape)
@@ -154,10 +154,11 @@ def test_cuda_graph_capture_and_replay():
         assert_matches(out, lse, case)
 
 
-def test_split_merge_across_calls_streams_and_graphs():
+@pytest.mark.parametrize("kv_split", [5, "balanced"])
+def test_split_merge_across_calls_streams_and_graphs(kv_split):
     """The merge blocks' counters: left at zero by every launch (repeat calls), per stream
     (concurrent streams), and per graph (two graphs replayed at once on two streams)."""
-    split = Variant(family="mma", head_tile=16, q_tile=2, block_n=64, warps=8, stages=2, kv_split=5,
+    split = Variant(family="mma", head_tile=16, q_tile=2, block_n=64, warps=8, stages=2, kv_split=kv_split,
                     arch=_arch())
     cases = [make_case(batch=3, seqlen_q=5, heads=16, prefixes=[3000, 700, 0], page_size=64,
                        mask="tree", empty=[False, False, True], seed=s) for s in (11, 12)]

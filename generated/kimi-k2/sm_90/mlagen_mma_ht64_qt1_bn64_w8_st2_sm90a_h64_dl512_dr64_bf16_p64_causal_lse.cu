@@ -206,14 +206,15 @@ __device__ __forceinline__ void split_blocks(int limit, int bn, int split, int n
 
 namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 
-// Ends row (b, i, h) of one split. With one split the row is final: out = acc / l and lse.
-// Otherwise acc (unnormalized) and (m, l) go to the workspace for the row group's merge blocks.
-// `acc` holds N (8 or 2) consecutive dims starting at d0; writes_stats picks one thread per row.
+// Ends row (b, i, h) of one split. `direct` (the row group has one split): the row is final,
+// out = acc / l and lse. Otherwise acc (unnormalized) and (m, l) go to workspace slot `split`
+// for the row group's merge blocks. `acc` holds N (8 or 2) consecutive dims starting at d0;
+// writes_stats picks one thread per row.
 template <int N>
-__device__ __forceinline__ void finish_row(const VerifyParams& p, int split, int b, int i, int h,
+__device__ __forceinline__ void finish_row(const VerifyParams& p, int split, bool direct, int b, int i, int h,
                                            int d0, const float* acc, float m, float l,
                                            bool writes_stats) {
-  if (p.num_splits == 1) {
+  if (direct) {
     store_out<N>(p, b, i, h, d0, acc, l);
     if (WRITE_LSE && writes_stats)
       p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
@@ -229,15 +230,26 @@ __device__ __forceinline__ void finish_row(const VerifyParams& p, int split, int
 // With num_splits > 1 the grid's z slabs 0..B-1 hold the split blocks (x: row group of request z,
 // y: split) and the slabs after them the merge blocks: one launch, no combine kernel. A split
 // block counts itself done in its row group's counter after writing its partials; each of the
-// group's p.merge_blocks merge blocks waits for num_splits counts, counts itself too (the last of
-// all wraps the counter back to 0 for the next launch) and merges its share of the group's rows,
-// one row per warp at a time. The wait cannot deadlock: blocks start in grid order and every
-// merge block comes after every split block, so those are running or done when it waits.
+// group's p.merge_blocks merge blocks waits for all its splits' counts, counts itself too (the
+// last of all wraps the counter back to 0 for the next launch) and merges its share of the
+// group's rows, one row per warp at a time. The wait cannot deadlock: blocks start in grid order
+// and every merge block comes after every split block, so those are running or done when it waits.
+// Balanced split (kv_split "balanced"): the split blocks are slab 0, each an equal range of the
+// list of all row groups' KV tiles (see balanced_work), so a range may span row groups and a
+// group is split wherever a range ends; the merge blocks are the slabs after it.
+__device__ __forceinline__ int merge_z0(const VerifyParams& p) {   // the first merge slab
+  return p.batch;
+}
 constexpr int MERGE_WARPS = 8;
 constexpr int GROUP_ROWS = 64;              // q_tile * head_tile
 
+// Row groups (query tile x head tile) of one request.
+__device__ __forceinline__ int request_groups(const VerifyParams& p) {
+  return ((p.seqlen_q + 1 - 1) / 1) * 1;
+}
+
 __device__ __forceinline__ unsigned* group_counter(const VerifyParams& p, int b, int x) {
-  return p.counters + ((long long)b * gridDim.x + x);
+  return p.counters + ((long long)b * request_groups(p) + x);
 }
 
 __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
@@ -246,12 +258,12 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
   return v;
 }
 
-// A split block, after every finish_row: counts itself done for the group's merge blocks.
-__device__ __forceinline__ void count_split_done(const VerifyParams& p) {
-  if (p.num_splits == 1) return;
+// A split block of row group (b, x), after every finish_row of that group: counts itself done
+// for the group's merge blocks, which wait for `splits` counts.
+__device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, int x, int splits) {
   __threadfence();   // each thread's partials are visible GPU-wide before the block counts
   __syncthreads();
-  if (threadIdx.x == 0) atomicInc(group_counter(p, blockIdx.z, blockIdx.x), p.num_splits + p.merge_blocks - 1);
+  if (threadIdx.x == 0) atomicInc(group_counter(p, b, x), splits + p.merge_blocks - 1);
 }
 
 // Row (b, i, h): m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l.
@@ -259,8 +271,7 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p) {
 // rows, so no load waits on another: lane k reads split k's (m, l) and the warp reduces them,
 // then every split's acc loads go out together (a split without keys gets weight 0 by select,
 // not by branch, so its loads stay in flight with the others).
-__device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane) {
-  const int splits = p.num_splits;
+__device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, int splits) {
   float m = -INFINITY;
   for (int k = lane; k < splits; k += 32) m = fmaxf(m, __ldcg(&p.part_ml[part_row(p, k, b, i, h)]).x);
   m = warp_max(m);
@@ -304,20 +315,23 @@ __device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane) 
   if (WRITE_LSE && lane == 0) p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
 }
 
-// A merge block (blockIdx.z >= p.batch). Merge blocks are numbered x fastest, then y, then z
-// slab; number f merges part f / groups of row group f % groups (request g / grid.x, tile g % grid.x).
+// A merge block (blockIdx.z >= merge_z0(p)). Merge blocks are numbered x fastest, then y, then z
+// slab; number f merges part f / groups of row group f % groups (request g / request_groups,
+// tile g % request_groups).
 __device__ void merge_block(const VerifyParams& p) {
-  const long long groups = (long long)gridDim.x * p.batch;
-  const long long f = ((long long)(blockIdx.z - p.batch) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  const int gx = request_groups(p);
+  const long long groups = (long long)gx * p.batch;
+  const long long f = ((long long)(blockIdx.z - merge_z0(p)) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
   if (f >= groups * p.merge_blocks) return;             // the last slab's spare blocks
   const int part = (int)(f / groups), g = (int)(f % groups);
-  const int x = g % gridDim.x, b = g / gridDim.x;
+  const int x = g % gx, b = g / gx;
+  const int splits = p.num_splits;
   const int h0 = (x % 1) * 64;
   const int q0 = (x / 1) * 1;
   unsigned* counter = group_counter(p, b, x);
   if (threadIdx.x == 0) {
-    while (load_acquire(counter) < (unsigned)p.num_splits) __nanosleep(100);
-    atomicInc(counter, p.num_splits + p.merge_blocks - 1);
+    while (load_acquire(counter) < (unsigned)splits) __nanosleep(100);
+    atomicInc(counter, splits + p.merge_blocks - 1);
   }
   __syncthreads();   // the partials thread 0 acquired are visible to the whole block
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -325,7 +339,7 @@ __device__ void merge_block(const VerifyParams& p) {
   const int end = (part + 1) * per < GROUP_ROWS ? (part + 1) * per : GROUP_ROWS;
   for (int r = part * per + warp; r < end; r += MERGE_WARPS) {
     const int i = q0 + r / 64, h = h0 + r % 64;
-    if (i < p.seqlen_q) merge_row(p, b, i, h, lane);
+    if (i < p.seqlen_q) merge_row(p, b, i, h, lane, splits);
   }
 }
 
@@ -509,6 +523,7 @@ struct RowLoad {
 }  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 // grid: (ceil(S/QT) * H/HT, num_splits, B + merge slabs when num_splits > 1); block: 256 threads;
+
 // dynamic shared memory 231680 bytes.
 extern "C" __global__ void __launch_bounds__(256, 1)
 mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
@@ -525,220 +540,229 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates
   // wnq through a lane-0 broadcast: the same value, but ptxas then knows it is warp-uniform.
   const int wmq = warp % WMQ, wnq = __shfl_sync(0xffffffffu, warp / WMQ, 0);   // wgmma: wnq is the warpgroup
-  if (blockIdx.z >= p.batch) {      // a merge block (split launches only)
+  if (blockIdx.z >= merge_z0(p)) {  // a merge block (split launches only)
     merge_block(p);
     return;
   }
-  const int b = blockIdx.z, split = blockIdx.y;
-  const int h0 = (blockIdx.x % HEAD_TILES) * HT, q0 = (blockIdx.x / HEAD_TILES) * QT;
-  const int S = p.seqlen_q;
-  const int n = request_keys(p, b);
-  const int q_end = q0 + QT < S ? q0 + QT : S;
-  int kb_begin, kb_end;
-  split_blocks(key_limit(n, S, q_end), BN, split, p.num_splits, &kb_begin, &kb_end);
+  // One row group's share of the work: row group x of request b, over its KV tiles [t0, t1) (a
+  // balanced split's range; otherwise split `split`'s share of the group's keys), ending as
+  // workspace slot `split` of the group's `splits`, or written out directly when `direct`.
+  auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {
+    const int h0 = (x % HEAD_TILES) * HT, q0 = (x / HEAD_TILES) * QT;
+    const int S = p.seqlen_q;
+    const int n = request_keys(p, b);
+    const int q_end = q0 + QT < S ? q0 + QT : S;
+    int kb_begin, kb_end;
 
-  {
-    RowLoad<M_PAD, THREADS> ql;
-    ql.prepare(threadIdx.x, p.q, [&](int r, int) -> const elem_t* {
-      const int i = q0 + r / HT;
-      if (r >= ROWS || i >= S) return nullptr;
-      return p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)(h0 + r % HT) * p.q_stride_h;
-    });
-    ql.copy_all(smem_addr(sQ));
-  }
-  // KV tiles load in order, each one in two steps a tile apart (v9-v10, benchmarks/NOTES.md):
-  // block-table ids are read (fetch_pages) a tile before the row lookups (prepare_kv), and
-  // the lookups a tile before the copies, so no copy waits on a dependent global read.
-  RowLoad<BN, THREADS> kv;                   // the prepared copies of the next tile to load
-  int next_pages[RowLoad<BN, THREADS>::PASSES];   // block-table ids of the tile after it (-1: none)
-  auto fetch_pages = [&](int kb) {
-#pragma unroll
-    for (int k = 0; k < RowLoad<BN, THREADS>::PASSES; ++k) {
-      const int r = threadIdx.x / 8 + k * (THREADS / 8), j = kb * BN + r;
-      next_pages[k] = r < BN && j < n ? kv_page(p, b, j) : -1;
+    split_blocks(key_limit(n, S, q_end), BN, split, p.num_splits, &kb_begin, &kb_end);
+
+
+    {
+      RowLoad<M_PAD, THREADS> ql;
+      ql.prepare(threadIdx.x, p.q, [&](int r, int) -> const elem_t* {
+        const int i = q0 + r / HT;
+        if (r >= ROWS || i >= S) return nullptr;
+        return p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)(h0 + r % HT) * p.q_stride_h;
+      });
+      ql.copy_all(smem_addr(sQ));
     }
-  };
-  auto prepare_kv = [&](int kb) {            // past kb_end: zero-fill (those copies land in a free buffer)
-    kv.prepare(threadIdx.x, p.kv, [&](int r, int k) { return kb < kb_end ? kv_row_in(p, next_pages[k], kb * BN + r) : nullptr; });
-    fetch_pages(kb + 1);
-  };
-  auto stage = [&](int kb) { return smem_addr(sKV + ((kb - kb_begin) % STAGES) * BN * D); };
-  fetch_pages(kb_begin);
+    // KV tiles load in order, each one in two steps a tile apart (v9-v10, benchmarks/NOTES.md):
+    // block-table ids are read (fetch_pages) a tile before the row lookups (prepare_kv), and
+    // the lookups a tile before the copies, so no copy waits on a dependent global read.
+    RowLoad<BN, THREADS> kv;                   // the prepared copies of the next tile to load
+    int next_pages[RowLoad<BN, THREADS>::PASSES];   // block-table ids of the tile after it (-1: none)
+    auto fetch_pages = [&](int kb) {
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    prepare_kv(kb_begin + s);
-    if (kb_begin + s < kb_end) kv.copy_all(stage(kb_begin + s));
-    cp_async_commit();
-  }
-  prepare_kv(kb_begin + STAGES - 1);
-  if (MASK_TREE && threadIdx.x < QT) sBits[threadIdx.x] = q0 + threadIdx.x < S ? tree_bits(p, b, q0 + threadIdx.x) : 0ull;
-  if (threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;
-
-  float o[MT_O][NT_O][4] = {};
-
-  const int o_row0 = 16 * wmq, o_dim0 = (DL / 2) * wnq;   // this warp's output piece
-
-  float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
-  const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
-
-  for (int kb = kb_begin; kb < kb_end; ++kb) {
-    if (STAGES == 1) {                                    // one buffer: refill it once all used it
-      __syncthreads();
-      kv.copy_all(stage(kb));
+      for (int k = 0; k < RowLoad<BN, THREADS>::PASSES; ++k) {
+        const int r = threadIdx.x / 8 + k * (THREADS / 8), j = kb * BN + r;
+        next_pages[k] = r < BN && j < n ? kv_page(p, b, j) : -1;
+      }
+    };
+    auto prepare_kv = [&](int kb) {            // past kb_end: zero-fill (those copies land in a free buffer)
+      kv.prepare(threadIdx.x, p.kv, [&](int r, int k) { return kb < kb_end ? kv_row_in(p, next_pages[k], kb * BN + r) : nullptr; });
+      fetch_pages(kb + 1);
+    };
+    auto stage = [&](int kb) { return smem_addr(sKV + ((kb - kb_begin) % STAGES) * BN * D); };
+    fetch_pages(kb_begin);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      prepare_kv(kb_begin + s);
+      if (kb_begin + s < kb_end) kv.copy_all(stage(kb_begin + s));
       cp_async_commit();
-      prepare_kv(kb + 1);
     }
-    cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
+    prepare_kv(kb_begin + STAGES - 1);
+    if (MASK_TREE && threadIdx.x < QT) sBits[threadIdx.x] = q0 + threadIdx.x < S ? tree_bits(p, b, q0 + threadIdx.x) : 0ull;
+    if (threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;
 
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async data -> wgmma reads
+    float o[MT_O][NT_O][4] = {};
 
-    __syncthreads();                                      // tile kb landed; tile kb-1 fully used
-    const int kr = kb + STAGES - 1;                       // refilled this iteration, into tile kb-1's buffer
-    const unsigned tileA = stage(kb);
+    const int o_row0 = 16 * wmq, o_dim0 = (DL / 2) * wnq;   // this warp's output piece
 
-    // ---- scores: rows [wmq*ROWS_W, +ROWS_W) x keys [wnq*KEYS_W, +KEYS_W), k over D ----
-    float s[MTQ][NTQ][4] = {};
+    float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
+    const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
 
-    // Warpgroup wnq: all 64 rows x keys [32*wnq, +32); its warp wmq gets rows 16*wmq.. in the
-    // mma.sync accumulator layout (per 8 keys: row g cols 2t,2t+1; row g+8 likewise).
-    static_assert(MTQ == 1 && NTQ == 4 && M_PAD == 64, "one m64n32 wgmma per warpgroup");
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    // Tile kr's copies go out between the score wgmmas, one column block per 4 k-steps: the
-    // tensor cores stay fed while this warp issues them.
-    scores_wgmma(&s[0][0][0], sQa, tileA + wnq * KEYS_W * 128, [&](int blk) {
-      if (STAGES > 1) kv.copy(stage(kr), blk);
-    });
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    cp_async_commit();
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    for (int kb = kb_begin; kb < kb_end; ++kb) {
+      if (STAGES == 1) {                                    // one buffer: refill it once all used it
+        __syncthreads();
+        kv.copy_all(stage(kb));
+        cp_async_commit();
+        prepare_kv(kb + 1);
+      }
+      cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
+
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async data -> wgmma reads
+
+      __syncthreads();                                      // tile kb landed; tile kb-1 fully used
+      const int kr = kb + STAGES - 1;                       // refilled this iteration, into tile kb-1's buffer
+      const unsigned tileA = stage(kb);
+
+      // ---- scores: rows [wmq*ROWS_W, +ROWS_W) x keys [wnq*KEYS_W, +KEYS_W), k over D ----
+      float s[MTQ][NTQ][4] = {};
+
+      // Warpgroup wnq: all 64 rows x keys [32*wnq, +32); its warp wmq gets rows 16*wmq.. in the
+      // mma.sync accumulator layout (per 8 keys: row g cols 2t,2t+1; row g+8 likewise).
+      static_assert(MTQ == 1 && NTQ == 4 && M_PAD == 64, "one m64n32 wgmma per warpgroup");
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      // Tile kr's copies go out between the score wgmmas, one column block per 4 k-steps: the
+      // tensor cores stay fed while this warp issues them.
+      scores_wgmma(&s[0][0][0], sQa, tileA + wnq * KEYS_W * 128, [&](int blk) {
+        if (STAGES > 1) kv.copy(stage(kr), blk);
+      });
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      cp_async_commit();
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 
 
-    // ---- mask, scale, and this warp's row maxima ----
-    // A tile inside every row's prefix needs no mask. Its padding rows (past ROWS or S) then
-    // hold finite scores of zero-filled queries; they are never written out.
-    const bool all_visible = (kb + 1) * BN <= n - S;
+      // ---- mask, scale, and this warp's row maxima ----
+      // A tile inside every row's prefix needs no mask. Its padding rows (past ROWS or S) then
+      // hold finite scores of zero-filled queries; they are never written out.
+      const bool all_visible = (kb + 1) * BN <= n - S;
+#pragma unroll
+      for (int mt = 0; mt < MTQ; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
+          const int i = q0 + row / HT;
+          const bool live = row < ROWS && i < S;
+          const unsigned long long bits = MASK_TREE && live ? sBits[row / HT] : 0ull;
+          float mx = -INFINITY;
+          if (all_visible) {
+#pragma unroll
+            for (int nt = 0; nt < NTQ; ++nt)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float& x = s[mt][nt][2 * half + e];
+                x *= p.scale_log2;
+                mx = fmaxf(mx, x);
+              }
+          } else {
+#pragma unroll
+            for (int nt = 0; nt < NTQ; ++nt)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int j = kb * BN + wnq * KEYS_W + nt * 8 + 2 * t + e;
+                float& x = s[mt][nt][2 * half + e];
+                x = live & key_visible(j, n, i, S, bits) ? x * p.scale_log2 : -INFINITY;   // `&`: a select, no branch
+                mx = fmaxf(mx, x);
+              }
+          }
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          if (t == 0) sPart[wnq * M_PAD + row] = mx;
+        }
+      __syncthreads();
+
+      // ---- new row maxima; P = exp2(S - m) to shared memory ----
+      float m_prev[MTQ][2], m_next[MTQ][2];     // each score row's running max before / after this tile
+#pragma unroll
+      for (int mt = 0; mt < MTQ; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
+          m_prev[mt][half] = sM[row];
+          m_next[mt][half] = new_max(sM, sPart, row);
+        }
+#pragma unroll
+      for (int mt = 0; mt < MTQ; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
+          const float m_old = m_prev[mt][half], m_new = m_next[mt][half];
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;     // an all-masked row stays empty
+          float sum = 0.f;
+#pragma unroll
+          for (int nt = 0; nt < NTQ; ++nt) {
+            const float p0 = exp2f(s[mt][nt][2 * half] - m_use), p1 = exp2f(s[mt][nt][2 * half + 1] - m_use);
+            sum += p0 + p1;
+            *reinterpret_cast<elem2_t*>(sP + p_off(row, wnq * KEYS_W + nt * 8 + 2 * t)) = from_float2(p0, p1);
+          }
+          lpart[mt][half] = lpart[mt][half] * exp2f(m_old - m_use) + sum;
+        }
+      // Output rows of this thread: rescale by exp2(m_old - m_new) before adding this tile.
+#pragma unroll
+      for (int mt = 0; mt < MT_O; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+
+          static_assert(MT_O == MTQ && ROWS_W == 16, "output rows = score rows (o_row0 = 16 * wmq)");
+          const float m_old = m_prev[mt][half], m_new = m_next[mt][half];
+
+          if (m_new == m_old) continue;     // most tiles of a long row: alpha = 1, skip the multiplies
+          const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
+#pragma unroll
+          for (int nt = 0; nt < NT_O; ++nt) { o[mt][nt][2 * half] *= alpha; o[mt][nt][2 * half + 1] *= alpha; }
+        }
+
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // P stores -> wgmma reads
+
+      __syncthreads();                                      // P complete; sM and sPart read
+
+      // ---- O += P V over the tile's keys ----
+
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      pv_wgmma(&o[0][0][0], sPa, tileA + (DL / 128) * wnq * (BN * 128));
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      if (STAGES > 1) prepare_kv(kr + 1);                   // while the tensor cores run P V
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+
+      if (threadIdx.x < M_PAD)      // after P V's issue, off its path; read after the next tile's barriers
+        sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
+    }
+
+    // ---- epilogue: row sums meet in shared memory; write out/lse or the split's partial ----
+    cp_async_wait<0>();
+    __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < MTQ; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
-        const int i = q0 + row / HT;
-        const bool live = row < ROWS && i < S;
-        const unsigned long long bits = MASK_TREE && live ? sBits[row / HT] : 0ull;
-        float mx = -INFINITY;
-        if (all_visible) {
-#pragma unroll
-          for (int nt = 0; nt < NTQ; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float& x = s[mt][nt][2 * half + e];
-              x *= p.scale_log2;
-              mx = fmaxf(mx, x);
-            }
-        } else {
-#pragma unroll
-          for (int nt = 0; nt < NTQ; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int j = kb * BN + wnq * KEYS_W + nt * 8 + 2 * t + e;
-              float& x = s[mt][nt][2 * half + e];
-              x = live & key_visible(j, n, i, S, bits) ? x * p.scale_log2 : -INFINITY;   // `&`: a select, no branch
-              mx = fmaxf(mx, x);
-            }
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        if (t == 0) sPart[wnq * M_PAD + row] = mx;
+        float l = lpart[mt][half];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (t == 0) sPart[wnq * M_PAD + wmq * ROWS_W + mt * 16 + g + 8 * half] = l;
       }
     __syncthreads();
-
-    // ---- new row maxima; P = exp2(S - m) to shared memory ----
-    float m_prev[MTQ][2], m_next[MTQ][2];     // each score row's running max before / after this tile
-#pragma unroll
-    for (int mt = 0; mt < MTQ; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
-        m_prev[mt][half] = sM[row];
-        m_next[mt][half] = new_max(sM, sPart, row);
-      }
-#pragma unroll
-    for (int mt = 0; mt < MTQ; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
-        const float m_old = m_prev[mt][half], m_new = m_next[mt][half];
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;     // an all-masked row stays empty
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < NTQ; ++nt) {
-          const float p0 = exp2f(s[mt][nt][2 * half] - m_use), p1 = exp2f(s[mt][nt][2 * half + 1] - m_use);
-          sum += p0 + p1;
-          *reinterpret_cast<elem2_t*>(sP + p_off(row, wnq * KEYS_W + nt * 8 + 2 * t)) = from_float2(p0, p1);
-        }
-        lpart[mt][half] = lpart[mt][half] * exp2f(m_old - m_use) + sum;
-      }
-    // Output rows of this thread: rescale by exp2(m_old - m_new) before adding this tile.
 #pragma unroll
     for (int mt = 0; mt < MT_O; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-
-        static_assert(MT_O == MTQ && ROWS_W == 16, "output rows = score rows (o_row0 = 16 * wmq)");
-        const float m_old = m_prev[mt][half], m_new = m_next[mt][half];
-
-        if (m_new == m_old) continue;     // most tiles of a long row: alpha = 1, skip the multiplies
-        const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
+        const int row = o_row0 + mt * 16 + g + 8 * half;
+        const int i = q0 + row / HT, h = h0 + row % HT;
+        if (row >= ROWS || i >= S) continue;
+        float l = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) { o[mt][nt][2 * half] *= alpha; o[mt][nt][2 * half + 1] *= alpha; }
+        for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
+        const float m = sM[row];
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt) {
+          const float pair[2] = {o[mt][nt][2 * half], o[mt][nt][2 * half + 1]};
+          finish_row<2>(p, split, direct, b, i, h, o_dim0 + nt * 8 + 2 * t, pair, m, l,
+                        o_dim0 == 0 && nt == 0 && t == 0);
+        }
       }
+    if (!direct) count_split_done(p, b, x, splits);
+  };
 
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // P stores -> wgmma reads
+  segment(blockIdx.z, blockIdx.x, 0, 0, blockIdx.y, p.num_splits == 1, p.num_splits);
 
-    __syncthreads();                                      // P complete; sM and sPart read
-
-    // ---- O += P V over the tile's keys ----
-
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    pv_wgmma(&o[0][0][0], sPa, tileA + (DL / 128) * wnq * (BN * 128));
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    if (STAGES > 1) prepare_kv(kr + 1);                   // while the tensor cores run P V
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-
-    if (threadIdx.x < M_PAD)      // after P V's issue, off its path; read after the next tile's barriers
-      sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
-  }
-
-  // ---- epilogue: row sums meet in shared memory; write out/lse or the split's partial ----
-  cp_async_wait<0>();
-  __syncthreads();
-#pragma unroll
-  for (int mt = 0; mt < MTQ; ++mt)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float l = lpart[mt][half];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      if (t == 0) sPart[wnq * M_PAD + wmq * ROWS_W + mt * 16 + g + 8 * half] = l;
-    }
-  __syncthreads();
-#pragma unroll
-  for (int mt = 0; mt < MT_O; ++mt)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = o_row0 + mt * 16 + g + 8 * half;
-      const int i = q0 + row / HT, h = h0 + row % HT;
-      if (row >= ROWS || i >= S) continue;
-      float l = 0.f;
-#pragma unroll
-      for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
-      const float m = sM[row];
-#pragma unroll
-      for (int nt = 0; nt < NT_O; ++nt) {
-        const float pair[2] = {o[mt][nt][2 * half], o[mt][nt][2 * half + 1]};
-        finish_row<2>(p, split, b, i, h, o_dim0 + nt * 8 + 2 * t, pair, m, l,
-                      o_dim0 == 0 && nt == 0 && t == 0);
-      }
-    }
-  count_split_done(p);
 }
