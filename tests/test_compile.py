@@ -59,6 +59,19 @@ def test_preset_variants_compile_without_spills(preset, variant):
     assert built.plan.smem_bytes <= built.plan.arch.smem_per_block
 
 
+BALANCED_JOBS = [(p, v.with_(kv_split="balanced")) for p, v in PRESET_JOBS if v.family == "mma"]
+
+
+@pytest.mark.parametrize("preset,variant", BALANCED_JOBS, ids=[f"{p.name}-{v.name}" for p, v in BALANCED_JOBS])
+def test_balanced_split_variants_compile_without_spills(preset, variant):
+    """The balanced split is its own kernel (a loop over row-group segments): the presets' mma
+    structures with it, on every CI arch."""
+    built = build(preset.problem, variant)
+    assert "_spb_" in built.plan.main_kernel
+    for name, r in built.module.resources.items():
+        assert not r.spills, f"{name} spills: {r}"
+
+
 def test_sm90a_products_run_on_wgmma():
     v = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=2, arch="sm_90a")
     for dtype in ("bf16", "fp16"):
@@ -90,6 +103,6 @@ def test_wgmma_variants_are_not_serialized(dtype, mask):
     kernels free of all of them."""
     problem = Problem(heads=64, dtype=dtype, mask=mask)
     for v in ("mma_ht64_qt1_bn64_w8_st2_spa_sm90a", "mma_ht8_qt8_bn64_w8_st2_spa_sm90a",
-              "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a"):
+              "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a", "mma_ht64_qt1_bn64_w8_st2_spb_sm90a"):
         log = build(problem, parse_variant(v)).module.log
         assert "C751" not in log and "serialized" not in log and "injected" not in log, log
