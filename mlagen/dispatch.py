@@ -167,18 +167,22 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
 @functools.lru_cache(maxsize=8192)
 def balanced_split(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capacity: int,
                    sm_count: int, blocks_per_sm: int = 1) -> tuple[int, int]:
-    """(split blocks, most splits of a row group) of a balanced-split launch.
+    """(parts, most splits of a row group) of a balanced-split launch.
 
-    The row groups' KV tiles (each group `kv_capacity` keys' worth, so a shorter request's extra
-    tiles are empty) form one list, cut into one equal range per block that can be resident at
-    once; a group is split wherever a range ends. The kernel (templates/merge.cuh.j2,
-    `balanced_work`) derives the same ranges from the grid, and the workspace holds the second
-    number of partial slots per row.
+    The requests' KV tiles (each request `kv_capacity` keys' worth, so a shorter request's extra
+    tiles are empty) form one list, cut into `parts` equal ranges; the grid is (row groups of a
+    request, parts), so about one block per resident slot, and block (x, y) runs row group x of
+    every request that range y meets. All row groups of a request stream the same keys at the
+    same time, so each KV tile is read from memory once and from L2 by the others (a list over
+    all row groups put them out of phase and ran HBM-bound: benchmarks/NOTES.md, v13). A
+    request is split wherever a range ends. The kernel (templates/merge.cuh.j2, `balanced_work`)
+    derives the same ranges from the grid; the workspace holds the second number of partial
+    slots per row.
     """
-    groups = batch * -(-seqlen_q // variant.q_tile) * (heads // variant.head_tile)
+    groups = -(-seqlen_q // variant.q_tile) * (heads // variant.head_tile)
     tiles = max(1, -(-kv_capacity // variant.block_n))
-    total = max(1, groups * tiles)
-    workers = max(1, min(sm_count * blocks_per_sm, total))
-    per = -(-total // workers)
-    splits = max(((g + 1) * tiles - 1) // per - g * tiles // per + 1 for g in range(max(1, groups)))
-    return workers, splits
+    total = max(1, batch * tiles)
+    parts = max(1, min(sm_count * blocks_per_sm // max(1, groups), total))
+    per = -(-total // parts)
+    splits = max(((b + 1) * tiles - 1) // per - b * tiles // per + 1 for b in range(max(1, batch)))
+    return parts, splits

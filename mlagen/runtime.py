@@ -73,10 +73,10 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
                                 f"on this {device_arch} device (e.g. {device_arch!r})")
     loaded = load(problem, variant, device)
     splits = num_splits(variant, heads, batch, seqlen_q, kv_capacity, sm_count, loaded.blocks_per_sm)
-    workers = (balanced_split(variant, heads, batch, seqlen_q, kv_capacity, sm_count, loaded.blocks_per_sm)[0]
+    parts = (balanced_split(variant, heads, batch, seqlen_q, kv_capacity, sm_count, loaded.blocks_per_sm)[0]
                if variant.kv_split == "balanced" else 0)
     split = splits > 1
-    return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, loaded.plan.grid(batch, seqlen_q, splits, workers)),
+    return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, loaded.plan.grid(batch, seqlen_q, splits, parts)),
                      splits=splits, workspace_rows=splits * batch * seqlen_q * heads if split else 0,
                      row_groups=loaded.plan.row_groups(batch, seqlen_q) if split else 0,
                      merge_blocks=loaded.plan.merge_blocks(batch, seqlen_q) if split else 0)

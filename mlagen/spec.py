@@ -72,9 +72,10 @@ class Variant:
         naive: 1.
     kv_split: number of key-range splits, or "adaptive" (chosen per launch from the SM count
         and the KV capacity). With one split the block writes the final output directly.
-        "balanced" (mma only, named `spb`): one block per SM, each an equal range of all row
-        groups' KV tiles, so batches whose row groups do not fill whole waves keep every SM busy;
-        a row group cut by a range end is merged like a split one.
+        "balanced" (mma only, named `spb`): the requests' KV tiles form one list cut into about
+        as many equal ranges as the SMs hold blocks per row group of a request, so a batch whose
+        (row group, split) blocks would not fill whole waves keeps every SM busy; a request cut
+        by a range end is merged like a split one.
     block_n: keys per shared-memory tile.
     warps: warps per block.
     stages: depth of the cp.async pipeline that stages KV tiles (naive: 1).

@@ -75,17 +75,17 @@ class KernelPlan:
         groups = max(1, self.row_groups(batch, seqlen_q))
         return max(1, min(self.max_merge_blocks, -(-MERGE_TARGET_BLOCKS // groups)))
 
-    def grid(self, batch: int, seqlen_q: int, num_splits: int, workers: int = 0) -> tuple[int, int, int]:
+    def grid(self, batch: int, seqlen_q: int, num_splits: int, parts: int = 0) -> tuple[int, int, int]:
         """Grid of the kernel. Split launches add z slabs after the B request slabs for the merge
         blocks, so that every merge block comes after every split block in grid order. A
-        balanced split has `workers` split blocks in slab 0 (`num_splits` is then the most
-        splits any row group gets, see `dispatch.balanced_split`)."""
+        balanced split has (row groups of a request, `parts`) split blocks in slab 0 (`num_splits`
+        is then the most splits any row group gets, see `dispatch.balanced_split`)."""
         if self.variant.family == "naive":
             return (self.problem.heads, seqlen_q, batch)
         merge = batch * self.merge_blocks(batch, seqlen_q)
-        if self.variant.kv_split == "balanced":
-            return (workers, 1, 1 if num_splits == 1 else 1 + -(-merge * self.row_groups(1, seqlen_q) // workers))
         x = self.q_tiles(seqlen_q) * self.head_tiles
+        if self.variant.kv_split == "balanced":
+            return (x, parts, 1 if num_splits == 1 else 1 + -(-merge // parts))
         if num_splits == 1:
             return (x, 1, batch)
         return (x, num_splits, batch + -(-merge // num_splits))

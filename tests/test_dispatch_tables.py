@@ -173,36 +173,38 @@ def test_split_variants():
        sm_count=st.integers(1, 200), shape=st.sampled_from([(64, 1), (32, 2), (16, 4), (8, 8)]))
 def test_balanced_split_gives_every_tile_to_one_block(batch, seqlen_q, tiles, sm_count, shape):
     """The balanced split, worked through as the kernel does it (templates/merge.cuh.j2's
-    balanced_work, mma.cu.j2's range loop): every row group's KV tile goes to exactly one split
-    block, each group's blocks fill its workspace slots 0..splits-1 (the ones its merge reads),
-    no slot passes the workspace's bound, and the grid has a merge block per group part."""
+    balanced_work, mma.cu.j2's range loop): every request's KV tile goes to exactly one range
+    (run by that range's block of every row group), each request's ranges fill its workspace
+    slots 0..splits-1 (the ones its merge reads), no slot passes the workspace's bound, the
+    split blocks fit the resident slots, and the grid has a merge block per group part."""
     heads, block_n = 64, 64
     v = Variant(family="mma", head_tile=shape[0], q_tile=shape[1], block_n=block_n, warps=8,
                 kv_split="balanced", arch="sm_90")
-    workers, bound = dispatch.balanced_split(v, heads, batch, seqlen_q, tiles * block_n, sm_count)
-    groups = batch * -(-seqlen_q // v.q_tile) * (heads // v.head_tile)
-    total = groups * tiles
-    per = -(-total // workers)
-    assert workers <= sm_count and workers * per >= total   # a last block may get nothing
+    parts, bound = dispatch.balanced_split(v, heads, batch, seqlen_q, tiles * block_n, sm_count)
+    groups = -(-seqlen_q // v.q_tile) * (heads // v.head_tile)
+    total = batch * tiles
+    per = -(-total // parts)
+    assert parts * per >= total                              # a last range may get nothing
+    assert parts * groups <= max(sm_count, groups)           # one wave, unless one group per SM is already more
     owner: dict[tuple[int, int], int] = {}
     slots: dict[int, set[int]] = {}
-    for w in range(workers):
-        u0, u1 = w * per, min(w * per + per, total)
-        g = u0 // tiles
-        while g * tiles < u1:
-            first = g * tiles // per
-            splits = ((g + 1) * tiles - 1) // per - first + 1
-            assert 0 <= w - first < splits <= bound
-            slots.setdefault(g, set()).add(w - first)
-            for t in range(max(u0, g * tiles) - g * tiles, min(u1, (g + 1) * tiles) - g * tiles):
-                assert (g, t) not in owner
-                owner[(g, t)] = w
-            g += 1
+    for y in range(parts):
+        u0, u1 = y * per, min(y * per + per, total)
+        b = u0 // tiles
+        while b * tiles < u1:
+            first = b * tiles // per
+            splits = ((b + 1) * tiles - 1) // per - first + 1
+            assert 0 <= y - first < splits <= bound
+            slots.setdefault(b, set()).add(y - first)
+            for t in range(max(u0, b * tiles) - b * tiles, min(u1, (b + 1) * tiles) - b * tiles):
+                assert (b, t) not in owner
+                owner[(b, t)] = y
+            b += 1
     assert len(owner) == total
-    assert all(slots[g] == set(range(len(slots[g]))) for g in range(groups))
+    assert all(slots[b] == set(range(len(slots[b]))) for b in range(batch))
     assert bound == max(len(s) for s in slots.values())
     plan = validate(Problem(heads=heads), v)
-    grid = plan.grid(batch, seqlen_q, bound, workers)
-    assert grid[:2] == (workers, 1)
+    grid = plan.grid(batch, seqlen_q, bound, parts)
+    assert grid[:2] == (groups, parts)
     if bound > 1:
-        assert (grid[2] - 1) * workers >= groups * plan.merge_blocks(batch, seqlen_q)
+        assert (grid[2] - 1) * groups * parts >= batch * groups * plan.merge_blocks(batch, seqlen_q)

@@ -234,9 +234,10 @@ __device__ __forceinline__ void finish_row(const VerifyParams& p, int split, boo
 // last of all wraps the counter back to 0 for the next launch) and merges its share of the
 // group's rows, one row per warp at a time. The wait cannot deadlock: blocks start in grid order
 // and every merge block comes after every split block, so those are running or done when it waits.
-// Balanced split (kv_split "balanced"): the split blocks are slab 0, each an equal range of the
-// list of all row groups' KV tiles (see balanced_work), so a range may span row groups and a
-// group is split wherever a range ends; the merge blocks are the slabs after it.
+// Balanced split (kv_split "balanced"): the split blocks are slab 0, (x: row group of a request,
+// y: an equal range of the list of all requests' KV tiles, see balanced_work), so a range may
+// span requests and a request's groups are split wherever a range ends; the merge blocks are the
+// slabs after it.
 __device__ __forceinline__ int merge_z0(const VerifyParams& p) {   // the first merge slab
   return p.batch;
 }
