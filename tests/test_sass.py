@@ -66,6 +66,19 @@ def test_wgmma_kernel_refills_between_its_score_wgmmas():
     assert not any(re.search(r"\bLDG\.", line) for line in span)
 
 
+@pytest.mark.parametrize("name", [WGMMA, "mma_ht64_qt1_bn64_w8_st2_spb_sm90a"])
+def test_score_wgmma_descriptors_stay_in_uniform_registers(name):
+    """The score wgmmas' shared-memory descriptors are uniform-register arithmetic: no R2UR
+    among them. v13's first balanced kernel had 69 there (its segment loop's bounds came from
+    64-bit divisions, so ptxas treated the tile loop as divergent) and ran a tile 17% slower."""
+    _needs_nvdisasm()
+    b = _built(name)
+    lines = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a").splitlines()
+    scores = [i for i, line in enumerate(lines) if "HGMMA.64x32x16" in line]
+    assert len(scores) == 36
+    assert not [line for line in lines[scores[0]:scores[-1]] if "R2UR" in line]
+
+
 def test_mma_sync_kernel_has_no_wgmma():
     _needs_nvdisasm()
     b = _built("mma_ht8_qt3_bn32_w4_st2_spa_sm90")
