@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -113,6 +114,27 @@ def test_dispatched_matches_reference(shape):
     case = make_case(**shape)
     out, lse_out = _run(case, None, lse)
     assert_matches(out, lse_out, case)
+
+
+@pytest.mark.parametrize("scale", [0.3, 2.0])
+def test_scores_whose_running_max_jumps(scale):
+    """Logits of 10-100 log2 units on pages of uneven magnitude: the running max moves by more
+    than the mma kernels' rescale slack (8) on some tiles and by less on others, so both the
+    rescale and the kept-max path run, in one split and across split merges."""
+    case = make_case(batch=2, seqlen_q=4, heads=16, prefixes=[2000, 700], page_size=64,
+                     mask="causal", seed=int(scale * 10))
+    gen = torch.Generator().manual_seed(1)
+    page_gain = 1 + 3 * torch.rand(case.kv_cache.shape[0], 1, 1, generator=gen)
+    case = dataclasses.replace(case, kv_cache=(case.kv_cache.float() * page_gain.cuda()).to(case.kv_cache.dtype),
+                               scale=scale)
+    variants = [None, Variant(family="mma", head_tile=16, q_tile=4, block_n=64, warps=4, stages=2,
+                              kv_split=1, arch=_arch())]
+    if torch.cuda.get_device_capability() == (9, 0):
+        variants += [_wgmma_variant(16, "wgmma", 1), _wgmma_variant(16, "wgmma", 5),
+                     _wgmma_variant(16, "pvm", "balanced")]
+    for variant in variants:
+        out, lse = _run(case, variant, True)
+        assert_matches(out, lse, case)
 
 
 def test_fp16_and_uncommon_widths():

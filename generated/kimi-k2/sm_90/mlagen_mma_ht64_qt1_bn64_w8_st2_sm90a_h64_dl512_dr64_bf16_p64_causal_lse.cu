@@ -464,12 +464,19 @@ __device__ __forceinline__ void pv_wgmma(float* o, unsigned pa, unsigned tile) {
 }
 
 
-// Row max of `row` after the current tile: the running max in sM and every warp's tile maximum.
+// Running max of `row` after the current tile, from the one in sM and every warp's tile maximum.
+// It moves only when the tile's maximum passes it by more than RESCALE_SLACK (log2 units), so on
+// most tiles of a long row no output row needs the 2^(m_old - m_new) rescale (its multiplies sit
+// between the softmax and P.V issue). Exact either way: P = 2^(s - m) then reaches at most
+// 2^RESCALE_SLACK (fp32 sums, and bf16/fp16 P, hold that with room), and out = acc / l and the
+// lse use the same m.
+constexpr float RESCALE_SLACK = 8.f;
 __device__ __forceinline__ float new_max(const float* sM, const float* sPart, int row) {
-  float m = sM[row];
+  const float m = sM[row];
+  float tile = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < WNQ; ++w) m = fmaxf(m, sPart[w * M_PAD + row]);
-  return m;
+  for (int w = 0; w < WNQ; ++w) tile = fmaxf(tile, sPart[w * M_PAD + row]);
+  return tile > m + RESCALE_SLACK ? tile : m;      // m = -inf: any finite tile maximum moves it
 }
 
 // Element offset of P(row, key) in shared memory: on wgmma the K-major 128-byte-swizzle layout
