@@ -104,3 +104,23 @@ def test_show_without_nvdisasm_says_how_to_get_it(monkeypatch, tmp_path):
     result = runner.invoke(app, ["show", "naive_w4_sm90", "--opcodes"])
     assert result.exit_code != 0
     assert "pip install nvidia-cuda-nvdisasm" in result.output and missing in result.output
+
+
+def test_block_trace_patch_compiles_for_the_split_kernels():
+    """benchmarks/trace_blocks.py patches stamps in at template landmarks: every landmark is still
+    there, and the patched sm_90a kernels compile without spills."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import trace_blocks
+
+    from mlagen.codegen import render
+    from mlagen.compiler import compile_source
+
+    for name in ("mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a", "mma_ht32_qt2_bn64_w8_st2_spa_sm90a"):
+        plan = _built(name).plan
+        source = trace_blocks.patch(render(plan))
+        assert source.count("TR(") == 10
+        module = compile_source(source, plan.name, plan.arch.name)
+        assert all(not r.spills for r in module.resources.values())

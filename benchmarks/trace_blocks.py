@@ -1,0 +1,110 @@
+"""Per-block timeline of one launch of an mma kernel: when each block starts, when its first KV
+tile has landed, when its tile loop ends and when it is done (split blocks), or when its wait for
+the splits ends and when it is done (merge blocks).
+
+Stamps (globaltimer at a block's start and end, clock64 between) are patched into the rendered
+source of this run only, at landmarks of templates/mma.cu.j2 and merge.cuh.j2 (non-balanced
+split); a landmark that moved fails loudly. On the GPU machine:
+
+    python3 benchmarks/trace_blocks.py 64 1 9 256 [variant name; default: the dispatcher's]
+
+Clock64 deltas are shown in µs at 1.98 GHz (the H200's boost clock under load).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import cupy
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from helpers import make_case  # noqa: E402
+
+import mlagen  # noqa: E402
+import mlagen.build as build  # noqa: E402
+from mlagen import launch  # noqa: E402
+from mlagen.spec import parse_variant  # noqa: E402
+
+SLOTS, MAX_BLOCKS, GHZ = 8, 8192, 1.98
+START, TILE0, LOOP_END, MERGE_WAIT, DONE, END = 0, 2, 3, 4, 5, 7   # slot 1: clock64 at start
+HEADER = (f"__device__ unsigned long long mlagen_trace[{MAX_BLOCKS * SLOTS}];\n"
+          "__device__ __forceinline__ unsigned long long tr_gt() {\n"
+          "  unsigned long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"
+          "#define TR_ID ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)\n"
+          f"#define TR(k) do {{ if (threadIdx.x == 0) mlagen_trace[TR_ID * {SLOTS} + (k)] = "
+          f"(k) == {START} || (k) == {END} ? tr_gt() : clock64(); }} while (0)\n")
+PATCHES = [   # (landmark, replacement): the first occurrence of each
+    ("merge_block(p);\n    return;", f"merge_block(p); TR({DONE}); TR({END});\n    return;"),
+    ("__syncthreads();   // the partials thread 0 acquired",
+     f"TR({MERGE_WAIT}); __syncthreads();   // the partials thread 0 acquired"),
+    ("__syncthreads();                                      // tile kb landed; tile kb-1 fully used",
+     f"__syncthreads(); if (kb == kb_begin) TR({TILE0});"),
+    ("    // ---- epilogue: row sums", f"    TR({LOOP_END});\n    // ---- epilogue: row sums"),
+    ("    if (!direct) count_split_done(p, b, x, splits);",
+     f"    if (!direct) count_split_done(p, b, x, splits);\n    TR({DONE}); TR({END});"),
+]
+
+
+def patch(source: str) -> str:
+    start = source.index("const int wmq = warp % WMQ")
+    start = source.index("\n", start) + 1
+    source = source[:start] + f"  TR({START}); TR(1);\n" + source[start:]
+    for landmark, replacement in PATCHES:
+        if landmark not in source:
+            raise SystemExit(f"landmark not found (the template changed): {landmark!r}")
+        source = source.replace(landmark, replacement, 1)
+    return HEADER + source
+
+
+def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None) -> None:
+    render = build.render
+    build.render = lambda plan: patch(render(plan))
+    case = make_case(batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=[prefix] * batch,
+                     page_size=64, mask="causal", seed=0)
+    v = parse_variant(variant) if variant else None
+
+    def call() -> None:
+        mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                softmax_scale=case.scale, variant=v)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    loaded = list(launch._loaded.values())[-1]
+    memory = cupy.cuda.UnownedMemory(loaded.module.get_global_var("mlagen_trace"), MAX_BLOCKS * SLOTS * 8,
+                                     loaded.module)
+    trace = cupy.ndarray((MAX_BLOCKS, SLOTS), dtype=cupy.uint64, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").zero_()   # inputs out of the L2
+    torch.cuda.synchronize()
+    trace[:] = 0
+    call()
+    torch.cuda.synchronize()
+    rows = [(i, [int(x) for x in r]) for i, r in enumerate(trace.get()) if r[START]]
+    t0 = min(r[START] for _, r in rows)
+
+    def us(r: list[int], k: int) -> float:
+        return (r[k] - r[1]) / (GHZ * 1e3) if r[k] else float("nan")
+
+    print(loaded.plan.name, "blocks", len(rows))
+    print("kind  block  start  wall | split: tile 0 landed, loop end, done | merge: wait over, done"
+          "  (µs; start and wall from globaltimer, the rest from block start)")
+    lines = []
+    for i, r in rows:
+        wall = (r[END] - r[START]) / 1e3
+        if wall < 0.3:
+            continue                    # a spare merge-slab block: exits at once
+        merge = bool(r[MERGE_WAIT])
+        phases = (f"{'':24}| {us(r, MERGE_WAIT):6.2f} {us(r, DONE):6.2f}" if merge else
+                  f"{us(r, TILE0):6.2f} {us(r, LOOP_END):6.2f} {us(r, DONE):6.2f}  |")
+        lines.append((merge, (r[START] - t0) / 1e3, f"{'merge' if merge else 'split'} {i:5d} "
+                                                     f"{(r[START] - t0) / 1e3:6.2f} {wall:5.2f} | {phases}"))
+    for *_, text in sorted(lines):
+        print(text)
+    span = max((r[END] - t0) / 1e3 for _, r in rows)
+    print(f"launch span (first block start to last block end): {span:.2f} µs")
+
+
+if __name__ == "__main__":
+    main(*(int(a) for a in sys.argv[1:5]), *sys.argv[5:6])
