@@ -76,8 +76,11 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
     memory = cupy.cuda.UnownedMemory(loaded.module.get_global_var("mlagen_trace"), MAX_BLOCKS * SLOTS * 8,
                                      loaded.module)
     trace = cupy.ndarray((MAX_BLOCKS, SLOTS), dtype=cupy.uint64, memptr=cupy.cuda.MemoryPointer(memory, 0))
-    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").zero_()   # inputs out of the L2
+    # Inputs out of the L2 by reading (not writing) a buffer twice its size: a write would leave
+    # dirty lines whose write-back then competes with the traced launch's stores.
+    flush = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
+    flush.sum(dtype=torch.int64).item()
     trace[:] = 0
     call()
     torch.cuda.synchronize()
