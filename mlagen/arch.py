@@ -4,6 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_ACCUMULATORS = 128     # fp32 output accumulators per thread a kernel may hold (of 255 registers)
+ACCUMULATOR_RESERVE = 64   # registers a thread needs beside them: scores, fragments, addresses
+REGS_PER_SM = 65536        # 32-bit registers per SM, on every arch here
+
+
+def accumulator_budget(warps: int) -> int:
+    """fp32 output accumulators one thread of a `warps`-warp block may hold without spilling:
+    MAX_ACCUMULATORS, less where the register file gives each thread fewer than that plus the
+    reserve (16 warps: 512 threads of 128 registers, so 64; ptxas spilled 60-1000 bytes a
+    thread above it, in both tiled families)."""
+    return min(MAX_ACCUMULATORS, REGS_PER_SM // (32 * warps) - ACCUMULATOR_RESERVE)
+
 
 @dataclass(frozen=True)
 class Arch:
@@ -12,7 +24,7 @@ class Arch:
     smem_per_block: int   # largest dynamic shared memory a block may opt into, bytes
     smem_per_sm: int      # shared memory of one SM, bytes
     threads_per_sm: int
-    regs_per_sm: int = 65536
+    regs_per_sm: int = REGS_PER_SM
     mma: bool = True      # mma.sync m16n8k16 with bf16/fp16 inputs
 
     def blocks_per_sm(self, threads: int, smem: int, registers: int) -> int:

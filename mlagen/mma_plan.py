@@ -16,13 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .arch import Arch
+from .arch import MAX_ACCUMULATORS, Arch, accumulator_budget
 from .spec import Problem, Variant, kernel_name
 
-MAX_O_REGS = 128          # fp32 output accumulators per thread
-REG_FILE = 65536          # 32-bit registers per SM, on every arch here
-O_REG_RESERVE = 64        # registers a thread needs beside its output accumulators (scores,
-                          # fragments, addresses): 16-warp blocks with more accumulators spill
 BLOCK_NS = (32, 64, 128)
 
 
@@ -67,11 +63,11 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
         return f"Dl={p.dl} divisible by 16*warps={16 * v.warps} (each warp owns 16-dim output slabs)"
     dims_w = p.dl // v.warps
     o_regs = m_pad * dims_w // 32
-    o_max = min(MAX_O_REGS, REG_FILE // (32 * v.warps) - O_REG_RESERVE)
+    o_max = accumulator_budget(v.warps)
     if o_regs > o_max:
         return (f"at most {o_max} output accumulators per thread with {v.warps} warps; {m_pad} padded "
                 f"rows x {dims_w} dims / 32 lanes = {o_regs}: use fewer rows"
-                + (" or more warps" if o_max == MAX_O_REGS else ""))
+                + (" or more warps" if o_max == MAX_ACCUMULATORS else ""))
     wgmma = v.arch == "sm_90a"
     if v.mma_pv and not wgmma:
         return f"mma_pv only on sm_90a (elsewhere P·V runs on mma.sync anyway), got arch {v.arch}"

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .arch import Arch, get_arch
+from .arch import MAX_ACCUMULATORS, Arch, accumulator_budget, get_arch
 from .spec import DTYPES, FAMILIES, MASKS, Problem, Variant, kernel_name
 
 if TYPE_CHECKING:
@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
 MERGE_TARGET_BLOCKS = 128  # merge blocks a split launch aims for in all (about one wave on big GPUs)
 CHUNK = 8                  # elements per 16-byte load
-MAX_ACCUMULATORS = 128     # fp32 output accumulators per thread the scalar flash kernel may hold
 
 
 class SpecError(ValueError):
@@ -166,9 +165,11 @@ def _plan_flash(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
     rows = v.q_tile * v.head_tile
     rpw = -(-rows // v.warps)
     acc = rpw * p.dl // 32
-    _require(acc <= MAX_ACCUMULATORS, "variant", v.name,
-             f"at most {MAX_ACCUMULATORS} fp32 accumulators per thread; q_tile*head_tile/warps="
-             f"{rpw} rows per warp x dl/32={p.dl // 32} gives {acc}: use more warps or a smaller tile")
+    budget = accumulator_budget(v.warps)
+    _require(acc <= budget, "variant", v.name,
+             f"at most {budget} fp32 accumulators per thread with {v.warps} warps; q_tile*head_tile/warps="
+             f"{rpw} rows per warp x dl/32={p.dl // 32} gives {acc}: use "
+             + ("more warps or " if budget == MAX_ACCUMULATORS else "") + "a smaller tile")
     rows_pad = rpw * v.warps
     row_elems = p.head_dim + CHUNK  # one 16-byte pad per row: lanes reading 16 B rows hit 8 banks apart
     smem = (rows_pad * row_elems * 2 + v.stages * v.block_n * row_elems * 2

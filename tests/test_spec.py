@@ -86,6 +86,15 @@ def test_sixteen_warp_mma_blocks_keep_their_accumulators_in_registers():
     validate(Problem(heads=64), parse_variant("mma_ht64_qt1_bn64_w16_st1_spa_sm90"))   # 64 rows fit
 
 
+def test_sixteen_warp_flash_blocks_keep_their_accumulators_in_registers():
+    """The scalar flash family follows the same register budget: a CPU compile sweep found its
+    16-warp blocks with 80-128 accumulators spilling 64-1012 bytes a thread on sm_90."""
+    with pytest.raises(SpecError, match=r"at most 64 fp32 accumulators per thread with 16 warps; "
+                                        r".* gives 96: use a smaller tile$"):
+        validate(Problem(heads=64), parse_variant("flash_ht32_qt3_bn32_w16_st1_spa_sm90"))
+    validate(Problem(heads=64), parse_variant("flash_ht64_qt1_bn32_w16_st1_spa_sm90"))   # 4 rows a warp: 64
+
+
 def test_shared_memory_error_says_how_much():
     with pytest.raises(SpecError, match=r"at most 101376 bytes .* sm_120, this variant needs \d+"):
         validate(Problem(), Variant(q_tile=8, head_tile=8, stages=2, arch="sm_120"))
