@@ -76,6 +76,12 @@ class RowResult:
         return d / best if d and best else None
 
     @property
+    def dispatch_vs_flashmla(self) -> float | None:
+        """The dispatched time over FlashMLA's figure for this row (DESIGN.md's peer table)."""
+        d = self.us(DISPATCH)
+        return d / self.flashmla_us if d and self.flashmla_us else None
+
+    @property
     def dispatch_ok(self) -> bool:
         """At least as fast as naive and torch eager, and within 5% of the best variant."""
         d = self.us(DISPATCH)

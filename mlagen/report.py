@@ -23,7 +23,7 @@ def _timed_columns(result: BenchResult) -> list[str]:
 
 def _columns(result: BenchResult) -> list[str]:
     return ["H", "B", "S", "prefix", "floor µs", *[f"{n} µs" for n in _timed_columns(result)], "naive/flash",
-            "eager µs", "dispatch µs", "dispatch vs best", "FlashMLA µs", "dispatch variant"]
+            "eager µs", "dispatch µs", "dispatch vs best", "FlashMLA µs", "dispatch vs FlashMLA", "dispatch variant"]
 
 
 def _time(row: RowResult, name: str) -> str:
@@ -45,7 +45,7 @@ def row_cells(result: BenchResult, row: RowResult) -> list[str]:
     return [str(row.heads), str(row.batch), str(row.seqlen_q), str(row.prefix), f"{row.floor_us:.1f}",
             *[_time(row, n) for n in _timed_columns(result)], _ratio(row.speedup), _time(row, EAGER),
             _time(row, DISPATCH), _ratio(row.dispatch_vs_best) + ("" if row.dispatch_ok else " !"),
-            f"{row.flashmla_us:.1f}" if row.flashmla_us is not None else "—",
+            f"{row.flashmla_us:.1f}" if row.flashmla_us is not None else "—", _ratio(row.dispatch_vs_flashmla),
             dispatch.variant if dispatch else "—"]
 
 
@@ -62,6 +62,10 @@ def _header_lines(result: BenchResult) -> list[str]:
         lines.append(f"host cost of verify_attention (dispatched, {host['row']}): "
                      f"{host['us_per_call_out_given']:.1f} µs/call with out=, "
                      f"{host['us_per_call_allocating']:.1f} µs/call allocating (target < 20)")
+    peers = sorted((r.dispatch_vs_flashmla, r.row) for r in result.rows if r.dispatch_vs_flashmla is not None)
+    if peers:
+        lines.append(f"dispatch vs FlashMLA over the {len(peers)} rows with its figure: best {peers[0][0]:.2f}×, "
+                     f"median {peers[len(peers) // 2][0]:.2f}×, worst {peers[-1][0]:.2f}× ({peers[-1][1]})")
     lines.append(f"'!': the dispatched variant is slower than naive or torch eager, or more than "
                  f"{DISPATCH_SLACK - 1:.0%} slower than the best variant timed for the row"
                  + (" (named variants included)" if result.extra else ""))
@@ -72,10 +76,11 @@ def rich_table(result: BenchResult) -> Table:
     table = Table(title="mlagen bench: device µs per call (× floor)", caption="\n".join(_header_lines(result)))
     for col in _columns(result):
         table.add_column(col, justify="left" if col == "dispatch variant" else "right")
+    vs_best = _columns(result).index("dispatch vs best")
     for row in result.rows:
         cells = row_cells(result, row)
         if not row.dispatch_ok:
-            cells[-3] = f"[red]{cells[-3]}[/red]"
+            cells[vs_best] = f"[red]{cells[vs_best]}[/red]"
         table.add_row(*[c.replace("failed", "[red]failed[/red]") for c in cells])
     return table
 
@@ -96,7 +101,7 @@ def to_json(result: BenchResult) -> str:
     data = result.to_dict()
     for r, d in zip(result.rows, data["rows"], strict=True):
         d["derived"] = {"speedup_naive_over_flash": r.speedup, "dispatch_vs_best": r.dispatch_vs_best,
-                        "dispatch_ok": r.dispatch_ok,
+                        "dispatch_ok": r.dispatch_ok, "dispatch_vs_flashmla": r.dispatch_vs_flashmla,
                         "x_floor": {n: c.us / r.floor_us for n, c in r.cells.items() if c.us and r.floor_us}}
     return json.dumps(data, indent=1) + "\n"
 

@@ -160,6 +160,7 @@ def test_derived_columns():
     assert r0.speedup == 4.0 and r0.dispatch_vs_best == 1.0 and r0.dispatch_ok
     assert r1.speedup is None and r1.dispatch_ok                 # flash failed; dispatch is still fastest
     assert r2.dispatch_vs_best == 1.25 and not r2.dispatch_ok     # naive beats the dispatched pick
+    assert r0.dispatch_vs_flashmla == 10.0 / 17.6 and r2.dispatch_vs_flashmla is None   # no FlashMLA figure
 
 
 def test_reports_are_written(tmp_path):
@@ -173,6 +174,10 @@ def test_reports_are_written(tmp_path):
     md = paths[1].read_text()
     assert md.count("\n| ") == 1 + len(result.rows) and "Test GPU" in md and "failed" in md
     assert "CompileError: boom" in md and "12.0 µs/call" in md
+    assert "dispatch vs FlashMLA over the 2 rows with its figure: best 0.57×, median 0.89×, worst 0.89× " \
+           "(64,1,9,4096)" in md
+    assert "| 17.6 | 0.57× |" in md and "| 1.25× ! | — | — |" in md
+    assert data["rows"][0]["derived"]["dispatch_vs_flashmla"] == 10.0 / 17.6
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert rich_table(result).row_count == len(result.rows)
     assert to_json(result) == to_json(back) and markdown(back) == md
