@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 
 from .spec import Problem, Variant, naive
-from .validate import SpecError, validate
+from .validate import is_valid
 
 BLOCK_NS = (32, 64)
 WARPS = (8, 4, 16)
@@ -22,14 +22,6 @@ MMA_PV = (False, True)         # sm_90a: P·V on wgmma, or on mma.sync (valid no
 MAX_ROWS = 128                 # q_tile * head_tile beyond this fits no family's block
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 KNOB_TILE_SHAPES = 3           # tile shapes whose knob variations are searched
-
-
-def _valid(problem: Problem, v: Variant) -> bool:
-    try:
-        validate(problem, v)
-        return True
-    except SpecError:
-        return False
 
 
 def tile_shapes(heads: int, seqlen_q: int) -> list[tuple[int, int]]:
@@ -44,7 +36,7 @@ def structures(problem: Problem, seqlen_q: int, arch: str, family: str,
                limit: int | None = None) -> list[Variant]:
     """Valid adaptive-split variants of `family` for S=seqlen_q on `arch`, most promising first."""
     if family == "naive":
-        found = [v for v in (naive(arch=arch, warps=4), naive(arch=arch, warps=8)) if _valid(problem, v)]
+        found = [v for v in (naive(arch=arch, warps=4), naive(arch=arch, warps=8)) if is_valid(problem, v)]
         return found[:limit]
     knobs = list(itertools.product(BLOCK_NS, WARPS, STAGES, MMA_PV))
     shapes = tile_shapes(problem.heads, seqlen_q)
@@ -57,7 +49,7 @@ def structures(problem: Problem, seqlen_q: int, arch: str, family: str,
     # Tier 0: each tile shape once, with the first knobs that fit it.
     firsts: list[Variant] = []
     for shape in shapes:
-        v = next((make(shape, k) for k in knobs if _valid(problem, make(shape, k))), None)
+        v = next((make(shape, k) for k in knobs if is_valid(problem, make(shape, k))), None)
         if v is not None:
             firsts.append(v)
     found.extend(firsts)
@@ -68,7 +60,7 @@ def structures(problem: Problem, seqlen_q: int, arch: str, family: str,
     for v in firsts[:KNOB_TILE_SHAPES]:
         for k in knobs:
             w = make((v.head_tile, v.q_tile), k)
-            if w not in found and _valid(problem, w):
+            if w not in found and is_valid(problem, w):
                 found.append(w)
     return found[:limit]
 

@@ -203,3 +203,12 @@ def validate(problem: Problem, variant: Variant) -> KernelPlan:
     except ValueError as e:
         raise SpecError("variant.arch", variant.arch, str(e).split("expected ", 1)[-1]) from None
     return _PLANNERS[variant.family](problem, variant, arch)
+
+
+def is_valid(problem: Problem, variant: Variant) -> bool:
+    """Whether `validate` accepts `problem` and `variant` (searches filter candidates with it)."""
+    try:
+        validate(problem, variant)
+        return True
+    except SpecError:
+        return False
