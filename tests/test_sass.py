@@ -79,6 +79,18 @@ def test_score_wgmma_descriptors_stay_in_uniform_registers(name):
     assert not [line for line in lines[scores[0]:scores[-1]] if "R2UR" in line]
 
 
+@pytest.mark.parametrize("name", [WGMMA, "mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a"])
+def test_split_blocks_count_themselves_done_without_a_sequentially_consistent_fence(name):
+    """A split block publishes its partials with one gpu-scope release by the counting thread
+    after the block barrier; the per-thread __threadfence() before it was an SC fence in every
+    warp (MEMBAR.SC.GPU)."""
+    _needs_nvdisasm()
+    b = _built(name)
+    text = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a")
+    assert "MEMBAR.SC" not in text
+    assert text.count("MEMBAR.ALL.GPU") == 1
+
+
 def test_mma_sync_kernel_has_no_wgmma():
     _needs_nvdisasm()
     b = _built("mma_ht8_qt3_bn32_w4_st2_spa_sm90")

@@ -261,10 +261,16 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
 
 // A split block of row group (b, x), after every finish_row of that group: counts itself done
 // for the group's merge blocks, which wait for `splits` counts.
+// One release by the counting thread: the barrier orders every thread's partial stores before
+// its fence, and a gpu-scope release covers what is ordered before it (the pattern of a grid
+// barrier). A __threadfence() in every thread was a sequentially consistent fence per warp
+// (MEMBAR.SC.GPU + ERRBAR), the costliest kind, at the end of every split block.
 __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, int x, int splits) {
-  __threadfence();   // each thread's partials are visible GPU-wide before the block counts
   __syncthreads();
-  if (threadIdx.x == 0) atomicInc(group_counter(p, b, x), splits + p.merge_blocks - 1);
+  if (threadIdx.x == 0) {
+    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+    atomicInc(group_counter(p, b, x), splits + p.merge_blocks - 1);
+  }
 }
 
 // Row (b, i, h): m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l.
