@@ -210,6 +210,11 @@ namespace mlagen_mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_c
 // out = acc / l and lse. Otherwise acc (unnormalized) and (m, l) go to workspace slot `split`
 // for the row group's merge blocks. `acc` holds N (8 or 2) consecutive dims starting at d0;
 // writes_stats picks one thread per row.
+// (m, l) of a split's partial row; a row that saw no key gets m = -inf: weight 0 in the merge.
+__device__ __forceinline__ float2 partial_stats(float m, float l) {
+  return make_float2(l > 0.f ? m : -INFINITY, l);
+}
+
 template <int N>
 __device__ __forceinline__ void finish_row(const VerifyParams& p, int split, bool direct, int b, int i, int h,
                                            int d0, const float* acc, float m, float l,
@@ -224,7 +229,7 @@ __device__ __forceinline__ void finish_row(const VerifyParams& p, int split, boo
   float2* dst = reinterpret_cast<float2*>(p.part_o + row * DL + d0);
 #pragma unroll
   for (int e = 0; e < N / 2; ++e) dst[e] = make_float2(acc[2 * e], acc[2 * e + 1]);
-  if (writes_stats) p.part_ml[row] = make_float2(l > 0.f ? m : -INFINITY, l);
+  if (writes_stats) p.part_ml[row] = partial_stats(m, l);
 }
 
 // With num_splits > 1 the grid's z slabs 0..B-1 hold the split blocks (x: row group of request z,
@@ -374,6 +379,13 @@ constexpr int PS = 40;                                // P row stride (padded)
 constexpr int MT_O = MT, NT_O = NTO;                                // every warp: all rows, DIMS_W dims
 
 constexpr int HEAD_TILES = H / HT;
+// A split's partial is staged in the Q and KV buffers (free once the tile loop ends), rows
+// padded by 4 floats so a warp's stores (8 rows x 8 floats) take two bank wavefronts, then
+// written a row per warp in 16-byte lanes: 4 line-writes per 512 bytes instead of the 8-row
+// scatter of the accumulator layout (16 per 512 bytes). Kernels whose buffers are too small
+// for it store from registers.
+constexpr int STAGE_STRIDE = DL + 4;
+constexpr bool STAGE_PARTIAL = M_PAD * STAGE_STRIDE * 4 <= (M_PAD + STAGES * BN) * D * (int)sizeof(elem_t);
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
 static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
@@ -719,6 +731,8 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
         if (t == 0) sPart[wnq * M_PAD + wmq * ROWS_W + mt * 16 + g + 8 * half] = l;
       }
     __syncthreads();
+    float* sStage = reinterpret_cast<float*>(smem_raw);     // (M_PAD, STAGE_STRIDE) when staging
+    const bool staged = STAGE_PARTIAL && !direct;
 #pragma unroll
     for (int mt = 0; mt < MT_O; ++mt)
 #pragma unroll
@@ -730,6 +744,14 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
 #pragma unroll
         for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
         const float m = sM[row];
+        if (staged) {
+#pragma unroll
+          for (int nt = 0; nt < NT_O; ++nt)
+            *reinterpret_cast<float2*>(sStage + row * STAGE_STRIDE + o_dim0 + nt * 8 + 2 * t) =
+                make_float2(o[mt][nt][2 * half], o[mt][nt][2 * half + 1]);
+          if (o_dim0 == 0 && t == 0) p.part_ml[part_row(p, split, b, i, h)] = partial_stats(m, l);
+          continue;
+        }
 #pragma unroll
         for (int nt = 0; nt < NT_O; ++nt) {
           const float pair[2] = {o[mt][nt][2 * half], o[mt][nt][2 * half + 1]};
@@ -737,6 +759,17 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
                         o_dim0 == 0 && nt == 0 && t == 0);
         }
       }
+    if (staged) {
+      __syncthreads();                                      // the partial is whole in shared memory
+      for (int row = warp; row < ROWS; row += WARPS) {
+        const int i = q0 + row / HT, h = h0 + row % HT;
+        if (i >= S) continue;
+        const float4* src = reinterpret_cast<const float4*>(sStage + row * STAGE_STRIDE);
+        float4* dst = reinterpret_cast<float4*>(p.part_o + part_row(p, split, b, i, h) * DL);
+#pragma unroll 4
+        for (int c = lane; c < DL / 4; c += 32) dst[c] = src[c];
+      }
+    }
     if (!direct) count_split_done(p, b, x, splits);
   };
 
