@@ -91,15 +91,15 @@ def test_split_blocks_count_themselves_done_without_a_sequentially_consistent_fe
     assert text.count("MEMBAR.ALL.GPU") == 1
 
 
-def test_split_partials_leave_in_16_byte_rows():
-    """v15: a split's fp32 partial is staged in shared memory and written a row per warp with
-    16-byte lanes; from the accumulator layout ptxas had split every float2 store in two (203
-    32-bit STG, each warp store touching 8 rows)."""
+def test_epilogue_writes_16_byte_rows():
+    """v15: the epilogue stages the output rows in shared memory and each warp writes whole
+    rows in 16-byte lanes (out or the fp32 partial); from the accumulator layout ptxas had
+    split every float2 partial store in two (203 32-bit STG, each warp store touching 8 rows)."""
     _needs_nvdisasm()
     b = _built(WGMMA)
     stores = re.findall(r"\bSTG\.E(\.\d+)? ", sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a"))
-    assert stores.count(".128") >= 8
-    assert stores.count("") < 100
+    assert stores.count(".128") >= 1
+    assert stores.count("") < 40
 
 
 def test_mma_sync_kernel_has_no_wgmma():

@@ -226,9 +226,15 @@ __device__ __forceinline__ void finish_row(const VerifyParams& p, int split, boo
     return;
   }
   const long long row = part_row(p, split, b, i, h);
-  float2* dst = reinterpret_cast<float2*>(p.part_o + row * DL + d0);
+  float* dst = p.part_o + row * DL + d0;
+  if constexpr (N % 4 == 0) {     // 16-byte stores (d0 is a multiple of N)
 #pragma unroll
-  for (int e = 0; e < N / 2; ++e) dst[e] = make_float2(acc[2 * e], acc[2 * e + 1]);
+    for (int e = 0; e < N / 4; ++e)
+      reinterpret_cast<float4*>(dst)[e] = make_float4(acc[4 * e], acc[4 * e + 1], acc[4 * e + 2], acc[4 * e + 3]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N / 2; ++e) reinterpret_cast<float2*>(dst)[e] = make_float2(acc[2 * e], acc[2 * e + 1]);
+  }
   if (writes_stats) p.part_ml[row] = partial_stats(m, l);
 }
 
@@ -379,13 +385,13 @@ constexpr int PS = 40;                                // P row stride (padded)
 constexpr int MT_O = MT, NT_O = NTO;                                // every warp: all rows, DIMS_W dims
 
 constexpr int HEAD_TILES = H / HT;
-// A split's partial is staged in the Q and KV buffers (free once the tile loop ends), rows
-// padded by 4 floats so a warp's stores (8 rows x 8 floats) take two bank wavefronts, then
-// written a row per warp in 16-byte lanes: 4 line-writes per 512 bytes instead of the 8-row
-// scatter of the accumulator layout (16 per 512 bytes). Kernels whose buffers are too small
-// for it store from registers.
+// The epilogue stages the output rows in the Q and KV buffers (free once the tile loop ends),
+// rows padded by 4 floats so a warp's stores (8 rows x 8 floats) take two bank wavefronts, and
+// each warp then writes whole rows in 16-byte lanes, instead of the accumulator layout's
+// scatter (every warp store touching 8 rows; ptxas even split the float2 partial stores).
+// Kernels whose buffers are too small for it store from registers.
 constexpr int STAGE_STRIDE = DL + 4;
-constexpr bool STAGE_PARTIAL = M_PAD * STAGE_STRIDE * 4 <= (M_PAD + STAGES * BN) * D * (int)sizeof(elem_t);
+constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * 4 <= (M_PAD + STAGES * BN) * D * (int)sizeof(elem_t);
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
 static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
@@ -731,44 +737,50 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
         if (t == 0) sPart[wnq * M_PAD + wmq * ROWS_W + mt * 16 + g + 8 * half] = l;
       }
     __syncthreads();
-    float* sStage = reinterpret_cast<float*>(smem_raw);     // (M_PAD, STAGE_STRIDE) when staging
-    const bool staged = STAGE_PARTIAL && !direct;
+    if (STAGE_EPILOGUE) {
+      // The output rows (unnormalized) go to shared memory over Q and the KV stages, then each
+      // warp ends whole rows: 8 dims a lane, 16-byte stores of out or of the partial.
+      float* sStage = reinterpret_cast<float*>(smem_raw);   // (M_PAD, STAGE_STRIDE)
 #pragma unroll
-    for (int mt = 0; mt < MT_O; ++mt)
+      for (int mt = 0; mt < MT_O; ++mt)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = o_row0 + mt * 16 + g + 8 * half;
-        const int i = q0 + row / HT, h = h0 + row % HT;
-        if (row >= ROWS || i >= S) continue;
-        float l = 0.f;
-#pragma unroll
-        for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
-        const float m = sM[row];
-        if (staged) {
+        for (int half = 0; half < 2; ++half) {
+          const int row = o_row0 + mt * 16 + g + 8 * half;
+          if (row >= ROWS || q0 + row / HT >= S) continue;
 #pragma unroll
           for (int nt = 0; nt < NT_O; ++nt)
             *reinterpret_cast<float2*>(sStage + row * STAGE_STRIDE + o_dim0 + nt * 8 + 2 * t) =
                 make_float2(o[mt][nt][2 * half], o[mt][nt][2 * half + 1]);
-          if (o_dim0 == 0 && t == 0) p.part_ml[part_row(p, split, b, i, h)] = partial_stats(m, l);
-          continue;
         }
-#pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) {
-          const float pair[2] = {o[mt][nt][2 * half], o[mt][nt][2 * half + 1]};
-          finish_row<2>(p, split, direct, b, i, h, o_dim0 + nt * 8 + 2 * t, pair, m, l,
-                        o_dim0 == 0 && nt == 0 && t == 0);
-        }
-      }
-    if (staged) {
-      __syncthreads();                                      // the partial is whole in shared memory
+      __syncthreads();
       for (int row = warp; row < ROWS; row += WARPS) {
         const int i = q0 + row / HT, h = h0 + row % HT;
         if (i >= S) continue;
-        const float4* src = reinterpret_cast<const float4*>(sStage + row * STAGE_STRIDE);
-        float4* dst = reinterpret_cast<float4*>(p.part_o + part_row(p, split, b, i, h) * DL);
-#pragma unroll 4
-        for (int c = lane; c < DL / 4; c += 32) dst[c] = src[c];
+        float l = 0.f;
+#pragma unroll
+        for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
+        for (int c = lane; c < DL / 8; c += 32)
+          finish_row<8>(p, split, direct, b, i, h, 8 * c, sStage + row * STAGE_STRIDE + 8 * c, sM[row], l, c == 0);
       }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT_O; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = o_row0 + mt * 16 + g + 8 * half;
+          const int i = q0 + row / HT, h = h0 + row % HT;
+          if (row >= ROWS || i >= S) continue;
+          float l = 0.f;
+#pragma unroll
+          for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
+          const float m = sM[row];
+#pragma unroll
+          for (int nt = 0; nt < NT_O; ++nt) {
+            const float pair[2] = {o[mt][nt][2 * half], o[mt][nt][2 * half + 1]};
+            finish_row<2>(p, split, direct, b, i, h, o_dim0 + nt * 8 + 2 * t, pair, m, l,
+                          o_dim0 == 0 && nt == 0 && t == 0);
+          }
+        }
     }
     if (!direct) count_split_done(p, b, x, splits);
   };
