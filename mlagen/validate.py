@@ -78,7 +78,7 @@ class KernelPlan:
         """Grid of the kernel. Split launches add z slabs after the B request slabs for the merge
         blocks, so that every merge block comes after every split block in grid order. A
         balanced split has (row groups of a request, `parts`) split blocks in slab 0 (`num_splits`
-        is then the most splits any row group gets, see `dispatch.balanced_split`)."""
+        is then its workspace slots per request, see `dispatch.balanced_split`)."""
         if self.variant.family == "naive":
             return (self.problem.heads, seqlen_q, batch)
         merge = batch * self.merge_blocks(batch, seqlen_q)
