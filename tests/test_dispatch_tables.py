@@ -181,8 +181,9 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
     heads, block_n = 64, 64
     v = Variant(family="mma", head_tile=shape[0], q_tile=shape[1], block_n=block_n, warps=8,
                 kv_split="balanced", arch="sm_90")
-    parts, slots_per_request = dispatch.balanced_split(v, heads, batch, seqlen_q, capacity_tiles * block_n,
-                                                       sm_count)
+    parts = dispatch.balanced_parts(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count)
+    assert dispatch.num_splits(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count) == parts
+    plan = validate(Problem(heads=heads), v)
     groups = -(-seqlen_q // v.q_tile) * (heads // v.head_tile)
     assert parts * groups <= max(sm_count, groups)       # one wave, unless one group per SM is already more
     lengths = data.draw(st.lists(st.integers(0, capacity_tiles * block_n), min_size=batch, max_size=batch))
@@ -196,7 +197,7 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
         return first, (starts[b] + tiles[b] - 1) // per - first + 1 if tiles[b] else 0
 
     owner: dict[tuple[int, int], int] = {}
-    slots: dict[int, set[int]] = {b: set() for b in range(batch)}
+    slots_of: dict[int, set[int]] = {b: set() for b in range(batch)}
     for y in range(parts):
         u0, u1 = y * per, min(y * per + per, total)
         if u0 >= u1:
@@ -207,20 +208,20 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
             if tiles[b]:
                 first, splits = request_splits(b)
                 assert first <= y < first + splits
-                slots[b].add(y + b)
+                slots_of[b].add(y + b)
                 for t in range(max(u0, start) - start, min(u1, start + tiles[b]) - start):
                     assert (b, t) not in owner
                     owner[(b, t)] = y
             start += tiles[b]
             b += 1
     assert len(owner) == total
-    used = [slot for b in range(batch) for slot in slots[b]]
-    assert len(used) == len(set(used)) and all(0 <= slot < slots_per_request * batch for slot in used)
+    used = [slot for b in range(batch) for slot in slots_of[b]]
+    slots = plan.partial_rows(batch, seqlen_q, parts) // (seqlen_q * heads)   # what the workspace holds
+    assert len(used) == len(set(used)) and all(0 <= slot < slots for slot in used)
     for b in range(batch):
         first, splits = request_splits(b)
-        assert slots[b] == set(range(first + b, first + b + splits))   # what its merge reads
+        assert slots_of[b] == set(range(first + b, first + b + splits))   # what its merge reads
         assert (splits == 0) == (tiles[b] == 0)          # no keys: its merge writes zeros, lse -inf
-    plan = validate(Problem(heads=heads), v)
-    grid = plan.grid(batch, seqlen_q, slots_per_request, parts)
-    assert grid[:2] == (groups, parts) and slots_per_request >= 2
+    grid = plan.grid(batch, seqlen_q, parts)
+    assert grid[:2] == (groups, parts) and plan.split_launch(parts)
     assert (grid[2] - 1) * groups * parts >= batch * groups * plan.merge_blocks(batch, seqlen_q)
