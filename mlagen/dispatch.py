@@ -148,7 +148,7 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
     if variant.family == "naive":
         return 1
     if variant.kv_split == "balanced":
-        return balanced_split(variant, heads, batch, seqlen_q, kv_capacity, sm_count, blocks_per_sm)[1]
+        return balanced_parts(variant, heads, batch, seqlen_q, kv_capacity, sm_count, blocks_per_sm)
     if variant.kv_split != "adaptive":
         return int(variant.kv_split)
     blocks = batch * -(-seqlen_q // variant.q_tile) * (heads // variant.head_tile)
@@ -165,24 +165,20 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
 
 
 @functools.lru_cache(maxsize=8192)
-def balanced_split(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capacity: int,
-                   sm_count: int, blocks_per_sm: int = 1) -> tuple[int, int]:
-    """(parts, most splits of a row group) of a balanced-split launch.
+def balanced_parts(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capacity: int,
+                   sm_count: int, blocks_per_sm: int = 1) -> int:
+    """Ranges of a balanced-split launch (its num_splits).
 
-    The requests' KV tiles (each request `kv_capacity` keys' worth, so a shorter request's extra
-    tiles are empty) form one list, cut into `parts` equal ranges; the grid is (row groups of a
-    request, parts), so about one block per resident slot, and block (x, y) runs row group x of
+    On the device the requests' KV tiles (their lengths from `cache_seqlens`, in `block_n`-key
+    tiles) form one list, cut into this many equal ranges; the grid is (row groups of a
+    request, ranges), about one block per resident slot, and block (x, y) runs row group x of
     every request that range y meets. All row groups of a request stream the same keys at the
     same time, so each KV tile is read from memory once and from L2 by the others (a list over
-    all row groups put them out of phase and ran HBM-bound: benchmarks/NOTES.md, v13). A
-    request is split wherever a range ends. The kernel (templates/merge.cuh.j2, `balanced_work`)
-    derives the same ranges from the grid; the workspace holds the second number of partial
-    slots per row.
+    all row groups put them out of phase and ran HBM-bound: benchmarks/NOTES.md, v13). A request
+    is split wherever a range ends; `KernelPlan.partial_rows` sizes the workspace for it, and
+    templates/merge.cuh.j2 has the kernel's side. More ranges than the block table can hold
+    tiles would only be empty.
     """
     groups = -(-seqlen_q // variant.q_tile) * (heads // variant.head_tile)
     tiles = max(1, -(-kv_capacity // variant.block_n))
-    total = max(1, batch * tiles)
-    parts = max(1, min(sm_count * blocks_per_sm // max(1, groups), total))
-    per = -(-total // parts)
-    splits = max(((b + 1) * tiles - 1) // per - b * tiles // per + 1 for b in range(max(1, batch)))
-    return parts, splits
+    return max(1, min(sm_count * blocks_per_sm // max(1, groups), batch * tiles))

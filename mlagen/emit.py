@@ -17,7 +17,7 @@ from .codegen import render
 from .params import FIELDS, PARAMS_SIZE
 from .presets import Preset
 from .spec import Problem, Variant
-from .validate import KernelPlan, SpecError, validate
+from .validate import KernelPlan, validate
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,6 @@ def write_if_changed(path: Path, text: str) -> bool:
 def emit_one(problem: Problem, variant: Variant, folder: Path, launcher: bool = False) -> Emitted:
     """`folder`/<name>.cu and <name>.json, plus the C++ launcher header <name>_launch.h if asked."""
     plan = validate(problem, variant)
-    if variant.kv_split == "balanced":   # its grid and workspace follow dispatch.balanced_split
-        raise SpecError("variant.kv_split", variant.kv_split,
-                        "'adaptive' or an int for emitted kernels (the balanced split runs through "
-                        "mlagen's runtime only, so far)")
     source = folder / f"{plan.name}.cu"
     meta = folder / f"{plan.name}.json"
     changed = write_if_changed(source, render(plan))

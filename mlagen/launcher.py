@@ -41,7 +41,7 @@ _ASSIGN: dict[str, str] = {
     "mask_stride_b": "kTreeMask ? mask_stride_b : 0", "mask_stride_q": "kTreeMask ? mask_stride_q : 0",
     "out_stride_b": "out_stride_b", "out_stride_s": "out_stride_s", "out_stride_h": "out_stride_h",
     "batch": "batch", "seqlen_q": "seqlen_q", "max_pages": "max_pages", "num_pages": "num_pages",
-    "num_splits": "num_splits", "merge_blocks": "num_splits > 1 ? merge_blocks(batch, seqlen_q) : 0",
+    "num_splits": "num_splits", "merge_blocks": "split ? merge_blocks(batch, seqlen_q) : 0",
     "scale_log2": f"softmax_scale * {_LOG2E}", "pad": "0",
 }
 

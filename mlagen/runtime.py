@@ -23,7 +23,7 @@ import torch
 
 from . import inputs, workspace
 from .arch import arch_for_capability, runs_on
-from .dispatch import balanced_split, choose_variant, num_splits
+from .dispatch import choose_variant, num_splits
 from .launch import KernelLaunch, Loaded, kernel_launch, launch, load
 from .params import tail
 from .spec import Problem, Variant
@@ -51,7 +51,7 @@ class _Prepared:
     loaded: Loaded
     kernel: KernelLaunch
     splits: int
-    workspace_rows: int                           # splits * B * S * H when split, else 0
+    workspace_rows: int                           # plan.partial_rows: 0 without a split
     row_groups: int                               # split counters in the workspace when split, else 0
     merge_blocks: int                             # per row group when split, else 0
 
@@ -73,11 +73,9 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
                                 f"on this {device_arch} device (e.g. {device_arch!r})")
     loaded = load(problem, variant, device)
     splits = num_splits(variant, heads, batch, seqlen_q, kv_capacity, sm_count, loaded.blocks_per_sm)
-    parts = (balanced_split(variant, heads, batch, seqlen_q, kv_capacity, sm_count, loaded.blocks_per_sm)[0]
-               if variant.kv_split == "balanced" else 0)
-    split = splits > 1
-    return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, loaded.plan.grid(batch, seqlen_q, splits, parts)),
-                     splits=splits, workspace_rows=splits * batch * seqlen_q * heads if split else 0,
+    split = loaded.plan.split_launch(splits)
+    return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, loaded.plan.grid(batch, seqlen_q, splits)),
+                     splits=splits, workspace_rows=loaded.plan.partial_rows(batch, seqlen_q, splits),
                      row_groups=loaded.plan.row_groups(batch, seqlen_q) if split else 0,
                      merge_blocks=loaded.plan.merge_blocks(batch, seqlen_q) if split else 0)
 
@@ -146,7 +144,7 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
     call = _Call(
         shapes=shapes, kernel=prep.kernel, device=device, torch_device=q.device, dtype=q.dtype,
         out_size=out_size, lse_size=(B, H, S),
-        layout=workspace.Layout.of(prep.workspace_rows, dl, prep.row_groups) if prep.splits > 1 else None,
+        layout=workspace.Layout.of(prep.workspace_rows, dl, prep.row_groups) if prep.workspace_rows else None,
         tail=tail({
             "q_stride_b": q_strides[0], "q_stride_s": q_strides[1], "q_stride_h": q_strides[2],
             "kv_stride_page": shapes.kv_strides[0], "kv_stride_row": shapes.kv_strides[1],

@@ -74,17 +74,33 @@ class KernelPlan:
         groups = max(1, self.row_groups(batch, seqlen_q))
         return max(1, min(self.max_merge_blocks, -(-MERGE_TARGET_BLOCKS // groups)))
 
-    def grid(self, batch: int, seqlen_q: int, num_splits: int, parts: int = 0) -> tuple[int, int, int]:
+    def split_launch(self, num_splits: int) -> bool:
+        """Whether a launch with `num_splits` writes partials and holds merge blocks: any count
+        above 1, and the balanced split always (which requests its ranges cut, and which have
+        no keys, only the device knows)."""
+        return self.uses_split and (num_splits > 1 or self.variant.kv_split == "balanced")
+
+    def partial_rows(self, batch: int, seqlen_q: int, num_splits: int) -> int:
+        """Rows of Dl floats the workspace holds for a launch's partials (0 without a split).
+        Split k of request b has its own B*S*H rows; the balanced split (num_splits = its ranges)
+        numbers its partials by slot, range + request, so num_splits + B - 1 slots of S*H rows
+        suffice whatever the lengths (templates/merge.cuh.j2)."""
+        if not self.split_launch(num_splits):
+            return 0
+        slots = num_splits + batch - 1 if self.variant.kv_split == "balanced" else num_splits * batch
+        return slots * seqlen_q * self.problem.heads
+
+    def grid(self, batch: int, seqlen_q: int, num_splits: int) -> tuple[int, int, int]:
         """Grid of the kernel. Split launches add z slabs after the B request slabs for the merge
         blocks, so that every merge block comes after every split block in grid order. A
-        balanced split has (row groups of a request, `parts`) split blocks in slab 0 (`num_splits`
-        is then the most splits any row group gets, see `dispatch.balanced_split`)."""
+        balanced split has (row groups of a request, ranges) split blocks in slab 0, num_splits
+        being its ranges (`dispatch.balanced_parts`), and always its merge slabs."""
         if self.variant.family == "naive":
             return (self.problem.heads, seqlen_q, batch)
         merge = batch * self.merge_blocks(batch, seqlen_q)
         x = self.q_tiles(seqlen_q) * self.head_tiles
         if self.variant.kv_split == "balanced":
-            return (x, parts, 1 if num_splits == 1 else 1 + -(-merge // parts))
+            return (x, num_splits, 1 + -(-merge // num_splits))
         if num_splits == 1:
             return (x, 1, batch)
         return (x, num_splits, batch + -(-merge // num_splits))
@@ -94,8 +110,10 @@ class KernelPlan:
         value), for manifests and launchers."""
         if self.variant.family == "naive":
             return (str(self.problem.heads), "S", "B")
-        return (f"ceil(S / {self.variant.q_tile}) * {self.head_tiles}", "num_splits",
-                "num_splits > 1 ? B + (B * merge_blocks + num_splits - 1) / num_splits : B")
+        x = f"ceil(S / {self.variant.q_tile}) * {self.head_tiles}"
+        if self.variant.kv_split == "balanced":
+            return (x, "num_splits", "1 + (B * merge_blocks + num_splits - 1) / num_splits")
+        return (x, "num_splits", "num_splits > 1 ? B + (B * merge_blocks + num_splits - 1) / num_splits : B")
 
 
 def _require(ok: bool, field: str, value: object, expected: str) -> None:

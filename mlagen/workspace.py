@@ -38,7 +38,7 @@ class Layout:
 
     @classmethod
     def of(cls, rows: int, dl: int, row_groups: int) -> Layout:
-        """For `rows` = splits * B * S * H partial rows of width `dl`. part_o's size is a multiple
+        """For `rows` partial rows of width `dl` (`KernelPlan.partial_rows`). part_o's size is a multiple
         of 8 bytes, so part_ml stays float2-aligned."""
         return cls(numel=rows * (dl + 2), part_ml_offset=rows * dl * 4, counters=row_groups)
 

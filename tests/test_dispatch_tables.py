@@ -168,43 +168,60 @@ def test_split_variants():
     assert [w.kv_split for w in split_variants(mma, 256, skip=2)] == [1, 4, 8, "balanced"]
 
 
-@settings(max_examples=200, deadline=None)
-@given(batch=st.integers(1, 40), seqlen_q=st.integers(1, 40), tiles=st.integers(1, 300),
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 40), seqlen_q=st.integers(1, 40), capacity_tiles=st.integers(1, 300),
        sm_count=st.integers(1, 200), shape=st.sampled_from([(64, 1), (32, 2), (16, 4), (8, 8)]))
-def test_balanced_split_gives_every_tile_to_one_block(batch, seqlen_q, tiles, sm_count, shape):
-    """The balanced split, worked through as the kernel does it (templates/merge.cuh.j2's
-    balanced_work, mma.cu.j2's range loop): every request's KV tile goes to exactly one range
-    (run by that range's block of every row group), each request's ranges fill its workspace
-    slots 0..splits-1 (the ones its merge reads), no slot passes the workspace's bound, the
-    split blocks fit the resident slots, and the grid has a merge block per group part."""
+def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, capacity_tiles, sm_count, shape):
+    """The balanced split, worked through as the kernel does it from ragged lengths (templates/
+    merge.cuh.j2's work list and merge block, mma.cu.j2's range loop): every request's KV tile
+    goes to exactly one range (run by that range's block of every row group), the ranges that
+    meet a request fill the consecutive workspace slots its merge reads, no slot of the launch
+    repeats or passes the workspace, a request without keys is left to its merge (0 splits),
+    the split blocks fit the resident slots, and the grid has a merge block per group part."""
     heads, block_n = 64, 64
     v = Variant(family="mma", head_tile=shape[0], q_tile=shape[1], block_n=block_n, warps=8,
                 kv_split="balanced", arch="sm_90")
-    parts, bound = dispatch.balanced_split(v, heads, batch, seqlen_q, tiles * block_n, sm_count)
+    parts = dispatch.balanced_parts(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count)
+    assert dispatch.num_splits(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count) == parts
+    plan = validate(Problem(heads=heads), v)
     groups = -(-seqlen_q // v.q_tile) * (heads // v.head_tile)
-    total = batch * tiles
+    assert parts * groups <= max(sm_count, groups)       # one wave, unless one group per SM is already more
+    lengths = data.draw(st.lists(st.integers(0, capacity_tiles * block_n), min_size=batch, max_size=batch))
+    tiles = [-(-n // block_n) for n in lengths]
+    starts = [sum(tiles[:b]) for b in range(batch)]      # P_b
+    total = sum(tiles)
     per = -(-total // parts)
-    assert parts * per >= total                              # a last range may get nothing
-    assert parts * groups <= max(sm_count, groups)           # one wave, unless one group per SM is already more
+
+    def request_splits(b: int) -> tuple[int, int]:       # the kernel's: (first range, ranges)
+        first = starts[b] // per if tiles[b] else 0
+        return first, (starts[b] + tiles[b] - 1) // per - first + 1 if tiles[b] else 0
+
     owner: dict[tuple[int, int], int] = {}
-    slots: dict[int, set[int]] = {}
+    slots_of: dict[int, set[int]] = {b: set() for b in range(batch)}
     for y in range(parts):
         u0, u1 = y * per, min(y * per + per, total)
-        b = u0 // tiles
-        while b * tiles < u1:
-            first = b * tiles // per
-            splits = ((b + 1) * tiles - 1) // per - first + 1
-            assert 0 <= y - first < splits <= bound
-            slots.setdefault(b, set()).add(y - first)
-            for t in range(max(u0, b * tiles) - b * tiles, min(u1, (b + 1) * tiles) - b * tiles):
-                assert (b, t) not in owner
-                owner[(b, t)] = y
+        if u0 >= u1:
+            continue
+        b = next(b for b in range(batch) if tiles[b] and starts[b] <= u0 < starts[b] + tiles[b])   # request_at
+        start = starts[b]
+        while start < u1:
+            if tiles[b]:
+                first, splits = request_splits(b)
+                assert first <= y < first + splits
+                slots_of[b].add(y + b)
+                for t in range(max(u0, start) - start, min(u1, start + tiles[b]) - start):
+                    assert (b, t) not in owner
+                    owner[(b, t)] = y
+            start += tiles[b]
             b += 1
     assert len(owner) == total
-    assert all(slots[b] == set(range(len(slots[b]))) for b in range(batch))
-    assert bound == max(len(s) for s in slots.values())
-    plan = validate(Problem(heads=heads), v)
-    grid = plan.grid(batch, seqlen_q, bound, parts)
-    assert grid[:2] == (groups, parts)
-    if bound > 1:
-        assert (grid[2] - 1) * groups * parts >= batch * groups * plan.merge_blocks(batch, seqlen_q)
+    used = [slot for b in range(batch) for slot in slots_of[b]]
+    slots = plan.partial_rows(batch, seqlen_q, parts) // (seqlen_q * heads)   # what the workspace holds
+    assert len(used) == len(set(used)) and all(0 <= slot < slots for slot in used)
+    for b in range(batch):
+        first, splits = request_splits(b)
+        assert slots_of[b] == set(range(first + b, first + b + splits))   # what its merge reads
+        assert (splits == 0) == (tiles[b] == 0)          # no keys: its merge writes zeros, lse -inf
+    grid = plan.grid(batch, seqlen_q, parts)
+    assert grid[:2] == (groups, parts) and plan.split_launch(parts)
+    assert (grid[2] - 1) * groups * parts >= batch * groups * plan.merge_blocks(batch, seqlen_q)

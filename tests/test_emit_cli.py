@@ -87,8 +87,10 @@ def test_emit_named_variant_and_errors(tmp_path):
     assert bad.exit_code == 2 and "preset: got 'llama'" in bad.output
     bad = runner.invoke(app, ["emit", "--variant", "flash_ht7_qt4_bn64_w4_st3_spa_sm80", "--out", str(tmp_path)])
     assert bad.exit_code == 2 and "variant.head_tile: got 7" in bad.output
-    bad = runner.invoke(app, ["emit", "--variant", "mma_ht8_qt4_bn32_w4_st2_spb_sm80", "--out", str(tmp_path)])
-    assert bad.exit_code == 2 and "variant.kv_split: got 'balanced'" in bad.output
+    ok = runner.invoke(app, ["emit", "--variant", "mma_ht8_qt4_bn32_w4_st2_spb_sm80", "--launcher",
+                             "--out", str(tmp_path)])
+    assert ok.exit_code == 0, ok.output
+    assert list((tmp_path / "kimi-k2" / "sm_80").glob("mlagen_mma_ht8_qt4_bn32_w4_st2_spb_sm80_*_launch.h"))
     bad = runner.invoke(app, ["emit", "--variant", "flash_ht4_qt4_bn32_w4_st2_spb_sm80", "--out", str(tmp_path)])
     assert bad.exit_code == 2 and "'balanced' is mma only" in bad.output
 

@@ -25,6 +25,8 @@ PLANS = [
     validate(Problem(heads=64, page_size=16, mask="none"), Variant(head_tile=8, q_tile=4, arch="sm_90")),
     validate(Problem(heads=8, dtype="fp16", page_size=1, mask="tree", lse=True),
              Variant(head_tile=4, q_tile=4, kv_split=3, warps=8, stages=1, arch="sm_120")),
+    validate(Problem(heads=64), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, kv_split="balanced",
+                                        arch="sm_90a")),
 ]
 # (batch, seqlen_q, max_pages, sm_count, blocks_per_sm)
 SHAPES = [(1, 1, 1, 132, 1), (1, 9, 64, 132, 2), (3, 33, 5, 188, 1), (64, 4, 300, 78, 3), (2, 64, 2048, 132, 1),
@@ -102,8 +104,8 @@ def test_host_helpers_match_python(tmp_path):
     for p in PLANS:
         for B, S, pages, sms, occ in SHAPES:
             n = num_splits(p.variant, p.problem.heads, B, S, pages * p.problem.page_size, sms, occ)
-            ws = 0 if n == 1 else n * B * S * p.problem.heads * (p.problem.dl + 2) * 4
-            counters = 0 if n == 1 else 4 * p.row_groups(B, S)
+            ws = p.partial_rows(B, S, n) * (p.problem.dl + 2) * 4
+            counters = 4 * p.row_groups(B, S) if p.split_launch(n) else 0
             want = [n, *p.grid(B, S, n), ws, counters]
             assert [int(x) for x in got[k].split()] == want, (p.variant.name, B, S, pages, sms, occ)
             k += 1

@@ -114,5 +114,14 @@ def test_plan_derives_the_template_numbers():
     assert plan.grid(batch=3, seqlen_q=9, num_splits=1) == (2 * 8, 1, 3)
     assert plan.grid_expr() == ("ceil(S / 5) * 8", "num_splits",
                                 "num_splits > 1 ? B + (B * merge_blocks + num_splits - 1) / num_splits : B")
+    assert plan.partial_rows(batch=3, seqlen_q=9, num_splits=4) == 4 * 3 * 9 * 64
+    assert plan.partial_rows(batch=3, seqlen_q=9, num_splits=1) == 0
+    # the balanced split: num_splits is its ranges; always merge slabs; slots = ranges + B - 1
+    bal = validate(Problem(heads=64), Variant(head_tile=8, q_tile=8, warps=8, block_n=64, stages=2,
+                                              family="mma", kv_split="balanced"))
+    assert bal.split_launch(1) and not plan.split_launch(1)
+    assert bal.grid(batch=3, seqlen_q=9, num_splits=1) == (2 * 8, 1, 1 + 3 * bal.merge_blocks(3, 9))
+    assert bal.grid(batch=3, seqlen_q=9, num_splits=14) == (2 * 8, 14, 1 + 1)
+    assert bal.partial_rows(batch=3, seqlen_q=9, num_splits=14) == (14 + 3 - 1) * 9 * 64
     n = validate(Problem(heads=16), naive())
     assert n.grid(batch=2, seqlen_q=3, num_splits=1) == (16, 3, 2)

@@ -187,7 +187,8 @@ __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, i
   }
 }
 
-// Index of row (split, b, i, h) in the partial-result workspace.
+// Index of row (split, b, i, h) in the partial-result workspace. The balanced split numbers its
+// partials by workspace slot (see its work list in merge.cuh.j2): `split` is the slot there.
 __device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h) {
   return (((long long)split * p.batch + b) * p.seqlen_q + i) * H + h;
 }
@@ -246,7 +247,7 @@ __device__ __forceinline__ void finish_row(const VerifyParams& p, int split, boo
 // group's rows, one row per warp at a time. The wait cannot deadlock: blocks start in grid order
 // and every merge block comes after every split block, so those are running or done when it waits.
 // Balanced split (kv_split "balanced"): the split blocks are slab 0, (x: row group of a request,
-// y: an equal range of the list of all requests' KV tiles, see balanced_work), so a range may
+// y: an equal range of the list of all requests' KV tiles, see its work list below), so a range may
 // span requests and a request's groups are split wherever a range ends; the merge blocks are the
 // slabs after it.
 __device__ __forceinline__ int merge_z0(const VerifyParams& p) {   // the first merge slab
@@ -289,9 +290,9 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 // rows, so no load waits on another: lane k reads split k's (m, l) and the warp reduces them,
 // then every split's acc loads go out together (a split without keys gets weight 0 by select,
 // not by branch, so its loads stay in flight with the others).
-__device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, int splits) {
+__device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, int splits, int slot0) {
   float m = -INFINITY;
-  for (int k = lane; k < splits; k += 32) m = fmaxf(m, __ldcg(&p.part_ml[part_row(p, k, b, i, h)]).x);
+  for (int k = lane; k < splits; k += 32) m = fmaxf(m, __ldcg(&p.part_ml[part_row(p, slot0 + k, b, i, h)]).x);
   m = warp_max(m);
   constexpr int V4 = DL / 128;   // float4s per lane
   float acc[V4 * 4] = {};
@@ -300,7 +301,7 @@ __device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, 
     for (int k0 = 0; k0 < splits; k0 += 32) {
       float w = 0.f;             // lane j: the weight of split k0 + j (0 without keys)
       if (k0 + lane < splits) {
-        const float2 ml = __ldcg(&p.part_ml[part_row(p, k0 + lane, b, i, h)]);
+        const float2 ml = __ldcg(&p.part_ml[part_row(p, slot0 + k0 + lane, b, i, h)]);
         w = ml.y > 0.f ? exp2f(ml.x - m) : 0.f;
         l += ml.y * w;
       }
@@ -308,7 +309,7 @@ __device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, 
 #pragma unroll 4
       for (int j = 0; j < n; ++j) {
         const float wj = __shfl_sync(0xffffffffu, w, j);
-        const float4* src = reinterpret_cast<const float4*>(p.part_o + part_row(p, k0 + j, b, i, h) * DL);
+        const float4* src = reinterpret_cast<const float4*>(p.part_o + part_row(p, slot0 + k0 + j, b, i, h) * DL);
 #pragma unroll
         for (int v = 0; v < V4; ++v) {
           const float4 x = __ldcg(src + lane + 32 * v);
@@ -343,7 +344,8 @@ __device__ void merge_block(const VerifyParams& p) {
   if (f >= groups * p.merge_blocks) return;             // the last slab's spare blocks
   const int part = (int)(f / groups), g = (int)(f % groups);
   const int x = g % gx, b = g / gx;
-  const int splits = p.num_splits;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int splits = p.num_splits, slot0 = 0;
   const int h0 = (x % 1) * 64;
   const int q0 = (x / 1) * 1;
   unsigned* counter = group_counter(p, b, x);
@@ -352,12 +354,11 @@ __device__ void merge_block(const VerifyParams& p) {
     atomicInc(counter, splits + p.merge_blocks - 1);
   }
   __syncthreads();   // the partials thread 0 acquired are visible to the whole block
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int per = (GROUP_ROWS + p.merge_blocks - 1) / p.merge_blocks;
   const int end = (part + 1) * per < GROUP_ROWS ? (part + 1) * per : GROUP_ROWS;
   for (int r = part * per + warp; r < end; r += MERGE_WARPS) {
     const int i = q0 + r / 64, h = h0 + r % 64;
-    if (i < p.seqlen_q) merge_row(p, b, i, h, lane, splits);
+    if (i < p.seqlen_q) merge_row(p, b, i, h, lane, splits, slot0);
   }
 }
 

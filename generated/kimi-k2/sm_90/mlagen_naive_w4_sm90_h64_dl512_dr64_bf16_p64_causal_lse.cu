@@ -181,7 +181,8 @@ __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, i
   }
 }
 
-// Index of row (split, b, i, h) in the partial-result workspace.
+// Index of row (split, b, i, h) in the partial-result workspace. The balanced split numbers its
+// partials by workspace slot (see its work list in merge.cuh.j2): `split` is the slot there.
 __device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h) {
   return (((long long)split * p.batch + b) * p.seqlen_q + i) * H + h;
 }
