@@ -168,12 +168,12 @@ __device__ __forceinline__ float row_lse(float m, float l) {
   return l > 0.f ? (m + __log2f(l)) * LN2 : -INFINITY;
 }
 
-// Writes `vals` (N = 8 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
-// divided by l; an empty row (l == 0) writes zeros.
+// Writes `vals` (N = 8, 4 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
+// divided by l; an empty row (l == 0) writes zeros. N = 8 is one 16-byte store.
 template <int N>
 __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, int h, int d0,
                                           const float* vals, float l) {
-  static_assert(N == 8 || N == 2, "16-byte or 4-byte stores");
+  static_assert(N == 8 || N == 4 || N == 2, "16-, 8- or 4-byte stores");
   const float inv = l > 0.f ? 1.f / l : 0.f;
   elem_t* dst = p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s
                 + (long long)h * p.out_stride_h + d0;
@@ -183,7 +183,9 @@ __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, i
     for (int e = 0; e < 8; ++e) f[e] = vals[e] * inv;
     *reinterpret_cast<uint4*>(dst) = pack8(f);
   } else {
-    *reinterpret_cast<elem2_t*>(dst) = from_float2(vals[0] * inv, vals[1] * inv);
+#pragma unroll
+    for (int e = 0; e < N / 2; ++e)
+      reinterpret_cast<elem2_t*>(dst)[e] = from_float2(vals[2 * e] * inv, vals[2 * e + 1] * inv);
   }
 }
 
@@ -209,7 +211,7 @@ namespace mlagen_mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_c
 
 // Ends row (b, i, h) of one split. `direct` (the row group has one split): the row is final,
 // out = acc / l and lse. Otherwise acc (unnormalized) and (m, l) go to workspace slot `split`
-// for the row group's merge blocks. `acc` holds N (8 or 2) consecutive dims starting at d0;
+// for the row group's merge blocks. `acc` holds N (8, 4 or 2) consecutive dims starting at d0;
 // writes_stats picks one thread per row.
 // (m, l) of a split's partial row; a row that saw no key gets m = -inf: weight 0 in the merge.
 __device__ __forceinline__ float2 partial_stats(float m, float l) {
@@ -387,11 +389,11 @@ constexpr int MT_O = MT, NT_O = NTO;                                // every war
 
 constexpr int HEAD_TILES = H / HT;
 // The epilogue stages the output rows in the Q and KV buffers (free once the tile loop ends),
-// rows padded by 4 floats so a warp's stores (8 rows x 8 floats) take two bank wavefronts, and
-// each warp then writes whole rows in 16-byte lanes, instead of the accumulator layout's
-// scatter (every warp store touching 8 rows; ptxas even split the float2 partial stores).
+// rows padded by 8 floats so a half-warp's float2 stores (4 rows x 4 lanes) meet 32 distinct
+// banks, and each warp then writes whole rows in 16-byte lanes, instead of the accumulator
+// layout's scatter (every warp store touching 8 rows; ptxas even split the float2 partial stores).
 // Kernels whose buffers are too small for it store from registers.
-constexpr int STAGE_STRIDE = DL + 4;
+constexpr int STAGE_STRIDE = DL + 8;
 constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * 4 <= (M_PAD + STAGES * BN) * D * (int)sizeof(elem_t);
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
@@ -726,6 +728,9 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     }
 
     // ---- epilogue: row sums meet in shared memory; write out/lse or the split's partial ----
+    // The commit puts Q's copies in a group when no tile ran (an empty split with one stage
+    // commits nothing before this): the wait must cover them, the epilogue reuses their buffer.
+    cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
 #pragma unroll
@@ -740,7 +745,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     __syncthreads();
     if (STAGE_EPILOGUE) {
       // The output rows (unnormalized) go to shared memory over Q and the KV stages, then each
-      // warp ends whole rows: 8 dims a lane, 16-byte stores of out or of the partial.
+      // warp ends whole rows in 16-byte stores.
       float* sStage = reinterpret_cast<float*>(smem_raw);   // (M_PAD, STAGE_STRIDE)
 #pragma unroll
       for (int mt = 0; mt < MT_O; ++mt)
@@ -760,8 +765,13 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
         float l = 0.f;
 #pragma unroll
         for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
-        for (int c = lane; c < DL / 8; c += 32)
-          finish_row<8>(p, split, direct, b, i, h, 8 * c, sStage + row * STAGE_STRIDE + 8 * c, sM[row], l, c == 0);
+        // a warp store covers 512 contiguous bytes: 16 (8 bf16) a lane out, 16 (4 floats) a partial
+        if (direct)
+          for (int c = lane; c < DL / 8; c += 32)
+            finish_row<8>(p, split, true, b, i, h, 8 * c, sStage + row * STAGE_STRIDE + 8 * c, sM[row], l, c == 0);
+        else
+          for (int c = lane; c < DL / 4; c += 32)
+            finish_row<4>(p, split, false, b, i, h, 4 * c, sStage + row * STAGE_STRIDE + 4 * c, sM[row], l, c == 0);
       }
     } else {
 #pragma unroll

@@ -162,12 +162,12 @@ __device__ __forceinline__ float row_lse(float m, float l) {
   return l > 0.f ? (m + __log2f(l)) * LN2 : -INFINITY;
 }
 
-// Writes `vals` (N = 8 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
-// divided by l; an empty row (l == 0) writes zeros.
+// Writes `vals` (N = 8, 4 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
+// divided by l; an empty row (l == 0) writes zeros. N = 8 is one 16-byte store.
 template <int N>
 __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, int h, int d0,
                                           const float* vals, float l) {
-  static_assert(N == 8 || N == 2, "16-byte or 4-byte stores");
+  static_assert(N == 8 || N == 4 || N == 2, "16-, 8- or 4-byte stores");
   const float inv = l > 0.f ? 1.f / l : 0.f;
   elem_t* dst = p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s
                 + (long long)h * p.out_stride_h + d0;
@@ -177,7 +177,9 @@ __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, i
     for (int e = 0; e < 8; ++e) f[e] = vals[e] * inv;
     *reinterpret_cast<uint4*>(dst) = pack8(f);
   } else {
-    *reinterpret_cast<elem2_t*>(dst) = from_float2(vals[0] * inv, vals[1] * inv);
+#pragma unroll
+    for (int e = 0; e < N / 2; ++e)
+      reinterpret_cast<elem2_t*>(dst)[e] = from_float2(vals[2 * e] * inv, vals[2 * e + 1] * inv);
   }
 }
 
