@@ -1,0 +1,74 @@
+"""Time a ragged batch: requests of different lengths under one block table, as a serving batch
+mixes short and long contexts. The bench's rows give every request the same length; here the
+balanced split's ranges (counted from the real lengths) meet what they were built for.
+
+    python3 benchmarks/ragged.py [H B S min_keys max_keys [variant ...]]   (default 64 32 9 256 16384)
+
+Lengths are log-uniform in [min_keys, max_keys] (seeded), the block table is sized for the
+longest, pages are scattered. Prints, per variant (default: the dispatcher's pick and the
+adaptive and balanced ht64 sm_90a kernels), the device µs per call under CUDA graph replay
+(inputs rotated past the L2) and the largest difference from the dispatcher's output.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from mlagen.dispatch import choose_variant
+from mlagen.grids import Row
+from mlagen.runtime import device_info, device_name
+from mlagen.spec import parse_variant
+from mlagen.timing import l2_bytes, measure, rotation_count
+from mlagen.workload import DL, DR, InputSet, Workload, mlagen_call, problem_for
+
+DEFAULT_VARIANTS = ("mma_ht64_qt1_bn64_w8_st2_spa_sm90a", "mma_ht64_qt1_bn64_w8_st2_spb_sm90a")
+
+
+def ragged_workload(heads: int, batch: int, seqlen_q: int, min_keys: int, max_keys: int,
+                    page_size: int = 64, seed: int = 0) -> Workload:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    u = torch.rand(batch, generator=gen, device="cuda")
+    lengths = torch.exp(math.log(min_keys) + u * (math.log(max_keys) - math.log(min_keys))).to(torch.int32)
+    lengths = lengths.clamp(min=seqlen_q)
+    pages = -(-max_keys // page_size)
+    dt = torch.bfloat16
+
+    def one() -> InputSet:
+        return InputSet(
+            q=torch.randn(batch, seqlen_q, heads, DL + DR, generator=gen, device="cuda").to(dt),
+            kv_cache=torch.randn(batch * pages, page_size, DL + DR, generator=gen, device="cuda").to(dt),
+            block_table=torch.randperm(batch * pages, generator=gen, device="cuda").to(torch.int32).view(batch, pages),
+            cache_seqlens=lengths, tree_mask=None,
+            out=torch.empty(batch, seqlen_q, heads, DL, dtype=dt, device="cuda"))
+
+    sets = [one()]
+    sets += [one() for _ in range(rotation_count(sets[0].nbytes, l2_bytes(0)) - 1)]
+    row = Row(heads, batch, seqlen_q, max_keys - seqlen_q)
+    return Workload(row=row, problem=problem_for(row, page_size, "causal", "bf16"), sets=sets,
+                    visible=torch.empty(0), scale=1.0 / math.sqrt(DL + DR))
+
+
+def main(heads: int = 64, batch: int = 32, seqlen_q: int = 9, min_keys: int = 256, max_keys: int = 16384,
+         *variants: str) -> None:
+    work = ragged_workload(heads, batch, seqlen_q, min_keys, max_keys)
+    lengths = work.sets[0].cache_seqlens.tolist()
+    print(f"H={heads} B={batch} S={seqlen_q}: {sum(lengths)} keys in all, lengths {min(lengths)}-{max(lengths)} "
+          f"(median {sorted(lengths)[batch // 2]}), block table for {max_keys}; {len(work.sets)} input sets")
+    first = work.sets[0]
+    picked = choose_variant(work.problem, seqlen_q, batch, work.kv_capacity, device_info(0)[0], device_name(0))
+    mlagen_call(work, None)(first)
+    reference = first.out.float().clone()
+    for name in (None, *(variants or DEFAULT_VARIANTS)):
+        variant = parse_variant(name) if name else None
+        call = mlagen_call(work, variant)
+        call(first)
+        diff = (first.out.float() - reference).abs().max().item()
+        label = name or f"dispatch: {picked.name}"
+        print(f"{label:60s} {measure(call, work.sets).us:8.1f} µs   max |diff| vs dispatch {diff:.2e}")
+
+
+if __name__ == "__main__":
+    main(*(int(a) for a in sys.argv[1:6]), *sys.argv[6:])
