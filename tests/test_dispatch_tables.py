@@ -225,3 +225,21 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
     grid = plan.grid(batch, seqlen_q, parts)
     assert grid[:2] == (groups, parts) and plan.split_launch(parts)
     assert (grid[2] - 1) * groups * parts >= batch * groups * plan.merge_blocks(batch, seqlen_q)
+
+
+def test_untuned_batches_that_need_a_split_take_the_balanced_split():
+    p = Problem(heads=64)
+    other = "Other GPU"                        # no table: the heuristic and its split rule
+    base = dispatch.heuristic_variant(p, 9, "sm_90")
+    assert base.kv_split == "adaptive"
+    # 32 requests x 9 row groups over 132 SMs need a split: ranges follow the real lengths
+    chosen = dispatch.choose_variant(p, 9, 32, 16384, "sm_90", other, 132)
+    assert chosen == base.with_(kv_split="balanced")
+    # one request, an unknown SM count, or a grid that fills the SMs unsplit: adaptive
+    assert dispatch.choose_variant(p, 9, 1, 65600, "sm_90", other, 132) == base
+    assert dispatch.choose_variant(p, 9, 32, 16384, "sm_90", other) == base
+    assert dispatch.choose_variant(p, 1, 128, 4160, "sm_90", other, 132) == dispatch.heuristic_variant(p, 1, "sm_90")
+    # a tuned entry still wins over the rule
+    tuned = "mma_ht64_qt1_bn64_w8_st2_spa_sm90a"
+    _save({tables.bucket_key(p, 9, 32, 16384): {"variant": tuned, "us": 10.0}})
+    assert dispatch.choose_variant(p, 9, 32, 16384, "sm_90", GPU, 132).name == tuned
