@@ -132,7 +132,7 @@ def spec_error(problem: Problem, variant: Variant) -> str:
     return ""
 
 
-def row_variants(problem: Problem, row: Row, page_size: int, arch: str, gpu: str, sm_count: int,
+def row_variants(problem: Problem, row: Row, page_size: int, arch: str, gpu: str,
                  extra: Sequence[Variant] = ()) -> dict[str, Variant]:
     """{family, named variant or "dispatch": variant} for a row; families with no valid variant
     and named variants invalid for `problem` (see `invalid_cells`) left out."""
@@ -140,7 +140,7 @@ def row_variants(problem: Problem, row: Row, page_size: int, arch: str, gpu: str
     chosen = {f: family_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu, f) for f in FAMILIES}
     found = {f: v for f, v in chosen.items() if v is not None}
     found |= {v.name: v for v in extra if not spec_error(problem, v)}
-    found[DISPATCH] = choose_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu, sm_count)
+    found[DISPATCH] = choose_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu)
     return found
 
 
@@ -152,7 +152,7 @@ def invalid_cells(problem: Problem, extra: Sequence[Variant]) -> dict[str, Cell]
 def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, progress=None) -> BenchResult:
     """Time every row on the current CUDA device. `progress`: an optional rich Progress."""
     device = torch.cuda.current_device()
-    arch, sm_count = device_info(device)
+    arch, _ = device_info(device)
     gpu = device_name(device)
     meta = stamp(device) | {"page_size": config.page_size, "mask": config.mask, "dtype": config.dtype}
     ceilings = measure_ceilings(device)
@@ -162,8 +162,7 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     plans = []
     for row, grids in rows:
         problem = problem_for(row, config.page_size, config.mask, config.dtype)
-        variants = row_variants(problem, row, config.page_size, arch, gpu, sm_count, config.extra)
-        plans.append((row, grids, problem, variants))
+        plans.append((row, grids, problem, row_variants(problem, row, config.page_size, arch, gpu, config.extra)))
     families = [f for f in FAMILIES if any(f in vs for *_, vs in plans)]
 
     jobs = [(p, v) for *_, p, vs in plans for v in vs.values()]

@@ -11,8 +11,9 @@
    the scalar flash family; put as many query rows (positions x heads) in a block as the
    family's register budget holds, so each KV tile is loaded for as many rows as possible
    (`mma_plan.heuristic_mma`, `flash_heuristic`); then split the key range by a small cost
-   model of waves, tiles per block and the merge (`num_splits`), or, for a batch that needs a
-   split, by the balanced split's ranges over the real lengths (`untuned_variant`).
+   model of waves, tiles per block and the merge (`num_splits`).
+Then, whichever answered, a batch (B >= 2) on the mma family runs the chosen tile with the
+balanced split, whose ranges follow the real lengths on the device (`balanced_for_batch`).
 Answers are memoized per shape: a call costs one cache lookup, no file I/O.
 """
 
@@ -102,28 +103,29 @@ def tuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
 
 @functools.lru_cache(maxsize=8192)
 def choose_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
-                   gpu: str = "", sm_count: int = 0) -> Variant:
-    """The variant `verify_attention(variant=None)` runs for this shape on a `gpu` of `arch`
-    with `sm_count` SMs (0: unknown).
+                   gpu: str = "") -> Variant:
+    """The variant `verify_attention(variant=None)` runs for this shape on a `gpu` of `arch`.
 
     kv_capacity: keys the block table addresses (max_pages * page_size), a bound on lengths.
     """
     tuned = tuned_variant(problem, seqlen_q, batch, kv_capacity, arch, gpu)
-    return tuned if tuned is not None else untuned_variant(problem, seqlen_q, batch, kv_capacity, arch, sm_count)
+    return balanced_for_batch(problem, tuned if tuned is not None else heuristic_variant(problem, seqlen_q, arch),
+                              batch)
 
 
-def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
-                    sm_count: int) -> Variant:
-    """The heuristic's pick for a shape no table entry covers. A batch (B >= 2) whose row groups
-    need a split of their keys to fill the SMs gets the balanced split: the adaptive split is
-    sized by the block table's capacity, so a ragged batch's short requests leave SMs idle,
-    while balanced ranges follow the real lengths (H200, 32 requests of 283-15892 keys: 407
-    against 493 µs; uniform batches of 8 and 32 requests: 0.87-0.93x; benchmarks/NOTES.md).
-    One request, or a grid that fills the SMs unsplit, keeps the adaptive split."""
-    variant = heuristic_variant(problem, seqlen_q, arch)
-    if batch < 2 or sm_count < 1 or variant.family != "mma" or variant.kv_split != "adaptive":
-        return variant
-    if num_splits(variant, problem.heads, batch, seqlen_q, kv_capacity, sm_count) == 1:
+def balanced_for_batch(problem: Problem, variant: Variant, batch: int) -> Variant:
+    """`variant` with the balanced split when it runs a batch (B >= 2) on the mma family.
+
+    The host knows the block table's capacity, not the lengths; a serving batch mixes short and
+    long requests, and the adaptive or a fixed split, sized by the capacity, then leaves most SMs
+    idle while the longest requests finish. The balanced split's ranges follow the real lengths
+    on the device. H200, ragged batches (log-uniform lengths up to the capacity, graph replay):
+    0.35x the adaptive split's time at H=64 B=64 S=2, 0.50x at H=8 B=16 S=9, 0.53x at H=16 B=64
+    S=4, 0.64x at H=128 B=32 S=4, 0.83x at H=64 B=32 S=9; uniform batches, which the tables were
+    tuned on, pay 2-7% (H=64 B=64 S=2 at 8192 keys: 355 against 332 µs;
+    benchmarks/NOTES.md). Pass `variant=` to pin a split.
+    """
+    if batch < 2 or variant.family != "mma" or variant.kv_split == "balanced":
         return variant
     balanced = variant.with_(kv_split="balanced")
     try:

@@ -67,7 +67,7 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
     device_arch, sm_count = device_info(device)
     kv_capacity = max_pages * page_size
     if variant is None:
-        variant = choose_variant(problem, seqlen_q, batch, kv_capacity, device_arch, device_name(device), sm_count)
+        variant = choose_variant(problem, seqlen_q, batch, kv_capacity, device_arch, device_name(device))
     elif not runs_on(variant.arch, device_arch):
         raise inputs.InputError(f"variant.arch: got {variant.arch!r}, expected a target that runs "
                                 f"on this {device_arch} device (e.g. {device_arch!r})")

@@ -91,7 +91,7 @@ def test_shipped_tables_load():
 def test_without_table_dispatch_is_the_heuristic():
     p = Problem(heads=64)
     for s in (1, 9, 33, 64):
-        assert dispatch.choose_variant(p, s, 4, 8192, "sm_90", GPU) == dispatch.heuristic_variant(p, s, "sm_90")
+        assert dispatch.choose_variant(p, s, 1, 8192, "sm_90", GPU) == dispatch.heuristic_variant(p, s, "sm_90")
 
 
 def test_dispatch_reads_the_table_then_neighbours_then_causal():
@@ -103,7 +103,8 @@ def test_dispatch_reads_the_table_then_neighbours_then_causal():
     assert dispatch.choose_variant(p, 9, 1, 8256, "sm_90", GPU).name == tuned            # one KV step longer
     assert dispatch.choose_variant(p.with_(mask="tree"), 9, 1, 4160, "sm_90", GPU).name == tuned
     assert dispatch.choose_variant(p, 9, 1, 65600, "sm_90", GPU) == dispatch.heuristic_variant(p, 9, "sm_90")
-    assert dispatch.choose_variant(p, 9, 64, 4160, "sm_90", GPU) == dispatch.heuristic_variant(p, 9, "sm_90")
+    assert dispatch.choose_variant(p, 9, 64, 4160, "sm_90", GPU) == dispatch.balanced_for_batch(
+        p, dispatch.heuristic_variant(p, 9, "sm_90"), 64)
     assert dispatch.choose_variant(p, 9, 1, 4160, "sm_90", "Other GPU") == dispatch.heuristic_variant(p, 9, "sm_90")
     assert dispatch.family_variant(p, 9, 1, 4160, "sm_90", GPU, "naive").name == "naive_w8_sm90"
     assert dispatch.family_variant(p, 9, 1, 4160, "sm_90", GPU, "flash") == dispatch.flash_heuristic(p, 9, "sm_90")
@@ -227,19 +228,18 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
     assert (grid[2] - 1) * groups * parts >= batch * groups * plan.merge_blocks(batch, seqlen_q)
 
 
-def test_untuned_batches_that_need_a_split_take_the_balanced_split():
+def test_batches_take_the_balanced_split_of_the_chosen_tile():
     p = Problem(heads=64)
-    other = "Other GPU"                        # no table: the heuristic and its split rule
     base = dispatch.heuristic_variant(p, 9, "sm_90")
-    assert base.kv_split == "adaptive"
-    # 32 requests x 9 row groups over 132 SMs need a split: ranges follow the real lengths
-    chosen = dispatch.choose_variant(p, 9, 32, 16384, "sm_90", other, 132)
-    assert chosen == base.with_(kv_split="balanced")
-    # one request, an unknown SM count, or a grid that fills the SMs unsplit: adaptive
-    assert dispatch.choose_variant(p, 9, 1, 65600, "sm_90", other, 132) == base
-    assert dispatch.choose_variant(p, 9, 32, 16384, "sm_90", other) == base
-    assert dispatch.choose_variant(p, 1, 128, 4160, "sm_90", other, 132) == dispatch.heuristic_variant(p, 1, "sm_90")
-    # a tuned entry still wins over the rule
-    tuned = "mma_ht64_qt1_bn64_w8_st2_spa_sm90a"
+    assert base.family == "mma" and base.kv_split == "adaptive"
+    for batch, cap in ((2, 4160), (32, 16384), (64, 8256)):
+        assert dispatch.choose_variant(p, 9, batch, cap, "sm_90", "Other GPU") == base.with_(kv_split="balanced")
+    assert dispatch.choose_variant(p, 9, 1, 65600, "sm_90", "Other GPU") == base      # one request
+    # a tuned tile keeps its shape; its split becomes balanced for a batch
+    tuned = "mma_ht32_qt2_bn64_w8_st2_sp4_sm90a"
     _save({tables.bucket_key(p, 9, 32, 16384): {"variant": tuned, "us": 10.0}})
-    assert dispatch.choose_variant(p, 9, 32, 16384, "sm_90", GPU, 132).name == tuned
+    chosen = dispatch.choose_variant(p, 9, 32, 16384, "sm_90", GPU)
+    assert chosen == parse_variant(tuned).with_(kv_split="balanced")
+    # the flash family has no balanced split: unchanged
+    flash = dispatch.flash_heuristic(p, 9, "sm_90")
+    assert dispatch.balanced_for_batch(p, flash, 8) == flash
