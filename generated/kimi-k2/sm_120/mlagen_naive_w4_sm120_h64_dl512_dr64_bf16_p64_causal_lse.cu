@@ -189,6 +189,11 @@ __device__ __forceinline__ long long part_row(const VerifyParams& p, int split, 
   return (((long long)split * p.batch + b) * p.seqlen_q + i) * H + h;
 }
 
+// Workspace rows from one split's (slot's) row (b, i, h) to the next one's.
+__device__ __forceinline__ long long part_slot_rows(const VerifyParams& p) {
+  return (long long)p.batch * p.seqlen_q * H;
+}
+
 // Blocks of `bn` keys of [0, limit) that split `split` of `num_splits` owns: [*begin, *end).
 __device__ __forceinline__ void split_blocks(int limit, int bn, int split, int num_splits,
                                              int* begin, int* end) {

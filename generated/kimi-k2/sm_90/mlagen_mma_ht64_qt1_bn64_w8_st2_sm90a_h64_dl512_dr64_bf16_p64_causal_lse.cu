@@ -195,6 +195,11 @@ __device__ __forceinline__ long long part_row(const VerifyParams& p, int split, 
   return (((long long)split * p.batch + b) * p.seqlen_q + i) * H + h;
 }
 
+// Workspace rows from one split's (slot's) row (b, i, h) to the next one's.
+__device__ __forceinline__ long long part_slot_rows(const VerifyParams& p) {
+  return (long long)p.batch * p.seqlen_q * H;
+}
+
 // Blocks of `bn` keys of [0, limit) that split `split` of `num_splits` owns: [*begin, *end).
 __device__ __forceinline__ void split_blocks(int limit, int bn, int split, int num_splits,
                                              int* begin, int* end) {
@@ -288,41 +293,59 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 }
 
 // Row (b, i, h): m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l.
-// One warp; partials are read from L2 (other SMs wrote them). Latency decides this on short
-// rows, so no load waits on another: lane k reads split k's (m, l) and the warp reduces them,
-// then every split's acc loads go out together (a split without keys gets weight 0 by select,
-// not by branch, so its loads stay in flight with the others).
+// One warp; partials are read from L2 (other SMs wrote them), so latency decides this on short
+// rows and no load may wait on another: the stats of 32 splits (lane k: split k's (m, l)) and the
+// accumulators of the first MERGE_BATCH splits go out together, then the max, the weights and
+// the sums when they land, then the next batches (at 6 splits: two L2 round trips, where reading
+// the max, then the weights, then 4 + 2 accumulators took four). MERGE_BATCH is 3 because the
+// merge shares the kernel's register allocation with the tile loop: at 4 the one-stage pvm
+// kernel spilled. Rounds of more than 32 splits rescale what the earlier rounds summed. A split
+// without keys has l = 0: weight 0, by select.
+constexpr int MERGE_BATCH = 3;
 __device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, int splits, int slot0) {
-  float m = -INFINITY;
-  for (int k = lane; k < splits; k += 32) m = fmaxf(m, __ldcg(&p.part_ml[part_row(p, slot0 + k, b, i, h)]).x);
-  m = warp_max(m);
   constexpr int V4 = DL / 128;   // float4s per lane
   float acc[V4 * 4] = {};
-  float l = 0.f;
-  if (m != -INFINITY) {
-    for (int k0 = 0; k0 < splits; k0 += 32) {
-      float w = 0.f;             // lane j: the weight of split k0 + j (0 without keys)
-      if (k0 + lane < splits) {
-        const float2 ml = __ldcg(&p.part_ml[part_row(p, slot0 + k0 + lane, b, i, h)]);
-        w = ml.y > 0.f ? exp2f(ml.x - m) : 0.f;
-        l += ml.y * w;
-      }
-      const int n = splits - k0 < 32 ? splits - k0 : 32;
-#pragma unroll 4
-      for (int j = 0; j < n; ++j) {
-        const float wj = __shfl_sync(0xffffffffu, w, j);
-        const float4* src = reinterpret_cast<const float4*>(p.part_o + part_row(p, slot0 + k0 + j, b, i, h) * DL);
+  float m = -INFINITY, l = 0.f;
+  for (int k0 = 0; k0 < splits; k0 += 32) {
+    const int n = splits - k0 < 32 ? splits - k0 : 32;
+    const float2 ml = lane < n ? __ldcg(&p.part_ml[part_row(p, slot0 + k0 + lane, b, i, h)])
+                               : make_float2(-INFINITY, 0.f);
+    float4 x[MERGE_BATCH][V4];
+    const float4* src = reinterpret_cast<const float4*>(p.part_o + part_row(p, slot0 + k0, b, i, h) * DL) + lane;
+    const long long split_stride = part_slot_rows(p) * (DL / 4);   // in float4s
+#pragma unroll
+    for (int j = 0; j < MERGE_BATCH; ++j)
+#pragma unroll
+      for (int v = 0; v < V4; ++v)
+        if (j < n) x[j][v] = __ldcg(src + j * split_stride + 32 * v);
+    const float m_new = fmaxf(m, warp_max(ml.y > 0.f ? ml.x : -INFINITY));
+    if (m_new == -INFINITY) continue;                    // no keys in these splits yet
+    const float w = ml.y > 0.f ? exp2f(ml.x - m_new) : 0.f;   // lane k: split k0 + k's weight
+    const float rescale = exp2f(m - m_new);             // 0 on the first round with keys
+    l = l * rescale + warp_sum(ml.y * w);
+#pragma unroll
+    for (int e = 0; e < V4 * 4; ++e) acc[e] *= rescale;
+    m = m_new;
+    for (int j0 = 0; j0 < n; j0 += MERGE_BATCH) {
+      if (j0 > 0)
+#pragma unroll
+        for (int j = 0; j < MERGE_BATCH; ++j)
+#pragma unroll
+          for (int v = 0; v < V4; ++v)
+            if (j0 + j < n) x[j][v] = __ldcg(src + (j0 + j) * split_stride + 32 * v);
+#pragma unroll
+      for (int j = 0; j < MERGE_BATCH; ++j) {
+        const float wj = __shfl_sync(0xffffffffu, w, (j0 + j) & 31);
+        if (j0 + j >= n) break;
 #pragma unroll
         for (int v = 0; v < V4; ++v) {
-          const float4 x = __ldcg(src + lane + 32 * v);
-          acc[4 * v] += wj != 0.f ? wj * x.x : 0.f;
-          acc[4 * v + 1] += wj != 0.f ? wj * x.y : 0.f;
-          acc[4 * v + 2] += wj != 0.f ? wj * x.z : 0.f;
-          acc[4 * v + 3] += wj != 0.f ? wj * x.w : 0.f;
+          acc[4 * v] += wj != 0.f ? wj * x[j][v].x : 0.f;
+          acc[4 * v + 1] += wj != 0.f ? wj * x[j][v].y : 0.f;
+          acc[4 * v + 2] += wj != 0.f ? wj * x[j][v].z : 0.f;
+          acc[4 * v + 3] += wj != 0.f ? wj * x[j][v].w : 0.f;
         }
       }
     }
-    l = warp_sum(l);
   }
   const float inv = l > 0.f ? 1.f / l : 0.f;
   elem_t* dst = p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s
