@@ -18,7 +18,7 @@ import torch
 
 from . import dispatch, tables
 from .arch import specializations
-from .dispatch import heuristic_variant, num_splits
+from .dispatch import balanced_for_batch, heuristic_variant, num_splits
 from .grids import Row
 from .precompile import code_identity, precompile
 from .runtime import device_info, device_name
@@ -101,6 +101,13 @@ def candidates(problem: Problem, seqlen_q: int, arch: str, max_candidates: int) 
     return list(dict.fromkeys(found))[:max_candidates]
 
 
+def as_dispatched(problem: Problem, batch: int, variants: list[Variant]) -> list[Variant]:
+    """`variants` as the dispatcher would run them for a batch of `batch` requests (a batch's
+    mma variants take the balanced split: dispatch.balanced_for_batch), each once, in order, so
+    that the table's pick is what was timed."""
+    return list(dict.fromkeys(balanced_for_batch(problem, v, batch) for v in variants))
+
+
 def _time(work: Workload, trial: Trial, timing: TimingConfig, give_up_us: float | None) -> None:
     try:
         trial.us = measure(mlagen_call(work, trial.variant), work.sets, timing, give_up_us).us
@@ -118,7 +125,8 @@ def tune_rows(rows: list[Row], config: TuneConfig, progress=None) -> list[RowTun
     for row in rows:
         for mask in config.masks:
             problem = problem_for(row, config.page_size, mask, config.dtype)
-            plans.append((row, mask, problem, candidates(problem, row.seqlen_q, arch, config.max_candidates)))
+            cands = as_dispatched(problem, row.batch, candidates(problem, row.seqlen_q, arch, config.max_candidates))
+            plans.append((row, mask, problem, cands))
 
     compile_task = progress.add_task("compiling candidates", total=None) if progress else None
 
@@ -169,6 +177,8 @@ def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, 
     for t in ranked[: config.split_top]:
         adaptive = num_splits(t.variant, row.heads, row.batch, row.seqlen_q, work.kv_capacity, sm_count)
         splits += split_variants(t.variant, work.kv_capacity, skip=adaptive)
+    tried = {t.variant for t in result.trials}
+    splits = [v for v in as_dispatched(work.problem, row.batch, splits) if v not in tried]
     advance(len(splits))
     _run_trials(work, result, splits, errors, config, advance)
     return result

@@ -243,3 +243,16 @@ def test_batches_take_the_balanced_split_of_the_chosen_tile():
     # the flash family has no balanced split: unchanged
     flash = dispatch.flash_heuristic(p, 9, "sm_90")
     assert dispatch.balanced_for_batch(p, flash, 8) == flash
+
+
+def test_tuner_times_a_batch_as_the_dispatcher_runs_it():
+    from mlagen.tune import as_dispatched
+
+    p = Problem(heads=64)
+    cands = candidates(p, 9, "sm_90", 24)
+    one = as_dispatched(p, 1, cands)
+    assert one == cands                                          # one request: as listed
+    many = as_dispatched(p, 8, cands)
+    assert all(v.kv_split == "balanced" for v in many if v.family == "mma")
+    assert [v for v in many if v.family != "mma"] == [v for v in cands if v.family != "mma"]
+    assert len(many) == len(set(many)) and many[0] == dispatch.balanced_for_batch(p, cands[0], 8)
