@@ -409,7 +409,6 @@ constexpr int NTO = DIMS_W / 8;
 constexpr int PS = 72;                                // P row stride (padded)
 
 constexpr int MT_O = MT, NT_O = NTO;                                // every warp: all rows, DIMS_W dims
-
 constexpr int HEAD_TILES = H / HT;
 // The epilogue stages the output rows in the Q and KV buffers (free once the tile loop ends),
 // rows padded by 8 floats so a half-warp's float2 stores (4 rows x 4 lanes) meet 32 distinct
@@ -478,7 +477,6 @@ __device__ __forceinline__ float new_max(const float* sM, const float* sPart, in
 __device__ __forceinline__ int p_off(int row, int key) {
 
   return row * PS + key;
-
 }
 
 // One thread's share of loading a swizzled [NROWS][D] tile with cp.async: 8 threads per row
@@ -525,7 +523,6 @@ struct RowLoad {
 }  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse
 
 // grid: (ceil(S/QT) * H/HT, num_splits, B + merge slabs when num_splits > 1); block: 256 threads;
-
 // dynamic shared memory 232192 bytes.
 extern "C" __global__ void __launch_bounds__(256, 1)
 mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
@@ -557,7 +554,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
     int kb_begin, kb_end;
 
     split_blocks(key_limit(n, S, q_end), BN, split, p.num_splits, &kb_begin, &kb_end);
-
 
     {
       RowLoad<M_PAD, THREADS> ql;
@@ -599,7 +595,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
     float o[MT_O][NT_O][4] = {};
 
     const int o_row0 = 0, o_dim0 = warp * DIMS_W;
-
     float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
     const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
 
@@ -639,7 +634,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
 #pragma unroll
           for (int nt = 0; nt < NTQ; ++nt) mma16816(s[mt][nt], a[mt], &bk[nt / 2][2 * (nt % 2)]);
       }
-
 
       // ---- mask, scale, and this warp's row maxima ----
       // A tile inside every row's prefix needs no mask. Its padding rows (past ROWS or S) then
@@ -714,7 +708,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
 
           const int row = o_row0 + mt * 16 + g + 8 * half;
           const float m_old = sM[row], m_new = new_max(sM, sPart, row);
-
           if (m_new == m_old) continue;     // most tiles of a long row: alpha = 1, skip the multiplies
           const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
 #pragma unroll
@@ -745,7 +738,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
         }
       }
       if (STAGES > 1) prepare_kv(kr + 1);
-
       if (threadIdx.x < M_PAD)      // after P V's issue, off its path; read after the next tile's barriers
         sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
     }
@@ -820,5 +812,4 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
   };
 
   segment(blockIdx.z, blockIdx.x, 0, 0, blockIdx.y, p.num_splits == 1, p.num_splits);
-
 }
