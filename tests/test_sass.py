@@ -152,9 +152,10 @@ def test_block_trace_patch_compiles_for_the_split_kernels():
     from mlagen.codegen import render
     from mlagen.compiler import compile_source
 
-    for name in ("mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a", "mma_ht32_qt2_bn64_w8_st2_spa_sm90a"):
+    for name, stamps in (("mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a", 10), ("mma_ht32_qt2_bn64_w8_st2_spa_sm90a", 10),
+                         ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 8)):
         plan = _built(name).plan
         source = trace_blocks.patch(render(plan))
-        assert source.count("TR(") == 10
+        assert source.count("TR(") == stamps
         module = compile_source(source, plan.name, plan.arch.name)
         assert all(not r.spills for r in module.resources.values())
