@@ -5,8 +5,8 @@ balanced split's ranges (counted from the real lengths) meet what they were buil
     python3 benchmarks/ragged.py [H B S min_keys max_keys [variant ...]]   (default 64 32 9 256 16384)
 
 Lengths are log-uniform in [min_keys, max_keys] (seeded), the block table is sized for the
-longest, pages are scattered. Prints, per variant (default: the dispatcher's pick and the
-adaptive and balanced ht64 sm_90a kernels), the device µs per call under CUDA graph replay
+longest, pages are scattered. Prints, per variant (default: the dispatcher's pick, then its tile
+with the adaptive and with the balanced split), the device µs per call under CUDA graph replay
 (inputs rotated past the L2) and the largest difference from the dispatcher's output.
 """
 
@@ -23,8 +23,6 @@ from mlagen.runtime import device_info, device_name
 from mlagen.spec import parse_variant
 from mlagen.timing import l2_bytes, measure, rotation_count
 from mlagen.workload import DL, DR, InputSet, Workload, mlagen_call, problem_for
-
-DEFAULT_VARIANTS = ("mma_ht64_qt1_bn64_w8_st2_spa_sm90a", "mma_ht64_qt1_bn64_w8_st2_spb_sm90a")
 
 
 def ragged_workload(heads: int, batch: int, seqlen_q: int, min_keys: int, max_keys: int,
@@ -61,12 +59,12 @@ def main(heads: int = 64, batch: int = 32, seqlen_q: int = 9, min_keys: int = 25
     picked = choose_variant(work.problem, seqlen_q, batch, work.kv_capacity, device_info(0)[0], device_name(0))
     mlagen_call(work, None)(first)
     reference = first.out.float().clone()
-    for name in (None, *(variants or DEFAULT_VARIANTS)):
-        variant = parse_variant(name) if name else None
+    splits = [picked.with_(kv_split="adaptive"), picked.with_(kv_split="balanced")] if picked.family == "mma" else []
+    for variant in (None, *([parse_variant(name) for name in variants] or splits)):
         call = mlagen_call(work, variant)
         call(first)
         diff = (first.out.float() - reference).abs().max().item()
-        label = name or f"dispatch: {picked.name}"
+        label = variant.name if variant else f"dispatch: {picked.name}"
         print(f"{label:60s} {measure(call, work.sets).us:8.1f} µs   max |diff| vs dispatch {diff:.2e}")
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call: GPU facts, GPU tests, compute-sanitizer,
 # tuning, benchmark, host cost. Logs go to $OUT (the device tool's folder) or ./out.
-#   bash benchmarks/run_gpu.sh [tests] [sanitize] [tune] [bench] [host]
+#   bash benchmarks/run_gpu.sh [tests] [sanitize] [tune] [bench] [ragged] [host]
 # (default: tests sanitize bench). `tune` rewrites the shipped table (mlagen/tables/) and copies
 # it to $OUT, so run it before `bench`.
 set -uo pipefail
@@ -27,9 +27,13 @@ for step in $steps; do
       cp mlagen/tables/*.json "$OUT/" ;;
     bench)
       timeout 400 python3 cli.py bench --grid seed --grid serving --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" ;;
+    ragged)   # batches of mixed lengths (the bench's rows are uniform): dispatch vs adaptive vs balanced
+      for shape in "64 32 9 256 16384" "64 64 2 256 16384" "8 16 9 256 16384"; do
+        timeout 120 python3 benchmarks/ragged.py $shape 2>&1
+      done | tee "$OUT/ragged.log" ;;
     host)
       timeout 120 python3 benchmarks/host_cost.py 2>&1 | tee "$OUT/host.log" ;;
     *)
-      echo "unknown step $step (tests, sanitize, tune, bench, host)"; exit 2 ;;
+      echo "unknown step $step (tests, sanitize, tune, bench, ragged, host)"; exit 2 ;;
   esac
 done
