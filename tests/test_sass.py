@@ -111,6 +111,7 @@ def test_cluster_split_combines_in_shared_memory():
     assert text.count("UCGABAR_ARV") == 2 and text.count("UCGABAR_WAIT") == 2
     assert "ATOMG" not in text and "NANOSLEEP" not in text
     assert re.search(r"\bLD\.E\.128\b", text)                 # 16-byte reads of the peers' rows
+    assert re.search(r"\bSTG\.E\.64\b", text)                 # 8-byte stores of 4 output values
 
 
 def test_mma_sync_kernel_has_no_wgmma():
