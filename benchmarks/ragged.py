@@ -46,7 +46,7 @@ def ragged_workload(heads: int, batch: int, seqlen_q: int, min_keys: int, max_ke
     sets += [one() for _ in range(rotation_count(sets[0].nbytes, l2_bytes(0)) - 1)]
     row = Row(heads, batch, seqlen_q, max_keys - seqlen_q)
     return Workload(row=row, problem=problem_for(row, page_size, "causal", "bf16"), sets=sets,
-                    visible=torch.empty(0), scale=1.0 / math.sqrt(DL + DR))
+                    visible=torch.empty(0), scale=1.0 / math.sqrt(DL + DR))   # no eager call here: no mask
 
 
 def main(heads: int = 64, batch: int = 32, seqlen_q: int = 9, min_keys: int = 256, max_keys: int = 16384,

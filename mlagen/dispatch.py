@@ -122,8 +122,8 @@ def balanced_for_batch(problem: Problem, variant: Variant, batch: int) -> Varian
     on the device. H200, ragged batches (log-uniform lengths up to the capacity, graph replay):
     0.35x the adaptive split's time at H=64 B=64 S=2, 0.50x at H=8 B=16 S=9, 0.53x at H=16 B=64
     S=4, 0.64x at H=128 B=32 S=4, 0.83x at H=64 B=32 S=9; uniform batches, which the tables were
-    tuned on, pay 2-7% (H=64 B=64 S=2 at 8192 keys: 355 against 332 µs;
-    benchmarks/NOTES.md). Pass `variant=` to pin a split.
+    tuned on, pay 1-11% (H=64 B=128 S=1 at 4096 keys: 212 against 193 µs; benchmarks/NOTES.md).
+    Pass `variant=` to pin a split.
     """
     if batch < 2 or variant.family != "mma" or variant.kv_split == "balanced":
         return variant
