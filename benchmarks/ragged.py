@@ -59,7 +59,8 @@ def main(heads: int = 64, batch: int = 32, seqlen_q: int = 9, min_keys: int = 25
     picked = choose_variant(work.problem, seqlen_q, batch, work.kv_capacity, device_info(0)[0], device_name(0))
     mlagen_call(work, None)(first)
     reference = first.out.float().clone()
-    splits = [picked.with_(kv_split="adaptive"), picked.with_(kv_split="balanced")] if picked.family == "mma" else []
+    splits = ([picked.with_(kv_split="adaptive", cluster=False), picked.with_(kv_split="balanced", cluster=False)]
+              if picked.family == "mma" else [])
     for variant in (None, *([parse_variant(name) for name in variants] or splits)):
         call = mlagen_call(work, variant)
         call(first)

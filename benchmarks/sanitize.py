@@ -33,8 +33,8 @@ def main() -> None:
                 Variant(family="mma", head_tile=8, q_tile=1, block_n=64, warps=4, stages=1, kv_split=1, arch=arch),
                 Variant(family="mma", head_tile=8, q_tile=4, block_n=64, warps=4, stages=2, kv_split="balanced",
                         arch=arch)]
-    if torch.cuda.get_device_capability() == (9, 0):   # sm_90a: P·V on wgmma or on mma.sync; balanced split
-        for knobs in ({}, {"mma_pv": True}, {"kv_split": "balanced"}):
+    if torch.cuda.get_device_capability() == (9, 0):   # sm_90a: P·V on wgmma or mma.sync; balanced, cluster split
+        for knobs in ({}, {"mma_pv": True}, {"kv_split": "balanced"}, {"cluster": True}):
             variants.append(Variant(family="mma", head_tile=8, q_tile=8, block_n=64, warps=8, stages=2,
                                     arch="sm_90a", **({"kv_split": 2} | knobs)))
         # the short rows' kernel: its epilogue stages 64 output rows over nearly all its shared memory

@@ -1,10 +1,11 @@
 """Per-block timeline of one launch of an mma kernel: when each block starts, when its first KV
-tile has landed, when its tile loop ends and when it is done (split blocks), or when its wait for
-the splits ends and when it is done (merge blocks).
+tile has landed, when its tile loop ends and when it is done (split blocks; a cluster split's
+blocks also when their cluster has staged its rows), or when its wait for the splits ends and
+when it is done (merge blocks).
 
 Stamps (globaltimer at a block's start and end, clock64 between) are patched into the rendered
 source of this run only, at landmarks of templates/mma.cu.j2 and merge.cuh.j2 (non-balanced
-split); a landmark that moved fails loudly. On the GPU machine:
+split) or of the cluster split's epilogue; a landmark that moved fails loudly. On the GPU machine:
 
     python3 benchmarks/trace_blocks.py 64 1 9 256 [variant name; default: the dispatcher's]
 
@@ -28,7 +29,7 @@ from mlagen import launch  # noqa: E402
 from mlagen.spec import parse_variant  # noqa: E402
 
 SLOTS, MAX_BLOCKS, GHZ = 8, 8192, 1.98
-START, TILE0, LOOP_END, MERGE_WAIT, DONE, END = 0, 2, 3, 4, 5, 7   # slot 1: clock64 at start
+START, TILE0, LOOP_END, MERGE_WAIT, DONE, CLUSTER_MET, END = 0, 2, 3, 4, 5, 6, 7   # slot 1: clock64 at start
 HEADER = (f"__device__ unsigned long long mlagen_trace[{MAX_BLOCKS * SLOTS}];\n"
           "__device__ __forceinline__ unsigned long long tr_gt() {\n"
           "  unsigned long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"
@@ -45,13 +46,18 @@ PATCHES = [   # (landmark, replacement): the first occurrence of each
     ("    if (!direct) count_split_done(p, b, x, splits);",
      f"    if (!direct) count_split_done(p, b, x, splits);\n    TR({DONE}); TR({END});"),
 ]
+CLUSTER_PATCHES = PATCHES[2:4] + [   # no merge blocks, no counter: the cluster barriers instead
+    ("      cluster_sync();\n      constexpr int CR",
+     f"      cluster_sync(); TR({CLUSTER_MET});\n      constexpr int CR"),
+    ("      cluster_sync();\n    } else {", f"      cluster_sync(); TR({DONE}); TR({END});\n    }} else {{"),
+]
 
 
 def patch(source: str) -> str:
     start = source.index("const int wmq = warp % WMQ")
     start = source.index("\n", start) + 1
     source = source[:start] + f"  TR({START}); TR(1);\n" + source[start:]
-    for landmark, replacement in PATCHES:
+    for landmark, replacement in CLUSTER_PATCHES if "cluster_sync();" in source else PATCHES:
         if landmark not in source:
             raise SystemExit(f"landmark not found (the template changed): {landmark!r}")
         source = source.replace(landmark, replacement, 1)
@@ -91,7 +97,7 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
         return (r[k] - r[1]) / (GHZ * 1e3) if r[k] else float("nan")
 
     print(loaded.plan.name, "blocks", len(rows))
-    print("kind  block  start  wall | split: tile 0 landed, loop end, done | merge: wait over, done"
+    print("kind  block  start  wall | split: tile 0 landed, loop end, [cluster staged,] done | merge: wait over, done"
           "  (µs; start and wall from globaltimer, the rest from block start)")
     lines = []
     for i, r in rows:
@@ -99,8 +105,9 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
         if wall < 0.3:
             continue                    # a spare merge-slab block: exits at once
         merge = bool(r[MERGE_WAIT])
+        met = f" {us(r, CLUSTER_MET):6.2f}" if r[CLUSTER_MET] else ""
         phases = (f"{'':24}| {us(r, MERGE_WAIT):6.2f} {us(r, DONE):6.2f}" if merge else
-                  f"{us(r, TILE0):6.2f} {us(r, LOOP_END):6.2f} {us(r, DONE):6.2f}  |")
+                  f"{us(r, TILE0):6.2f} {us(r, LOOP_END):6.2f}{met} {us(r, DONE):6.2f}  |")
         lines.append((merge, (r[START] - t0) / 1e3, f"{'merge' if merge else 'split'} {i:5d} "
                                                      f"{(r[START] - t0) / 1e3:6.2f} {wall:5.2f} | {phases}"))
     for *_, text in sorted(lines):

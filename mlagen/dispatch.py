@@ -127,7 +127,7 @@ def balanced_for_batch(problem: Problem, variant: Variant, batch: int) -> Varian
     """
     if batch < 2 or variant.family != "mma" or variant.kv_split == "balanced":
         return variant
-    balanced = variant.with_(kv_split="balanced")
+    balanced = variant.with_(kv_split="balanced", cluster=False)   # a cluster's split is capacity-sized too
     try:
         validate(problem, balanced)
     except SpecError:

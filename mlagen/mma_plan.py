@@ -20,6 +20,9 @@ from .arch import MAX_ACCUMULATORS, Arch, accumulator_budget
 from .spec import Problem, Variant, kernel_name
 
 BLOCK_NS = (32, 64, 128)
+# fp32 padding of a staged output row (templates/mma.cu.j2's epilogue): 8 puts the float2 stores
+# of a half-warp (4 rows x 4 lanes) on 32 distinct banks.
+STAGE_PAD = 8
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,11 @@ class MmaLayout:
     smem_bytes: int
     wgmma: bool = False   # scores by warpgroup wgmma (sm_90a) instead of mma.sync
     pv_wgmma: bool = False  # the output product too (sm_90a unless the variant says mma_pv)
+
+    @property
+    def stage_pad(self) -> int:
+        """fp32 padding of a staged output row in the epilogue (STAGE_PAD)."""
+        return STAGE_PAD
 
 
 def _score_split(m_pad: int, block_n: int, warps: int) -> tuple[int, int] | None:
@@ -90,7 +98,7 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
 
 
 def plan_mma(p: Problem, v: Variant, arch: Arch):
-    from .validate import KernelPlan, SpecError, _smem_fits
+    from .validate import KernelPlan, SpecError, _require, _smem_fits
 
     if not arch.mma:
         raise SpecError("variant.arch", arch.name, "an arch with mma.sync bf16/fp16 (sm_80 or newer)")
@@ -98,6 +106,16 @@ def plan_mma(p: Problem, v: Variant, arch: Arch):
     if isinstance(layout, str):
         raise SpecError("variant", v.name, layout)
     _smem_fits(arch, layout.smem_bytes, v.name)
+    if v.cluster:
+        _require(arch.capability >= 90, "variant.cluster", v.cluster,
+                 f"False on {arch.name}: thread-block clusters need sm_90 or newer")
+        # The cluster's blocks stage their fp32 output rows over the Q and KV buffers (the
+        # template's STAGE_EPILOGUE, which static_asserts the same sum) for their peers to read.
+        staged = layout.m_pad * (p.dl + STAGE_PAD) * 4
+        buffers = (layout.m_pad + v.stages * v.block_n) * p.head_dim * 2
+        _require(staged <= buffers, "variant.cluster", v.cluster,
+                 f"False for this tile: the {staged} bytes of staged output rows need Q and KV "
+                 f"buffers that large, these have {buffers} (more stages or a wider KV tile)")
     return KernelPlan(
         problem=p, variant=v, arch=arch, name=kernel_name(p, v), threads=v.warps * 32,
         rows=v.q_tile * v.head_tile, rows_pad=layout.m_pad, rows_per_warp=layout.rows_w,

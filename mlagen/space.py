@@ -21,6 +21,7 @@ STAGES = (2, 1, 3)
 MMA_PV = (False, True)         # sm_90a: P·V on wgmma, or on mma.sync (valid nowhere else)
 MAX_ROWS = 128                 # q_tile * head_tile beyond this fits no family's block
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
+CLUSTER_SIZES = (2, 4, 8)   # cluster splits the tuner times (each size is its own kernel)
 KNOB_TILE_SHAPES = 3           # tile shapes whose knob variations are searched
 
 
@@ -65,11 +66,13 @@ def structures(problem: Problem, seqlen_q: int, arch: str, family: str,
     return found[:limit]
 
 
-def split_variants(variant: Variant, kv_capacity: int, skip: int) -> list[Variant]:
+def split_variants(problem: Problem, variant: Variant, kv_capacity: int, skip: int) -> list[Variant]:
     """`variant` with each fixed split that leaves every split at least one KV tile, except
-    `skip` (the split its adaptive rule already picks), and for the mma family the balanced
-    split."""
+    `skip` (the split its adaptive rule already picks); for the mma family also the balanced
+    split and the cluster splits of CLUSTER_SIZES that `problem` and the arch allow."""
     tiles = max(1, -(-kv_capacity // variant.block_n))
     fixed = [variant.with_(kv_split=s) for s in SPLITS if s <= tiles and s != skip]
-    return fixed + ([variant.with_(kv_split="balanced")] if variant.family == "mma" else [])
-
+    if variant.family != "mma":
+        return fixed
+    clusters = [variant.with_(kv_split=s, cluster=True) for s in CLUSTER_SIZES if s <= tiles]
+    return fixed + [variant.with_(kv_split="balanced")] + [c for c in clusters if is_valid(problem, c)]

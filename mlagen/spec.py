@@ -82,6 +82,10 @@ class Variant:
     arch: target, one of mlagen.arch.ARCHS ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_120").
     mma_pv: sm_90a only: the output product P·V on mma.sync instead of wgmma (the scores stay
         on wgmma). Shorter per-tile latency, less tensor throughput; named `_pvm`.
+    cluster: mma on sm_90/sm_90a with kv_split an int in 2..8: the splits of a row group run
+        as one thread-block cluster and combine their output rows through distributed shared
+        memory when their tiles are done, with no partials in global memory and no merge
+        blocks; the split count is then a compile-time constant. Named `_cl`.
     """
 
     family: Family = "flash"
@@ -93,6 +97,7 @@ class Variant:
     stages: int = 2
     arch: str = "sm_90"
     mma_pv: bool = False
+    cluster: bool = False
 
     @property
     def name(self) -> str:
@@ -109,23 +114,26 @@ class Variant:
     def code_name(self) -> str:
         """The name of the generated code: like `name` but without a counted or adaptive split,
         which is a launch parameter and does not change the source (the balanced split does:
-        `_spb`)."""
+        `_spb`; nor does a cluster's, a compile-time count: `_sp4` ... `_cl`)."""
         if self.family == "naive":
             return self.name
         arch = self.arch.replace("_", "")
-        balanced = "_spb" if self.kv_split == "balanced" else ""
+        split = "_spb" if self.kv_split == "balanced" else f"_sp{self.kv_split}" if self.cluster else ""
         return (
             f"{self.family}_ht{self.head_tile}_qt{self.q_tile}_bn{self.block_n}"
-            f"_w{self.warps}_st{self.stages}{balanced}{self._schedule}_{arch}"
+            f"_w{self.warps}_st{self.stages}{split}{self._schedule}_{arch}"
         )
 
     @property
     def _schedule(self) -> str:
-        """The name's part for the sm_90a schedule knobs ("" for the default)."""
-        return "_pvm" if self.mma_pv else ""
+        """The name's part for the knobs (KNOB_TAGS; "" for the defaults)."""
+        return "".join(f"_{tag}" for knob, tag in KNOB_TAGS if getattr(self, knob))
 
     def with_(self, **changes: object) -> Variant:
         return replace(self, **changes)
+
+
+KNOB_TAGS = (("mma_pv", "pvm"), ("cluster", "cl"))   # boolean knobs, in the name's order
 
 
 def naive(arch: str = "sm_90", warps: int = 4) -> Variant:
@@ -145,7 +153,7 @@ def parse_variant(name: str) -> Variant:
     """The Variant whose `name` is `name` (inverse of Variant.name)."""
     parts = name.split("_")
     knobs = {}
-    for knob, tag in (("mma_pv", "pvm"),):
+    for knob, tag in reversed(KNOB_TAGS):
         knobs[knob] = len(parts) > 8 and parts[-2] == tag
         if knobs[knob]:
             del parts[-2]

@@ -176,7 +176,7 @@ def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, 
     splits = []
     for t in ranked[: config.split_top]:
         adaptive = num_splits(t.variant, row.heads, row.batch, row.seqlen_q, work.kv_capacity, sm_count)
-        splits += split_variants(t.variant, work.kv_capacity, skip=adaptive)
+        splits += split_variants(work.problem, t.variant, work.kv_capacity, skip=adaptive)
     tried = {t.variant for t in result.trials}
     splits = [v for v in as_dispatched(work.problem, row.batch, splits) if v not in tried]
     advance(len(splits))

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
 MERGE_TARGET_BLOCKS = 128  # merge blocks a split launch aims for in all (about one wave on big GPUs)
 CHUNK = 8                  # elements per 16-byte load
+MAX_CLUSTER = 8            # blocks per thread-block cluster that every sm_90 GPU can schedule
 
 
 class SpecError(ValueError):
@@ -77,8 +78,10 @@ class KernelPlan:
     def split_launch(self, num_splits: int) -> bool:
         """Whether a launch with `num_splits` writes partials and holds merge blocks: any count
         above 1, and the balanced split always (which requests its ranges cut, and which have
-        no keys, only the device knows)."""
-        return self.uses_split and (num_splits > 1 or self.variant.kv_split == "balanced")
+        no keys, only the device knows); never a cluster split, whose blocks combine their rows
+        in shared memory."""
+        return (self.uses_split and not self.variant.cluster
+                and (num_splits > 1 or self.variant.kv_split == "balanced"))
 
     def partial_rows(self, batch: int, seqlen_q: int, num_splits: int) -> int:
         """Rows of Dl floats the workspace holds for a launch's partials (0 without a split).
@@ -92,9 +95,10 @@ class KernelPlan:
 
     def grid(self, batch: int, seqlen_q: int, num_splits: int) -> tuple[int, int, int]:
         """Grid of the kernel. Split launches add z slabs after the B request slabs for the merge
-        blocks, so that every merge block comes after every split block in grid order. A
-        balanced split has (row groups of a request, ranges) split blocks in slab 0, num_splits
-        being its ranges (`dispatch.balanced_parts`), and always its merge slabs."""
+        blocks, so that every merge block comes after every split block in grid order (a cluster
+        split has none: its y is the cluster). A balanced split has (row groups of a request,
+        ranges) split blocks in slab 0, num_splits being its ranges (`dispatch.balanced_parts`),
+        and always its merge slabs."""
         if self.variant.family == "naive":
             return (self.problem.heads, seqlen_q, batch)
         merge = batch * self.merge_blocks(batch, seqlen_q)
@@ -103,6 +107,8 @@ class KernelPlan:
             return (x, num_splits, 1 + -(-merge // num_splits))
         if num_splits == 1:
             return (x, 1, batch)
+        if self.variant.cluster:
+            return (x, num_splits, batch)
         return (x, num_splits, batch + -(-merge // num_splits))
 
     def grid_expr(self) -> tuple[str, str, str]:
@@ -113,6 +119,8 @@ class KernelPlan:
         x = f"ceil(S / {self.variant.q_tile}) * {self.head_tiles}"
         if self.variant.kv_split == "balanced":
             return (x, "num_splits", "1 + (B * merge_blocks + num_splits - 1) / num_splits")
+        if self.variant.cluster:
+            return (x, "num_splits", "B")
         return (x, "num_splits", "num_splits > 1 ? B + (B * merge_blocks + num_splits - 1) / num_splits : B")
 
 
@@ -146,6 +154,10 @@ def _check_common(v: Variant) -> None:
              "'adaptive' or an int for the naive and flash families ('balanced' is mma only)")
     _require(v.mma_pv is False or (v.mma_pv is True and v.family == "mma"), "variant.mma_pv", v.mma_pv,
              "False, or True for the mma family (on sm_90a)")
+    _require(v.cluster is False or (v.cluster is True and v.family == "mma" and isinstance(v.kv_split, int)
+                                    and 2 <= v.kv_split <= MAX_CLUSTER),
+             "variant.cluster", v.cluster,
+             f"False, or True for the mma family with kv_split an int in 2..{MAX_CLUSTER} (the cluster size)")
 
 
 def _smem_fits(arch: Arch, smem: int, what: str) -> None:

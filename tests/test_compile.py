@@ -12,7 +12,7 @@ from mlagen.build import build
 from mlagen.codegen import render
 from mlagen.presets import PRESETS
 from mlagen.spec import Problem, Variant, naive, parse_variant
-from mlagen.validate import SpecError, validate
+from mlagen.validate import SpecError, is_valid, validate
 
 problems = st.builds(
     Problem,
@@ -68,6 +68,22 @@ def test_balanced_split_variants_compile_without_spills(preset, variant):
     structures with it, on every CI arch."""
     built = build(preset.problem, variant)
     assert "_spb_" in built.plan.main_kernel
+    for name, r in built.module.resources.items():
+        assert not r.spills, f"{name} spills: {r}"
+
+
+CLUSTER_JOBS = [(p, v.with_(kv_split=k, cluster=True)) for p, v in PRESET_JOBS for k in (2, 8)
+                if v.family == "mma" and v.arch in ("sm_90", "sm_90a")]
+
+
+@pytest.mark.parametrize("preset,variant", CLUSTER_JOBS, ids=[f"{p.name}-{v.name}" for p, v in CLUSTER_JOBS])
+def test_cluster_split_variants_compile_without_spills(preset, variant):
+    """A cluster split is its own kernel per size (the combine over distributed shared memory
+    holds every block's row in flight): the presets' sm_90 mma structures at sizes 2 and 8."""
+    if not is_valid(preset.problem, variant):
+        pytest.skip(f"{variant.name}: its staged rows do not fit this tile's buffers")
+    built = build(preset.problem, variant)
+    assert "_cl_" in built.plan.main_kernel
     for name, r in built.module.resources.items():
         assert not r.spills, f"{name} spills: {r}"
 

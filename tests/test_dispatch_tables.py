@@ -162,11 +162,17 @@ def test_tile_shapes_prefer_fewer_kv_passes():
 
 
 def test_split_variants():
+    p = Problem(heads=64)
     v = Variant(family="flash", head_tile=8, q_tile=9, block_n=32, arch="sm_90")
-    splits = [w.kv_split for w in split_variants(v, 256, skip=2)]
+    splits = [w.kv_split for w in split_variants(p, v, 256, skip=2)]
     assert splits == [1, 4, 8]           # at most 256/32 = 8 tiles; the adaptive one skipped
     mma = v.with_(family="mma", q_tile=8)
-    assert [w.kv_split for w in split_variants(mma, 256, skip=2)] == [1, 4, 8, "balanced"]
+    found = split_variants(p, mma, 256, skip=2)
+    assert [w.kv_split for w in found if not w.cluster] == [1, 4, 8, "balanced"]
+    assert [w.kv_split for w in found if w.cluster] == [2, 4, 8]     # cluster sizes, one kernel each
+    # 128 keys: 4 tiles, so no cluster of 8; sm_80 has no clusters
+    assert [w.kv_split for w in split_variants(p, mma, 128, skip=2) if w.cluster] == [2, 4]
+    assert not [w for w in split_variants(p, mma.with_(arch="sm_80"), 256, skip=2) if w.cluster]
 
 
 @settings(max_examples=300, deadline=None)
@@ -240,6 +246,10 @@ def test_batches_take_the_balanced_split_of_the_chosen_tile():
     _save({tables.bucket_key(p, 9, 32, 16384): {"variant": tuned, "us": 10.0}})
     chosen = dispatch.choose_variant(p, 9, 32, 16384, "sm_90", GPU)
     assert chosen == parse_variant(tuned).with_(kv_split="balanced")
+    # a cluster split is sized by the capacity as well: a batch gets the balanced one instead
+    clustered = parse_variant("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a")
+    assert dispatch.balanced_for_batch(p, clustered, 8) == parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_sm90a")
+    assert dispatch.balanced_for_batch(p, clustered, 1) == clustered
     # the flash family has no balanced split: unchanged
     flash = dispatch.flash_heuristic(p, 9, "sm_90")
     assert dispatch.balanced_for_batch(p, flash, 8) == flash

@@ -108,6 +108,19 @@ def test_wgmma_schedules_match_reference(shape, schedule, kv_split):
     assert_matches(out, lse_out, case)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the cluster split's variants here are sm_90a (compute capability 9.0)")
+@given(shape=shapes(max_work=4e9), size=st.sampled_from([2, 3, 5, 8]), schedule=st.sampled_from(list(SCHEDULES)))
+def test_cluster_split_matches_reference(shape, size, schedule):
+    """The splits of a row group as one thread-block cluster, combining their rows through
+    distributed shared memory: sizes that do and do not divide the tiles, empty splits, ragged
+    and empty requests (the shapes strategy)."""
+    lse = shape.pop("lse")
+    case = make_case(**shape)
+    out, lse_out = _run(case, _wgmma_variant(shape["heads"], schedule, size).with_(cluster=True), lse)
+    assert_matches(out, lse_out, case)
+
+
 @given(shape=shapes(max_work=4e9))
 def test_dispatched_matches_reference(shape):
     lse = shape.pop("lse")

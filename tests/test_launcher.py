@@ -27,6 +27,8 @@ PLANS = [
              Variant(head_tile=4, q_tile=4, kv_split=3, warps=8, stages=1, arch="sm_120")),
     validate(Problem(heads=64), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, kv_split="balanced",
                                         arch="sm_90a")),
+    validate(Problem(heads=64, lse=True), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, kv_split=4,
+                                                  cluster=True, arch="sm_90a")),
 ]
 # (batch, seqlen_q, max_pages, sm_count, blocks_per_sm)
 SHAPES = [(1, 1, 1, 132, 1), (1, 9, 64, 132, 2), (3, 33, 5, 188, 1), (64, 4, 300, 78, 3), (2, 64, 2048, 132, 1),

@@ -102,6 +102,18 @@ def test_epilogue_writes_16_byte_rows():
     assert stores.count("") < 40
 
 
+def test_cluster_split_combines_in_shared_memory():
+    """A cluster split's blocks meet at two cluster barriers (rows staged; rows read) and read
+    each other's rows through the cluster window: no split counter (ATOMG) and no merge wait."""
+    _needs_nvdisasm()
+    b = _built("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a")
+    text = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a")
+    assert text.count("UCGABAR_ARV") == 2 and text.count("UCGABAR_WAIT") == 2
+    assert "ATOMG" not in text and "NANOSLEEP" not in text
+    assert re.search(r"\bLD\.E\.128\b", text)                 # 16-byte reads of the peers' rows
+    assert re.search(r"\bSTG\.E\.64\b", text)                 # 8-byte stores of 4 output values
+
+
 def test_mma_sync_kernel_has_no_wgmma():
     _needs_nvdisasm()
     b = _built("mma_ht8_qt3_bn32_w4_st2_spa_sm90")
@@ -141,9 +153,10 @@ def test_block_trace_patch_compiles_for_the_split_kernels():
     from mlagen.codegen import render
     from mlagen.compiler import compile_source
 
-    for name in ("mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a", "mma_ht32_qt2_bn64_w8_st2_spa_sm90a"):
+    for name, stamps in (("mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a", 10), ("mma_ht32_qt2_bn64_w8_st2_spa_sm90a", 10),
+                         ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 8)):
         plan = _built(name).plan
         source = trace_blocks.patch(render(plan))
-        assert source.count("TR(") == 10
+        assert source.count("TR(") == stamps
         module = compile_source(source, plan.name, plan.arch.name)
         assert all(not r.spills for r in module.resources.values())

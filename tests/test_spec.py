@@ -19,6 +19,7 @@ variants = st.builds(
     stages=st.integers(1, 4),
     arch=st.sampled_from(sorted(ARCHS)),
     mma_pv=st.booleans(),
+    cluster=st.booleans(),
 )
 
 
@@ -69,6 +70,14 @@ def test_bad_names_say_what_was_expected(bad):
     (Problem(), naive().with_(head_tile=2), "variant.head_tile"),
     (Problem(), Variant(mma_pv=True), "variant.mma_pv"),                           # flash family
     (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, mma_pv=True), "variant"),  # sm_90
+    (Problem(), Variant(kv_split=4, cluster=True), "variant.cluster"),                # flash family
+    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, cluster=True), "variant.cluster"),  # adaptive
+    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, kv_split=9, cluster=True),
+     "variant.cluster"),                                                            # more than 8 blocks
+    (Problem(), Variant(family="mma", head_tile=8, q_tile=8, block_n=32, kv_split=4, cluster=True, arch="sm_80"),
+     "variant.cluster"),                                                            # no clusters before sm_90
+    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=32, stages=1, kv_split=4, cluster=True),
+     "variant.cluster"),                                                            # staged rows do not fit
 ])
 def test_validation_names_field_value_and_limit(problem, variant, field):
     with pytest.raises(SpecError) as info:
@@ -125,3 +134,13 @@ def test_plan_derives_the_template_numbers():
     assert bal.partial_rows(batch=3, seqlen_q=9, num_splits=14) == (14 + 3 - 1) * 9 * 64
     n = validate(Problem(heads=16), naive())
     assert n.grid(batch=2, seqlen_q=3, num_splits=1) == (16, 3, 2)
+
+
+def test_cluster_split_is_a_kernel_of_its_own_without_workspace():
+    v = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, kv_split=4, cluster=True, arch="sm_90a")
+    assert v.name == "mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a" and parse_variant(v.name) == v
+    assert v.code_name == "mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a" != v.with_(kv_split=8).code_name
+    plan = validate(Problem(heads=64), v)
+    assert plan.grid(3, 9, 4) == (9, 4, 3)                  # y: the cluster's blocks; no merge slabs
+    assert not plan.split_launch(4) and plan.partial_rows(3, 9, 4) == 0
+    assert plan.grid_expr() == ("ceil(S / 1) * 1", "num_splits", "B")

@@ -169,7 +169,7 @@ __device__ __forceinline__ float row_lse(float m, float l) {
 }
 
 // Writes `vals` (N = 8, 4 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
-// divided by l; an empty row (l == 0) writes zeros. N = 8 is one 16-byte store.
+// divided by l; an empty row (l == 0) writes zeros: one 16-, 8- or 4-byte store.
 template <int N>
 __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, int h, int d0,
                                           const float* vals, float l) {
@@ -182,10 +182,14 @@ __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, i
 #pragma unroll
     for (int e = 0; e < 8; ++e) f[e] = vals[e] * inv;
     *reinterpret_cast<uint4*>(dst) = pack8(f);
+  } else if constexpr (N == 4) {
+    uint2 v;
+    elem2_t* h2 = reinterpret_cast<elem2_t*>(&v);
+    h2[0] = from_float2(vals[0] * inv, vals[1] * inv);
+    h2[1] = from_float2(vals[2] * inv, vals[3] * inv);
+    *reinterpret_cast<uint2*>(dst) = v;
   } else {
-#pragma unroll
-    for (int e = 0; e < N / 2; ++e)
-      reinterpret_cast<elem2_t*>(dst)[e] = from_float2(vals[2 * e] * inv, vals[2 * e + 1] * inv);
+    *reinterpret_cast<elem2_t*>(dst) = from_float2(vals[0] * inv, vals[1] * inv);
   }
 }
 
@@ -409,7 +413,6 @@ constexpr int NTO = DIMS_W / 8;
 constexpr int PS = 40;                                // P row stride (padded)
 
 constexpr int MT_O = MT, NT_O = NTO;                                // every warp: all rows, DIMS_W dims
-
 constexpr int HEAD_TILES = H / HT;
 // The epilogue stages the output rows in the Q and KV buffers (free once the tile loop ends),
 // rows padded by 8 floats so a half-warp's float2 stores (4 rows x 4 lanes) meet 32 distinct
@@ -478,7 +481,6 @@ __device__ __forceinline__ float new_max(const float* sM, const float* sPart, in
 __device__ __forceinline__ int p_off(int row, int key) {
 
   return row * PS + key;
-
 }
 
 // One thread's share of loading a swizzled [NROWS][D] tile with cp.async: 8 threads per row
@@ -525,7 +527,6 @@ struct RowLoad {
 }  // namespace mlagen_mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse
 
 // grid: (ceil(S/QT) * H/HT, num_splits, B + merge slabs when num_splits > 1); block: 128 threads;
-
 // dynamic shared memory 77184 bytes.
 extern "C" __global__ void __launch_bounds__(128, 1)
 mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
@@ -557,7 +558,6 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     int kb_begin, kb_end;
 
     split_blocks(key_limit(n, S, q_end), BN, split, p.num_splits, &kb_begin, &kb_end);
-
 
     {
       RowLoad<M_PAD, THREADS> ql;
@@ -599,7 +599,6 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     float o[MT_O][NT_O][4] = {};
 
     const int o_row0 = 0, o_dim0 = warp * DIMS_W;
-
     float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
     const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
 
@@ -639,7 +638,6 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
 #pragma unroll
           for (int nt = 0; nt < NTQ; ++nt) mma16816(s[mt][nt], a[mt], &bk[nt / 2][2 * (nt % 2)]);
       }
-
 
       // ---- mask, scale, and this warp's row maxima ----
       // A tile inside every row's prefix needs no mask. Its padding rows (past ROWS or S) then
@@ -714,7 +712,6 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
 
           const int row = o_row0 + mt * 16 + g + 8 * half;
           const float m_old = sM[row], m_new = new_max(sM, sPart, row);
-
           if (m_new == m_old) continue;     // most tiles of a long row: alpha = 1, skip the multiplies
           const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
 #pragma unroll
@@ -745,7 +742,6 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
         }
       }
       if (STAGES > 1) prepare_kv(kr + 1);
-
       if (threadIdx.x < M_PAD)      // after P V's issue, off its path; read after the next tile's barriers
         sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
     }
@@ -820,5 +816,4 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   };
 
   segment(blockIdx.z, blockIdx.x, 0, 0, blockIdx.y, p.num_splits == 1, p.num_splits);
-
 }

@@ -163,7 +163,7 @@ __device__ __forceinline__ float row_lse(float m, float l) {
 }
 
 // Writes `vals` (N = 8, 4 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
-// divided by l; an empty row (l == 0) writes zeros. N = 8 is one 16-byte store.
+// divided by l; an empty row (l == 0) writes zeros: one 16-, 8- or 4-byte store.
 template <int N>
 __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, int h, int d0,
                                           const float* vals, float l) {
@@ -176,10 +176,14 @@ __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, i
 #pragma unroll
     for (int e = 0; e < 8; ++e) f[e] = vals[e] * inv;
     *reinterpret_cast<uint4*>(dst) = pack8(f);
+  } else if constexpr (N == 4) {
+    uint2 v;
+    elem2_t* h2 = reinterpret_cast<elem2_t*>(&v);
+    h2[0] = from_float2(vals[0] * inv, vals[1] * inv);
+    h2[1] = from_float2(vals[2] * inv, vals[3] * inv);
+    *reinterpret_cast<uint2*>(dst) = v;
   } else {
-#pragma unroll
-    for (int e = 0; e < N / 2; ++e)
-      reinterpret_cast<elem2_t*>(dst)[e] = from_float2(vals[2 * e] * inv, vals[2 * e + 1] * inv);
+    *reinterpret_cast<elem2_t*>(dst) = from_float2(vals[0] * inv, vals[1] * inv);
   }
 }
 

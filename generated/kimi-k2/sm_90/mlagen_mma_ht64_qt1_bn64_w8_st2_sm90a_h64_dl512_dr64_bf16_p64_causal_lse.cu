@@ -169,7 +169,7 @@ __device__ __forceinline__ float row_lse(float m, float l) {
 }
 
 // Writes `vals` (N = 8, 4 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
-// divided by l; an empty row (l == 0) writes zeros. N = 8 is one 16-byte store.
+// divided by l; an empty row (l == 0) writes zeros: one 16-, 8- or 4-byte store.
 template <int N>
 __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, int h, int d0,
                                           const float* vals, float l) {
@@ -182,10 +182,14 @@ __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, i
 #pragma unroll
     for (int e = 0; e < 8; ++e) f[e] = vals[e] * inv;
     *reinterpret_cast<uint4*>(dst) = pack8(f);
+  } else if constexpr (N == 4) {
+    uint2 v;
+    elem2_t* h2 = reinterpret_cast<elem2_t*>(&v);
+    h2[0] = from_float2(vals[0] * inv, vals[1] * inv);
+    h2[1] = from_float2(vals[2] * inv, vals[3] * inv);
+    *reinterpret_cast<uint2*>(dst) = v;
   } else {
-#pragma unroll
-    for (int e = 0; e < N / 2; ++e)
-      reinterpret_cast<elem2_t*>(dst)[e] = from_float2(vals[2 * e] * inv, vals[2 * e + 1] * inv);
+    *reinterpret_cast<elem2_t*>(dst) = from_float2(vals[0] * inv, vals[1] * inv);
   }
 }
 
@@ -411,7 +415,6 @@ constexpr int PS = 72;                                // P row stride (padded)
 // Output on wgmma: warpgroup wnq holds all 64 rows x dims [DL/2*wnq, +DL/2); its warp wmq rows
 // 16*wmq.. as one m16 piece of DL/16 n8 pieces (the same register order as mma.sync pieces).
 constexpr int MT_O = 1, NT_O = DL / 16;
-
 constexpr int HEAD_TILES = H / HT;
 // The epilogue stages the output rows in the Q and KV buffers (free once the tile loop ends),
 // rows padded by 8 floats so a half-warp's float2 stores (4 rows x 4 lanes) meet 32 distinct
@@ -513,7 +516,6 @@ __device__ __forceinline__ void pv_wgmma(float* o, unsigned pa, unsigned tile) {
   for (int ks = 0; ks < BN / 16; ++ks) wgmma_pv(o, pd + ks * 2, vd + ks * 128, 1);   // 32 and 2048 bytes
 }
 
-
 // Running max of `row` after the current tile, from the one in sM and every warp's tile maximum.
 // It moves only when the tile's maximum passes it by more than RESCALE_SLACK (log2 units), so on
 // most tiles of a long row no output row needs the 2^(m_old - m_new) rescale (its multiplies sit
@@ -534,7 +536,6 @@ __device__ __forceinline__ float new_max(const float* sM, const float* sPart, in
 __device__ __forceinline__ int p_off(int row, int key) {
 
   return row * 64 + ((((key >> 3) ^ row) & 7) << 3) + (key & 7);
-
 }
 
 // One thread's share of loading a swizzled [NROWS][D] tile with cp.async: 8 threads per row
@@ -581,7 +582,6 @@ struct RowLoad {
 }  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 // grid: (ceil(S/QT) * H/HT, num_splits, B + merge slabs when num_splits > 1); block: 256 threads;
-
 // dynamic shared memory 231680 bytes.
 extern "C" __global__ void __launch_bounds__(256, 1)
 mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
@@ -613,7 +613,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     int kb_begin, kb_end;
 
     split_blocks(key_limit(n, S, q_end), BN, split, p.num_splits, &kb_begin, &kb_end);
-
 
     {
       RowLoad<M_PAD, THREADS> ql;
@@ -655,7 +654,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     float o[MT_O][NT_O][4] = {};
 
     const int o_row0 = 16 * wmq, o_dim0 = (DL / 2) * wnq;   // this warp's output piece
-
     float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
     const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
 
@@ -669,7 +667,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
 
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async data -> wgmma reads
-
       __syncthreads();                                      // tile kb landed; tile kb-1 fully used
       const int kr = kb + STAGES - 1;                       // refilled this iteration, into tile kb-1's buffer
       const unsigned tileA = stage(kb);
@@ -689,7 +686,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       cp_async_commit();
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-
 
       // ---- mask, scale, and this warp's row maxima ----
       // A tile inside every row's prefix needs no mask. Its padding rows (past ROWS or S) then
@@ -764,7 +760,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
 
           static_assert(MT_O == MTQ && ROWS_W == 16, "output rows = score rows (o_row0 = 16 * wmq)");
           const float m_old = m_prev[mt][half], m_new = m_next[mt][half];
-
           if (m_new == m_old) continue;     // most tiles of a long row: alpha = 1, skip the multiplies
           const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
 #pragma unroll
@@ -772,7 +767,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
         }
 
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // P stores -> wgmma reads
-
       __syncthreads();                                      // P complete; sM and sPart read
 
       // ---- O += P V over the tile's keys ----
@@ -782,7 +776,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       if (STAGES > 1) prepare_kv(kr + 1);                   // while the tensor cores run P V
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-
       if (threadIdx.x < M_PAD)      // after P V's issue, off its path; read after the next tile's barriers
         sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
     }
@@ -857,5 +850,4 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   };
 
   segment(blockIdx.z, blockIdx.x, 0, 0, blockIdx.y, p.num_splits == 1, p.num_splits);
-
 }
