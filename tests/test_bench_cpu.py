@@ -17,10 +17,11 @@ from mlagen.eager import eager_attention, eager_visible
 from mlagen.floor import Ceilings, floor_bytes, floor_flops, floor_us
 from mlagen.grids import SEED, SERVING, Row, parse_row, select_rows
 from mlagen.peers import PEERS, peer
-from mlagen.precompile import precompile
+from mlagen.precompile import code_identity, precompile
 from mlagen.report import FILES, from_json, markdown, plot, rich_table, to_json, write_all
 from mlagen.spec import Problem, Variant, naive, parse_variant
 from mlagen.timing import rotation_count
+from mlagen.validate import validate
 from mlagen.workload import draft_tree
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,6 +124,17 @@ def test_precompile_reports_errors_without_raising():
     calls = []
     result = precompile([good, bad, good], workers=1, on_done=calls.append)
     assert result[good] == "" and "SpecError" in result[bad] and len(calls) == 2
+
+
+@pytest.mark.parametrize("name", ["mma_ht16_qt4_bn64_w8_st2_sp2_cl_sm90a", "mma_ht64_qt1_bn64_w8_st2_spb_sm90a",
+                                  "mma_ht64_qt1_bn64_w8_st2_sp3_sm90a", "flash_ht8_qt8_bn32_w8_st2_spa_sm90"])
+def test_code_identity_names_the_code_that_runs(name):
+    """The bench and the tuner look a variant's compile error up by its code identity: that must
+    be the code the variant runs (a cluster's size and the balanced split are compiled in)."""
+    v = parse_variant(name)
+    _, ident = code_identity(Problem(heads=64), v)
+    assert ident.code_name == v.code_name
+    assert validate(Problem(heads=64), ident)     # raises when the identity is no variant at all
 
 
 def _synthetic() -> BenchResult:
