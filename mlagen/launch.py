@@ -1,15 +1,26 @@
 """Loading cubins onto a device and launching them on a raw CUDA stream.
 
-Kernels are launched with cuLaunchKernel through CuPy's driver bindings (a compiled wrapper;
-ctypes' argument conversion measured ~1 µs more per launch) with the packed parameter block: no
-CuPy arrays, no allocations, no host synchronization, so launches work on any stream, torch's
-included, and inside CUDA graph capture.
+Kernels are launched with the packed parameter block: no CuPy arrays, no allocations, no host
+synchronization, so launches work on any stream, torch's included, and inside CUDA graph
+capture. Launches go through cuLaunchKernel in CuPy's compiled driver bindings (ctypes'
+argument conversion measured ~1 µs more per launch).
+
+MLAGEN_PDL=1 (read when a shape is first prepared) launches sm_90+ kernels with programmatic
+dependent launch instead (cuLaunchKernelEx through ctypes, which CuPy does not bind): a
+launch's blocks are scheduled while the kernel before it drains, and the kernels wait for that
+kernel's writes before reading anything (`pdl_prologue` in templates/common.cuh.j2). It is off
+by default: on the H200 it saved 0.6-1.5 µs on launches of a few KV tiles (256 keys: 12.3-12.9
+-> 11.3-11.4 µs) but cost 1-7% on long and batched rows and ~5 µs of host time per call
+(benchmarks/NOTES.md, v18).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import struct
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +31,9 @@ from .spec import Problem, Variant
 from .validate import KernelPlan
 
 DEFAULT_SMEM_LIMIT = 48 * 1024   # above this a kernel must opt in to more dynamic shared memory
+PDL_MIN_CAPABILITY = 90          # griddepcontrol, and the launch attribute, need sm_90
+PDL: bool = os.environ.get("MLAGEN_PDL", "") not in ("", "0")
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 @dataclass(frozen=True)
@@ -74,16 +88,19 @@ def load(problem: Problem, variant: Variant, device_index: int) -> Loaded:
 @dataclass(frozen=True, slots=True)
 class KernelLaunch:
     """The launch of one shape, as cuLaunchKernel's leading arguments (function, grid xyz,
-    block xyz, dynamic shared memory), computed once so that a launch only adds the stream."""
+    block xyz, dynamic shared memory), computed once so that a launch only adds the stream;
+    `pdl`: launch it as a programmatic dependent of the stream's previous kernel."""
 
     args: tuple[int, ...]
     name: str
+    pdl: bool = False
 
 
 def kernel_launch(loaded: Loaded, grid: tuple[int, int, int]) -> KernelLaunch:
     """The kernel on `grid` (merge blocks included when split)."""
     plan = loaded.plan
-    return KernelLaunch(args=(loaded.main.ptr, *grid, plan.threads, 1, 1, plan.smem_bytes), name=plan.main_kernel)
+    return KernelLaunch(args=(loaded.main.ptr, *grid, plan.threads, 1, 1, plan.smem_bytes), name=plan.main_kernel,
+                        pdl=PDL and plan.arch.capability >= PDL_MIN_CAPABILITY)
 
 
 @functools.cache
@@ -92,15 +109,60 @@ def _launch_kernel() -> Callable[..., None]:
     return _driver().launchKernel
 
 
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, then a 64-byte value union at offset 8."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h)."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_CONFIG_HEAD = struct.Struct("<7I4xQ")   # LaunchConfig up to its stream: one pack per launch
+_PDL_ATTRIBUTE = LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+_PDL_ATTRIBUTE.value[0] = 1          # programmaticStreamSerializationAllowed
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+
+
+@functools.cache
+def _launch_kernel_ex() -> Callable[..., int]:
+    """The driver's cuLaunchKernelEx (returns a CUresult)."""
+    fn = _libcuda().cuLaunchKernelEx
+    fn.argtypes = [ctypes.c_void_p] * 4     # config, function, kernelParams, extra: addresses
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _error_name(code: int) -> str:
+    """The driver's name of CUresult `code` (e.g. CUDA_ERROR_INVALID_VALUE)."""
+    name = ctypes.c_char_p()
+    try:
+        if _libcuda().cuGetErrorName(code, ctypes.byref(name)) == 0 and name.value:
+            return name.value.decode()
+    except OSError:
+        pass
+    return f"CUresult {code}"
+
+
 class _ParamsBuffer(threading.local):
-    """One parameter block per thread, reused by every launch: cuLaunchKernel copies the
-    parameters when it returns (also under graph capture), and a per-thread buffer keeps two
-    threads launching at once from packing into the same bytes."""
+    """One parameter block (and launch config) per thread, reused by every launch: the driver
+    copies the parameters when a launch returns (also under graph capture), and a per-thread
+    buffer keeps two threads launching at once from packing into the same bytes."""
 
     def __init__(self) -> None:
         self.block = ctypes.create_string_buffer(PARAMS_SIZE)
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.block))   # kernelParams: void*[1]
         self.address = ctypes.addressof(self.argv)
+        self.config = LaunchConfig(attrs=ctypes.pointer(_PDL_ATTRIBUTE), num_attrs=1)
+        self.config_address = ctypes.addressof(self.config)
 
 
 _params = _ParamsBuffer()
@@ -110,7 +172,19 @@ def launch(kernel: KernelLaunch, stream: int, pointers: tuple[int, ...], rest: t
     """Pack the parameter block (see `mlagen.params.pack_into`) and launch the kernel on `stream`."""
     params = _params
     pack_into(params.block, 0, *pointers, *rest)
+    if kernel.pdl:
+        _launch_dependent(kernel, stream, params)
+        return
     try:
         _launch_kernel()(*kernel.args, stream, params.address, 0)
     except RuntimeError as e:   # CuPy's CUDADriverError names the error, not the kernel
         raise RuntimeError(f"cuLaunchKernel of {kernel.name} failed: {e}") from e
+
+
+def _launch_dependent(kernel: KernelLaunch, stream: int, params: _ParamsBuffer) -> None:
+    """cuLaunchKernelEx with the programmatic-stream-serialization attribute."""
+    args = kernel.args
+    _CONFIG_HEAD.pack_into(params.config, 0, *args[1:], stream)   # grid, block, shared memory, stream
+    code = _launch_kernel_ex()(params.config_address, args[0], params.address, None)
+    if code:
+        raise RuntimeError(f"cuLaunchKernelEx of {kernel.name} failed: {_error_name(code)}")

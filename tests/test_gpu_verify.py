@@ -236,6 +236,56 @@ def test_split_merge_across_calls_streams_and_graphs(kv_split):
             assert_matches(out, lse, case)
 
 
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+@pytest.mark.parametrize("kv_split", [None, 5, "balanced"])
+def test_back_to_back_launches_read_what_the_previous_one_wrote(kv_split, pdl, monkeypatch, request):
+    """Each call's out is the next call's q (its first Dl dims, NaN before), so a launch that
+    read its inputs before the previous kernel finished would read NaN: with programmatic
+    dependent launch (MLAGEN_PDL=1, sm_90+) the kernels must wait for it. Eagerly and inside a
+    CUDA graph; with a split the calls also share the workspace and the counters the previous
+    launch's merge blocks reset."""
+    from mlagen import launch, runtime
+
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    monkeypatch.setattr(launch, "PDL", pdl)
+    monkeypatch.setattr(runtime, "_calls", {})
+    runtime._prepare.cache_clear()          # kernel launches carry the PDL choice
+    request.addfinalizer(runtime._prepare.cache_clear)
+    variant = None if kv_split is None else Variant(family="mma", head_tile=16, q_tile=2, block_n=64, warps=8,
+                                                       stages=2, kv_split=kv_split, arch=_arch())
+    cases = [make_case(batch=2, seqlen_q=5, heads=16, prefixes=[2500, 300], page_size=64, mask="causal", seed=s)
+             for s in (21, 22, 23)]
+
+    def chain():
+        results = []
+        for case, following in zip(cases, cases[1:] + [None], strict=True):
+            out = following.q[..., :following.dl] if following is not None else None
+            results.append(mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                                   variant=variant, return_lse=True, out=out, **case.kwargs()))
+        return results
+
+    def poison():
+        for case in cases[1:]:
+            case.q[..., :case.dl] = math.nan
+
+    def check(results):
+        torch.cuda.synchronize()
+        for (out, lse), case in zip(results, cases, strict=True):
+            assert_matches(out, lse, case)
+
+    poison()
+    check(chain())                                         # eager (also compiles and loads)
+    poison()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        results = chain()
+    for _ in range(3):
+        poison()
+        graph.replay()
+        check(results)
+
+
 def test_runs_on_the_current_stream():
     case = make_case(batch=2, seqlen_q=4, heads=16, prefixes=[5000, 100], page_size=16, mask="tree",
                      seed=7)

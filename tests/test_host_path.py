@@ -5,7 +5,10 @@ driver's cuLaunchKernel) are replaced by fakes that record what would reach the 
 from __future__ import annotations
 
 import ctypes
+import os
+import shutil
 import struct
+import subprocess
 import threading
 import types
 
@@ -258,11 +261,93 @@ def test_empty_batch_launches_nothing(fake_gpu):
     assert out.shape == (0, S, H, DL) and not fake_gpu.driver.launches
 
 
-def test_kernel_launch_holds_the_launch_arguments():
-    plan = types.SimpleNamespace(threads=256, smem_bytes=100_000, main_kernel="main_k")
-    loaded = types.SimpleNamespace(plan=plan, main=types.SimpleNamespace(ptr=0x7F00))
-    k = launch.kernel_launch(loaded, (8, 2, B + 4))
-    assert (k.args, k.name) == (MAIN, "main_k")
+def _loaded(capability: int) -> types.SimpleNamespace:
+    plan = types.SimpleNamespace(threads=256, smem_bytes=100_000, main_kernel="main_k",
+                                 arch=types.SimpleNamespace(capability=capability))
+    return types.SimpleNamespace(plan=plan, main=types.SimpleNamespace(ptr=0x7F00))
+
+
+def test_kernel_launch_holds_the_launch_arguments(monkeypatch):
+    monkeypatch.setattr(launch, "PDL", False)                      # the default (MLAGEN_PDL unset)
+    k = launch.kernel_launch(_loaded(90), (8, 2, B + 4))
+    assert (k.args, k.name, k.pdl) == (MAIN, "main_k", False)
+    monkeypatch.setattr(launch, "PDL", True)                       # MLAGEN_PDL=1
+    assert launch.kernel_launch(_loaded(90), (8, 2, B + 4)).pdl
+    assert not launch.kernel_launch(_loaded(80), (8, 2, B + 4)).pdl   # no griddepcontrol before sm_90
+
+
+class DriverEx:
+    """A fake cuLaunchKernelEx: records the launch config's fields and the parameter block."""
+
+    def __init__(self, code: int = 0) -> None:
+        self.code, self.launches = code, []
+
+    def __call__(self, config_address, function, params, extra) -> int:
+        config = launch.LaunchConfig.from_address(config_address)
+        attr = config.attrs[0]
+        block = ctypes.c_void_p.from_address(params).value
+        self.launches.append(dict(grid=tuple(config.grid), block=tuple(config.block), shared=config.shared_bytes,
+                                  stream=config.stream, attrs=[(attr.id, attr.value[0])] * config.num_attrs,
+                                  function=function, extra=extra, params=ctypes.string_at(block, PARAMS_SIZE)))
+        return self.code
+
+
+def test_dependent_launch_fills_the_launch_config(monkeypatch):
+    """sm_90+ kernels go through cuLaunchKernelEx with the programmatic-stream-serialization
+    attribute (id 6, allowed = 1), the shape's grid, block and shared memory, and the stream."""
+    driver = DriverEx()
+    monkeypatch.setattr(launch, "_launch_kernel_ex", lambda: driver)
+    kernel = launch.KernelLaunch(args=MAIN, name="main_k", pdl=True)
+    rest = tail(dict.fromkeys(TAIL_NAMES, 1))
+    launch.launch(kernel, 0x5EAB, (16,) + (0,) * (len(POINTER_NAMES) - 1), rest)
+    launch.launch(kernel, 0, (32,) + (0,) * (len(POINTER_NAMES) - 1), rest)
+    first, second = driver.launches
+    assert first["grid"] == MAIN[1:4] and first["block"] == MAIN[4:7] and first["shared"] == MAIN[7]
+    assert first["function"] == MAIN[0] and first["extra"] is None and first["attrs"] == [(6, 1)]
+    assert first["stream"] == 0x5EAB and not second["stream"]
+    assert fields(first["params"])["q"] == 16 and fields(second["params"])["q"] == 32
+
+
+def test_dependent_launch_errors_name_the_kernel(monkeypatch):
+    monkeypatch.setattr(launch, "_launch_kernel_ex", lambda: DriverEx(code=1))
+    monkeypatch.setattr(launch, "_error_name", lambda code: "CUDA_ERROR_INVALID_VALUE" if code == 1 else "?")
+    kernel = launch.KernelLaunch(args=MAIN, name="main_k", pdl=True)
+    with pytest.raises(RuntimeError, match="cuLaunchKernelEx of main_k failed: CUDA_ERROR_INVALID_VALUE"):
+        launch.launch(kernel, 0, (0,) * len(POINTER_NAMES), tail(dict.fromkeys(TAIL_NAMES, 0)))
+
+
+LAYOUT_PROGRAM = r"""
+#include <stddef.h>
+#include <stdio.h>
+#include <cuda.h>
+int main(void) {
+  printf("%zu %zu %zu %zu %zu %zu %zu %d\n", sizeof(CUlaunchConfig), offsetof(CUlaunchConfig, hStream),
+         offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs), sizeof(CUlaunchAttribute),
+         offsetof(CUlaunchAttribute, value), offsetof(CUlaunchConfig, sharedMemBytes),
+         (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+  return 0;
+}
+"""
+
+
+def test_launch_config_matches_cuda_h(tmp_path):
+    """The ctypes structs cuLaunchKernelEx reads, against cuda.h's own layout (a C compiler and
+    the CUDA headers of the nvidia wheels or a toolkit)."""
+    from mlagen.compiler import cuda_include_dir
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler to read cuda.h's layout")
+    include = cuda_include_dir()
+    if not os.path.exists(os.path.join(include, "cuda.h")):
+        pytest.skip(f"no cuda.h under {include}")
+    (tmp_path / "layout.c").write_text(LAYOUT_PROGRAM)
+    subprocess.run([cc, f"-I{include}", "-o", str(tmp_path / "layout"), str(tmp_path / "layout.c")], check=True)
+    got = subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True, check=True).stdout.split()
+    C, A = launch.LaunchConfig, launch.LaunchAttribute
+    assert list(map(int, got)) == [ctypes.sizeof(C), C.stream.offset, C.attrs.offset, C.num_attrs.offset,
+                                   ctypes.sizeof(A), A.value.offset, C.shared_bytes.offset,
+                                   launch._PROGRAMMATIC_STREAM_SERIALIZATION]
 
 
 def test_launch_errors_name_the_kernel(monkeypatch):

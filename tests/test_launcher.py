@@ -45,6 +45,9 @@ def test_header_fills_every_field_once(plan):
         assert len(re.findall(rf"\bp\.{f.name} = ", text)) == 1, f.name
     assert f"namespace {namespace(plan)} {{" in text
     assert f"constexpr int kMaxMergeBlocks = {plan.max_merge_blocks};" in text
+    # programmatic dependent launch only where the kernel has griddepcontrol (sm_90+)
+    pdl = "true" if plan.arch.capability >= 90 else "false"
+    assert f"constexpr bool kProgrammaticLaunch = {pdl};" in text and "cudaLaunchKernelExC(&config" in text
 
 
 def test_emit_launcher_writes_beside_the_kernel(tmp_path):

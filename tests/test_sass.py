@@ -114,6 +114,33 @@ def test_cluster_split_combines_in_shared_memory():
     assert re.search(r"\bSTG\.E\.64\b", text)                 # 8-byte stores of 4 output values
 
 
+# Instructions that touch global memory (loads, copies, stores, atomics, generic accesses).
+GLOBAL_ACCESS = re.compile(r"\b(LDG|LDGSTS|STG|ATOMG|RED|LD|ST)\b")
+
+
+@pytest.mark.parametrize("name", [WGMMA, "mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", "mma_ht8_qt3_bn32_w4_st2_spa_sm90",
+                                  "flash_ht8_qt8_bn32_w8_st2_spa_sm90", "naive_w4_sm90", "naive_w4_sm120"])
+def test_kernels_wait_for_the_previous_grid_before_any_global_access(name):
+    """Programmatic dependent launch: sm_90+ kernels let the next grid be scheduled (PREEXIT,
+    griddepcontrol.launch_dependents) and wait for the previous grid (ACQBULK,
+    griddepcontrol.wait) before their first global access; a later wait would let a launch
+    read inputs the kernel before it is still writing."""
+    _needs_nvdisasm()
+    b = _built(name)
+    lines = sass.disassemble(b.module.cubin, b.plan.main_kernel, b.plan.arch.name).splitlines()
+    def first(pattern: re.Pattern) -> int:
+        return next(i for i, line in enumerate(lines) if pattern.search(line))
+
+    assert first(re.compile(r"\bPREEXIT\b")) < first(re.compile(r"\bACQBULK\b")) < first(GLOBAL_ACCESS)
+
+
+def test_kernels_for_older_archs_have_no_dependent_launch_control():
+    _needs_nvdisasm()
+    b = _built("naive_w4_sm80")
+    text = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_80")
+    assert "ACQBULK" not in text and "PREEXIT" not in text
+
+
 def test_mma_sync_kernel_has_no_wgmma():
     _needs_nvdisasm()
     b = _built("mma_ht8_qt3_bn32_w4_st2_spa_sm90")

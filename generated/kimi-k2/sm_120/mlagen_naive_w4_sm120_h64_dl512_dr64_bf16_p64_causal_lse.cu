@@ -68,6 +68,16 @@ struct __align__(8) VerifyParams {
 
 namespace mlagen_mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse {
 
+// Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
+// a launch that did not ask for it): the next kernel on the stream may be scheduled once every
+// block of this one has started, and nothing here is read before the previous kernel's writes
+// are visible. A launch of this kernel therefore only overlaps with its neighbours' block
+// scheduling and tails, never with their memory traffic.
+__device__ __forceinline__ void pdl_prologue() {
+  asm volatile("griddepcontrol.launch_dependents;\n"
+               "griddepcontrol.wait;\n" ::: "memory");
+}
+
 // Keys of request b that may be read: the stored length, clamped to what block_table can
 // address, so a bad length never makes a kernel read outside the cache it was given.
 __device__ __forceinline__ int request_keys(const VerifyParams& p, int b) {
@@ -222,6 +232,7 @@ static_assert(CHV % 32 == 0, "each lane owns whole value chunks");
 extern "C" __global__ void __launch_bounds__(128)
 mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
   using namespace mlagen_mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse;
+  pdl_prologue();
   extern __shared__ __align__(16) float smem[];
   float* sq = smem;                 // (D,) the query row, fp32
   float* sred = smem + D;           // (WARPS, DL + 2) each warp's acc, m, l
