@@ -25,7 +25,7 @@ from . import tables
 from .arch import runs_on
 from .mma_plan import heuristic_mma
 from .spec import Problem, Variant, naive, parse_variant
-from .validate import SpecError, validate
+from .validate import SpecError, is_valid, validate
 
 MAX_FLASH_ROWS = 64        # 8 warps x 8 rows: the scalar kernel's accumulator budget
 # The split-count model's costs, in KV-tile times of one block (~4 us on an H200 for the mma
@@ -121,18 +121,14 @@ def balanced_for_batch(problem: Problem, variant: Variant, batch: int) -> Varian
     idle while the longest requests finish. The balanced split's ranges follow the real lengths
     on the device. H200, ragged batches (log-uniform lengths up to the capacity, graph replay):
     0.35x the adaptive split's time at H=64 B=64 S=2, 0.50x at H=8 B=16 S=9, 0.53x at H=16 B=64
-    S=4, 0.64x at H=128 B=32 S=4, 0.83x at H=64 B=32 S=9; uniform batches, which the tables were
-    tuned on, pay 1-11% (H=64 B=128 S=1 at 4096 keys: 212 against 193 µs; benchmarks/NOTES.md).
-    Pass `variant=` to pin a split.
+    S=4, 0.64x at H=128 B=32 S=4, 0.83x at H=64 B=32 S=9; uniform batches paid 1-11% against the
+    adaptive split (H=64 B=128 S=1 at 4096 keys: 212 against 193 µs; benchmarks/NOTES.md). The
+    tuner times batches this way (`tune.as_dispatched`). Pass `variant=` to pin a split.
     """
     if batch < 2 or variant.family != "mma" or variant.kv_split == "balanced":
         return variant
     balanced = variant.with_(kv_split="balanced", cluster=False)   # a cluster's split is capacity-sized too
-    try:
-        validate(problem, balanced)
-    except SpecError:
-        return variant
-    return balanced
+    return balanced if is_valid(problem, balanced) else variant
 
 
 def family_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,

@@ -144,11 +144,8 @@ def _launch_kernel_ex() -> Callable[..., int]:
 def _error_name(code: int) -> str:
     """The driver's name of CUresult `code` (e.g. CUDA_ERROR_INVALID_VALUE)."""
     name = ctypes.c_char_p()
-    try:
-        if _libcuda().cuGetErrorName(code, ctypes.byref(name)) == 0 and name.value:
-            return name.value.decode()
-    except OSError:
-        pass
+    if _libcuda().cuGetErrorName(code, ctypes.byref(name)) == 0 and name.value:
+        return name.value.decode()
     return f"CUresult {code}"
 
 

@@ -19,11 +19,8 @@ from .validate import SpecError
 
 
 def code_identity(problem: Problem, variant: Variant) -> tuple[Problem, Variant]:
-    """Pairs with the same identity compile to the same code: a counted or adaptive split is a
-    launch parameter, while the balanced split and a cluster's size are compiled in."""
-    if variant.family == "naive" or variant.kv_split == "balanced" or variant.cluster:
-        return problem, variant
-    return problem, variant.with_(kv_split="adaptive")
+    """Pairs with the same identity compile to the same code (`Variant.code_variant`)."""
+    return problem, variant.code_variant
 
 
 def compile_one(problem: Problem, variant: Variant) -> str:

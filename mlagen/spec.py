@@ -101,27 +101,37 @@ class Variant:
 
     @property
     def name(self) -> str:
-        split = {"adaptive": "a", "balanced": "b"}.get(self.kv_split, str(self.kv_split))
-        arch = self.arch.replace("_", "")
-        if self.family == "naive":
-            return f"naive_w{self.warps}_{arch}"
-        return (
-            f"{self.family}_ht{self.head_tile}_qt{self.q_tile}_bn{self.block_n}"
-            f"_w{self.warps}_st{self.stages}_sp{split}{self._schedule}_{arch}"
-        )
+        return self._named(with_split=True)
 
     @property
     def code_name(self) -> str:
-        """The name of the generated code: like `name` but without a counted or adaptive split,
-        which is a launch parameter and does not change the source (the balanced split does:
-        `_spb`; nor does a cluster's, a compile-time count: `_sp4` ... `_cl`)."""
-        if self.family == "naive":
-            return self.name
+        """The name of the generated code: like `name` but without a split that is a launch
+        parameter (see `split_compiled_in`)."""
+        return self._named(with_split=self.split_compiled_in)
+
+    @property
+    def split_compiled_in(self) -> bool:
+        """Whether the split is part of the generated code (the balanced split, `_spb`; a
+        cluster's size, `_sp4` ... `_cl`) rather than a launch parameter (a counted or adaptive
+        split)."""
+        return self.kv_split == "balanced" or self.cluster
+
+    @property
+    def code_variant(self) -> Variant:
+        """The variant that stands for this one's generated code: itself, with a split that is a
+        launch parameter set to "adaptive" (variants with equal code_variants share a kernel)."""
+        if self.family == "naive" or self.split_compiled_in:
+            return self
+        return self.with_(kv_split="adaptive")
+
+    def _named(self, with_split: bool) -> str:
         arch = self.arch.replace("_", "")
-        split = "_spb" if self.kv_split == "balanced" else f"_sp{self.kv_split}" if self.cluster else ""
+        if self.family == "naive":
+            return f"naive_w{self.warps}_{arch}"
+        split = {"adaptive": "a", "balanced": "b"}.get(self.kv_split, str(self.kv_split))
         return (
             f"{self.family}_ht{self.head_tile}_qt{self.q_tile}_bn{self.block_n}"
-            f"_w{self.warps}_st{self.stages}{split}{self._schedule}_{arch}"
+            f"_w{self.warps}_st{self.stages}{f'_sp{split}' if with_split else ''}{self._schedule}_{arch}"
         )
 
     @property
