@@ -33,13 +33,16 @@ def main() -> None:
                 Variant(family="mma", head_tile=8, q_tile=1, block_n=64, warps=4, stages=1, kv_split=1, arch=arch),
                 Variant(family="mma", head_tile=8, q_tile=4, block_n=64, warps=4, stages=2, kv_split="balanced",
                         arch=arch)]
-    if torch.cuda.get_device_capability() == (9, 0):   # sm_90a: P·V on wgmma or mma.sync; balanced, cluster split
-        for knobs in ({}, {"mma_pv": True}, {"kv_split": "balanced"}, {"cluster": True}):
+    if torch.cuda.get_device_capability() == (9, 0):   # sm_90a: P·V on wgmma or mma.sync; balanced, cluster
+        # split; each split also with 16-bit partial rows
+        for knobs in ({}, {"mma_pv": True}, {"kv_split": "balanced"}, {"cluster": True}, {"part16": True},
+                      {"kv_split": "balanced", "part16": True}, {"cluster": True, "part16": True}):
             variants.append(Variant(family="mma", head_tile=8, q_tile=8, block_n=64, warps=8, stages=2,
                                     arch="sm_90a", **({"kv_split": 2} | knobs)))
         # the short rows' kernel: its epilogue stages 64 output rows over nearly all its shared memory
-        variants.append(Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1,
-                                mma_pv=True, arch="sm_90a"))
+        for part16 in (False, True):
+            variants.append(Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1,
+                                    mma_pv=True, part16=part16, arch="sm_90a"))
     for i, shape in enumerate(CASES):
         case = make_case(seed=i, **shape)
         for v in variants:

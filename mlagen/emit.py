@@ -51,9 +51,11 @@ def manifest(plan: KernelPlan) -> dict:
             "fields": [{"name": f.name, "type": f.ctype, "doc": f.doc} for f in FIELDS],
         },
         "workspace": {
-            "when": "num_splits > 1",
-            "part_o": "float32 [num_splits, B, S, H, Dl]",
-            "part_ml": "float32 [num_splits, B, S, H, 2]",
+            "when": "num_splits > 1, or a balanced split (the launcher's split_launch)",
+            "part_o": (f"{plan.problem.dtype} [partial_rows, Dl], each row divided by its sum" if plan.variant.part16
+                       else "float32 [partial_rows, Dl], unnormalized"),
+            "part_ml": "float32 [partial_rows, 2], (max, sum) in the log2 domain, after part_o",
+            "partial_rows": "the launcher's partial_rows(B, S, num_splits)",
             "counters": ("uint32 [B * grid.x] (each row group's merge blocks wait on its counter); "
                          "zero before the first launch, every launch leaves them zero: zero once and reuse "
                          "on one stream"),

@@ -20,8 +20,9 @@ from .arch import MAX_ACCUMULATORS, Arch, accumulator_budget
 from .spec import Problem, Variant, kernel_name
 
 BLOCK_NS = (32, 64, 128)
-# fp32 padding of a staged output row (templates/mma.cu.j2's epilogue): 8 puts the float2 stores
-# of a half-warp (4 rows x 4 lanes) on 32 distinct banks.
+# Padding of a staged output row, in values (templates/mma.cu.j2's epilogue): 8 puts the staging
+# stores on 32 distinct banks (fp32: a half-warp's float2 stores, 4 rows x 4 lanes; part16: a
+# warp's 4-byte pairs, 8 rows x 4 lanes).
 STAGE_PAD = 8
 
 
@@ -40,7 +41,7 @@ class MmaLayout:
 
     @property
     def stage_pad(self) -> int:
-        """fp32 padding of a staged output row in the epilogue (STAGE_PAD)."""
+        """Padding of a staged output row in the epilogue, in values (STAGE_PAD)."""
         return STAGE_PAD
 
 
@@ -109,9 +110,10 @@ def plan_mma(p: Problem, v: Variant, arch: Arch):
     if v.cluster:
         _require(arch.capability >= 90, "variant.cluster", v.cluster,
                  f"False on {arch.name}: thread-block clusters need sm_90 or newer")
-        # The cluster's blocks stage their fp32 output rows over the Q and KV buffers (the
-        # template's STAGE_EPILOGUE, which static_asserts the same sum) for their peers to read.
-        staged = layout.m_pad * (p.dl + STAGE_PAD) * 4
+        # The cluster's blocks stage their output rows (fp32, or 16-bit with part16) over the Q
+        # and KV buffers (the template's STAGE_EPILOGUE, which static_asserts the same sum) for
+        # their peers to read.
+        staged = layout.m_pad * (p.dl + STAGE_PAD) * (2 if v.part16 else 4)
         buffers = (layout.m_pad + v.stages * v.block_n) * p.head_dim * 2
         _require(staged <= buffers, "variant.cluster", v.cluster,
                  f"False for this tile: the {staged} bytes of staged output rows need Q and KV "

@@ -28,7 +28,8 @@ FIELDS: tuple[Field, ...] = (
     Field("tree_mask", "const unsigned char*", "Q", "(B or 1, S, S) bool, tree mask kind only"),
     Field("out", "elem_t*", "Q", "(B, S, H, Dl)"),
     Field("lse", "float*", "Q", "(B, H, S) fp32, natural log; written when the problem has lse"),
-    Field("part_o", "float*", "Q", "(num_splits, B, S, H, Dl) unnormalized partial outputs"),
+    Field("part_o", "void*", "Q", "(num_splits, B, S, H, Dl) partial outputs: fp32 unnormalized, "
+          "or normalized in elem_t (part16)"),
     Field("part_ml", "float2*", "Q", "(num_splits, B, S, H) partial (max, sum), log2 domain"),
     Field("counters", "unsigned int*", "Q", "(row groups,) finished splits per row group; zero between calls"),
     Field("q_stride_b", "long long", "q", "elements between requests of q"),

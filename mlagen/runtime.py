@@ -51,8 +51,7 @@ class _Prepared:
     loaded: Loaded
     kernel: KernelLaunch
     splits: int
-    workspace_rows: int                           # plan.partial_rows: 0 without a split
-    row_groups: int                               # split counters in the workspace when split, else 0
+    layout: workspace.Layout | None               # the split's workspace; None without one
     merge_blocks: int                             # per row group when split, else 0
 
 
@@ -73,11 +72,12 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
                                 f"on this {device_arch} device (e.g. {device_arch!r})")
     loaded = load(problem, variant, device)
     splits = num_splits(variant, heads, batch, seqlen_q, kv_capacity, sm_count, loaded.blocks_per_sm)
-    split = loaded.plan.split_launch(splits)
-    return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, loaded.plan.grid(batch, seqlen_q, splits)),
-                     splits=splits, workspace_rows=loaded.plan.partial_rows(batch, seqlen_q, splits),
-                     row_groups=loaded.plan.row_groups(batch, seqlen_q) if split else 0,
-                     merge_blocks=loaded.plan.merge_blocks(batch, seqlen_q) if split else 0)
+    plan = loaded.plan
+    split = plan.split_launch(splits)
+    layout = workspace.Layout.of(plan.partial_rows(batch, seqlen_q, splits), dl * plan.part_elem_bytes,
+                                 plan.row_groups(batch, seqlen_q)) if split else None
+    return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, plan.grid(batch, seqlen_q, splits)),
+                     splits=splits, layout=layout, merge_blocks=plan.merge_blocks(batch, seqlen_q) if split else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +144,7 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
     call = _Call(
         shapes=shapes, kernel=prep.kernel, device=device, torch_device=q.device, dtype=q.dtype,
         out_size=out_size, lse_size=(B, H, S),
-        layout=workspace.Layout.of(prep.workspace_rows, dl, prep.row_groups) if prep.workspace_rows else None,
+        layout=prep.layout,
         tail=tail({
             "q_stride_b": q_strides[0], "q_stride_s": q_strides[1], "q_stride_h": q_strides[2],
             "kv_stride_page": shapes.kv_strides[0], "kv_stride_row": shapes.kv_strides[1],

@@ -5,7 +5,8 @@ stages (and on sm_90a where P·V runs).
 Tile shapes come first by how often the KV is read (ceil(S/q_tile) * H/head_tile
 passes over it per request: fewer is better), each with its most common knobs; knob variations
 of the best tile shapes follow. Splits are searched separately (`split_variants`), since they
-are launch parameters that do not change the compiled code.
+are launch parameters that do not change the compiled code, and the 16-bit exchange of partial
+rows last (`part16_variants`), for the fastest splits found.
 """
 
 from __future__ import annotations
@@ -76,3 +77,11 @@ def split_variants(problem: Problem, variant: Variant, kv_capacity: int, skip: i
         return fixed
     clusters = [variant.with_(kv_split=s, cluster=True) for s in CLUSTER_SIZES if s <= tiles]
     return fixed + [variant.with_(kv_split="balanced")] + [c for c in clusters if is_valid(problem, c)]
+
+
+def part16_variants(problem: Problem, variants: list[Variant]) -> list[Variant]:
+    """The `part16` twin of each of `variants` that exchanges partial rows between split blocks
+    (an mma variant whose split is not 1) and is valid for `problem`, in order."""
+    twins = [v.with_(part16=True) for v in variants
+             if v.family == "mma" and v.kv_split != 1 and not v.part16]
+    return [v for v in twins if is_valid(problem, v)]

@@ -86,6 +86,11 @@ class Variant:
         as one thread-block cluster and combine their output rows through distributed shared
         memory when their tiles are done, with no partials in global memory and no merge
         blocks; the split count is then a compile-time constant. Named `_cl`.
+    part16: mma only: a split's partial output rows travel normalized (divided by their own row
+        sum) in the output's dtype instead of unnormalized fp32, through the workspace, or
+        through distributed shared memory with `cluster`: half the bytes exchanged, for one
+        more rounding of each partial to the output's precision (the merged row is rounded to
+        it anyway). Named `_p16`.
     """
 
     family: Family = "flash"
@@ -98,6 +103,7 @@ class Variant:
     arch: str = "sm_90"
     mma_pv: bool = False
     cluster: bool = False
+    part16: bool = False
 
     @property
     def name(self) -> str:
@@ -143,7 +149,7 @@ class Variant:
         return replace(self, **changes)
 
 
-KNOB_TAGS = (("mma_pv", "pvm"), ("cluster", "cl"))   # boolean knobs, in the name's order
+KNOB_TAGS = (("mma_pv", "pvm"), ("cluster", "cl"), ("part16", "p16"))   # boolean knobs, in the name's order
 
 
 def naive(arch: str = "sm_90", warps: int = 4) -> Variant:

@@ -2,7 +2,8 @@
 
 Per row (a shape) and mask kind: the heuristic's pick, then up to `max_candidates` structures
 (`mlagen.space`: every family, most promising first) are compiled in parallel processes and
-timed here with CUDA graph replay; then the fastest few are retimed with fixed splits. A
+timed here with CUDA graph replay; then the fastest few are retimed with fixed splits, and the
+fastest few after that with 16-bit partial rows (`Variant.part16`). A
 candidate that fails to compile or run scores infinity. The best overall and the best of each
 family go into the table entry of the row's bucket (`mlagen.tables`), which dispatch reads.
 """
@@ -22,7 +23,7 @@ from .dispatch import balanced_for_batch, heuristic_variant, num_splits
 from .grids import Row
 from .precompile import code_identity, precompile
 from .runtime import device_info, device_name
-from .space import split_variants, structures
+from .space import part16_variants, split_variants, structures
 from .spec import FAMILIES, Problem, Variant
 from .stamp import stamp
 from .timing import TimingConfig, l2_bytes, measure
@@ -166,21 +167,30 @@ def _run_trials(work: Workload, result: RowTune, variants: list[Variant], errors
 
 def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, Variant], str],
               config: TuneConfig, sm_count: int, advance: Callable[..., None]) -> RowTune:
-    """Structures first, then fixed splits of the fastest few (same code: compiled already)."""
+    """Structures first, then fixed splits of the fastest few (same code: compiled already), then
+    the 16-bit partial rows of the fastest few (their own kernels, compiled when first run)."""
     row = work.row
     result = RowTune(row=row, mask=work.problem.mask,
                      key=tables.bucket_key(work.problem, row.seqlen_q, row.batch, work.kv_capacity))
     _run_trials(work, result, cands, errors, config, advance)
-    ranked = sorted((t for t in result.trials if t.variant.family != "naive" and math.isfinite(t.us)),
-                    key=lambda t: t.us)
+
+    def fastest() -> list[Variant]:
+        ranked = sorted((t for t in result.trials if t.variant.family != "naive" and math.isfinite(t.us)),
+                        key=lambda t: t.us)
+        return [t.variant for t in ranked[: config.split_top]]
+
+    def run_untried(variants: list[Variant]) -> None:
+        tried = {t.variant for t in result.trials}
+        variants = [v for v in as_dispatched(work.problem, row.batch, variants) if v not in tried]
+        advance(len(variants))
+        _run_trials(work, result, variants, errors, config, advance)
+
     splits = []
-    for t in ranked[: config.split_top]:
-        adaptive = num_splits(t.variant, row.heads, row.batch, row.seqlen_q, work.kv_capacity, sm_count)
-        splits += split_variants(work.problem, t.variant, work.kv_capacity, skip=adaptive)
-    tried = {t.variant for t in result.trials}
-    splits = [v for v in as_dispatched(work.problem, row.batch, splits) if v not in tried]
-    advance(len(splits))
-    _run_trials(work, result, splits, errors, config, advance)
+    for v in fastest():
+        adaptive = num_splits(v, row.heads, row.batch, row.seqlen_q, work.kv_capacity, sm_count)
+        splits += split_variants(work.problem, v, work.kv_capacity, skip=adaptive)
+    run_untried(splits)
+    run_untried(part16_variants(work.problem, fastest()))
     return result
 
 

@@ -84,7 +84,7 @@ class KernelPlan:
                 and (num_splits > 1 or self.variant.kv_split == "balanced"))
 
     def partial_rows(self, batch: int, seqlen_q: int, num_splits: int) -> int:
-        """Rows of Dl floats the workspace holds for a launch's partials (0 without a split).
+        """Partial rows the workspace holds for a launch (0 without a split).
         Split k of request b has its own B*S*H rows; the balanced split (num_splits = its ranges)
         numbers its partials by slot, range + request, so num_splits + B - 1 slots of S*H rows
         suffice whatever the lengths (templates/merge.cuh.j2)."""
@@ -92,6 +92,16 @@ class KernelPlan:
             return 0
         slots = num_splits + batch - 1 if self.variant.kv_split == "balanced" else num_splits * batch
         return slots * seqlen_q * self.problem.heads
+
+    @property
+    def part_elem_bytes(self) -> int:
+        """Bytes of one value of a partial output row: 4 (fp32), or 2 with `Variant.part16`."""
+        return 2 if self.variant.part16 else 4
+
+    @property
+    def partial_row_bytes(self) -> int:
+        """Workspace bytes per partial row: Dl values, then the row's (max, sum) as two floats."""
+        return self.problem.dl * self.part_elem_bytes + 8
 
     def grid(self, batch: int, seqlen_q: int, num_splits: int) -> tuple[int, int, int]:
         """Grid of the kernel. Split launches add z slabs after the B request slabs for the merge
@@ -158,6 +168,8 @@ def _check_common(v: Variant) -> None:
                                     and 2 <= v.kv_split <= MAX_CLUSTER),
              "variant.cluster", v.cluster,
              f"False, or True for the mma family with kv_split an int in 2..{MAX_CLUSTER} (the cluster size)")
+    _require(v.part16 is False or (v.part16 is True and v.family == "mma"), "variant.part16", v.part16,
+             "False, or True for the mma family")
 
 
 def _smem_fits(arch: Arch, smem: int, what: str) -> None:

@@ -1,4 +1,4 @@
-"""The split-KV workspace of a call: the splits' fp32 partial results and, per row group, the
+"""The split-KV workspace of a call: the splits' partial results and, per row group, the
 counter its merge blocks wait on (see templates/merge.cuh.j2).
 
 The counters must be zero when a launch starts; every launch leaves them zero. So:
@@ -29,18 +29,19 @@ _MAX_STREAMS = 64
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """A split call's partials in float32 elements, part_o [splits, B, S, H, Dl] then part_ml
-    [splits, B, S, H, 2], and its uint32 counters, one per row group."""
+    """A split call's workspace: part_o [rows, Dl] (fp32, or the output's dtype with
+    `Variant.part16`), then part_ml [rows, 2] fp32, as `numel` float32 elements, and its uint32
+    counters, one per row group."""
 
     numel: int
     part_ml_offset: int      # bytes from the start of part_o
     counters: int
 
     @classmethod
-    def of(cls, rows: int, dl: int, row_groups: int) -> Layout:
-        """For `rows` partial rows of width `dl` (`KernelPlan.partial_rows`). part_o's size is a multiple
-        of 8 bytes, so part_ml stays float2-aligned."""
-        return cls(numel=rows * (dl + 2), part_ml_offset=rows * dl * 4, counters=row_groups)
+    def of(cls, rows: int, row_bytes: int, row_groups: int) -> Layout:
+        """For `rows` partial rows (`KernelPlan.partial_rows`) of `row_bytes` bytes of values each
+        (Dl times `KernelPlan.part_elem_bytes`; a multiple of 8, so part_ml stays float2-aligned)."""
+        return cls(numel=rows * (row_bytes + 8) // 4, part_ml_offset=rows * row_bytes, counters=row_groups)
 
 
 class _Arena:

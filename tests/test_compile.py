@@ -88,6 +88,21 @@ def test_cluster_split_variants_compile_without_spills(preset, variant):
         assert not r.spills, f"{name} spills: {r}"
 
 
+PART16_JOBS = [(p, v.with_(part16=True)) for p, v in PRESET_JOBS if v.family == "mma"]
+PART16_JOBS += [(p, v.with_(kv_split=k, cluster=c)) for p, v in PART16_JOBS if v.arch == "sm_90a"
+                for k, c in (("balanced", False), (8, True))]
+
+
+@pytest.mark.parametrize("preset,variant", PART16_JOBS, ids=[f"{p.name}-{v.name}" for p, v in PART16_JOBS])
+def test_part16_variants_compile_without_spills(preset, variant):
+    """16-bit partial rows (normalized in the epilogue, unpacked in the merge) on the presets'
+    mma structures for every CI arch, and with the balanced and cluster splits on sm_90a."""
+    built = build(preset.problem, variant)
+    assert "_p16_" in built.plan.main_kernel
+    for name, r in built.module.resources.items():
+        assert not r.spills, f"{name} spills: {r}"
+
+
 def test_sm90a_products_run_on_wgmma():
     v = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=2, arch="sm_90a")
     for dtype in ("bf16", "fp16"):

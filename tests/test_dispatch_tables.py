@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlagen import dispatch, tables
+from mlagen import dispatch, tables, tune
 from mlagen.arch import CI_ARCHS
 from mlagen.bench import kv_capacity
-from mlagen.grids import select_rows
+from mlagen.grids import Row, select_rows
 from mlagen.presets import PRESETS
-from mlagen.space import split_variants, structures, tile_shapes
+from mlagen.space import part16_variants, split_variants, structures, tile_shapes
 from mlagen.spec import FAMILIES, Problem, Variant, naive, parse_variant
 from mlagen.tune import candidates
 from mlagen.validate import validate
@@ -173,6 +173,43 @@ def test_split_variants():
     # 128 keys: 4 tiles, so no cluster of 8; sm_80 has no clusters
     assert [w.kv_split for w in split_variants(p, mma, 128, skip=2) if w.cluster] == [2, 4]
     assert not [w for w in split_variants(p, mma.with_(arch="sm_80"), 256, skip=2) if w.cluster]
+
+
+def test_part16_variants_are_the_mma_splits_that_exchange_partials():
+    p = Problem(heads=64)
+    mma = parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_sm90a")
+    found = part16_variants(p, [mma, mma.with_(kv_split=1), mma.with_(kv_split="balanced"),
+                                mma.with_(kv_split=4, cluster=True), mma.with_(part16=True),
+                                parse_variant("flash_ht8_qt8_bn32_w8_st2_sp4_sm90"), naive()])
+    assert [v.name for v in found] == ["mma_ht64_qt1_bn64_w8_st2_spa_p16_sm90a",
+                                       "mma_ht64_qt1_bn64_w8_st2_spb_p16_sm90a",
+                                       "mma_ht64_qt1_bn64_w8_st2_sp4_cl_p16_sm90a"]
+
+
+def test_tune_times_part16_twins_of_the_fastest_last(monkeypatch):
+    """The tuner's last stage times the 16-bit twins of the fastest few trials, each once, and
+    the table entry takes one when it wins."""
+    from types import SimpleNamespace
+
+    row = Row(heads=64, batch=1, seqlen_q=9, prefix=1024)
+    problem = problem_for(row, 64, "causal", "bf16")
+    work = SimpleNamespace(row=row, problem=problem, kv_capacity=1088)
+    timed = []
+
+    def fake_time(work, trial, timing, give_up_us):
+        timed.append(trial.variant)
+        v = trial.variant
+        trial.us = 10.0 + v.block_n / 64 + (v.kv_split == 4) * -1 + v.part16 * -0.5 + (v.family != "mma") * 50
+
+    monkeypatch.setattr(tune, "_time", fake_time)
+    cands = candidates(problem, 9, "sm_90", 8)
+    result = tune._tune_one(work, cands, {}, tune.TuneConfig(), sm_count=132, advance=lambda more=0: None)
+    assert len(timed) == len(set(timed))                    # nothing timed twice
+    narrow = [v for v in timed if v.part16]
+    assert narrow and len(narrow) <= tune.TuneConfig().split_top
+    assert timed[-len(narrow):] == narrow                   # the last stage
+    assert result.best.variant.part16 and result.best.variant.kv_split == 4
+    assert result.entry()["variant"] == result.best.variant.name
 
 
 @settings(max_examples=300, deadline=None)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_matches, make_case, poison_allocator, poisoned_out
+from helpers import assert_matches, make_case, poison_allocator, poisoned_out, rel_error
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -52,7 +52,8 @@ def tiled_variants(draw, family: str, heads: int, arch: str):
     return Variant(family=family, head_tile=draw(st.sampled_from(divisors)),
                    q_tile=draw(st.integers(1, 16)), block_n=draw(st.sampled_from([32, 64, 128])),
                    warps=draw(st.sampled_from([2, 4, 8, 16])), stages=draw(st.integers(1, 3)),
-                   kv_split=draw(st.sampled_from(["adaptive", 1, 2, 5, "balanced"])), arch=arch)
+                   kv_split=draw(st.sampled_from(["adaptive", 1, 2, 5, "balanced"])), arch=arch,
+                   part16=family == "mma" and draw(st.booleans()))
 
 
 def _run(case, variant, lse: bool):
@@ -100,25 +101,45 @@ def _wgmma_variant(heads: int, schedule: str = "wgmma", kv_split: int | str = "a
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="wgmma needs a compute capability 9.0 GPU (sm_90a)")
 @given(shape=shapes(max_work=4e9), schedule=st.sampled_from(list(SCHEDULES)),
-       kv_split=st.sampled_from(["adaptive", 1, 3, 16, "balanced"]))
-def test_wgmma_schedules_match_reference(shape, schedule, kv_split):
+       kv_split=st.sampled_from(["adaptive", 1, 3, 16, "balanced"]), part16=st.booleans())
+def test_wgmma_schedules_match_reference(shape, schedule, kv_split, part16):
     lse = shape.pop("lse")
     case = make_case(**shape)
-    out, lse_out = _run(case, _wgmma_variant(shape["heads"], schedule, kv_split), lse)
+    out, lse_out = _run(case, _wgmma_variant(shape["heads"], schedule, kv_split).with_(part16=part16), lse)
     assert_matches(out, lse_out, case)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the cluster split's variants here are sm_90a (compute capability 9.0)")
-@given(shape=shapes(max_work=4e9), size=st.sampled_from([2, 3, 5, 8]), schedule=st.sampled_from(list(SCHEDULES)))
-def test_cluster_split_matches_reference(shape, size, schedule):
+@given(shape=shapes(max_work=4e9), size=st.sampled_from([2, 3, 5, 8]), schedule=st.sampled_from(list(SCHEDULES)),
+       part16=st.booleans())
+def test_cluster_split_matches_reference(shape, size, schedule, part16):
     """The splits of a row group as one thread-block cluster, combining their rows through
     distributed shared memory: sizes that do and do not divide the tiles, empty splits, ragged
     and empty requests (the shapes strategy)."""
     lse = shape.pop("lse")
     case = make_case(**shape)
-    out, lse_out = _run(case, _wgmma_variant(shape["heads"], schedule, size).with_(cluster=True), lse)
+    out, lse_out = _run(case, _wgmma_variant(shape["heads"], schedule, size).with_(cluster=True, part16=part16), lse)
     assert_matches(out, lse_out, case)
+
+
+@pytest.mark.parametrize("kv_split", [40, "balanced"])
+def test_part16_costs_at_most_a_rounding(kv_split):
+    """16-bit partial rows against fp32 ones on the same inputs: 40 splits (two rounds of the
+    merge's 32, rescaled between them) and the balanced split, with logits large enough that
+    the splits' maxima differ. Each partial is rounded once more, so the error may grow by
+    about one 16-bit rounding of the output (2^-8 relative), not more."""
+    case = make_case(batch=2, seqlen_q=9, heads=64, prefixes=[4000, 2600], page_size=64, mask="causal", seed=5)
+    case.q.mul_(4)
+    base = _wgmma_variant(64, kv_split=kv_split) if _arch() == "sm_90" else \
+        Variant(family="mma", head_tile=16, q_tile=4, block_n=64, warps=8, stages=2, kv_split=kv_split, arch=_arch())
+    ref, _ = case.reference(torch.float64)
+    errors = {}
+    for part16 in (False, True):
+        out, lse = _run(case, base.with_(part16=part16), True)
+        assert_matches(out, lse, case)
+        errors[part16] = rel_error(out, ref)
+    assert errors[True] <= errors[False] + 2**-8, errors
 
 
 @given(shape=shapes(max_work=4e9))

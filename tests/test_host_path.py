@@ -53,8 +53,9 @@ def fake_gpu(monkeypatch):
 
     def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, max_pages, device, variant):
         prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, max_pages, device, variant))
-        return runtime._Prepared(loaded=None, kernel=kernel, splits=2, workspace_rows=2 * batch * seqlen_q * heads,
-                                 row_groups=GROUPS, merge_blocks=3)
+        rows, value_bytes = 2 * batch * seqlen_q * heads, 2 if variant and variant.part16 else 4
+        return runtime._Prepared(loaded=None, kernel=kernel, splits=2, merge_blocks=3,
+                                 layout=workspace.Layout.of(rows, dl * value_bytes, GROUPS))
 
     monkeypatch.setattr(runtime, "_calls", {})
     monkeypatch.setattr(runtime, "_require_cuda", lambda q: None)
@@ -107,6 +108,17 @@ def test_repeat_calls_reuse_one_checked_call(fake_gpu):
     # new tensors with equal metadata hit the same entry
     call(make_args(), out=torch.empty(B, S, H, DL, dtype=torch.bfloat16))
     assert len(fake_gpu.prepared) == 1
+
+
+def test_part16_workspace_holds_16_bit_rows_then_fp32_stats(fake_gpu):
+    """A part16 variant's partial rows are Dl 16-bit values: part_ml starts half as far in."""
+    from mlagen.spec import parse_variant
+
+    call(make_args(), variant=parse_variant("mma_ht4_qt1_bn64_w8_st2_spa_p16_sm90a"))
+    (_, block), = fake_gpu.driver.launches
+    f = fields(block)
+    assert f["part_ml"] == f["part_o"] + 2 * B * S * H * DL * 2
+    assert workspace._buffers[(0, 0x5EAB)][0].numel() * 4 == 2 * B * S * H * (DL * 2 + 8)
 
 
 def test_launch_gets_pointers_strides_and_sizes(fake_gpu):

@@ -29,6 +29,8 @@ PLANS = [
                                         arch="sm_90a")),
     validate(Problem(heads=64, lse=True), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, kv_split=4,
                                                   cluster=True, arch="sm_90a")),
+    validate(Problem(heads=16, dtype="fp16"), Variant(family="mma", head_tile=16, q_tile=4, block_n=64, warps=8,
+                                                      arch="sm_90a", part16=True)),
 ]
 # (batch, seqlen_q, max_pages, sm_count, blocks_per_sm)
 SHAPES = [(1, 1, 1, 132, 1), (1, 9, 64, 132, 2), (3, 33, 5, 188, 1), (64, 4, 300, 78, 3), (2, 64, 2048, 132, 1),
@@ -109,7 +111,7 @@ def test_host_helpers_match_python(tmp_path):
     for p in PLANS:
         for B, S, pages, sms, occ in SHAPES:
             n = num_splits(p.variant, p.problem.heads, B, S, pages * p.problem.page_size, sms, occ)
-            ws = p.partial_rows(B, S, n) * (p.problem.dl + 2) * 4
+            ws = p.partial_rows(B, S, n) * (p.problem.dl * (2 if p.variant.part16 else 4) + 2 * 4)
             counters = 4 * p.row_groups(B, S) if p.split_launch(n) else 0
             want = [n, *p.grid(B, S, n), ws, counters]
             assert [int(x) for x in got[k].split()] == want, (p.variant.name, B, S, pages, sms, occ)

@@ -114,6 +114,23 @@ def test_cluster_split_combines_in_shared_memory():
     assert re.search(r"\bSTG\.E\.64\b", text)                 # 8-byte stores of 4 output values
 
 
+def test_part16_rows_move_in_16_byte_pieces():
+    """part16: the epilogue stages each row as 16-bit values and copies it out in 16-byte
+    stores (no 8-byte fp32 pieces); the cluster combine reads half the bytes of an fp32 one
+    through the window and stores 8 output values at a time."""
+    _needs_nvdisasm()
+    b = _built("mma_ht64_qt1_bn64_w8_st2_spa_p16_sm90a")
+    text = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a")
+    assert re.search(r"\bSTG\.E\.128\b", text) and not re.search(r"\bSTS\.64\b", text)
+    assert len(re.findall(r"\bLDG\.E\.128\.STRONG\.GPU\b", text)) == 24    # the merge: 6 + 6 rows of 2 loads a lane
+    fp32 = sass.disassemble(_built("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a").module.cubin,
+                            _built("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a").plan.main_kernel, "sm_90a")
+    c = _built("mma_ht64_qt1_bn64_w8_st2_sp4_cl_p16_sm90a")
+    half = sass.disassemble(c.module.cubin, c.plan.main_kernel, "sm_90a")
+    assert 2 * half.count("LD.E.128") == fp32.count("LD.E.128")
+    assert re.search(r"\bSTG\.E\.128\b", half) and not re.search(r"\bSTG\.E\.64\b", half)
+
+
 # Instructions that touch global memory (loads, copies, stores, atomics, generic accesses).
 GLOBAL_ACCESS = re.compile(r"\b(LDG|LDGSTS|STG|ATOMG|RED|LD|ST)\b")
 

@@ -20,6 +20,7 @@ variants = st.builds(
     arch=st.sampled_from(sorted(ARCHS)),
     mma_pv=st.booleans(),
     cluster=st.booleans(),
+    part16=st.booleans(),
 )
 
 
@@ -44,6 +45,8 @@ def test_names_are_readable_and_distinct():
     w = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", mma_pv=True)
     assert w.name == "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a"
     assert w.code_name == "mma_ht64_qt1_bn64_w8_st2_pvm_sm90a" != w.with_(mma_pv=False).code_name
+    c = w.with_(kv_split=4, cluster=True, part16=True)
+    assert c.name == c.code_name == "mma_ht64_qt1_bn64_w8_st2_sp4_pvm_cl_p16_sm90a"
 
 
 @pytest.mark.parametrize("bad", ["flash_ht8", "flash_hx8_qt8_bn32_w8_st2_spa_sm90", "conv_ht8_qt8_bn32_w8_st2_spa_sm90",
@@ -78,6 +81,7 @@ def test_bad_names_say_what_was_expected(bad):
      "variant.cluster"),                                                            # no clusters before sm_90
     (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=32, stages=1, kv_split=4, cluster=True),
      "variant.cluster"),                                                            # staged rows do not fit
+    (Problem(), Variant(kv_split=4, part16=True), "variant.part16"),                  # flash family
 ])
 def test_validation_names_field_value_and_limit(problem, variant, field):
     with pytest.raises(SpecError) as info:
@@ -132,6 +136,8 @@ def test_plan_derives_the_template_numbers():
     assert bal.grid(batch=3, seqlen_q=9, num_splits=1) == (2 * 8, 1, 1 + 3 * bal.merge_blocks(3, 9))
     assert bal.grid(batch=3, seqlen_q=9, num_splits=14) == (2 * 8, 14, 1 + 1)
     assert bal.partial_rows(batch=3, seqlen_q=9, num_splits=14) == (14 + 3 - 1) * 9 * 64
+    assert bal.partial_row_bytes == 512 * 4 + 8             # fp32 values, then (max, sum)
+    assert validate(Problem(heads=64), bal.variant.with_(part16=True)).partial_row_bytes == 512 * 2 + 8
     n = validate(Problem(heads=16), naive())
     assert n.grid(batch=2, seqlen_q=3, num_splits=1) == (16, 3, 2)
 
@@ -144,3 +150,8 @@ def test_cluster_split_is_a_kernel_of_its_own_without_workspace():
     assert plan.grid(3, 9, 4) == (9, 4, 3)                  # y: the cluster's blocks; no merge slabs
     assert not plan.split_launch(4) and plan.partial_rows(3, 9, 4) == 0
     assert plan.grid_expr() == ("ceil(S / 1) * 1", "num_splits", "B")
+    # 16-bit staged rows take half the shared memory: this tile's buffers hold them, not fp32 ones
+    small = v.with_(block_n=32, stages=1, arch="sm_90")
+    assert validate(Problem(heads=64), small.with_(part16=True)).smem_bytes > 0
+    with pytest.raises(SpecError, match="staged output rows"):
+        validate(Problem(heads=64), small)

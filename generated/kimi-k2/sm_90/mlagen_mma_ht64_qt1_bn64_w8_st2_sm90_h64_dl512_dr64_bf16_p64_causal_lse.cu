@@ -48,7 +48,7 @@ struct __align__(8) VerifyParams {
   const unsigned char* tree_mask;  // (B or 1, S, S) bool, tree mask kind only
   elem_t* out;  // (B, S, H, Dl)
   float* lse;  // (B, H, S) fp32, natural log; written when the problem has lse
-  float* part_o;  // (num_splits, B, S, H, Dl) unnormalized partial outputs
+  void* part_o;  // (num_splits, B, S, H, Dl) partial outputs: fp32 unnormalized, or normalized in elem_t (part16)
   float2* part_ml;  // (num_splits, B, S, H) partial (max, sum), log2 domain
   unsigned int* counters;  // (row groups,) finished splits per row group; zero between calls
   long long q_stride_b;  // elements between requests of q
@@ -178,15 +178,15 @@ __device__ __forceinline__ float row_lse(float m, float l) {
   return l > 0.f ? (m + __log2f(l)) * LN2 : -INFINITY;
 }
 
-// Writes `vals` (N = 8, 4 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
-// divided by l; an empty row (l == 0) writes zeros: one 16-, 8- or 4-byte store.
+// Output row (b, i, h).
+__device__ __forceinline__ elem_t* out_row(const VerifyParams& p, int b, int i, int h) {
+  return p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s + (long long)h * p.out_stride_h;
+}
+
+// Writes vals[0..N) * inv to dst as elem_t: one 16-, 8- or 4-byte store (N = 8, 4 or 2).
 template <int N>
-__device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, int h, int d0,
-                                          const float* vals, float l) {
+__device__ __forceinline__ void store_elems(elem_t* dst, const float* vals, float inv) {
   static_assert(N == 8 || N == 4 || N == 2, "16-, 8- or 4-byte stores");
-  const float inv = l > 0.f ? 1.f / l : 0.f;
-  elem_t* dst = p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s
-                + (long long)h * p.out_stride_h + d0;
   if constexpr (N == 8) {
     float f[8];
 #pragma unroll
@@ -201,6 +201,14 @@ __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, i
   } else {
     *reinterpret_cast<elem2_t*>(dst) = from_float2(vals[0] * inv, vals[1] * inv);
   }
+}
+
+// Writes `vals` (N = 8, 4 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
+// divided by l; an empty row (l == 0) writes zeros.
+template <int N>
+__device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, int h, int d0,
+                                          const float* vals, float l) {
+  store_elems<N>(out_row(p, b, i, h) + d0, vals, l > 0.f ? 1.f / l : 0.f);
 }
 
 // Index of row (split, b, i, h) in the partial-result workspace. The balanced split numbers its
@@ -228,15 +236,36 @@ __device__ __forceinline__ void split_blocks(int limit, int bn, int split, int n
 
 namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse {
 
-// Ends row (b, i, h) of one split. `direct` (the row group has one split): the row is final,
-// out = acc / l and lse. Otherwise acc (unnormalized) and (m, l) go to workspace slot `split`
-// for the row group's merge blocks. `acc` holds N (8, 4 or 2) consecutive dims starting at d0;
-// writes_stats picks one thread per row.
+// A split's partial row: Dl values of part_t, then its (m, l) in part_ml. fp32 values are the
+// unnormalized accumulators; with part16 they are divided by the row's own sum l and rounded to
+// the output's type: half the bytes to write and read, one more rounding (the merge weighs such
+// a row by l as well).
+constexpr bool PART16 = false;
+using part_t = float;
+
 // (m, l) of a split's partial row; a row that saw no key gets m = -inf: weight 0 in the merge.
 __device__ __forceinline__ float2 partial_stats(float m, float l) {
   return make_float2(l > 0.f ? m : -INFINITY, l);
 }
 
+__device__ __forceinline__ part_t* partial_row(const VerifyParams& p, int split, int b, int i, int h) {
+  return static_cast<part_t*>(p.part_o) + part_row(p, split, b, i, h) * DL;
+}
+
+// The values of one 16-byte piece of a partial row (4 floats, or 8 of the output's type).
+__device__ __forceinline__ void unpack_part(const uint4& v, float* f) {
+  if constexpr (PART16) {
+    unpack8(v, f);
+  } else {
+    f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+  }
+}
+
+// Ends row (b, i, h) of one split. `direct` (the row group has one split): the row is final,
+// out = acc / l and lse. Otherwise the row and (m, l) go to workspace slot `split` for the row
+// group's merge blocks. `acc` holds N (8, 4 or 2) consecutive unnormalized dims starting at d0;
+// writes_stats picks one thread per row.
 template <int N>
 __device__ __forceinline__ void finish_row(const VerifyParams& p, int split, bool direct, int b, int i, int h,
                                            int d0, const float* acc, float m, float l,
@@ -247,9 +276,10 @@ __device__ __forceinline__ void finish_row(const VerifyParams& p, int split, boo
       p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
     return;
   }
-  const long long row = part_row(p, split, b, i, h);
-  float* dst = p.part_o + row * DL + d0;
-  if constexpr (N % 4 == 0) {     // 16-byte stores (d0 is a multiple of N)
+  part_t* dst = partial_row(p, split, b, i, h) + d0;
+  if constexpr (PART16) {
+    store_elems<N>(dst, acc, l > 0.f ? 1.f / l : 0.f);
+  } else if constexpr (N % 4 == 0) {     // 16-byte stores (d0 is a multiple of N)
 #pragma unroll
     for (int e = 0; e < N / 4; ++e)
       reinterpret_cast<float4*>(dst)[e] = make_float4(acc[4 * e], acc[4 * e + 1], acc[4 * e + 2], acc[4 * e + 3]);
@@ -257,7 +287,7 @@ __device__ __forceinline__ void finish_row(const VerifyParams& p, int split, boo
 #pragma unroll
     for (int e = 0; e < N / 2; ++e) reinterpret_cast<float2*>(dst)[e] = make_float2(acc[2 * e], acc[2 * e + 1]);
   }
-  if (writes_stats) p.part_ml[row] = partial_stats(m, l);
+  if (writes_stats) p.part_ml[part_row(p, split, b, i, h)] = partial_stats(m, l);
 }
 
 // With num_splits > 1 the grid's z slabs 0..B-1 hold the split blocks (x: row group of request z,
@@ -306,70 +336,67 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
   }
 }
 
-// Row (b, i, h): m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l.
+// Row (b, i, h): m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l
+// (a part16 row holds acc_k / l_k: its weight is l_k 2^(m_k - m)).
 // One warp; partials are read from L2 (other SMs wrote them), so latency decides this on short
 // rows and no load may wait on another: the stats of 32 splits (lane k: split k's (m, l)) and the
-// accumulators of the first MERGE_BATCH splits go out together, then the max, the weights and
-// the sums when they land, then the next batches (at 6 splits: two L2 round trips, where reading
-// the max, then the weights, then 4 + 2 accumulators took four). MERGE_BATCH is 3 because the
-// merge shares the kernel's register allocation with the tile loop: at 4 the one-stage pvm
-// kernel spilled. Rounds of more than 32 splits rescale what the earlier rounds summed. A split
-// without keys has l = 0: weight 0, by select.
-constexpr int MERGE_BATCH = 3;
+// rows of the first MERGE_BATCH splits go out together, then the max, the weights and the sums
+// when they land, then the next batches (at 6 splits: two L2 round trips, where reading the max,
+// then the weights, then 4 + 2 rows took four). MERGE_BATCH is 3 fp32 rows (4 16-byte loads a
+// lane each) because the merge shares the kernel's register allocation with the tile loop: at 4
+// the one-stage pvm kernel spilled; part16 rows take half the registers, so 6 of them. Rounds of
+// more than 32 splits rescale what the earlier rounds summed. A split without keys has l = 0:
+// weight 0, by select.
+constexpr int MERGE_BATCH = PART16 ? 6 : 3;
 __device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, int splits, int slot0) {
-  constexpr int V4 = DL / 128;   // float4s per lane
-  float acc[V4 * 4] = {};
+  constexpr int E = 16 / (int)sizeof(part_t);   // values per 16-byte load
+  constexpr int V = DL / (32 * E);              // 16-byte loads per lane and partial row
+  float acc[V * E] = {};
   float m = -INFINITY, l = 0.f;
   for (int k0 = 0; k0 < splits; k0 += 32) {
     const int n = splits - k0 < 32 ? splits - k0 : 32;
     const float2 ml = lane < n ? __ldcg(&p.part_ml[part_row(p, slot0 + k0 + lane, b, i, h)])
                                : make_float2(-INFINITY, 0.f);
-    float4 x[MERGE_BATCH][V4];
-    const float4* src = reinterpret_cast<const float4*>(p.part_o + part_row(p, slot0 + k0, b, i, h) * DL) + lane;
-    const long long split_stride = part_slot_rows(p) * (DL / 4);   // in float4s
+    uint4 x[MERGE_BATCH][V];
+    const uint4* src = reinterpret_cast<const uint4*>(partial_row(p, slot0 + k0, b, i, h)) + lane;
+    const long long split_stride = part_slot_rows(p) * (DL / E);   // in 16-byte loads
 #pragma unroll
     for (int j = 0; j < MERGE_BATCH; ++j)
 #pragma unroll
-      for (int v = 0; v < V4; ++v)
+      for (int v = 0; v < V; ++v)
         if (j < n) x[j][v] = __ldcg(src + j * split_stride + 32 * v);
     const float m_new = fmaxf(m, warp_max(ml.y > 0.f ? ml.x : -INFINITY));
     if (m_new == -INFINITY) continue;                    // no keys in these splits yet
     const float w = ml.y > 0.f ? exp2f(ml.x - m_new) : 0.f;   // lane k: split k0 + k's weight
     const float rescale = exp2f(m - m_new);             // 0 on the first round with keys
     l = l * rescale + warp_sum(ml.y * w);
+    const float w_row = PART16 ? w * ml.y : w;          // what multiplies the row's values
 #pragma unroll
-    for (int e = 0; e < V4 * 4; ++e) acc[e] *= rescale;
+    for (int e = 0; e < V * E; ++e) acc[e] *= rescale;
     m = m_new;
     for (int j0 = 0; j0 < n; j0 += MERGE_BATCH) {
       if (j0 > 0)
 #pragma unroll
         for (int j = 0; j < MERGE_BATCH; ++j)
 #pragma unroll
-          for (int v = 0; v < V4; ++v)
+          for (int v = 0; v < V; ++v)
             if (j0 + j < n) x[j][v] = __ldcg(src + (j0 + j) * split_stride + 32 * v);
 #pragma unroll
       for (int j = 0; j < MERGE_BATCH; ++j) {
-        const float wj = __shfl_sync(0xffffffffu, w, (j0 + j) & 31);
+        const float wj = __shfl_sync(0xffffffffu, w_row, (j0 + j) & 31);
         if (j0 + j >= n) break;
 #pragma unroll
-        for (int v = 0; v < V4; ++v) {
-          acc[4 * v] += wj != 0.f ? wj * x[j][v].x : 0.f;
-          acc[4 * v + 1] += wj != 0.f ? wj * x[j][v].y : 0.f;
-          acc[4 * v + 2] += wj != 0.f ? wj * x[j][v].z : 0.f;
-          acc[4 * v + 3] += wj != 0.f ? wj * x[j][v].w : 0.f;
+        for (int v = 0; v < V; ++v) {
+          float f[E];
+          unpack_part(x[j][v], f);
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc[E * v + e] += wj != 0.f ? wj * f[e] : 0.f;
         }
       }
     }
   }
-  const float inv = l > 0.f ? 1.f / l : 0.f;
-  elem_t* dst = p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s
-                + (long long)h * p.out_stride_h;
 #pragma unroll
-  for (int v = 0; v < V4; ++v) {
-    elem2_t* d2 = reinterpret_cast<elem2_t*>(dst + 4 * (lane + 32 * v));
-    d2[0] = from_float2(acc[4 * v] * inv, acc[4 * v + 1] * inv);
-    d2[1] = from_float2(acc[4 * v + 2] * inv, acc[4 * v + 3] * inv);
-  }
+  for (int v = 0; v < V; ++v) store_out<E>(p, b, i, h, E * (lane + 32 * v), acc + E * v, l);
   if (WRITE_LSE && lane == 0) p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
 }
 
@@ -424,13 +451,15 @@ constexpr int PS = 72;                                // P row stride (padded)
 
 constexpr int MT_O = MT, NT_O = NTO;                                // every warp: all rows, DIMS_W dims
 constexpr int HEAD_TILES = H / HT;
-// The epilogue stages the output rows in the Q and KV buffers (free once the tile loop ends),
-// rows padded by 8 floats so a half-warp's float2 stores (4 rows x 4 lanes) meet 32 distinct
-// banks, and each warp then writes whole rows in 16-byte lanes, instead of the accumulator
-// layout's scatter (every warp store touching 8 rows; ptxas even split the float2 partial stores).
-// Kernels whose buffers are too small for it store from registers.
+// The epilogue stages the output rows in the Q and KV buffers (free once the tile loop ends) as
+// part_t (fp32 unnormalized; with part16 divided by l, in elem_t), rows padded by 8 values so
+// the staging stores meet 32 distinct banks (fp32: a half-warp's float2 stores, 4 rows x 4
+// lanes; part16: a warp's 4-byte pairs, 8 rows x 4 lanes), and each warp then writes whole rows
+// in 16-byte lanes, instead of the accumulator layout's scatter (every warp store touching 8
+// rows; ptxas even split the float2 partial stores). Kernels whose buffers are too small for it
+// store from registers.
 constexpr int STAGE_STRIDE = DL + 8;
-constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * 4 <= (M_PAD + STAGES * BN) * D * (int)sizeof(elem_t);
+constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * (int)sizeof(part_t) <= (M_PAD + STAGES * BN) * D * (int)sizeof(elem_t);
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
 static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
@@ -773,28 +802,37 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
         if (t == 0) sPart[wnq * M_PAD + wmq * ROWS_W + mt * 16 + g + 8 * half] = l;
       }
     __syncthreads();
+    auto row_sum = [&](int row) {
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
+      return l;
+    };
     if (STAGE_EPILOGUE) {
-      // The output rows (unnormalized) go to shared memory over Q and the KV stages, then each
-      // warp ends whole rows in 16-byte stores.
-      float* sStage = reinterpret_cast<float*>(smem_raw);   // (M_PAD, STAGE_STRIDE)
+      // The output rows go to shared memory over Q and the KV stages, then each warp ends whole
+      // rows in 16-byte stores.
+      part_t* sStage = reinterpret_cast<part_t*>(smem_raw);   // (M_PAD, STAGE_STRIDE)
 #pragma unroll
       for (int mt = 0; mt < MT_O; ++mt)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int row = o_row0 + mt * 16 + g + 8 * half;
           if (row >= ROWS || q0 + row / HT >= S) continue;
+          const float l = PART16 ? row_sum(row) : 1.f, inv = l > 0.f ? 1.f / l : 0.f;   // part16 stages final values
 #pragma unroll
-          for (int nt = 0; nt < NT_O; ++nt)
-            *reinterpret_cast<float2*>(sStage + row * STAGE_STRIDE + o_dim0 + nt * 8 + 2 * t) =
-                make_float2(o[mt][nt][2 * half], o[mt][nt][2 * half + 1]);
+          for (int nt = 0; nt < NT_O; ++nt) {
+            part_t* at = sStage + row * STAGE_STRIDE + o_dim0 + nt * 8 + 2 * t;
+            if constexpr (PART16)
+              *reinterpret_cast<elem2_t*>(at) = from_float2(o[mt][nt][2 * half] * inv, o[mt][nt][2 * half + 1] * inv);
+            else
+              *reinterpret_cast<float2*>(at) = make_float2(o[mt][nt][2 * half], o[mt][nt][2 * half + 1]);
+          }
         }
       __syncthreads();
       for (int row = warp; row < ROWS; row += WARPS) {
         const int i = q0 + row / HT, h = h0 + row % HT;
         if (i >= S) continue;
-        float l = 0.f;
-#pragma unroll
-        for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
+        const float l = row_sum(row);
         // a warp store covers 512 contiguous bytes: 16 (8 bf16) a lane out, 16 (4 floats) a partial
         if (direct)
           for (int c = lane; c < DL / 8; c += 32)
@@ -811,10 +849,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
           const int row = o_row0 + mt * 16 + g + 8 * half;
           const int i = q0 + row / HT, h = h0 + row % HT;
           if (row >= ROWS || i >= S) continue;
-          float l = 0.f;
-#pragma unroll
-          for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
-          const float m = sM[row];
+          const float l = row_sum(row), m = sM[row];
 #pragma unroll
           for (int nt = 0; nt < NT_O; ++nt) {
             const float pair[2] = {o[mt][nt][2 * half], o[mt][nt][2 * half + 1]};

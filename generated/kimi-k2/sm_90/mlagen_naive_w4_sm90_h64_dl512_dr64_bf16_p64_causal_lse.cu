@@ -42,7 +42,7 @@ struct __align__(8) VerifyParams {
   const unsigned char* tree_mask;  // (B or 1, S, S) bool, tree mask kind only
   elem_t* out;  // (B, S, H, Dl)
   float* lse;  // (B, H, S) fp32, natural log; written when the problem has lse
-  float* part_o;  // (num_splits, B, S, H, Dl) unnormalized partial outputs
+  void* part_o;  // (num_splits, B, S, H, Dl) partial outputs: fp32 unnormalized, or normalized in elem_t (part16)
   float2* part_ml;  // (num_splits, B, S, H) partial (max, sum), log2 domain
   unsigned int* counters;  // (row groups,) finished splits per row group; zero between calls
   long long q_stride_b;  // elements between requests of q
@@ -172,15 +172,15 @@ __device__ __forceinline__ float row_lse(float m, float l) {
   return l > 0.f ? (m + __log2f(l)) * LN2 : -INFINITY;
 }
 
-// Writes `vals` (N = 8, 4 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
-// divided by l; an empty row (l == 0) writes zeros: one 16-, 8- or 4-byte store.
+// Output row (b, i, h).
+__device__ __forceinline__ elem_t* out_row(const VerifyParams& p, int b, int i, int h) {
+  return p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s + (long long)h * p.out_stride_h;
+}
+
+// Writes vals[0..N) * inv to dst as elem_t: one 16-, 8- or 4-byte store (N = 8, 4 or 2).
 template <int N>
-__device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, int h, int d0,
-                                          const float* vals, float l) {
+__device__ __forceinline__ void store_elems(elem_t* dst, const float* vals, float inv) {
   static_assert(N == 8 || N == 4 || N == 2, "16-, 8- or 4-byte stores");
-  const float inv = l > 0.f ? 1.f / l : 0.f;
-  elem_t* dst = p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s
-                + (long long)h * p.out_stride_h + d0;
   if constexpr (N == 8) {
     float f[8];
 #pragma unroll
@@ -195,6 +195,14 @@ __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, i
   } else {
     *reinterpret_cast<elem2_t*>(dst) = from_float2(vals[0] * inv, vals[1] * inv);
   }
+}
+
+// Writes `vals` (N = 8, 4 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
+// divided by l; an empty row (l == 0) writes zeros.
+template <int N>
+__device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, int h, int d0,
+                                          const float* vals, float l) {
+  store_elems<N>(out_row(p, b, i, h) + d0, vals, l > 0.f ? 1.f / l : 0.f);
 }
 
 // Index of row (split, b, i, h) in the partial-result workspace. The balanced split numbers its
