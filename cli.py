@@ -254,6 +254,7 @@ def tune(
     dtype: str = typer.Option("bf16", help="bf16 or fp16"),
     max_candidates: int = typer.Option(24, help="variant structures timed per row and mask"),
     split_top: int = typer.Option(3, help="fastest structures whose fixed KV splits are also timed"),
+    retimes: int = typer.Option(2, help="further timings of the fastest 3 at the end (ranked by their median)"),
     workers: int | None = typer.Option(None, help="compile processes; default one per CPU"),
     table: Path | None = typer.Option(None, help="table file to merge into; default the user's table"),
     write_default: bool = typer.Option(False, "--write-default",
@@ -269,6 +270,8 @@ def tune(
         _fail(f"--max-candidates: got {max_candidates}, expected >= 1")
     if split_top < 0:
         _fail(f"--split-top: got {split_top}, expected >= 0")
+    if retimes < 0:
+        _fail(f"--retimes: got {retimes}, expected >= 0")
     if workers is not None and workers < 1:
         _fail(f"--workers: got {workers}, expected >= 1")
     if table is not None and write_default:
@@ -278,7 +281,7 @@ def tune(
     from mlagen.tune import tune as run_tune
 
     config = TuneConfig(page_size=page_size, masks=tuple(dict.fromkeys(masks)), dtype=dtype,
-                        max_candidates=max_candidates, split_top=split_top, workers=workers)
+                        max_candidates=max_candidates, split_top=split_top, retimes=retimes, workers=workers)
     with Progress(console=console, transient=True) as progress:
         path, results = run_tune([r for r, _ in rows], config, table, write_default, progress)
     out = Table(title=f"mlagen tune: {len(results)} shapes")

@@ -3,7 +3,8 @@
 Per row (a shape) and mask kind: the heuristic's pick, then up to `max_candidates` structures
 (`mlagen.space`: every family, most promising first) are compiled in parallel processes and
 timed here with CUDA graph replay; then the fastest few are retimed with fixed splits, and the
-fastest few after that with 16-bit partial rows (`Variant.part16`). A
+fastest few after that with 16-bit partial rows (`Variant.part16`); the fastest few are then timed
+twice more, and each is ranked by the median of its timings. A
 candidate that fails to compile or run scores infinity. The best overall and the best of each
 family go into the table entry of the row's bucket (`mlagen.tables`), which dispatch reads.
 """
@@ -11,6 +12,7 @@ family go into the table entry of the row's bucket (`mlagen.tables`), which disp
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,13 +45,16 @@ class TuneConfig:
     timing: TimingConfig = TimingConfig(target_ms=4.0, reps=5, max_calls=400, budget_ms=40.0)
     give_up: float = 3.0          # a candidate whose first estimate is this many times the best so far is
                                   # scored by that estimate, without a graph
+    retime_top: int = 3           # the fastest trials, timed again at the end
+    retimes: int = 2              # times each, in turns; a trial's figure is the median of its timings
 
 
 @dataclass
 class Trial:
     variant: Variant
-    us: float = math.inf          # median device µs per call; inf: failed
+    us: float = math.inf          # median device µs per call over its timings; inf: failed
     error: str = ""
+    samples: list[float] = field(default_factory=list)   # each timing's µs per call
 
 
 @dataclass
@@ -111,9 +116,11 @@ def as_dispatched(problem: Problem, batch: int, variants: list[Variant]) -> list
 
 def _time(work: Workload, trial: Trial, timing: TimingConfig, give_up_us: float | None) -> None:
     try:
-        trial.us = measure(mlagen_call(work, trial.variant), work.sets, timing, give_up_us).us
+        trial.samples.append(measure(mlagen_call(work, trial.variant), work.sets, timing, give_up_us).us)
+        trial.us = statistics.median(trial.samples)
     except Exception as e:       # a candidate that cannot run loses; the search goes on
         trial.error = f"{type(e).__name__}: {e}"[:300]
+        trial.us = math.inf
         torch.cuda.empty_cache()
 
 
@@ -168,7 +175,8 @@ def _run_trials(work: Workload, result: RowTune, variants: list[Variant], errors
 def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, Variant], str],
               config: TuneConfig, sm_count: int, advance: Callable[..., None]) -> RowTune:
     """Structures first, then fixed splits of the fastest few (same code: compiled already), then
-    the 16-bit partial rows of the fastest few (their own kernels, compiled when first run)."""
+    the 16-bit partial rows of the fastest few (their own kernels, compiled when first run);
+    last, the fastest few again."""
     row = work.row
     result = RowTune(row=row, mask=work.problem.mask,
                      key=tables.bucket_key(work.problem, row.seqlen_q, row.batch, work.kv_capacity))
@@ -191,7 +199,20 @@ def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, 
         splits += split_variants(work.problem, v, work.kv_capacity, skip=adaptive)
     run_untried(splits)
     run_untried(part16_variants(work.problem, fastest()))
+    _retime(work, result, config, advance)
     return result
+
+
+def _retime(work: Workload, result: RowTune, config: TuneConfig, advance: Callable[..., None]) -> None:
+    """Time the fastest few again, in turns, so that each is ranked by the median of its timings:
+    one timing of a batched row can come out 10-25% slow or fast (benchmarks/NOTES.md, v19),
+    and a single one would then decide the table's pick."""
+    top = sorted((t for t in result.trials if math.isfinite(t.us)), key=lambda t: t.us)[: config.retime_top]
+    advance(len(top) * config.retimes)
+    for _ in range(config.retimes):
+        for trial in top:
+            _time(work, trial, config.timing, None)
+            advance()
 
 
 def tune(rows: list[Row], config: TuneConfig, path: Path | None = None, write_default: bool = False,
@@ -214,7 +235,8 @@ def tune(rows: list[Row], config: TuneConfig, path: Path | None = None, write_de
         if math.isfinite(r.best.us):
             table.entries[r.key] = r.entry()
     table.meta = stamp(device) | {"page_size": config.page_size, "dtype": config.dtype,
-                                  "max_candidates": config.max_candidates, "split_top": config.split_top}
+                                  "max_candidates": config.max_candidates, "split_top": config.split_top,
+                                  "retimes": config.retimes}
     tables.save_table(table, path)
     dispatch.reset()
     return path, results

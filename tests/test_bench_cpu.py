@@ -264,6 +264,7 @@ def test_empty_result_writes(tmp_path):
     (["bench", "--variant", "naive_w4_sm91"], "--variant: got 'naive_w4_sm91' (arch sm_91), expected an arch among"),
     (["tune", "--max-candidates", "0"], "--max-candidates: got 0"),
     (["tune", "--split-top", "-1"], "--split-top: got -1"),
+    (["tune", "--retimes", "-1"], "--retimes: got -1"),
     (["tune", "--workers", "0"], "--workers: got 0"),
     (["tune", "--table", "t.json", "--write-default"], "--table and --write-default"),
     (["tune", "--mask", "causal", "--mask", "zigzag"], "--mask: got 'zigzag'"),

@@ -200,16 +200,48 @@ def test_tune_times_part16_twins_of_the_fastest_last(monkeypatch):
         timed.append(trial.variant)
         v = trial.variant
         trial.us = 10.0 + v.block_n / 64 + (v.kv_split == 4) * -1 + v.part16 * -0.5 + (v.family != "mma") * 50
+        trial.samples.append(trial.us)
 
     monkeypatch.setattr(tune, "_time", fake_time)
     cands = candidates(problem, 9, "sm_90", 8)
     result = tune._tune_one(work, cands, {}, tune.TuneConfig(), sm_count=132, advance=lambda more=0: None)
-    assert len(timed) == len(set(timed))                    # nothing timed twice
-    narrow = [v for v in timed if v.part16]
-    assert narrow and len(narrow) <= tune.TuneConfig().split_top
-    assert timed[-len(narrow):] == narrow                   # the last stage
+    config = tune.TuneConfig()
+    retimed = timed[-config.retime_top * config.retimes:]   # the last stage: the fastest 3, in turns
+    assert retimed == retimed[:config.retime_top] * config.retimes
+    searched = timed[:-len(retimed)]
+    assert len(searched) == len(set(searched))              # nothing timed twice before that
+    narrow = [v for v in searched if v.part16]
+    assert narrow and len(narrow) <= config.split_top
+    assert searched[-len(narrow):] == narrow                # the stage before
     assert result.best.variant.part16 and result.best.variant.kv_split == 4
     assert result.entry()["variant"] == result.best.variant.name
+    assert all(len(t.samples) == 1 + config.retimes for t in result.trials if t.variant in retimed)
+
+
+def test_tune_ranks_the_fastest_by_the_median_of_their_timings(monkeypatch):
+    """A trial whose first timing was a fluke (far too fast) is timed again and loses to the one
+    that is fast every time."""
+    from types import SimpleNamespace
+
+    row = Row(heads=64, batch=8, seqlen_q=9, prefix=4096)
+    problem = problem_for(row, 64, "causal", "bf16")
+    work = SimpleNamespace(row=row, problem=problem, kv_capacity=4160)
+    lucky = parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_sm90a")
+    seen: dict = {}
+
+    def fake_time(work, trial, timing, give_up_us):
+        n = seen[trial.variant] = seen.get(trial.variant, 0) + 1
+        if trial.variant == lucky:
+            us = 50.0 if n == 1 else 120.0          # a fluke, then its real figure
+        else:
+            us = 100.0 + 10 * trial.variant.part16 + (trial.variant.family != "mma") * 100
+        trial.samples.append(us)
+        trial.us = sorted(trial.samples)[len(trial.samples) // 2]
+
+    monkeypatch.setattr(tune, "_time", fake_time)
+    result = tune._tune_one(work, [lucky] + candidates(problem, 9, "sm_90", 6), {}, tune.TuneConfig(),
+                            sm_count=132, advance=lambda more=0: None)
+    assert seen[lucky] == 3 and result.best.variant != lucky and result.best.us == 100.0
 
 
 @settings(max_examples=300, deadline=None)

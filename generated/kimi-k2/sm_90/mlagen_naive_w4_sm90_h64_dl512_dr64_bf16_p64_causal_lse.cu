@@ -205,15 +205,17 @@ __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, i
   store_elems<N>(out_row(p, b, i, h) + d0, vals, l > 0.f ? 1.f / l : 0.f);
 }
 
-// Index of row (split, b, i, h) in the partial-result workspace. The balanced split numbers its
-// partials by workspace slot (see its work list in merge.cuh.j2): `split` is the slot there.
-__device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h) {
-  return (((long long)split * p.batch + b) * p.seqlen_q + i) * H + h;
-}
-
-// Workspace rows from one split's (slot's) row (b, i, h) to the next one's.
+// Workspace rows from one split's (slot's) row (b, i, h) to the next one's: a split holds every
+// request's rows; a balanced-split slot holds one request's (see its work list in merge.cuh.j2).
 __device__ __forceinline__ long long part_slot_rows(const VerifyParams& p) {
   return (long long)p.batch * p.seqlen_q * H;
+}
+
+// Index of row (split, b, i, h) in the partial-result workspace (the balanced split passes its
+// slot as `split`).
+__device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h) {
+  const long long row = ((long long)b * p.seqlen_q + i) * H + h;
+  return split * part_slot_rows(p) + row;
 }
 
 // Blocks of `bn` keys of [0, limit) that split `split` of `num_splits` owns: [*begin, *end).
