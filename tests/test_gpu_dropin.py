@@ -134,11 +134,15 @@ def test_flash_mla_compat(causal):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build the C++ example")
-def test_cpp_launcher_example_runs(tmp_path):
+@pytest.mark.parametrize("part16", ["0", "1"])
+def test_cpp_launcher_example_runs(tmp_path, part16):
+    """The example's runs: 1, the default and a forced split, each launched twice back to back
+    (the second programmatically on sm_90+), with fp32 or 16-bit partial rows."""
     from mlagen.runtime import device_info
 
     arch = device_info(torch.cuda.current_device())[0]
     build = subprocess.run(["make", "-C", str(ROOT / "examples" / "cpp_launcher"), f"BUILD={tmp_path}",
-                            f"PYTHON={sys.executable}", f"ARCH={arch}", "run"], capture_output=True, text=True)
+                            f"PYTHON={sys.executable}", f"ARCH={arch}", f"PART16={part16}", "run"],
+                           capture_output=True, text=True)
     assert build.returncode == 0, build.stdout + build.stderr
     assert "PASS" in build.stdout

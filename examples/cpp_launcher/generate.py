@@ -23,9 +23,10 @@ PROBLEM = Problem(heads=8, dl=512, dr=64, dtype="bf16", page_size=16, mask="caus
 SEQLEN_Q = 4
 
 
-def generate(arch: str, out: Path) -> Path:
-    """Writes the files for `arch` into `out`; returns the kernel source's path."""
-    plan = validate(PROBLEM, heuristic_variant(PROBLEM, SEQLEN_Q, arch))
+def generate(arch: str, out: Path, part16: bool = False) -> Path:
+    """Writes the files for `arch` into `out` (with 16-bit partial rows: `part16`, mma family
+    only); returns the kernel source's path."""
+    plan = validate(PROBLEM, heuristic_variant(PROBLEM, SEQLEN_Q, arch).with_(part16=part16))
     emitted = emit_one(PROBLEM, plan.variant, out)
     emit_launcher(plan, out)
     (out / "kernel.cu").write_text(f'#include "{emitted.source.name}"\n')
@@ -40,8 +41,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90", help="compile target, e.g. sm_80, sm_90, sm_120")
     parser.add_argument("--out", type=Path, default=Path("build"))
+    parser.add_argument("--part16", action="store_true", help="the variant with 16-bit partial rows")
     args = parser.parse_args()
-    print(generate(args.arch, args.out))
+    print(generate(args.arch, args.out, args.part16))
 
 
 if __name__ == "__main__":

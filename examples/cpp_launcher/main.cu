@@ -2,7 +2,10 @@
 //
 // A small paged batch (requests of different lengths, one empty, pages shuffled) with random
 // bf16 inputs; the GPU result for num_splits = 1, the default split and a forced split is
-// compared with a double-precision CPU computation of the same causal verify attention.
+// compared with a double-precision CPU computation of the same causal verify attention. Each
+// run launches twice back to back on one stream, sharing the workspace and the counters; where
+// the arch allows (kProgrammaticLaunch) the second launch is a programmatic dependent launch,
+// so its blocks start while the first drains and must wait for it before touching either.
 // Exit status 0 when every run matches.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -125,13 +128,14 @@ bool run(const Batch& b, int num_splits, float scale, const std::vector<float>& 
     CHECK_CUDA(cudaMemsetAsync(counters, 0, cs, stream));
   }
 
-  CHECK_CUDA(kernel::launch(q, (long long)S * H * D, (long long)H * D, D,
-                            kv, (long long)PAGE * D, D, b.num_pages,
-                            table, b.max_pages, b.max_pages,
-                            lengths,
-                            nullptr, 0, 0,   // causal kernel: no tree mask
-                            out, (long long)S * H * DV, (long long)H * DV, DV,
-                            lse, B, S, scale, num_splits, workspace, counters, stream));
+  for (const bool programmatic : {false, kernel::kProgrammaticLaunch})
+    CHECK_CUDA(kernel::launch(q, (long long)S * H * D, (long long)H * D, D,
+                              kv, (long long)PAGE * D, D, b.num_pages,
+                              table, b.max_pages, b.max_pages,
+                              lengths,
+                              nullptr, 0, 0,   // causal kernel: no tree mask
+                              out, (long long)S * H * DV, (long long)H * DV, DV,
+                              lse, B, S, scale, num_splits, workspace, counters, stream, programmatic));
   CHECK_CUDA(cudaStreamSynchronize(stream));
 
   std::vector<__nv_bfloat16> got((size_t)B * S * H * DV);
