@@ -177,8 +177,8 @@ def test_fp16_and_uncommon_widths():
         case = make_case(batch=3, seqlen_q=5, heads=16, prefixes=[300, 0, 77], page_size=16,
                          mask="causal", seed=dl + dr, dtype=dtype, dl=dl, dr=dr)
         mma = Variant(family="mma", head_tile=16, q_tile=1, block_n=64, warps=4, stages=2, arch=_arch())
-        for variant in (None, naive(arch=_arch()), mma):
-            if variant is mma and (dl + dr) % 64:
+        for variant in (None, naive(arch=_arch()), mma, mma.with_(kv_split=3, part16=True)):
+            if variant is not None and variant.family == "mma" and (dl + dr) % 64:
                 continue
             out, lse = _run(case, variant, True)
             assert_matches(out, lse, case)
