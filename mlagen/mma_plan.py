@@ -147,13 +147,16 @@ def _tile_shapes(heads: int, seqlen_q: int) -> list[tuple[int, int, int]]:
 
 
 def _fitting(problem: Problem, q_tile: int, head_tile: int, arch: str) -> Variant | None:
-    """The widest KV tile and deepest pipeline that fit `arch` for this tile shape, or None."""
+    """The widest KV tile and deepest pipeline that fit `arch` for this tile shape, or None.
+    On sm_90a the splits exchange 16-bit partial rows (`part16`: on the H200 1.5-2.8 µs less on
+    short split rows, batched rows within noise; benchmarks/NOTES.md, v19)."""
     from .validate import SpecError, validate
 
     m_pad = -(-(q_tile * head_tile) // 16) * 16
     for block_n, stages in ((64, 2), (32, 3), (32, 2), (64, 1), (32, 1)):
         v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, kv_split="adaptive",
-                    block_n=block_n, warps=max(4, m_pad // 8), stages=stages, arch=arch)
+                    block_n=block_n, warps=max(4, m_pad // 8), stages=stages, arch=arch,
+                    part16=arch == "sm_90a")
         try:
             validate(problem, v)
             return v

@@ -1,4 +1,4 @@
-// mlagen generated kernel: mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+// mlagen generated kernel: mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 // family mma: head-tiled split-KV on the tensor cores (mma.sync m16n8k16, fp32 accumulation).
 // One block per (query tile x head tile, split, request) holds q_tile*head_tile = 64 query
 // rows (padded to 64); each KV tile of 64 keys is staged once in shared memory
@@ -19,7 +19,7 @@ typedef __nv_bfloat162 elem2_t;
 __device__ __forceinline__ float2 to_float2(elem2_t v) { return __bfloat1622float2(v); }
 __device__ __forceinline__ elem2_t from_float2(float a, float b) { return __floats2bfloat162_rn(a, b); }
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 
 // Problem constants, derived in Python (mlagen/validate.py).
 constexpr int H = 64;
@@ -37,7 +37,7 @@ constexpr float LN2 = 0.693147180559945309f;
 static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
 static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
 
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 // The parameter block every kernel of this file takes by value (mlagen/params.py).
 struct __align__(8) VerifyParams {
@@ -72,7 +72,7 @@ struct __align__(8) VerifyParams {
   int pad;  // unused, 0: keeps the block a multiple of 8 bytes
 };
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 
 // Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
 // a launch that did not ask for it): the next kernel on the stream may be scheduled once every
@@ -234,16 +234,16 @@ __device__ __forceinline__ void split_blocks(int limit, int bn, int split, int n
   *end = b0 + per < blocks ? b0 + per : blocks;
 }
 
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 
 // A split's partial row: Dl values of part_t, then its (m, l) in part_ml. fp32 values are the
 // unnormalized accumulators; with part16 they are divided by the row's own sum l and rounded to
 // the output's type: half the bytes to write and read, one more rounding (the merge weighs such
 // a row by l as well).
-constexpr bool PART16 = false;
-using part_t = float;
+constexpr bool PART16 = true;
+using part_t = elem_t;
 
 // (m, l) of a split's partial row; a row that saw no key gets m = -inf: weight 0 in the merge.
 __device__ __forceinline__ float2 partial_stats(float m, float l) {
@@ -290,6 +290,19 @@ __device__ __forceinline__ void finish_row(const VerifyParams& p, int split, boo
     for (int e = 0; e < N / 2; ++e) reinterpret_cast<float2*>(dst)[e] = make_float2(acc[2 * e], acc[2 * e + 1]);
   }
   if (writes_stats) p.part_ml[part_row(p, split, b, i, h)] = partial_stats(m, l);
+}
+
+// finish_row for a whole row that is already final in the output's type (divided by l), as
+// part16 kernels stage it in shared memory: one warp copies it in 16-byte pieces to out or to
+// the split's partial row.
+__device__ __forceinline__ void finish_staged_row(const VerifyParams& p, int split, bool direct, int b, int i,
+                                                  int h, const elem_t* vals, float m, float l, int lane) {
+  uint4* dst = reinterpret_cast<uint4*>(direct ? out_row(p, b, i, h) : partial_row(p, split, b, i, h));
+  for (int c = lane; c < DL / 8; c += 32) dst[c] = reinterpret_cast<const uint4*>(vals)[c];
+  if (lane == 0) {
+    if (!direct) p.part_ml[part_row(p, split, b, i, h)] = partial_stats(m, l);
+    else if (WRITE_LSE) p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
+  }
 }
 
 // With num_splits > 1 the grid's z slabs 0..B-1 hold the split blocks (x: row group of request z,
@@ -430,11 +443,11 @@ __device__ void merge_block(const VerifyParams& p) {
   }
 }
 
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 constexpr int HT = 64;
 constexpr int QT = 1;
 constexpr int ROWS = QT * HT;
@@ -620,13 +633,13 @@ struct RowLoad {
     for (int blk = 0; blk < CH / 8; ++blk) copy(tile, blk);
   }
 };
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 // grid: (ceil(S/QT) * H/HT, num_splits, B + merge slabs when num_splits > 1); block: 256 threads;
 // dynamic shared memory 231680 bytes.
 extern "C" __global__ void __launch_bounds__(256, 1)
-mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
-  using namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse;
+mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
+  using namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse;
   pdl_prologue();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
@@ -869,13 +882,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(co
         const int i = q0 + row / HT, h = h0 + row % HT;
         if (i >= S) continue;
         const float l = row_sum(row);
-        // a warp store covers 512 contiguous bytes: 16 (8 bf16) a lane out, 16 (4 floats) a partial
-        if (direct)
-          for (int c = lane; c < DL / 8; c += 32)
-            finish_row<8>(p, split, true, b, i, h, 8 * c, sStage + row * STAGE_STRIDE + 8 * c, sM[row], l, c == 0);
-        else
-          for (int c = lane; c < DL / 4; c += 32)
-            finish_row<4>(p, split, false, b, i, h, 4 * c, sStage + row * STAGE_STRIDE + 4 * c, sM[row], l, c == 0);
+        finish_staged_row(p, split, direct, b, i, h, sStage + row * STAGE_STRIDE, sM[row], l, lane);
       }
     } else {
 #pragma unroll
