@@ -18,6 +18,12 @@ def _built(name: str):
     return build(Problem(heads=64), parse_variant(name))
 
 
+def _main_sass(name: str) -> str:
+    """The SASS of variant `name`'s main kernel (H=64 problem), for its own arch."""
+    b = _built(name)
+    return sass.disassemble(b.module.cubin, b.plan.main_kernel, b.plan.arch.name)
+
+
 def _needs_nvdisasm() -> None:
     try:
         sass.find_nvdisasm()
@@ -39,8 +45,7 @@ def test_wgmma_kernel_sass_shows_the_design():
     """What the sm_90a kernel's design promises, read from its SASS: both products on wgmma,
     the KV loader's copies at constant offsets from a per-row base, and no local memory."""
     _needs_nvdisasm()
-    b = _built(WGMMA)
-    text = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a")
+    text = _main_sass(WGMMA)
     counts = sass.opcodes(text)
     assert sum(counts.values()) == len(text.splitlines())
     assert "HGMMA.64x32x16" in text and "HGMMA.64x256x16" in text
@@ -57,8 +62,7 @@ def test_wgmma_kernel_refills_between_its_score_wgmmas():
     k-steps, 2 rows per thread: 16 copies before the last block's wgmmas), with their row
     lookups done a tile earlier, so no global load sits among them."""
     _needs_nvdisasm()
-    b = _built(WGMMA)
-    lines = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a").splitlines()
+    lines = _main_sass(WGMMA).splitlines()
     scores = [i for i, line in enumerate(lines) if "HGMMA.64x32x16" in line]
     assert len(scores) == 36
     span = lines[scores[0]:scores[-1]]
@@ -72,8 +76,7 @@ def test_score_wgmma_descriptors_stay_in_uniform_registers(name):
     among them. v13's first balanced kernel had 69 there (its segment loop's bounds came from
     64-bit divisions, so ptxas treated the tile loop as divergent) and ran a tile 17% slower."""
     _needs_nvdisasm()
-    b = _built(name)
-    lines = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a").splitlines()
+    lines = _main_sass(name).splitlines()
     scores = [i for i, line in enumerate(lines) if "HGMMA.64x32x16" in line]
     assert len(scores) == 36
     assert not [line for line in lines[scores[0]:scores[-1]] if "R2UR" in line]
@@ -85,8 +88,7 @@ def test_split_blocks_count_themselves_done_without_a_sequentially_consistent_fe
     after the block barrier; the per-thread __threadfence() before it was an SC fence in every
     warp (MEMBAR.SC.GPU)."""
     _needs_nvdisasm()
-    b = _built(name)
-    text = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a")
+    text = _main_sass(name)
     assert "MEMBAR.SC" not in text
     assert text.count("MEMBAR.ALL.GPU") == 1
 
@@ -96,8 +98,7 @@ def test_epilogue_writes_16_byte_rows():
     rows in 16-byte lanes (out or the fp32 partial); from the accumulator layout ptxas had
     split every float2 partial store in two (203 32-bit STG, each warp store touching 8 rows)."""
     _needs_nvdisasm()
-    b = _built(WGMMA)
-    stores = re.findall(r"\bSTG\.E(\.\d+)? ", sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a"))
+    stores = re.findall(r"\bSTG\.E(\.\d+)? ", _main_sass(WGMMA))
     assert stores.count(".128") >= 1
     assert stores.count("") < 40
 
@@ -106,8 +107,7 @@ def test_cluster_split_combines_in_shared_memory():
     """A cluster split's blocks meet at two cluster barriers (rows staged; rows read) and read
     each other's rows through the cluster window: no split counter (ATOMG) and no merge wait."""
     _needs_nvdisasm()
-    b = _built("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a")
-    text = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a")
+    text = _main_sass("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a")
     assert text.count("UCGABAR_ARV") == 2 and text.count("UCGABAR_WAIT") == 2
     assert "ATOMG" not in text and "NANOSLEEP" not in text
     assert re.search(r"\bLD\.E\.128\b", text)                 # 16-byte reads of the peers' rows
@@ -119,14 +119,11 @@ def test_part16_rows_move_in_16_byte_pieces():
     stores (no 8-byte fp32 pieces); the cluster combine reads half the bytes of an fp32 one
     through the window and stores 8 output values at a time."""
     _needs_nvdisasm()
-    b = _built("mma_ht64_qt1_bn64_w8_st2_spa_p16_sm90a")
-    text = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a")
+    text = _main_sass("mma_ht64_qt1_bn64_w8_st2_spa_p16_sm90a")
     assert re.search(r"\bSTG\.E\.128\b", text) and not re.search(r"\bSTS\.64\b", text)
     assert len(re.findall(r"\bLDG\.E\.128\.STRONG\.GPU\b", text)) == 24    # the merge: 6 + 6 rows of 2 loads a lane
-    fp32 = sass.disassemble(_built("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a").module.cubin,
-                            _built("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a").plan.main_kernel, "sm_90a")
-    c = _built("mma_ht64_qt1_bn64_w8_st2_sp4_cl_p16_sm90a")
-    half = sass.disassemble(c.module.cubin, c.plan.main_kernel, "sm_90a")
+    fp32 = _main_sass("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a")
+    half = _main_sass("mma_ht64_qt1_bn64_w8_st2_sp4_cl_p16_sm90a")
     assert 2 * half.count("LD.E.128") == fp32.count("LD.E.128")
     assert re.search(r"\bSTG\.E\.128\b", half) and not re.search(r"\bSTG\.E\.64\b", half)
 
@@ -143,8 +140,7 @@ def test_kernels_wait_for_the_previous_grid_before_any_global_access(name):
     griddepcontrol.wait) before their first global access; a later wait would let a launch
     read inputs the kernel before it is still writing."""
     _needs_nvdisasm()
-    b = _built(name)
-    lines = sass.disassemble(b.module.cubin, b.plan.main_kernel, b.plan.arch.name).splitlines()
+    lines = _main_sass(name).splitlines()
     def first(pattern: re.Pattern) -> int:
         return next(i for i, line in enumerate(lines) if pattern.search(line))
 
@@ -153,15 +149,13 @@ def test_kernels_wait_for_the_previous_grid_before_any_global_access(name):
 
 def test_kernels_for_older_archs_have_no_dependent_launch_control():
     _needs_nvdisasm()
-    b = _built("naive_w4_sm80")
-    text = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_80")
+    text = _main_sass("naive_w4_sm80")
     assert "ACQBULK" not in text and "PREEXIT" not in text
 
 
 def test_mma_sync_kernel_has_no_wgmma():
     _needs_nvdisasm()
-    b = _built("mma_ht8_qt3_bn32_w4_st2_spa_sm90")
-    counts = sass.opcodes(sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90"))
+    counts = sass.opcodes(_main_sass("mma_ht8_qt3_bn32_w4_st2_spa_sm90"))
     assert counts["HMMA"] > 0 and counts["HGMMA"] == 0
 
 
