@@ -26,14 +26,14 @@ from .codegen import _environment
 from .emit import write_if_changed
 from .launch import DEFAULT_SMEM_LIMIT
 from .params import FIELDS, PARAMS_SIZE, Field
-from .validate import MAX_SEQLEN_Q, MERGE_TARGET_BLOCKS, KernelPlan
+from .validate import MAX_SEQLEN_Q, MERGE_TARGET_BLOCKS, KernelPlan, SpecError
 
 _LOG2E = "1.4426950408889634f"
 
 # How `launch` fills each field of the parameter block from its arguments; every field of
 # mlagen.params.FIELDS needs an entry (checked when rendering).
 _ASSIGN: dict[str, str] = {
-    "q": "q", "kv": "kv_cache", "block_table": "block_table", "seqlens": "cache_seqlens",
+    "q": "q", "kv": "kv_cache", "kv_map": "nullptr", "block_table": "block_table", "seqlens": "cache_seqlens",
     "tree_mask": "kTreeMask ? tree_mask : nullptr", "out": "out", "lse": "kWritesLse ? lse : nullptr",
     "part_o": "part_o", "part_ml": "part_ml", "counters": "counters",
     "q_stride_b": "q_stride_b", "q_stride_s": "q_stride_s", "q_stride_h": "q_stride_h",
@@ -81,6 +81,9 @@ def _c_expr(expr: str) -> str:
 
 def render_launcher(plan: KernelPlan) -> str:
     """The launcher header's text for `plan`."""
+    if plan.variant.tma:
+        raise SpecError("variant.tma", True, "False for the C++ launcher: it does not encode the cache's TMA "
+                                             "descriptor (mlagen's runtime does)")
     missing = {f.name for f in FIELDS} - set(_ASSIGN)
     if missing:
         raise KeyError(f"launcher: no assignment for parameter fields {sorted(missing)}")

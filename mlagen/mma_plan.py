@@ -107,6 +107,10 @@ def plan_mma(p: Problem, v: Variant, arch: Arch):
     if isinstance(layout, str):
         raise SpecError("variant", v.name, layout)
     _smem_fits(arch, layout.smem_bytes, v.name)
+    if v.tma:
+        _require(layout.wgmma, "variant.tma", v.tma, f"False on {arch.name}: TMA tile loads are for sm_90a's kernels")
+        _require(p.page_size % v.block_n == 0, "variant.tma", v.tma,
+                 f"False for page_size={p.page_size}: a TMA tile is one page's run of block_n={v.block_n} rows")
     if v.cluster:
         _require(arch.capability >= 90, "variant.cluster", v.cluster,
                  f"False on {arch.name}: thread-block clusters need sm_90 or newer")

@@ -23,6 +23,7 @@ class Field:
 FIELDS: tuple[Field, ...] = (
     Field("q", "const elem_t*", "Q", "(B, S, H, Dl+Dr), last dim contiguous"),
     Field("kv", "const elem_t*", "Q", "(num_pages, page_size, Dl+Dr), last dim contiguous"),
+    Field("kv_map", "const void*", "Q", "device address of kv's TMA descriptor (tma variants), else 0"),
     Field("block_table", "const int*", "Q", "(B, max_pages) page ids of each request, in order"),
     Field("seqlens", "const int*", "Q", "(B,) valid keys per request, draft tokens included"),
     Field("tree_mask", "const unsigned char*", "Q", "(B or 1, S, S) bool, tree mask kind only"),

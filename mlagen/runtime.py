@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import inputs, workspace
+from . import inputs, tensormap, workspace
 from .arch import arch_for_capability, runs_on
 from .dispatch import choose_variant, num_splits
 from .launch import KernelLaunch, Loaded, kernel_launch, launch, load
@@ -53,6 +53,7 @@ class _Prepared:
     splits: int
     layout: workspace.Layout | None               # the split's workspace; None without one
     merge_blocks: int                             # per row group when split, else 0
+    tma_rows: int = 0                             # rows of the kernel's TMA boxes (tma variants), else 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -77,7 +78,8 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
     layout = workspace.Layout.of(plan.partial_rows(batch, seqlen_q, splits), dl * plan.part_elem_bytes,
                                  plan.row_groups(batch, seqlen_q)) if split else None
     return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, plan.grid(batch, seqlen_q, splits)),
-                     splits=splits, layout=layout, merge_blocks=plan.merge_blocks(batch, seqlen_q) if split else 0)
+                     splits=splits, layout=layout, merge_blocks=plan.merge_blocks(batch, seqlen_q) if split else 0,
+                     tma_rows=variant.block_n if variant.tma else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,7 @@ class _Call:
     out_size: tuple[int, int, int, int]     # [B, S, H, Dl]
     lse_size: tuple[int, int, int]          # [B, H, S]
     layout: workspace.Layout | None         # None: one split, no workspace
+    tma_rows: int                           # rows of a TMA box (tma variants: block_n), else 0
     tail: tuple[int | float, ...]           # the parameter block after its pointers
 
 
@@ -145,6 +148,7 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
         shapes=shapes, kernel=prep.kernel, device=device, torch_device=q.device, dtype=q.dtype,
         out_size=out_size, lse_size=(B, H, S),
         layout=prep.layout,
+        tma_rows=prep.tma_rows,
         tail=tail({
             "q_stride_b": q_strides[0], "q_stride_s": q_strides[1], "q_stride_h": q_strides[2],
             "kv_stride_page": shapes.kv_strides[0], "kv_stride_row": shapes.kv_strides[1],
@@ -227,8 +231,10 @@ def verify_attention(
     if call.layout is not None:   # `held` is referenced until the launch is queued on the stream
         held, part_o, counters = workspace.get(call.device, stream, call.layout, call.torch_device)
         part_ml = part_o + call.layout.part_ml_offset
+    kv_map = (tensormap.device_map(kv_cache, call.shapes.num_pages, call.shapes.page_size, call.shapes.head_dim,
+                                   call.shapes.kv_strides, call.shapes.dtype, call.tma_rows) if call.tma_rows else 0)
     # kv_cache's pointer is the [num_pages, page_size, D] view's too (a 4-dim cache's index 0).
-    pointers = (q_ptr, kv_ptr, block_table.data_ptr(), cache_seqlens.data_ptr(),
+    pointers = (q_ptr, kv_ptr, kv_map, block_table.data_ptr(), cache_seqlens.data_ptr(),
                 tree_mask.data_ptr() if tree_mask is not None else 0, out.data_ptr(),
                 lse.data_ptr() if lse is not None else 0, part_o, part_ml, counters)
     # torch.cuda.current_device() without its lazy-init check: q is a CUDA tensor, so CUDA is up.

@@ -91,6 +91,10 @@ class Variant:
         through distributed shared memory with `cluster`: half the bytes exchanged, for one
         more rounding of each partial to the output's precision (the merged row is rounded to
         it anyway). Named `_p16`.
+    tma: mma on sm_90a, block_n dividing the page size: KV tiles load as TMA boxes
+        (`cp.async.bulk.tensor`, one thread issues a tile's 64-dim column blocks, an mbarrier
+        per stage says when it landed) instead of every thread's 16-byte cp.async copies.
+        Runs through mlagen's runtime (the runtime encodes the cache's descriptor). Named `_tma`.
     """
 
     family: Family = "flash"
@@ -104,6 +108,7 @@ class Variant:
     mma_pv: bool = False
     cluster: bool = False
     part16: bool = False
+    tma: bool = False
 
     @property
     def name(self) -> str:
@@ -149,7 +154,8 @@ class Variant:
         return replace(self, **changes)
 
 
-KNOB_TAGS = (("mma_pv", "pvm"), ("cluster", "cl"), ("part16", "p16"))   # boolean knobs, in the name's order
+# Boolean knobs and their tags, in the name's order.
+KNOB_TAGS = (("mma_pv", "pvm"), ("cluster", "cl"), ("part16", "p16"), ("tma", "tma"))
 
 
 def naive(arch: str = "sm_90", warps: int = 4) -> Variant:

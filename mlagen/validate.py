@@ -170,6 +170,8 @@ def _check_common(v: Variant) -> None:
              f"False, or True for the mma family with kv_split an int in 2..{MAX_CLUSTER} (the cluster size)")
     _require(v.part16 is False or (v.part16 is True and v.family == "mma"), "variant.part16", v.part16,
              "False, or True for the mma family")
+    _require(v.tma is False or (v.tma is True and v.family == "mma"), "variant.tma", v.tma,
+             "False, or True for the mma family (on sm_90a)")
 
 
 def _smem_fits(arch: Arch, smem: int, what: str) -> None:

@@ -103,6 +103,22 @@ def test_part16_variants_compile_without_spills(preset, variant):
         assert not r.spills, f"{name} spills: {r}"
 
 
+TMA_JOBS = [(p, v.with_(tma=True, kv_split=k, part16=part16)) for p, v in PRESET_JOBS
+            if v.family == "mma" and v.arch == "sm_90a" for k, part16 in (("adaptive", False), ("balanced", True))]
+
+
+@pytest.mark.parametrize("preset,variant", TMA_JOBS, ids=[f"{p.name}-{v.name}" for p, v in TMA_JOBS])
+def test_tma_variants_compile_without_spills(preset, variant):
+    """TMA tile loads (mbarrier stages, one issuing thread) on the presets' sm_90a structures,
+    with the counted and the balanced split."""
+    if not is_valid(preset.problem, variant):
+        pytest.skip(f"{variant.name}: page_size {preset.problem.page_size} is not a multiple of its tile")
+    built = build(preset.problem, variant)
+    assert "_tma_" in built.plan.main_kernel
+    for name, r in built.module.resources.items():
+        assert not r.spills, f"{name} spills: {r}"
+
+
 def test_sm90a_products_run_on_wgmma():
     v = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=2, arch="sm_90a")
     for dtype in ("bf16", "fp16"):

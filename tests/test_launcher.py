@@ -14,7 +14,7 @@ from mlagen.dispatch import num_splits
 from mlagen.launcher import _c_expr, emit_launcher, header_name, namespace, render_launcher
 from mlagen.params import FIELDS
 from mlagen.spec import Problem, Variant, naive
-from mlagen.validate import validate
+from mlagen.validate import SpecError, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 NVCC = shutil.which("nvcc")
@@ -124,3 +124,11 @@ def test_cpp_example_builds(tmp_path):
                             f"PYTHON={sys.executable}", "ARCH=sm_80"], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "verify_example").exists()
+
+
+def test_launcher_refuses_tma_variants():
+    """The C++ launcher does not encode the cache's TMA descriptor: a tma variant is refused by name."""
+    plan = validate(Problem(heads=64), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a",
+                                               tma=True))
+    with pytest.raises(SpecError, match="variant.tma: got True, expected False for the C\\+\\+ launcher"):
+        render_launcher(plan)

@@ -21,6 +21,7 @@ variants = st.builds(
     mma_pv=st.booleans(),
     cluster=st.booleans(),
     part16=st.booleans(),
+    tma=st.booleans(),
 )
 
 
@@ -45,8 +46,8 @@ def test_names_are_readable_and_distinct():
     w = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", mma_pv=True)
     assert w.name == "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a"
     assert w.code_name == "mma_ht64_qt1_bn64_w8_st2_pvm_sm90a" != w.with_(mma_pv=False).code_name
-    c = w.with_(kv_split=4, cluster=True, part16=True)
-    assert c.name == c.code_name == "mma_ht64_qt1_bn64_w8_st2_sp4_pvm_cl_p16_sm90a"
+    c = w.with_(kv_split=4, cluster=True, part16=True, tma=True)
+    assert c.name == c.code_name == "mma_ht64_qt1_bn64_w8_st2_sp4_pvm_cl_p16_tma_sm90a"
 
 
 @pytest.mark.parametrize("bad", ["flash_ht8", "flash_hx8_qt8_bn32_w8_st2_spa_sm90", "conv_ht8_qt8_bn32_w8_st2_spa_sm90",
@@ -82,6 +83,10 @@ def test_bad_names_say_what_was_expected(bad):
     (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=32, stages=1, kv_split=4, cluster=True),
      "variant.cluster"),                                                            # staged rows do not fit
     (Problem(), Variant(kv_split=4, part16=True), "variant.part16"),                  # flash family
+    (Problem(), Variant(tma=True), "variant.tma"),                                   # flash family
+    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, tma=True), "variant.tma"),  # sm_90
+    (Problem(page_size=16), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", tma=True),
+     "variant.tma"),                                                                # a tile spans pages
 ])
 def test_validation_names_field_value_and_limit(problem, variant, field):
     with pytest.raises(SpecError) as info:
