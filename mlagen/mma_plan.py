@@ -91,8 +91,11 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
                 "pieces for the scores")
     wmq, wnq = split
     p_stride = v.block_n + 8
+    # Q, the KV stages, P, the row max / sum parts, the running max, the tree-mask rows, and with
+    # tma one mbarrier per stage (in the dynamic block: a static one would be padded to the
+    # dynamic block's 1024-byte alignment).
     smem = (m_pad * p.head_dim * 2 + v.stages * v.block_n * p.head_dim * 2 + m_pad * p_stride * 2
-            + wnq * m_pad * 4 + m_pad * 4 + 64 * 8)
+            + wnq * m_pad * 4 + m_pad * 4 + 64 * 8 + (v.stages * 8 if v.tma else 0))
     return MmaLayout(m_pad=m_pad, wmq=wmq, wnq=wnq, rows_w=m_pad // wmq, keys_w=v.block_n // wnq,
                      dims_w=dims_w, p_stride=p_stride, smem_bytes=smem, wgmma=wgmma,
                      pv_wgmma=wgmma and not v.mma_pv)
