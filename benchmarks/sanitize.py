@@ -36,7 +36,8 @@ def main() -> None:
     if torch.cuda.get_device_capability() == (9, 0):   # sm_90a: P·V on wgmma or mma.sync; balanced, cluster
         # split; each split also with 16-bit partial rows
         for knobs in ({}, {"mma_pv": True}, {"kv_split": "balanced"}, {"cluster": True}, {"part16": True},
-                      {"kv_split": "balanced", "part16": True}, {"cluster": True, "part16": True}):
+                      {"kv_split": "balanced", "part16": True}, {"cluster": True, "part16": True},
+                      {"tma": True}, {"kv_split": "balanced", "tma": True}, {"mma_pv": True, "tma": True}):
             variants.append(Variant(family="mma", head_tile=8, q_tile=8, block_n=64, warps=8, stages=2,
                                     arch="sm_90a", **({"kv_split": 2} | knobs)))
         # the short rows' kernel: its epilogue stages 64 output rows over nearly all its shared memory
@@ -46,7 +47,7 @@ def main() -> None:
     for i, shape in enumerate(CASES):
         case = make_case(seed=i, **shape)
         for v in variants:
-            if v is not None and shape["heads"] % v.head_tile:
+            if v is not None and (shape["heads"] % v.head_tile or (v.tma and shape["page_size"] % v.block_n)):
                 continue
             out, lse = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
                                                variant=v, return_lse=True, **case.kwargs())

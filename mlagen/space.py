@@ -5,8 +5,9 @@ stages (and on sm_90a where P·V runs).
 Tile shapes come first by how often the KV is read (ceil(S/q_tile) * H/head_tile
 passes over it per request: fewer is better), each with its most common knobs; knob variations
 of the best tile shapes follow. Splits are searched separately (`split_variants`), since they
-are launch parameters that do not change the compiled code, and the 16-bit exchange of partial
-rows last (`part16_variants`), for the fastest splits found.
+are launch parameters that do not change the compiled code, and the knobs that each make a
+kernel of their own (16-bit partial rows, TMA tile loads) last (`twin_variants`), on the
+fastest variants found.
 """
 
 from __future__ import annotations
@@ -79,9 +80,18 @@ def split_variants(problem: Problem, variant: Variant, kv_capacity: int, skip: i
     return fixed + [variant.with_(kv_split="balanced")] + [c for c in clusters if is_valid(problem, c)]
 
 
-def part16_variants(problem: Problem, variants: list[Variant]) -> list[Variant]:
-    """The `part16` twin of each of `variants` that exchanges partial rows between split blocks
-    (an mma variant whose split is not 1) and is valid for `problem`, in order."""
-    twins = [v.with_(part16=True) for v in variants
-             if v.family == "mma" and v.kv_split != 1 and not v.part16]
-    return [v for v in twins if is_valid(problem, v)]
+def twin_variants(problem: Problem, variants: list[Variant]) -> list[Variant]:
+    """The knob twins of each of `variants` that the tuner times last, in order: with `part16`
+    (an mma variant that exchanges partial rows between split blocks: its split is not 1), with
+    `tma`, and with both, where valid for `problem`; each once, none of `variants`."""
+    found: list[Variant] = []
+    for v in variants:
+        if v.family != "mma":
+            continue
+        for part16, tma in ((True, False), (False, True), (True, True)):
+            if part16 and v.kv_split == 1:
+                continue
+            w = v.with_(part16=v.part16 or part16, tma=v.tma or tma)
+            if w not in variants and w not in found and is_valid(problem, w):
+                found.append(w)
+    return found

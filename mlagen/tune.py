@@ -25,7 +25,7 @@ from .dispatch import balanced_for_batch, heuristic_variant, num_splits
 from .grids import Row
 from .precompile import code_identity, precompile
 from .runtime import device_info, device_name
-from .space import part16_variants, split_variants, structures
+from .space import split_variants, structures, twin_variants
 from .spec import FAMILIES, Problem, Variant
 from .stamp import stamp
 from .timing import TimingConfig, l2_bytes, measure
@@ -175,7 +175,8 @@ def _run_trials(work: Workload, result: RowTune, variants: list[Variant], errors
 def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, Variant], str],
               config: TuneConfig, sm_count: int, advance: Callable[..., None]) -> RowTune:
     """Structures first, then fixed splits of the fastest few (same code: compiled already), then
-    the 16-bit partial rows of the fastest few (their own kernels, compiled when first run);
+    the knob twins of the fastest few (16-bit partials, TMA loads: their own kernels, compiled
+    when first run);
     last, the fastest few again."""
     row = work.row
     result = RowTune(row=row, mask=work.problem.mask,
@@ -198,7 +199,7 @@ def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, 
         adaptive = num_splits(v, row.heads, row.batch, row.seqlen_q, work.kv_capacity, sm_count)
         splits += split_variants(work.problem, v, work.kv_capacity, skip=adaptive)
     run_untried(splits)
-    run_untried(part16_variants(work.problem, fastest()))
+    run_untried(twin_variants(work.problem, fastest()))
     _retime(work, result, config, advance)
     return result
 

@@ -11,7 +11,7 @@ from mlagen.arch import CI_ARCHS
 from mlagen.bench import kv_capacity
 from mlagen.grids import Row, select_rows
 from mlagen.presets import PRESETS
-from mlagen.space import part16_variants, split_variants, structures, tile_shapes
+from mlagen.space import split_variants, structures, tile_shapes, twin_variants
 from mlagen.spec import FAMILIES, Problem, Variant, naive, parse_variant
 from mlagen.tune import candidates
 from mlagen.validate import validate
@@ -175,20 +175,26 @@ def test_split_variants():
     assert not [w for w in split_variants(p, mma.with_(arch="sm_80"), 256, skip=2) if w.cluster]
 
 
-def test_part16_variants_are_the_mma_splits_that_exchange_partials():
+def test_twin_variants_are_the_knobs_that_make_kernels_of_their_own():
     p = Problem(heads=64)
     mma = parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_sm90a")
-    found = part16_variants(p, [mma, mma.with_(kv_split=1), mma.with_(kv_split="balanced"),
-                                mma.with_(kv_split=4, cluster=True), mma.with_(part16=True),
-                                parse_variant("flash_ht8_qt8_bn32_w8_st2_sp4_sm90"), naive()])
-    assert [v.name for v in found] == ["mma_ht64_qt1_bn64_w8_st2_spa_p16_sm90a",
-                                       "mma_ht64_qt1_bn64_w8_st2_spb_p16_sm90a",
-                                       "mma_ht64_qt1_bn64_w8_st2_sp4_cl_p16_sm90a"]
+    found = twin_variants(p, [mma, mma.with_(kv_split=1), mma.with_(kv_split=4, cluster=True, part16=True),
+                              parse_variant("flash_ht8_qt8_bn32_w8_st2_sp4_sm90"), naive(),
+                              parse_variant("mma_ht64_qt1_bn32_w8_st2_spa_sm80")])
+    assert [v.name for v in found] == [
+        "mma_ht64_qt1_bn64_w8_st2_spa_p16_sm90a", "mma_ht64_qt1_bn64_w8_st2_spa_tma_sm90a",
+        "mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_sm90a",
+        "mma_ht64_qt1_bn64_w8_st2_sp1_tma_sm90a",                    # one split: nothing exchanged
+        "mma_ht64_qt1_bn64_w8_st2_sp4_cl_p16_tma_sm90a",             # part16 already: TMA
+        "mma_ht64_qt1_bn32_w8_st2_spa_p16_sm80",                     # sm_80: no TMA
+    ]
+    # pages shorter than a tile: no TMA twin
+    assert twin_variants(Problem(heads=64, page_size=16), [mma]) == [mma.with_(part16=True)]
 
 
-def test_tune_times_part16_twins_of_the_fastest_last(monkeypatch):
-    """The tuner's last stage times the 16-bit twins of the fastest few trials, each once, and
-    the table entry takes one when it wins."""
+def test_tune_times_knob_twins_of_the_fastest_last(monkeypatch):
+    """The tuner's stage before the retimes times the knob twins (16-bit partials, TMA loads) of
+    the fastest few trials, each once, and the table entry takes one when it wins."""
     from types import SimpleNamespace
 
     row = Row(heads=64, batch=1, seqlen_q=9, prefix=1024)
@@ -210,11 +216,12 @@ def test_tune_times_part16_twins_of_the_fastest_last(monkeypatch):
     assert retimed == retimed[:config.retime_top] * config.retimes
     searched = timed[:-len(retimed)]
     assert len(searched) == len(set(searched))              # nothing timed twice before that
-    # the stage before: part16 twins of variants timed earlier (the heuristic's own pick may be
-    # part16 already, and so its splits)
-    narrow = [v for i, v in enumerate(searched) if v.part16 and v.with_(part16=False) in searched[:i]]
-    assert narrow and len(narrow) <= config.split_top
-    assert searched[-len(narrow):] == narrow
+    # the stage before: knob twins (part16, tma, both) of variants timed earlier (the
+    # heuristic's own pick may be part16 already, and so its splits)
+    twins = [v for i, v in enumerate(searched)
+             if (v.part16 or v.tma) and v.with_(part16=False, tma=False) in searched[:i]]
+    assert twins and len(twins) <= 3 * config.split_top
+    assert searched[-len(twins):] == twins
     assert result.best.variant.part16 and result.best.variant.kv_split == 4
     assert result.entry()["variant"] == result.best.variant.name
     assert all(len(t.samples) == 1 + config.retimes for t in result.trials if t.variant in retimed)

@@ -43,6 +43,7 @@ static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
 struct __align__(8) VerifyParams {
   const elem_t* q;  // (B, S, H, Dl+Dr), last dim contiguous
   const elem_t* kv;  // (num_pages, page_size, Dl+Dr), last dim contiguous
+  const void* kv_map;  // device address of kv's TMA descriptor (tma variants), else 0
   const int* block_table;  // (B, max_pages) page ids of each request, in order
   const int* seqlens;  // (B,) valid keys per request, draft tokens included
   const unsigned char* tree_mask;  // (B or 1, S, S) bool, tree mask kind only
@@ -468,7 +469,7 @@ static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W
 static_assert(CH % 8 == 0, "the swizzle permutes chunks within groups of 8");
 static_assert((M_PAD * D * 2) % 1024 == 0 && (BN * D * 2) % 1024 == 0, "tiles start 1024-byte aligned");
 static_assert(M_PAD * D * 2 + STAGES * BN * D * 2 + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + 64 * 8
-              == 77184, "shared-memory plan matches mlagen/mma_plan.py");
+              + 0 == 77184, "shared-memory plan matches mlagen/mma_plan.py");
 
 // Element offset of 16-byte chunk `c` of row `r` in a tile of NROWS rows: the tile is stored as
 // D/64 column blocks of [NROWS][64] (128-byte rows) and chunks are XOR-swizzled by row % 8, so
@@ -652,7 +653,6 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
         prepare_kv(kb + 1);
       }
       cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
-
       __syncthreads();                                      // tile kb landed; tile kb-1 fully used
       const int kr = kb + STAGES - 1;                       // refilled this iteration, into tile kb-1's buffer
       const unsigned tileA = stage(kb);
@@ -787,7 +787,6 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       if (threadIdx.x < M_PAD)      // after P V's issue, off its path; read after the next tile's barriers
         sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
     }
-
     // ---- epilogue: row sums meet in shared memory; write out/lse or the split's partial ----
     // The commit puts Q's copies in a group when no tile ran (an empty split with one stage
     // commits nothing before this): the wait must cover them, the epilogue reuses their buffer.

@@ -37,6 +37,7 @@ static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
 struct __align__(8) VerifyParams {
   const elem_t* q;  // (B, S, H, Dl+Dr), last dim contiguous
   const elem_t* kv;  // (num_pages, page_size, Dl+Dr), last dim contiguous
+  const void* kv_map;  // device address of kv's TMA descriptor (tma variants), else 0
   const int* block_table;  // (B, max_pages) page ids of each request, in order
   const int* seqlens;  // (B,) valid keys per request, draft tokens included
   const unsigned char* tree_mask;  // (B or 1, S, S) bool, tree mask kind only
