@@ -721,7 +721,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
         prepare_kv(kb + 1);
       }
       cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // tile data -> wgmma reads
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // cp.async data -> wgmma reads
       __syncthreads();                                      // tile kb landed; tile kb-1 fully used
       const int kr = kb + STAGES - 1;                       // refilled this iteration, into tile kb-1's buffer
       const unsigned tileA = stage(kb);
