@@ -80,6 +80,11 @@ def split_variants(problem: Problem, variant: Variant, kv_capacity: int, skip: i
     return fixed + [variant.with_(kv_split="balanced")] + [c for c in clusters if is_valid(problem, c)]
 
 
+def structure_of(v: Variant) -> Variant:
+    """`v` as a structure: its adaptive-split, knob-free form (what `structures` lists)."""
+    return v.with_(kv_split="adaptive", cluster=False, part16=False, tma=False)
+
+
 def twin_variants(problem: Problem, variants: list[Variant]) -> list[Variant]:
     """The knob twins of each of `variants` that the tuner times last, in order: with `part16`
     (an mma variant that exchanges partial rows between split blocks: its split is not 1), with

@@ -2,9 +2,10 @@
 
 Per row (a shape) and mask kind: the heuristic's pick, then up to `max_candidates` structures
 (`mlagen.space`: every family, most promising first) are compiled in parallel processes and
-timed here with CUDA graph replay; then the fastest few are retimed with fixed splits, and the
-fastest few after that with 16-bit partial rows (`Variant.part16`); the fastest few are then timed
-twice more, and each is ranked by the median of its timings. A
+timed here with CUDA graph replay; then the fastest few structures are timed with fixed splits,
+and the fastest few after that with their knob twins (16-bit partial rows, `Variant.part16`;
+TMA tile loads, `Variant.tma`); the fastest few trials are then timed twice more, and each is
+ranked by the median of its timings. A
 candidate that fails to compile or run scores infinity. The best overall and the best of each
 family go into the table entry of the row's bucket (`mlagen.tables`), which dispatch reads.
 """
@@ -25,7 +26,7 @@ from .dispatch import balanced_for_batch, heuristic_variant, num_splits
 from .grids import Row
 from .precompile import code_identity, precompile
 from .runtime import device_info, device_name
-from .space import split_variants, structures, twin_variants
+from .space import split_variants, structure_of, structures, twin_variants
 from .spec import FAMILIES, Problem, Variant
 from .stamp import stamp
 from .timing import TimingConfig, l2_bytes, measure
@@ -174,19 +175,27 @@ def _run_trials(work: Workload, result: RowTune, variants: list[Variant], errors
 
 def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, Variant], str],
               config: TuneConfig, sm_count: int, advance: Callable[..., None]) -> RowTune:
-    """Structures first, then fixed splits of the fastest few (same code: compiled already), then
-    the knob twins of the fastest few (16-bit partials, TMA loads: their own kernels, compiled
-    when first run);
-    last, the fastest few again."""
+    """Structures first, then fixed splits of the fastest few structures (same code: compiled
+    already), then the knob twins of the fastest few structures (16-bit partials, TMA loads:
+    their own kernels, compiled when first run); last, the fastest few trials again."""
     row = work.row
     result = RowTune(row=row, mask=work.problem.mask,
                      key=tables.bucket_key(work.problem, row.seqlen_q, row.batch, work.kv_capacity))
     _run_trials(work, result, cands, errors, config, advance)
 
-    def fastest() -> list[Variant]:
+    def fastest(clear_knobs: bool = False) -> list[Variant]:
+        """The fastest trial of each of the fastest few structures (with `clear_knobs`, without
+        part16 and tma): one structure's splits and twins would otherwise take every place (the
+        heuristic's pick is part16 already, and its splits come within a few percent of it)."""
         ranked = sorted((t for t in result.trials if t.variant.family != "naive" and math.isfinite(t.us)),
                         key=lambda t: t.us)
-        return [t.variant for t in ranked[: config.split_top]]
+        picked: dict[Variant, Variant] = {}
+        for t in ranked:
+            if len(picked) == config.split_top:
+                break
+            picked.setdefault(structure_of(t.variant),
+                              t.variant.with_(part16=False, tma=False) if clear_knobs else t.variant)
+        return list(picked.values())
 
     def run_untried(variants: list[Variant]) -> None:
         tried = {t.variant for t in result.trials}
@@ -199,7 +208,7 @@ def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, 
         adaptive = num_splits(v, row.heads, row.batch, row.seqlen_q, work.kv_capacity, sm_count)
         splits += split_variants(work.problem, v, work.kv_capacity, skip=adaptive)
     run_untried(splits)
-    run_untried(twin_variants(work.problem, fastest()))
+    run_untried(twin_variants(work.problem, fastest(clear_knobs=True)))
     _retime(work, result, config, advance)
     return result
 

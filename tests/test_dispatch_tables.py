@@ -227,6 +227,35 @@ def test_tune_times_knob_twins_of_the_fastest_last(monkeypatch):
     assert all(len(t.samples) == 1 + config.retimes for t in result.trials if t.variant in retimed)
 
 
+def test_tune_times_twins_of_the_fastest_structures_not_of_one_structures_splits(monkeypatch):
+    """The heuristic's pick is part16 already and its fixed splits come close behind it; the
+    stages after the structures still reach the second structure, whose part16 twin wins (as on
+    the H200's 256-key row: one stage fewer, 16-bit partials)."""
+    from types import SimpleNamespace
+
+    row = Row(heads=64, batch=1, seqlen_q=9, prefix=256)
+    problem = problem_for(row, 64, "causal", "bf16")
+    work = SimpleNamespace(row=row, problem=problem, kv_capacity=320)
+    cands = candidates(problem, 9, "sm_90", 20)
+    pick = cands[0]
+    one_stage = pick.with_(stages=1, part16=False)
+    assert pick.part16 and one_stage in cands
+
+    def fake_time(work, trial, timing, give_up_us):
+        v = trial.variant
+        same_shape = (v.family, v.head_tile, v.q_tile, v.arch) == (pick.family, pick.head_tile, pick.q_tile, pick.arch)
+        if not same_shape:
+            trial.us = 14.0 + (v.family != "mma") * 50
+        else:
+            trial.us = ((12.8 - 1.1 * v.part16) if v.stages == 2 else (12.6 - 1.4 * v.part16)) \
+                + 0.1 * (v.kv_split != "adaptive") + 0.5 * v.tma + 0.3 * v.mma_pv
+        trial.samples.append(trial.us)
+
+    monkeypatch.setattr(tune, "_time", fake_time)
+    result = tune._tune_one(work, cands, {}, tune.TuneConfig(), sm_count=132, advance=lambda more=0: None)
+    assert result.best.variant == one_stage.with_(part16=True)
+
+
 def test_tune_ranks_the_fastest_by_the_median_of_their_timings(monkeypatch):
     """A trial whose first timing was a fluke (far too fast) is timed again and loses to the one
     that is fast every time."""
