@@ -3,11 +3,13 @@
 A tma kernel loads its KV tiles with `cp.async.bulk.tensor.3d` boxes of [64 dims, block_n rows,
 1 page] from a descriptor of the cache as [num_pages][page_size][D] (the driver's
 cuTensorMapEncodeTiled, 128-byte swizzle: the layout the wgmma kernels read). The parameter block
-carries the descriptor's device address (`kv_map`). Descriptors are encoded once per cache
-tensor (its address, shape, strides and dtype) and copied to the device on the calling stream
-from pinned host memory, so the first call with a new cache may also be a CUDA graph capture
-(the copy is then a node of the graph). They are never freed: a graph may still use one, and
-an engine has a few cache tensors.
+carries the descriptor's device address (`kv_map`). Outside graph capture a descriptor is
+encoded once per cache tensor (its address, shape, strides and dtype) and copied to the device
+before the call returns, so a launch on any stream may read it. Under capture the copy from
+pinned host memory becomes a node of the graph, ahead of its kernels, into a buffer of that
+capture's own: it is written only when the graph replays, so it is not shared with other
+calls. Descriptors are never freed: a graph may still use one, and an engine has a few cache
+tensors and graphs.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ _L2_PROMOTION_256B = 3
 BOX_DIMS = 64                    # dims per box: one 128-byte swizzled column block
 
 # (device, address, num_pages, page_size, D, page stride, row stride, dtype, rows per box) ->
-# (device tensor, pinned host tensor it was copied from)
+# (device tensor, pinned host tensor it was copied from): descriptors copied outside capture
 _maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+# the same pairs for copies recorded in captured graphs, which hold their addresses
+_captured: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 @functools.cache
@@ -56,14 +60,19 @@ def encode(address: int, num_pages: int, page_size: int, head_dim: int, strides:
 
 def device_map(kv_cache: torch.Tensor, num_pages: int, page_size: int, head_dim: int, strides: tuple[int, int],
                dtype: str, box_rows: int) -> int:
-    """Device address of `kv_cache`'s descriptor, encoded and queued for copy on the current
-    stream the first time this cache tensor is seen."""
+    """Device address of `kv_cache`'s descriptor: encoded and copied the first time this cache
+    tensor is seen outside capture, and for each call under capture (see the module's text)."""
     key = (kv_cache.device.index, kv_cache.data_ptr(), num_pages, page_size, head_dim, strides, dtype, box_rows)
     held = _maps.get(key)
-    if held is None:
-        host = torch.frombuffer(bytearray(encode(kv_cache.data_ptr(), num_pages, page_size, head_dim, strides,
-                                                 dtype, box_rows)), dtype=torch.uint8).pin_memory()
-        dev = torch.empty(MAP_BYTES, dtype=torch.uint8, device=kv_cache.device)
+    if held is not None:
+        return held[0].data_ptr()
+    host = torch.frombuffer(bytearray(encode(kv_cache.data_ptr(), num_pages, page_size, head_dim, strides,
+                                             dtype, box_rows)), dtype=torch.uint8).pin_memory()
+    dev = torch.empty(MAP_BYTES, dtype=torch.uint8, device=kv_cache.device)
+    if torch.cuda.is_current_stream_capturing():
         dev.copy_(host, non_blocking=True)
-        held = _maps[key] = (dev, host)
-    return held[0].data_ptr()
+        _captured.append((dev, host))
+    else:
+        dev.copy_(host)              # synchronous: other streams' launches may read it next
+        _maps[key] = (dev, host)
+    return dev.data_ptr()

@@ -213,6 +213,48 @@ def test_cuda_graph_capture_and_replay():
         assert_matches(out, lse, case)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="TMA tile loads need a compute capability 9.0 GPU (sm_90a)")
+def test_tma_descriptor_under_capture_and_across_streams():
+    """A tma kernel's cache descriptor (mlagen/tensormap.py): a first call under graph capture
+    records its copy in the graph, and an eager call with that cache, the graph never replayed,
+    still reads a written descriptor; a first eager call's descriptor is on the device before a
+    call on another stream reads it."""
+    variant = _wgmma_variant(64, kv_split=3).with_(tma=True)
+
+    def new_case(seed):
+        return make_case(batch=2, seqlen_q=9, heads=64, prefixes=[300, 1000], page_size=64, mask="causal",
+                         seed=seed)
+
+    _run(new_case(0), variant, True)             # compile and load outside the captures
+    replayed, idle = new_case(1), new_case(2)
+    outs = []
+    for case in (replayed, idle):                # each cache's first call is the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                                variant=variant, return_lse=True, **case.kwargs()))
+        if case is replayed:
+            for t in outs[-1]:
+                t.fill_(math.nan)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_matches(*outs[-1], replayed)
+    assert_matches(*_run(idle, variant, True), idle)
+    case = new_case(3)
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    for stream in (first, second):
+        stream.wait_stream(torch.cuda.current_stream())
+    results = []
+    for stream in (first, second):               # no synchronization between the two calls
+        with torch.cuda.stream(stream):
+            results.append(mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                                   variant=variant, return_lse=True, **case.kwargs()))
+    torch.cuda.synchronize()
+    for out, lse in results:
+        assert_matches(out, lse, case)
+
+
 @pytest.mark.parametrize("kv_split", [5, "balanced"])
 def test_split_merge_across_calls_streams_and_graphs(kv_split):
     """The merge blocks' counters: left at zero by every launch (repeat calls), per stream

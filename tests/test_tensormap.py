@@ -1,0 +1,47 @@
+"""The KV cache's TMA descriptor request (mlagen/tensormap.py), checked without a driver: the
+arguments handed to cuTensorMapEncodeTiled, and the error a refusal raises."""
+
+import ctypes
+
+import pytest
+
+from mlagen import tensormap
+
+
+class FakeEncode:
+    """Stands in for the driver's cuTensorMapEncodeTiled: records its arguments, fills the
+    descriptor with a pattern and returns `code`."""
+
+    def __init__(self, code: int = 0):
+        self.code, self.calls = code, []
+
+    def __call__(self, desc, dtype, rank, address, dims, strides, box, unit, interleave, swizzle, l2, fill):
+        words = ctypes.cast(desc, ctypes.POINTER(ctypes.c_uint64))
+        for i in range(16):
+            words[i] = i + 1
+        self.calls.append(dict(dtype=dtype, rank=rank, address=address.value, dims=list(dims),
+                               strides=list(strides[:rank - 1]), box=list(box[:rank]), unit=list(unit[:rank]),
+                               interleave=interleave, swizzle=swizzle, fill=fill))
+        return self.code
+
+
+@pytest.mark.parametrize("dtype, code", [("bf16", 9), ("fp16", 6)])
+def test_descriptor_describes_the_cache_as_pages_of_rows(monkeypatch, dtype, code):
+    fake = FakeEncode()
+    monkeypatch.setattr(tensormap, "_encode_tiled", lambda: fake)
+    desc = tensormap.encode(0x7F0000001000, num_pages=300, page_size=64, head_dim=576, strides=(64 * 584, 584),
+                            dtype=dtype, box_rows=64)
+    assert len(desc) == tensormap.MAP_BYTES == 128
+    assert desc[:8] == (1).to_bytes(8, "little")              # the bytes the driver wrote
+    (call,) = fake.calls
+    assert call == dict(dtype=code, rank=3, address=0x7F0000001000,
+                        dims=[576, 64, 300],                  # innermost first: dims, rows, pages
+                        strides=[584 * 2, 64 * 584 * 2],      # bytes between rows, between pages
+                        box=[64, 64, 1],                      # one 128-byte column block of a tile
+                        unit=[1, 1, 1], interleave=0, swizzle=3, fill=0)   # 128-byte swizzle, zero fill
+
+
+def test_a_refused_descriptor_names_the_cache(monkeypatch):
+    monkeypatch.setattr(tensormap, "_encode_tiled", lambda: FakeEncode(code=1))
+    with pytest.raises(RuntimeError, match=r"kv_cache \[10, 32, 576\] with strides \(18432, 576\): CUresult 1"):
+        tensormap.encode(0x1000, 10, 32, 576, (32 * 576, 576), "bf16", 32)
