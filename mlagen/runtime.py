@@ -231,8 +231,9 @@ def verify_attention(
     if call.layout is not None:   # `held` is referenced until the launch is queued on the stream
         held, part_o, counters = workspace.get(call.device, stream, call.layout, call.torch_device)
         part_ml = part_o + call.layout.part_ml_offset
-    kv_map = (tensormap.device_map(kv_cache, call.shapes.num_pages, call.shapes.page_size, call.shapes.head_dim,
-                                   call.shapes.kv_strides, call.shapes.dtype, call.tma_rows) if call.tma_rows else 0)
+    kv_map = (tensormap.device_map(call.device, kv_ptr, call.shapes.num_pages, call.shapes.page_size,
+                                   call.shapes.head_dim, call.shapes.kv_strides, call.shapes.dtype, call.tma_rows)
+              if call.tma_rows else 0)
     # kv_cache's pointer is the [num_pages, page_size, D] view's too (a 4-dim cache's index 0).
     pointers = (q_ptr, kv_ptr, kv_map, block_table.data_ptr(), cache_seqlens.data_ptr(),
                 tree_mask.data_ptr() if tree_mask is not None else 0, out.data_ptr(),

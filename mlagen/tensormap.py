@@ -22,6 +22,7 @@ import torch
 
 MAP_BYTES = 128                  # sizeof(CUtensorMap)
 _DTYPE = {"bf16": 9, "fp16": 6}  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 / _FLOAT16
+_ELEM_BYTES = 2                  # both of them
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 BOX_DIMS = 64                    # dims per box: one 128-byte swizzled column block
@@ -47,7 +48,7 @@ def encode(address: int, num_pages: int, page_size: int, head_dim: int, strides:
     element strides (page, row) `strides`, for boxes of [64 dims, box_rows rows, 1 page]."""
     desc = (ctypes.c_uint64 * 16)()
     dims = (ctypes.c_uint64 * 3)(head_dim, page_size, num_pages)
-    byte_strides = (ctypes.c_uint64 * 2)(strides[1] * 2, strides[0] * 2)
+    byte_strides = (ctypes.c_uint64 * 2)(strides[1] * _ELEM_BYTES, strides[0] * _ELEM_BYTES)
     box = (ctypes.c_uint32 * 3)(BOX_DIMS, box_rows, 1)
     unit = (ctypes.c_uint32 * 3)(1, 1, 1)
     code = _encode_tiled()(ctypes.byref(desc), _DTYPE[dtype], 3, ctypes.c_void_p(address), dims, byte_strides, box,
@@ -58,17 +59,19 @@ def encode(address: int, num_pages: int, page_size: int, head_dim: int, strides:
     return bytes(desc)
 
 
-def device_map(kv_cache: torch.Tensor, num_pages: int, page_size: int, head_dim: int, strides: tuple[int, int],
+def device_map(device: int, address: int, num_pages: int, page_size: int, head_dim: int, strides: tuple[int, int],
                dtype: str, box_rows: int) -> int:
-    """Device address of `kv_cache`'s descriptor: encoded and copied the first time this cache
-    tensor is seen outside capture, and for each call under capture (see the module's text)."""
-    key = (kv_cache.device.index, kv_cache.data_ptr(), num_pages, page_size, head_dim, strides, dtype, box_rows)
+    """Device address of the descriptor of the cache at `address` on CUDA device `device`:
+    encoded and copied the first time this cache is seen outside capture, and for each call
+    under capture (see the module's text). The runtime calls it per launch: a hit is one dict
+    lookup on the values it already holds."""
+    key = (device, address, num_pages, page_size, head_dim, strides, dtype, box_rows)
     held = _maps.get(key)
     if held is not None:
         return held[0].data_ptr()
-    host = torch.frombuffer(bytearray(encode(kv_cache.data_ptr(), num_pages, page_size, head_dim, strides,
-                                             dtype, box_rows)), dtype=torch.uint8).pin_memory()
-    dev = torch.empty(MAP_BYTES, dtype=torch.uint8, device=kv_cache.device)
+    host = torch.frombuffer(bytearray(encode(address, num_pages, page_size, head_dim, strides, dtype, box_rows)),
+                            dtype=torch.uint8).pin_memory()
+    dev = torch.empty(MAP_BYTES, dtype=torch.uint8, device=torch.device("cuda", device))
     if torch.cuda.is_current_stream_capturing():
         dev.copy_(host, non_blocking=True)
         _captured.append((dev, host))
