@@ -60,6 +60,12 @@ def _score_split(m_pad: int, block_n: int, warps: int) -> tuple[int, int] | None
     return None if best is None else (best[1], best[2])
 
 
+# The seesaw's tile pair loads in four parts, each with its mbarrier: stage 0's value-left
+# blocks and the rest, stage 1's value-right blocks and the rest (each refilled by the
+# warpgroup that reads it last).
+SEESAW_BARRIERS = 4
+
+
 def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
     """The layout, or a message saying which rule the variant breaks."""
     rows = v.q_tile * v.head_tile
@@ -92,10 +98,11 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
     wmq, wnq = split
     p_stride = v.block_n + 8
     # Q, the KV stages, P, the row max / sum parts, the running max, the tree-mask rows, and with
-    # tma one mbarrier per stage (in the dynamic block: a static one would be padded to the
-    # dynamic block's 1024-byte alignment).
+    # tma one mbarrier per stage, or with seesaw one per part of a tile pair (in the dynamic
+    # block: a static one would be padded to the dynamic block's 1024-byte alignment).
+    barriers = SEESAW_BARRIERS if v.seesaw else v.stages if v.tma else 0
     smem = (m_pad * p.head_dim * 2 + v.stages * v.block_n * p.head_dim * 2 + m_pad * p_stride * 2
-            + wnq * m_pad * 4 + m_pad * 4 + 64 * 8 + (v.stages * 8 if v.tma else 0))
+            + wnq * m_pad * 4 + m_pad * 4 + 64 * 8 + barriers * 8)
     return MmaLayout(m_pad=m_pad, wmq=wmq, wnq=wnq, rows_w=m_pad // wmq, keys_w=v.block_n // wnq,
                      dims_w=dims_w, p_stride=p_stride, smem_bytes=smem, wgmma=wgmma,
                      pv_wgmma=wgmma and not v.mma_pv)
@@ -114,6 +121,9 @@ def plan_mma(p: Problem, v: Variant, arch: Arch):
         _require(layout.wgmma, "variant.tma", v.tma, f"False on {arch.name}: TMA tile loads are for sm_90a's kernels")
         _require(p.page_size % v.block_n == 0, "variant.tma", v.tma,
                  f"False for page_size={p.page_size}: a TMA tile is one page's run of block_n={v.block_n} rows")
+    if v.seesaw:
+        _require(v.tma and layout.pv_wgmma and v.stages == 2 and not v.cluster, "variant.seesaw", v.seesaw,
+                 "False, or True on sm_90a with tma, both products on wgmma (no mma_pv), two stages and no cluster")
     if v.cluster:
         _require(arch.capability >= 90, "variant.cluster", v.cluster,
                  f"False on {arch.name}: thread-block clusters need sm_90 or newer")

@@ -95,6 +95,10 @@ class Variant:
         (`cp.async.bulk.tensor`, one thread issues a tile's 64-dim column blocks, an mbarrier
         per stage says when it landed) instead of every thread's 16-byte cp.async copies.
         Runs through mlagen's runtime (the runtime encodes the cache's descriptor). Named `_tma`.
+    seesaw: sm_90a mma with tma, two stages, 64 rows and 64-key tiles: the KV tiles go in pairs,
+        each warpgroup computing one tile's scores and softmax while the other runs matrix work
+        (P·V of both tiles per warpgroup on half the value dims; P through the tile's rope
+        block). Named `_ss`.
     """
 
     family: Family = "flash"
@@ -109,6 +113,7 @@ class Variant:
     cluster: bool = False
     part16: bool = False
     tma: bool = False
+    seesaw: bool = False
 
     @property
     def name(self) -> str:
@@ -155,7 +160,7 @@ class Variant:
 
 
 # Boolean knobs and their tags, in the name's order.
-KNOB_TAGS = (("mma_pv", "pvm"), ("cluster", "cl"), ("part16", "p16"), ("tma", "tma"))
+KNOB_TAGS = (("mma_pv", "pvm"), ("cluster", "cl"), ("part16", "p16"), ("tma", "tma"), ("seesaw", "ss"))
 
 
 def naive(arch: str = "sm_90", warps: int = 4) -> Variant:

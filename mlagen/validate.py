@@ -172,6 +172,8 @@ def _check_common(v: Variant) -> None:
              "False, or True for the mma family")
     _require(v.tma is False or (v.tma is True and v.family == "mma"), "variant.tma", v.tma,
              "False, or True for the mma family (on sm_90a)")
+    _require(v.seesaw is False or (v.seesaw is True and v.family == "mma"), "variant.seesaw", v.seesaw,
+             "False, or True for the mma family (on sm_90a, with tma)")
 
 
 def _smem_fits(arch: Arch, smem: int, what: str) -> None:

@@ -644,7 +644,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
     const int o_row0 = 0, o_dim0 = warp * DIMS_W;
     float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
     const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
-
     for (int kb = kb_begin; kb < kb_end; ++kb) {
       if (STAGES == 1) {                                    // one buffer: refill it once all used it
         __syncthreads();
