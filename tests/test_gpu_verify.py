@@ -101,12 +101,14 @@ def _wgmma_variant(heads: int, schedule: str = "wgmma", kv_split: int | str = "a
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="wgmma needs a compute capability 9.0 GPU (sm_90a)")
 @given(shape=shapes(max_work=4e9), schedule=st.sampled_from(list(SCHEDULES)),
-       kv_split=st.sampled_from(["adaptive", 1, 3, 16, "balanced"]), part16=st.booleans(), tma=st.booleans())
-def test_wgmma_schedules_match_reference(shape, schedule, kv_split, part16, tma):
+       kv_split=st.sampled_from(["adaptive", 1, 3, 16, "balanced"]), part16=st.booleans(), tma=st.booleans(),
+       seesaw=st.booleans())
+def test_wgmma_schedules_match_reference(shape, schedule, kv_split, part16, tma, seesaw):
     lse = shape.pop("lse")
     case = make_case(**shape)
     tma = tma and shape["page_size"] % 64 == 0     # a TMA tile is one page's run of rows
-    variant = _wgmma_variant(shape["heads"], schedule, kv_split).with_(part16=part16, tma=tma)
+    seesaw = seesaw and tma and schedule == "wgmma"
+    variant = _wgmma_variant(shape["heads"], schedule, kv_split).with_(part16=part16, tma=tma, seesaw=seesaw)
     out, lse_out = _run(case, variant, lse)
     assert_matches(out, lse_out, case)
 
