@@ -34,10 +34,12 @@ def main() -> None:
                 Variant(family="mma", head_tile=8, q_tile=4, block_n=64, warps=4, stages=2, kv_split="balanced",
                         arch=arch)]
     if torch.cuda.get_device_capability() == (9, 0):   # sm_90a: P·V on wgmma or mma.sync; balanced, cluster
-        # split; each split also with 16-bit partial rows
+        # split; each split also with 16-bit partial rows; TMA loads, and the seesaw on them
         for knobs in ({}, {"mma_pv": True}, {"kv_split": "balanced"}, {"cluster": True}, {"part16": True},
                       {"kv_split": "balanced", "part16": True}, {"cluster": True, "part16": True},
-                      {"tma": True}, {"kv_split": "balanced", "tma": True}, {"mma_pv": True, "tma": True}):
+                      {"tma": True}, {"kv_split": "balanced", "tma": True}, {"mma_pv": True, "tma": True},
+                      {"tma": True, "seesaw": True},
+                      {"kv_split": "balanced", "tma": True, "seesaw": True, "part16": True}):
             variants.append(Variant(family="mma", head_tile=8, q_tile=8, block_n=64, warps=8, stages=2,
                                     arch="sm_90a", **({"kv_split": 2} | knobs)))
         # the short rows' kernel: its epilogue stages 64 output rows over nearly all its shared memory

@@ -60,10 +60,10 @@ def _score_split(m_pad: int, block_n: int, warps: int) -> tuple[int, int] | None
     return None if best is None else (best[1], best[2])
 
 
-# The seesaw's tile pair loads in four parts, each with its mbarrier: stage 0's value-left
-# blocks and the rest, stage 1's value-right blocks and the rest (each refilled by the
-# warpgroup that reads it last).
-SEESAW_BARRIERS = 4
+# The seesaw's mbarriers: its tile pair loads in four parts, each with one (stage 0's
+# value-left blocks and the rest, stage 1's value-right blocks and the rest, each refilled by
+# the warpgroup that reads it last), and each warpgroup hands its P and row maxima over on one.
+SEESAW_BARRIERS = 6
 
 
 def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:

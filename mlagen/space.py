@@ -82,21 +82,23 @@ def split_variants(problem: Problem, variant: Variant, kv_capacity: int, skip: i
 
 def structure_of(v: Variant) -> Variant:
     """`v` as a structure: its adaptive-split, knob-free form (what `structures` lists)."""
-    return v.with_(kv_split="adaptive", cluster=False, part16=False, tma=False)
+    return v.with_(kv_split="adaptive", cluster=False, part16=False, tma=False, seesaw=False)
 
 
 def twin_variants(problem: Problem, variants: list[Variant]) -> list[Variant]:
     """The knob twins of each of `variants` that the tuner times last, in order: with `part16`
     (an mma variant that exchanges partial rows between split blocks: its split is not 1), with
-    `tma`, and with both, where valid for `problem`; each once, none of `variants`."""
+    `tma`, with both, then the seesaw schedule (which loads with TMA) without and with `part16`,
+    where valid for `problem`; each once, none of `variants`."""
     found: list[Variant] = []
     for v in variants:
         if v.family != "mma":
             continue
-        for part16, tma in ((True, False), (False, True), (True, True)):
+        for part16, tma, seesaw in ((True, False, False), (False, True, False), (True, True, False),
+                                    (False, True, True), (True, True, True)):
             if part16 and v.kv_split == 1:
                 continue
-            w = v.with_(part16=v.part16 or part16, tma=v.tma or tma)
+            w = v.with_(part16=v.part16 or part16, tma=v.tma or tma, seesaw=v.seesaw or seesaw)
             if w not in variants and w not in found and is_valid(problem, w):
                 found.append(w)
     return found

@@ -135,6 +135,23 @@ def test_sm90a_products_run_on_wgmma():
         validate(Problem(), v.with_(block_n=32))
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("mask", ["causal", "tree"])
+@pytest.mark.parametrize("split, part16", [("adaptive", False), ("balanced", True)])
+def test_seesaw_variants_compile_without_spills_or_serialized_wgmmas(dtype, mask, split, part16):
+    """The seesaw loop holds the scores of a whole tile (32 fp32) beside half the output (128)
+    in each thread: close to the 255 registers, so every build checks for spills, and for the
+    waits or serialization ptxas adds around wgmmas."""
+    v = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=2, arch="sm_90a", kv_split=split,
+                part16=part16, tma=True, seesaw=True)
+    built = build(Problem(heads=64, dtype=dtype, mask=mask), v)
+    assert "scores_wgmma64" in built.source and "wgmma_pv_regs" in built.source
+    for name, r in built.module.resources.items():
+        assert not r.spills and r.stack_frame == 0, f"{name}: {r}"
+    log = built.module.log
+    assert "C751" not in log and "serialized" not in log and "injected" not in log, log
+
+
 def test_sources_are_self_contained():
     plan = validate(Problem(mask="tree"), Variant())
     includes = re.findall(r'#include\s*[<"]([^>"]+)[>"]', render(plan))

@@ -184,8 +184,10 @@ def test_twin_variants_are_the_knobs_that_make_kernels_of_their_own():
     assert [v.name for v in found] == [
         "mma_ht64_qt1_bn64_w8_st2_spa_p16_sm90a", "mma_ht64_qt1_bn64_w8_st2_spa_tma_sm90a",
         "mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_sm90a",
+        "mma_ht64_qt1_bn64_w8_st2_spa_tma_ss_sm90a", "mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a",
         "mma_ht64_qt1_bn64_w8_st2_sp1_tma_sm90a",                    # one split: nothing exchanged
-        "mma_ht64_qt1_bn64_w8_st2_sp4_cl_p16_tma_sm90a",             # part16 already: TMA
+        "mma_ht64_qt1_bn64_w8_st2_sp1_tma_ss_sm90a",
+        "mma_ht64_qt1_bn64_w8_st2_sp4_cl_p16_tma_sm90a",             # part16 already: TMA; no seesaw in a cluster
         "mma_ht64_qt1_bn32_w8_st2_spa_p16_sm80",                     # sm_80: no TMA
     ]
     # pages shorter than a tile: no TMA twin
@@ -219,8 +221,8 @@ def test_tune_times_knob_twins_of_the_fastest_last(monkeypatch):
     # the stage before: knob twins (part16, tma, both) of variants timed earlier (the
     # heuristic's own pick may be part16 already, and so its splits)
     twins = [v for i, v in enumerate(searched)
-             if (v.part16 or v.tma) and v.with_(part16=False, tma=False) in searched[:i]]
-    assert twins and len(twins) <= 3 * config.split_top
+             if (v.part16 or v.tma) and v.with_(part16=False, tma=False, seesaw=False) in searched[:i]]
+    assert twins and len(twins) <= 5 * config.split_top
     assert searched[-len(twins):] == twins
     assert result.best.variant.part16 and result.best.variant.kv_split == 4
     assert result.entry()["variant"] == result.best.variant.name

@@ -140,6 +140,16 @@ def test_tma_kernel_loads_kv_tiles_as_boxes():
     assert counts[1] == (27, 18) and counts[0][0] == 0 and counts[0][1] > 18
 
 
+def test_seesaw_kernel_runs_each_tile_once_on_whole_tile_wgmmas():
+    """seesaw: each warpgroup's branch has a whole tile's 36 m64n64 score steps and 8 P·V steps
+    (4 from registers, 4 from shared memory); tiles arrive in parts (18 boxes for the first pair
+    before the loop, 18 refills in it) and only Q still uses cp.async."""
+    _needs_nvdisasm()
+    b = _built("mma_ht64_qt1_bn64_w8_st2_spa_tma_ss_sm90a")
+    ops = sass.opcodes(sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a"))
+    assert (ops["HGMMA"], ops["UTMALDG"], ops["LDGSTS"]) == (2 * (36 + 8), 36, 18)
+
+
 # Instructions that touch global memory (loads, copies, stores, atomics, generic accesses).
 GLOBAL_ACCESS = re.compile(r"\b(LDG|LDGSTS|STG|ATOMG|RED|LD|ST)\b")
 

@@ -22,6 +22,7 @@ variants = st.builds(
     cluster=st.booleans(),
     part16=st.booleans(),
     tma=st.booleans(),
+    seesaw=st.booleans(),
 )
 
 
@@ -87,6 +88,11 @@ def test_bad_names_say_what_was_expected(bad):
     (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, tma=True), "variant.tma"),  # sm_90
     (Problem(page_size=16), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", tma=True),
      "variant.tma"),                                                                # a tile spans pages
+    (Problem(), Variant(seesaw=True), "variant.seesaw"),                             # flash family
+    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", seesaw=True),
+     "variant.seesaw"),                                                             # needs tma
+    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", tma=True, mma_pv=True,
+                        seesaw=True), "variant.seesaw"),                             # P·V on mma.sync
 ])
 def test_validation_names_field_value_and_limit(problem, variant, field):
     with pytest.raises(SpecError) as info:
