@@ -219,11 +219,14 @@ __device__ __forceinline__ long long part_row(const VerifyParams& p, int split, 
   return split * part_slot_rows(p) + row;
 }
 
-// Blocks of `bn` keys of [0, limit) that split `split` of `num_splits` owns: [*begin, *end).
+// Blocks of `bn` keys of [0, limit) that split `split` of `num_splits` owns: [*begin, *end),
+// in runs of UNIT blocks (the seesaw's pairs: only the last split can end on half a pair; a
+// split past the end owns none).
+template <int UNIT = 1>
 __device__ __forceinline__ void split_blocks(int limit, int bn, int split, int num_splits,
                                              int* begin, int* end) {
   const int blocks = (limit + bn - 1) / bn;
-  const int per = (blocks + num_splits - 1) / num_splits;
+  const int per = (blocks + num_splits * UNIT - 1) / (num_splits * UNIT) * UNIT;
   const int b0 = split * per;
   *begin = b0 < blocks ? b0 : blocks;
   *end = b0 + per < blocks ? b0 + per : blocks;
