@@ -220,3 +220,26 @@ def test_block_trace_patch_compiles_for_the_split_kernels():
         assert source.count("TR(") == stamps
         module = compile_source(source, plan.name, plan.arch.name)
         assert all(not r.spills for r in module.resources.values())
+
+
+def test_seesaw_trace_patch_compiles():
+    """benchmarks/trace_seesaw.py stamps each step of both warpgroups at landmarks of the seesaw
+    loop: every landmark is still there once, and the patched kernel compiles without spills or
+    serialized wgmmas (a stamp that cost either would distort what it measures)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import trace_seesaw
+
+    from mlagen.codegen import render
+    from mlagen.compiler import compile_source
+
+    plan = _built("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a").plan
+    source = trace_seesaw.patch(render(plan))
+    assert source.count("        TS(") == len(trace_seesaw.STEPS) == 15
+    module = compile_source(source, plan.name, plan.arch.name)
+    assert all(not r.spills and r.stack_frame == 0 for r in module.resources.values()), module.resources
+    assert "C751" not in module.log and "serialized" not in module.log, module.log
+    with pytest.raises(SystemExit, match="landmark not found once"):
+        trace_seesaw.patch(render(_built(WGMMA).plan))

@@ -1,0 +1,132 @@
+"""Inside one block of a seesaw kernel (`Variant.seesaw`): when each warpgroup reaches each step
+of each pair of KV tiles, so that the time of a pair splits into waits, matrix work and softmax.
+
+Clock64 stamps, taken by the first thread of each warpgroup, are patched into the rendered
+source of this run only, at landmarks of templates/mma_seesaw.cuh.j2; a landmark that moved
+fails loudly. On the GPU machine:
+
+    python3 benchmarks/trace_seesaw.py 64 1 9 65536 [variant name; default: the dispatcher's]
+
+The variant must be a seesaw one. Printed: each phase's mean over the pairs of the blocks
+(first and last pair left out: they carry the prologue and the tail), then the pairs of one
+block. Clock64 deltas are shown in µs at 1.98 GHz (the H200's boost clock under load).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import cupy
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from helpers import make_case  # noqa: E402
+
+import mlagen  # noqa: E402
+import mlagen.build as build  # noqa: E402
+from mlagen import launch  # noqa: E402
+from mlagen.spec import parse_variant  # noqa: E402
+
+MAX_BLOCKS, MAX_PAIRS, EVENTS, GHZ = 512, 64, 16, 1.98
+# (warpgroup, event): the landmark after which it is stamped. Each landmark occurs once.
+STEPS = [
+    ((0, 0), "        mbar_wait(bars + 8 * K0_HI, parity);\n", "K0 landed"),
+    ((0, 1), "        scores(s, buf0);\n", "S0 issued"),
+    ((0, 2), "        named_sync(S0_ISSUED, 256);                         // S1 queues behind S0 on the tensor cores\n"
+             "        wait_all();\n", "S0 done"),
+    ((0, 3), "        mbar_arrive(bars + 8 * P0_FULL);\n", "P0 stored (softmax 0 done)"),
+    ((0, 4), "        pv_regs(s, buf0);\n        wait_all();\n", "P0 V0_L done"),
+    ((0, 5), "        mbar_wait(bars + 8 * P1_FULL, parity);\n", "P1 received"),
+    ((0, 6), "        pv_smem(buf1);\n        wait_all();\n", "P1 V1_L done"),
+    ((1, 0), "      } else {\n        named_sync(S0_ISSUED, 256);\n", "S0 issued (seen)"),
+    ((1, 1), "        mbar_wait(bars + 8 * K1_REST, parity);\n", "K1 landed"),
+    ((1, 2), "        scores(s, buf1);\n", "S1 issued"),
+    ((1, 3), "        mbar_wait(bars + 8 * P0_FULL, parity);\n", "P0 received"),
+    ((1, 4), "        wait_all();                                         // S1 done", "S1 done"),
+    ((1, 5), "        mbar_arrive(bars + 8 * P1_FULL);\n", "P1 stored (softmax 1 done)"),
+    ((1, 6), "        mbar_arrive(bars + 8 * P1_FULL);\n        wait_all();\n", "P0 V0_R done"),
+    ((1, 7), "        pv_regs(s, buf1);\n        wait_all();\n", "P1 V1_R done"),
+]
+HEADER = (f"__device__ unsigned long long mlagen_ss_trace[{MAX_BLOCKS * MAX_PAIRS * EVENTS}];\n"
+          "#define SS_BLOCK ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)\n"
+          "#define SS_PAIR (t_base / 2 + pi)   // the block's pairs so far: a balanced split's segments follow on\n"
+          f"#define TS(w, e) do {{ if (wt == 0 && SS_BLOCK < {MAX_BLOCKS} && SS_PAIR < {MAX_PAIRS}) "
+          f"mlagen_ss_trace[(SS_BLOCK * {MAX_PAIRS} + SS_PAIR) * {EVENTS} + 8 * (w) + (e)] = clock64(); }} "
+          "while (0)\n")
+
+
+def patch(source: str) -> str:
+    """`source` with a stamp after each landmark of STEPS (in a seesaw kernel's rendered source)."""
+    # longest landmark first: warpgroup 1's "P0 V0_R done" landmark holds its "P1 stored" one
+    for (w, e), landmark, _ in sorted(STEPS, key=lambda s: -len(s[1])):
+        if source.count(landmark) != 1:
+            raise SystemExit(f"landmark not found once (the template changed): {landmark!r}")
+        end = source.index(landmark) + len(landmark)
+        line_end = source.index("\n", end - 1) + 1 if not landmark.endswith("\n") else end
+        source = source[:line_end] + f"        TS({w}, {e});\n" + source[line_end:]
+    return HEADER + source
+
+
+def phases(stamps: list[list[int]]) -> dict[str, list[float]]:
+    """Per pair (the first and last left out), the µs between consecutive steps of each
+    warpgroup, and the pair's period (warpgroup 0's K0 landed to the next pair's)."""
+    names = {key: label for key, _, label in STEPS}
+    out: dict[str, list[float]] = {}
+    for i in range(1, len(stamps) - 1):
+        cur, nxt = stamps[i], stamps[i + 1]
+        for w, count in ((0, 7), (1, 8)):
+            for e in range(1, count):
+                a, b = cur[8 * w + e - 1], cur[8 * w + e]
+                out.setdefault(f"wg{w}: {names[(w, e - 1)]} -> {names[(w, e)]}", []).append((b - a) / (GHZ * 1e3))
+        out.setdefault("pair period (wg0 K0 landed to the next)", []).append((nxt[0] - cur[0]) / (GHZ * 1e3))
+        out.setdefault("wg0: P1 V1_L done -> next K0 landed", []).append((nxt[0] - cur[6]) / (GHZ * 1e3))
+    return out
+
+
+def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None) -> None:
+    render = build.render
+    build.render = lambda plan: patch(render(plan)) if plan.variant.seesaw else render(plan)
+    case = make_case(batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=[prefix] * batch,
+                     page_size=64, mask="causal", seed=0)
+    v = parse_variant(variant) if variant else None
+
+    def call() -> None:
+        mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                softmax_scale=case.scale, variant=v)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    loaded = list(launch._loaded.values())[-1]
+    if not loaded.plan.variant.seesaw:
+        raise SystemExit(f"{loaded.plan.name} is not a seesaw variant: pass one")
+    size = MAX_BLOCKS * MAX_PAIRS * EVENTS
+    memory = cupy.cuda.UnownedMemory(loaded.module.get_global_var("mlagen_ss_trace"), size * 8, loaded.module)
+    trace = cupy.ndarray((MAX_BLOCKS, MAX_PAIRS, EVENTS), dtype=cupy.uint64,
+                         memptr=cupy.cuda.MemoryPointer(memory, 0))
+    trace[:] = 0
+    call()
+    torch.cuda.synchronize()
+    blocks = [[[int(x) for x in pair] for pair in block if pair[0]] for block in trace.get()]
+    blocks = [b for b in blocks if len(b) >= 3]
+    if not blocks:
+        raise SystemExit("no block ran 3 pairs or more: pick a longer row")
+    merged: dict[str, list[float]] = {}
+    for b in blocks:
+        for name, values in phases(b).items():
+            merged.setdefault(name, []).extend(values)
+    print(loaded.plan.name, f"blocks with 3+ pairs: {len(blocks)}, pairs timed: {sum(len(b) - 2 for b in blocks)}")
+    print(f"{'phase (µs, mean over pairs; min, max)':70} mean    min    max")
+    for name, values in merged.items():
+        print(f"{name:70} {sum(values) / len(values):5.2f}  {min(values):5.2f}  {max(values):5.2f}")
+    first = blocks[0]
+    print("block 0, per pair: each step's µs after that pair's wg0 K0 landed (wg0 steps | wg1 steps)")
+    for i, pair in enumerate(first):
+        wg0 = " ".join(f"{(pair[e] - pair[0]) / (GHZ * 1e3):5.2f}" for e in range(1, 7))
+        wg1 = " ".join(f"{(pair[8 + e] - pair[0]) / (GHZ * 1e3):5.2f}" for e in range(8))
+        print(f"pair {i:3d}: {wg0} | {wg1}")
+
+
+if __name__ == "__main__":
+    main(*(int(a) for a in sys.argv[1:5]), *sys.argv[5:6])
