@@ -5,7 +5,9 @@ header-only C++ launcher in namespace `mlagen::<variant and problem>` with the k
 constants, `grid`, `row_groups`, `merge_blocks`, `workspace_bytes`, `counters_bytes`,
 `default_num_splits` and `launch`, which takes raw pointers, strides, sizes, the workspace, the
 split counters and a cudaStream_t, fills the parameter block and launches the kernel (whose grid
-holds the merge blocks when num_splits > 1) through cudaLaunchKernel. `merge_blocks` and
+holds the merge blocks when num_splits > 1) through cudaLaunchKernel. A TMA variant's header
+also has `make_kv_map`, which encodes the cache's tensor map (as mlagen/tensormap.py does) into
+a device buffer that `launch` then takes. `merge_blocks` and
 `default_num_splits` are C++ twins of `KernelPlan.merge_blocks` and `dispatch.num_splits`;
 tests/test_launcher.py compiles them and compares with the Python.
 
@@ -21,19 +23,20 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from . import __version__, dispatch
+from . import __version__, dispatch, tensormap
 from .codegen import _environment
 from .emit import write_if_changed
 from .launch import DEFAULT_SMEM_LIMIT
 from .params import FIELDS, PARAMS_SIZE, Field
-from .validate import MAX_SEQLEN_Q, MERGE_TARGET_BLOCKS, KernelPlan, SpecError
+from .validate import MAX_SEQLEN_Q, MERGE_TARGET_BLOCKS, KernelPlan
 
 _LOG2E = "1.4426950408889634f"
 
 # How `launch` fills each field of the parameter block from its arguments; every field of
 # mlagen.params.FIELDS needs an entry (checked when rendering).
 _ASSIGN: dict[str, str] = {
-    "q": "q", "kv": "kv_cache", "kv_map": "nullptr", "block_table": "block_table", "seqlens": "cache_seqlens",
+    "q": "q", "kv": "kv_cache", "kv_map": "kUsesTma ? kv_map : nullptr", "block_table": "block_table",
+    "seqlens": "cache_seqlens",
     "tree_mask": "kTreeMask ? tree_mask : nullptr", "out": "out", "lse": "kWritesLse ? lse : nullptr",
     "part_o": "part_o", "part_ml": "part_ml", "counters": "counters",
     "q_stride_b": "q_stride_b", "q_stride_s": "q_stride_s", "q_stride_h": "q_stride_h",
@@ -44,6 +47,14 @@ _ASSIGN: dict[str, str] = {
     "num_splits": "num_splits", "merge_blocks": "split ? merge_blocks(batch, seqlen_q) : 0",
     "scale_log2": f"softmax_scale * {_LOG2E}", "pad": "0",
 }
+
+
+def nvcc_arch_flags(arch: str) -> str:
+    """nvcc's target flags for `arch`: -arch=sm_XX, or for an arch-specific target such as sm_90a
+    a -gencode without PTX (-arch=sm_90a also embeds compute_90 PTX, which has no wgmma)."""
+    if arch.endswith("a"):
+        return f"-gencode arch={arch.replace('sm_', 'compute_')},code={arch}"
+    return f"-arch={arch}"
 
 
 def header_name(plan: KernelPlan) -> str:
@@ -81,20 +92,17 @@ def _c_expr(expr: str) -> str:
 
 def render_launcher(plan: KernelPlan) -> str:
     """The launcher header's text for `plan`."""
-    if plan.variant.tma:
-        raise SpecError("variant.tma", True, "False for the C++ launcher: it does not encode the cache's TMA "
-                                             "descriptor (mlagen's runtime does)")
     missing = {f.name for f in FIELDS} - set(_ASSIGN)
     if missing:
         raise KeyError(f"launcher: no assignment for parameter fields {sorted(missing)}")
     return _environment().get_template("launcher.h.j2").render(
-        plan=plan, version=__version__, short_name=namespace(plan),
+        plan=plan, version=__version__, short_name=namespace(plan), arch_flags=nvcc_arch_flags(plan.arch.name),
         fields=[_host_field(f) for f in FIELDS], params_size=PARAMS_SIZE, assign=_ASSIGN,
         grid=tuple(_c_expr(e) for e in plan.grid_expr()),
         max_seqlen_q=MAX_SEQLEN_Q, merge_target=MERGE_TARGET_BLOCKS,
         merge_tiles=repr(dispatch.MERGE_TILES), split_tiles_per_row=repr(dispatch.SPLIT_TILES_PER_ROW),
         max_splits=dispatch.MAX_SPLITS,
-        default_smem=DEFAULT_SMEM_LIMIT,
+        default_smem=DEFAULT_SMEM_LIMIT, kv_map_bytes=tensormap.MAP_BYTES, kv_box_dims=tensormap.BOX_DIMS,
     )
 
 

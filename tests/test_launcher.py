@@ -11,15 +11,18 @@ from pathlib import Path
 import pytest
 
 from mlagen.dispatch import num_splits
-from mlagen.launcher import _c_expr, emit_launcher, header_name, namespace, render_launcher
+from mlagen.launcher import _c_expr, emit_launcher, header_name, namespace, nvcc_arch_flags, render_launcher
 from mlagen.params import FIELDS
 from mlagen.spec import Problem, Variant, naive
-from mlagen.validate import SpecError, validate
+from mlagen.validate import validate
 
 ROOT = Path(__file__).resolve().parent.parent
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit) to compile C++")
 
+TMA_PLAN = validate(Problem(heads=64, lse=True),
+                    Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=2, kv_split="balanced",
+                            arch="sm_90a", part16=True, tma=True, seesaw=True))
 PLANS = [
     validate(Problem(heads=16, mask="causal", lse=True), naive(arch="sm_80")),
     validate(Problem(heads=64, page_size=16, mask="none"), Variant(head_tile=8, q_tile=4, arch="sm_90")),
@@ -31,6 +34,9 @@ PLANS = [
                                                   cluster=True, arch="sm_90a")),
     validate(Problem(heads=16, dtype="fp16"), Variant(family="mma", head_tile=16, q_tile=4, block_n=64, warps=8,
                                                       arch="sm_90a", part16=True)),
+    TMA_PLAN,
+    validate(Problem(heads=16, dtype="fp16", page_size=128), Variant(family="mma", head_tile=16, q_tile=4, block_n=64,
+                                                                     warps=8, arch="sm_90a", tma=True)),
 ]
 # (batch, seqlen_q, max_pages, sm_count, blocks_per_sm)
 SHAPES = [(1, 1, 1, 132, 1), (1, 9, 64, 132, 2), (3, 33, 5, 188, 1), (64, 4, 300, 78, 3), (2, 64, 2048, 132, 1),
@@ -119,16 +125,59 @@ def test_host_helpers_match_python(tmp_path):
 
 
 @needs_nvcc
-def test_cpp_example_builds(tmp_path):
+@pytest.mark.parametrize("options", [["ARCH=sm_80"], ["ARCH=sm_90a", "TMA=1", "SEESAW=1", "PART16=1"]])
+def test_cpp_example_builds(tmp_path, options):
+    """The example builds for a plain target and for sm_90a's TMA seesaw kernel (its launcher
+    encodes the tensor map; the wgmma kernel needs the arch-specific target without PTX)."""
     done = subprocess.run(["make", "-C", str(ROOT / "examples" / "cpp_launcher"), f"BUILD={tmp_path}",
-                            f"PYTHON={sys.executable}", "ARCH=sm_80"], capture_output=True, text=True)
+                            f"PYTHON={sys.executable}", *options], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "verify_example").exists()
 
 
-def test_launcher_refuses_tma_variants():
-    """The C++ launcher does not encode the cache's TMA descriptor: a tma variant is refused by name."""
-    plan = validate(Problem(heads=64), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a",
-                                               tma=True))
-    with pytest.raises(SpecError, match="variant.tma: got True, expected False for the C\\+\\+ launcher"):
-        render_launcher(plan)
+def test_nvcc_flags_keep_arch_specific_targets_without_ptx():
+    assert nvcc_arch_flags("sm_90") == "-arch=sm_90"
+    assert nvcc_arch_flags("sm_90a") == "-gencode arch=compute_90a,code=sm_90a"
+    assert "nvcc -gencode arch=compute_90a,code=sm_90a --use_fast_math" in render_launcher(TMA_PLAN)
+
+
+def test_tma_header_encodes_the_runtimes_tensor_map():
+    """A TMA variant's header encodes the descriptor mlagen/tensormap.py does (dtype, 3 dims,
+    64-dim x block_n-row boxes, 128-byte swizzle), and `launch` passes kv_map on; other headers
+    take kv_map too and pass null."""
+    text = render_launcher(TMA_PLAN)
+    assert "constexpr bool kUsesTma = true;" in text and "inline cudaError_t make_kv_map(" in text
+    assert "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3," in text and "const cuuint32_t box[3] = {64, 64, 1};" in text
+    assert "CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B" in text
+    assert "p.kv_map = kUsesTma ? kv_map : nullptr;" in text
+    assert "CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3," in render_launcher(PLANS[-1])
+    plain = render_launcher(PLANS[1])
+    assert "constexpr bool kUsesTma = false;" in plain and "<cuda.h>" not in plain
+    assert "make_kv_map(const void*, long long, long long, int, void*) { return cudaSuccess; }" in plain
+    assert "bool programmatic = false, const void* kv_map = nullptr)" in plain
+
+
+@needs_nvcc
+def test_tma_arguments_are_refused_before_any_cuda_call(tmp_path):
+    """make_kv_map and launch refuse a missing or misaligned tensor map, cache or stride with
+    cudaErrorInvalidValue, without a driver (this runs on the CPU; the GPU test of
+    examples/cpp_launcher makes and uses a valid one)."""
+    ns = f"mlagen::{namespace(TMA_PLAN)}"
+    D = TMA_PLAN.problem.head_dim
+    calls = [f"{ns}::make_kv_map(kv, {64 * D}, {D}, 4, map + 16)",          # map not 64-byte aligned
+             f"{ns}::make_kv_map(nullptr, {64 * D}, {D}, 4, map)",
+             f"{ns}::make_kv_map(kv + 8, {64 * D}, {D}, 4, map)",           # cache not 16-byte aligned
+             f"{ns}::make_kv_map(kv, {64 * D}, {D} + 4, 4, map)",           # row stride not 16 bytes
+             f"{ns}::make_kv_map(kv, {32 * D}, {D}, 4, map)",               # pages overlap
+             f"{ns}::make_kv_map(kv, {64 * D}, {D}, 0, map)",
+             f"{ns}::launch(kv, 8, 8, 8, kv, {64 * D}, {D}, 4, (const int*)kv, 8, 1, (const int*)kv, nullptr, 0, 0, "
+             "kv, 8, 8, 8, (float*)kv, 1, 1, 1.f, 1, kv, (unsigned*)kv, 0, false, nullptr)"]
+    lines = ["#include <cstdio>", f'#include "{emit_launcher(TMA_PLAN, tmp_path).name}"',
+             f'extern "C" void {TMA_PLAN.main_kernel}(mlagen::VerifyParams) {{}}   // never launched here',
+             "int main() {",
+             "  alignas(64) static unsigned char buf[4096];", "  unsigned char *map = buf, *kv = buf;"]
+    lines += [f'  std::printf("%d\\n", (int){c});' for c in calls] + ["  return 0;\n}"]
+    (tmp_path / "tma_args.cpp").write_text("\n".join(lines) + "\n")
+    _compile(["-std=c++17", "-o", "tma_args", "tma_args.cpp"], tmp_path)
+    got = subprocess.run([str(tmp_path / "tma_args")], capture_output=True, text=True, check=True).stdout.split()
+    assert got == ["1"] * len(calls)   # cudaErrorInvalidValue

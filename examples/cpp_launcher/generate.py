@@ -10,12 +10,13 @@ and build/variant.h includes the latter and names its namespace `kernel` for mai
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from mlagen.dispatch import heuristic_variant
 from mlagen.emit import emit_one
 from mlagen.launcher import emit_launcher, header_name, namespace
-from mlagen.spec import Problem
+from mlagen.spec import Problem, Variant
 from mlagen.validate import validate
 
 # Kimi K2 sharded 8 ways (8 heads per GPU), bf16, 16-row pages, causal, with lse.
@@ -23,11 +24,18 @@ PROBLEM = Problem(heads=8, dl=512, dr=64, dtype="bf16", page_size=16, mask="caus
 SEQLEN_Q = 4
 
 
-def generate(arch: str, out: Path, part16: bool = False) -> Path:
+def generate(arch: str, out: Path, part16: bool = False, tma: bool = False, seesaw: bool = False) -> Path:
     """Writes the files for `arch` into `out` (with 16-bit partial rows: `part16`, mma family
-    only); returns the kernel source's path."""
-    plan = validate(PROBLEM, heuristic_variant(PROBLEM, SEQLEN_Q, arch).with_(part16=part16))
-    emitted = emit_one(PROBLEM, plan.variant, out)
+    only; TMA tile loads: `tma`, and the seesaw schedule on them: `seesaw`, both sm_90a with
+    64-row pages); returns the kernel source's path."""
+    problem = dataclasses.replace(PROBLEM, page_size=64) if tma else PROBLEM
+    if tma:   # the sm_90a wgmma kernel, all 8 heads of 8 positions a block
+        variant = Variant(family="mma", head_tile=8, q_tile=8, block_n=64, warps=8, stages=2, arch=arch,
+                          part16=part16, tma=True, seesaw=seesaw)
+    else:
+        variant = heuristic_variant(problem, SEQLEN_Q, arch).with_(part16=part16)
+    plan = validate(problem, variant)
+    emitted = emit_one(problem, plan.variant, out)
     emit_launcher(plan, out)
     (out / "kernel.cu").write_text(f'#include "{emitted.source.name}"\n')
     (out / "variant.h").write_text(
@@ -42,8 +50,12 @@ def main() -> None:
     parser.add_argument("--arch", default="sm_90", help="compile target, e.g. sm_80, sm_90, sm_120")
     parser.add_argument("--out", type=Path, default=Path("build"))
     parser.add_argument("--part16", action="store_true", help="the variant with 16-bit partial rows")
+    parser.add_argument("--tma", action="store_true", help="TMA tile loads (--arch sm_90a; 64-row pages)")
+    parser.add_argument("--seesaw", action="store_true", help="the seesaw schedule (with --tma)")
     args = parser.parse_args()
-    print(generate(args.arch, args.out, args.part16))
+    if args.seesaw and not args.tma:
+        parser.error("--seesaw needs --tma")
+    print(generate(args.arch, args.out, args.part16, args.tma, args.seesaw))
 
 
 if __name__ == "__main__":

@@ -128,6 +128,12 @@ bool run(const Batch& b, int num_splits, float scale, const std::vector<float>& 
     CHECK_CUDA(cudaMemsetAsync(counters, 0, cs, stream));
   }
 
+  // The cache's tensor map (TMA kernels; for others make_kv_map does nothing): made once per
+  // cache, outside any graph capture, and kept while launches read the cache.
+  void* kv_map = nullptr;
+  if (kernel::kUsesTma) CHECK_CUDA(cudaMalloc(&kv_map, kernel::kKvMapBytes));
+  CHECK_CUDA(kernel::make_kv_map(kv, (long long)PAGE * D, D, b.num_pages, kv_map));
+
   for (const bool programmatic : {false, kernel::kProgrammaticLaunch})
     CHECK_CUDA(kernel::launch(q, (long long)S * H * D, (long long)H * D, D,
                               kv, (long long)PAGE * D, D, b.num_pages,
@@ -135,7 +141,7 @@ bool run(const Batch& b, int num_splits, float scale, const std::vector<float>& 
                               lengths,
                               nullptr, 0, 0,   // causal kernel: no tree mask
                               out, (long long)S * H * DV, (long long)H * DV, DV,
-                              lse, B, S, scale, num_splits, workspace, counters, stream, programmatic));
+                              lse, B, S, scale, num_splits, workspace, counters, stream, programmatic, kv_map));
   CHECK_CUDA(cudaStreamSynchronize(stream));
 
   std::vector<__nv_bfloat16> got((size_t)B * S * H * DV);
@@ -158,7 +164,7 @@ bool run(const Batch& b, int num_splits, float scale, const std::vector<float>& 
   std::printf("num_splits=%-3d relative error %.2e, max lse error %.2e, empty rows %s: %s\n",
               num_splits, rel, lse_err, lse_inf_ok ? "ok" : "WRONG", ok ? "ok" : "FAILED");
   for (void* p : {(void*)q, (void*)kv, (void*)table, (void*)lengths, (void*)out, (void*)lse, workspace,
-                  (void*)counters})
+                  (void*)counters, kv_map})
     CHECK_CUDA(cudaFree(p));
   return ok;
 }
