@@ -5,11 +5,12 @@ A tma kernel loads its KV tiles with `cp.async.bulk.tensor.3d` boxes of [64 dims
 cuTensorMapEncodeTiled, 128-byte swizzle: the layout the wgmma kernels read). The parameter block
 carries the descriptor's device address (`kv_map`). Outside graph capture a descriptor is
 encoded once per cache tensor (its address, shape, strides and dtype) and copied to the device
-before the call returns, so a launch on any stream may read it. Under capture the copy from
-pinned host memory becomes a node of the graph, ahead of its kernels, into a buffer of that
-capture's own: it is written only when the graph replays, so it is not shared with other
-calls. Descriptors are never freed: a graph may still use one, and an engine has a few cache
-tensors and graphs.
+before the call returns, so a launch on any stream may read it; a call under capture then uses
+it as it is. A cache first met under capture gets a buffer of its own for captured graphs: each
+capture records a copy into it from pinned host memory, a node ahead of its kernels, so a graph
+writes it before every replay (graphs that share it write the same bytes), and an eager call
+never reads it before a replay has written it. Descriptors are never freed: a graph may still
+use one; there is one or two per cache tensor, and an engine has a few.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ _L2_PROMOTION_256B = 3
 BOX_DIMS = 64                    # dims per box: one 128-byte swizzled column block
 
 # (device, address, num_pages, page_size, D, page stride, row stride, dtype, rows per box) ->
-# (device tensor, pinned host tensor it was copied from): descriptors copied outside capture
+# (device tensor, pinned host tensor it is copied from): descriptors copied outside capture
 _maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-# the same pairs for copies recorded in captured graphs, which hold their addresses
-_captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+# the same for caches first met under capture: captured graphs copy into these
+_captured: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @functools.cache
@@ -59,23 +60,30 @@ def encode(address: int, num_pages: int, page_size: int, head_dim: int, strides:
     return bytes(desc)
 
 
+def _buffers(device: int, desc: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    """A device buffer for descriptor `desc` on CUDA device `device`, and the pinned host copy
+    of `desc` it is written from."""
+    host = torch.frombuffer(bytearray(desc), dtype=torch.uint8).pin_memory()
+    return torch.empty(MAP_BYTES, dtype=torch.uint8, device=torch.device("cuda", device)), host
+
+
 def device_map(device: int, address: int, num_pages: int, page_size: int, head_dim: int, strides: tuple[int, int],
                dtype: str, box_rows: int) -> int:
     """Device address of the descriptor of the cache at `address` on CUDA device `device`:
-    encoded and copied the first time this cache is seen outside capture, and for each call
-    under capture (see the module's text). The runtime calls it per launch: a hit is one dict
-    lookup on the values it already holds."""
+    encoded and copied the first time this cache is seen (see the module's text for graph
+    capture). The runtime calls it per launch: a hit outside capture is one dict lookup on the
+    values it already holds."""
     key = (device, address, num_pages, page_size, head_dim, strides, dtype, box_rows)
     held = _maps.get(key)
-    if held is not None:
+    if held is not None:             # written before this call: eager calls and graphs read it as is
         return held[0].data_ptr()
-    host = torch.frombuffer(bytearray(encode(address, num_pages, page_size, head_dim, strides, dtype, box_rows)),
-                            dtype=torch.uint8).pin_memory()
-    dev = torch.empty(MAP_BYTES, dtype=torch.uint8, device=torch.device("cuda", device))
-    if torch.cuda.is_current_stream_capturing():
-        dev.copy_(host, non_blocking=True)
-        _captured.append((dev, host))
-    else:
-        dev.copy_(host)              # synchronous: other streams' launches may read it next
-        _maps[key] = (dev, host)
-    return dev.data_ptr()
+    capturing = torch.cuda.is_current_stream_capturing()
+    table = _captured if capturing else _maps
+    held = table.get(key)
+    if held is None:
+        held = table[key] = _buffers(device, encode(address, num_pages, page_size, head_dim, strides, dtype,
+                                                    box_rows))
+    # under capture a node of the graph; outside, finished before the return (other streams'
+    # launches may read it next)
+    held[0].copy_(held[1], non_blocking=capturing)
+    return held[0].data_ptr()

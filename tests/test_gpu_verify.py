@@ -220,8 +220,8 @@ def test_cuda_graph_capture_and_replay():
 def test_tma_descriptor_under_capture_and_across_streams():
     """A tma kernel's cache descriptor (mlagen/tensormap.py): a first call under graph capture
     records its copy in the graph, and an eager call with that cache, the graph never replayed,
-    still reads a written descriptor; a first eager call's descriptor is on the device before a
-    call on another stream reads it."""
+    still reads a written descriptor; later captures of either cache replay right; a first eager
+    call's descriptor is on the device before a call on another stream reads it."""
     variant = _wgmma_variant(64, kv_split=3).with_(tma=True)
 
     def new_case(seed):
@@ -243,6 +243,18 @@ def test_tma_descriptor_under_capture_and_across_streams():
             torch.cuda.synchronize()
             assert_matches(*outs[-1], replayed)
     assert_matches(*_run(idle, variant, True), idle)
+    # Captured again: `replayed`'s graph copies into the buffer its first capture made, `idle`'s
+    # reads the one its eager call wrote. Each replay is right.
+    for case in (replayed, idle):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                          variant=variant, return_lse=True, **case.kwargs())
+        for t in out:
+            t.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(*out, case)
     case = new_case(3)
     first, second = torch.cuda.Stream(), torch.cuda.Stream()
     for stream in (first, second):

@@ -45,3 +45,40 @@ def test_a_refused_descriptor_names_the_cache(monkeypatch):
     monkeypatch.setattr(tensormap, "_encode_tiled", lambda: FakeEncode(code=1))
     with pytest.raises(RuntimeError, match=r"kv_cache \[10, 32, 576\] with strides \(18432, 576\): CUresult 1"):
         tensormap.encode(0x1000, 10, 32, 576, (32 * 576, 576), "bf16", 32)
+
+
+def test_device_map_buffers_per_cache_eager_and_captured(monkeypatch):
+    """One buffer per cache outside capture, written before the call returns; a cache first met
+    under capture gets one buffer that every capture copies into again (a node of each graph),
+    and once an eager call has written the cache's buffer, captures use it with no copy. CPU
+    tensors stand in for the device and pinned buffers."""
+    import torch
+
+    fake, copies = FakeEncode(), []
+    monkeypatch.setattr(tensormap, "_encode_tiled", lambda: fake)
+    monkeypatch.setattr(tensormap, "_maps", {})
+    monkeypatch.setattr(tensormap, "_captured", {})
+    monkeypatch.setattr(tensormap, "_buffers", lambda device, desc: (torch.zeros(len(desc), dtype=torch.uint8),
+                                                                     torch.tensor(list(desc), dtype=torch.uint8)))
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, non_blocking=False:
+                        copies.append(non_blocking) or real_copy(self, src))
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    cache = dict(num_pages=8, page_size=64, head_dim=576, strides=(64 * 576, 576), dtype="bf16", box_rows=64)
+
+    def address(ptr: int) -> int:
+        return tensormap.device_map(0, ptr, **cache)
+
+    first = address(0x1000)
+    assert address(0x1000) == first                       # a second capture: the same buffer...
+    assert copies == [True, True] and len(fake.calls) == 1   # ...written again by its own node
+    assert len(tensormap._captured) == 1 and not tensormap._maps
+    capturing[0] = False
+    eager = address(0x1000)
+    assert eager != first and copies[-1] is False         # eager: its own buffer, copied synchronously
+    (dev, host), = tensormap._maps.values()
+    assert torch.equal(dev, host) and dev.data_ptr() == eager
+    capturing[0] = True
+    assert address(0x1000) == eager and len(copies) == 3   # captured after: no copy recorded
+    assert address(0x2000) not in (first, eager) and len(tensormap._captured) == 2   # another cache
