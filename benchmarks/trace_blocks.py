@@ -15,9 +15,11 @@ Clock64 deltas are shown in µs at 1.98 GHz (the H200's boost clock under load).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import cupy
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -27,6 +29,7 @@ import mlagen  # noqa: E402
 import mlagen.build as build  # noqa: E402
 from mlagen import launch  # noqa: E402
 from mlagen.spec import parse_variant  # noqa: E402
+from mlagen.validate import KernelPlan  # noqa: E402
 
 SLOTS, MAX_BLOCKS, GHZ = 8, 8192, 1.98
 START, TILE0, LOOP_END, MERGE_WAIT, DONE, CLUSTER_MET, END = 0, 2, 3, 4, 5, 6, 7   # slot 1: clock64 at start
@@ -64,9 +67,13 @@ def patch(source: str) -> str:
     return HEADER + source
 
 
-def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None) -> None:
+def patched_row(patch: Callable[[KernelPlan, str], str], heads: int, batch: int, seqlen_q: int, prefix: int,
+                variant: str | None = None) -> tuple[object, Callable[[], None]]:
+    """One benchmark row (page 64, causal) through the dispatched kernel or `variant`, its source
+    rewritten by `patch(plan, source)`: called three times (compiled, loaded, warm); returns the
+    loaded kernel and a function that calls it again."""
     render = build.render
-    build.render = lambda plan: patch(render(plan))
+    build.render = lambda plan: patch(plan, render(plan))
     case = make_case(batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=[prefix] * batch,
                      page_size=64, mask="causal", seed=0)
     v = parse_variant(variant) if variant else None
@@ -78,10 +85,19 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
     for _ in range(3):
         call()
     torch.cuda.synchronize()
-    loaded = list(launch._loaded.values())[-1]
-    memory = cupy.cuda.UnownedMemory(loaded.module.get_global_var("mlagen_trace"), MAX_BLOCKS * SLOTS * 8,
-                                     loaded.module)
-    trace = cupy.ndarray((MAX_BLOCKS, SLOTS), dtype=cupy.uint64, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    return list(launch._loaded.values())[-1], call
+
+
+def device_array(loaded, name: str, shape: tuple[int, ...]) -> cupy.ndarray:
+    """The loaded kernel's __device__ array `name` of uint64, as a cupy array of `shape`."""
+    size = 8 * int(np.prod(shape))
+    memory = cupy.cuda.UnownedMemory(loaded.module.get_global_var(name), size, loaded.module)
+    return cupy.ndarray(shape, dtype=cupy.uint64, memptr=cupy.cuda.MemoryPointer(memory, 0))
+
+
+def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None) -> None:
+    loaded, call = patched_row(lambda plan, source: patch(source), heads, batch, seqlen_q, prefix, variant)
+    trace = device_array(loaded, "mlagen_trace", (MAX_BLOCKS, SLOTS))
     # Inputs out of the L2 by reading (not writing) a buffer twice its size: a write would leave
     # dirty lines whose write-back then competes with the traced launch's stores.
     flush = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")

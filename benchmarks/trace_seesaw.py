@@ -17,16 +17,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import cupy
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers import make_case  # noqa: E402
-
-import mlagen  # noqa: E402
-import mlagen.build as build  # noqa: E402
-from mlagen import launch  # noqa: E402
-from mlagen.spec import parse_variant  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trace_blocks import device_array, patched_row  # noqa: E402
 
 MAX_BLOCKS, MAX_PAIRS, EVENTS, GHZ = 512, 64, 16, 1.98
 # (warpgroup, event): the landmark after which it is stamped. Each landmark occurs once.
@@ -85,26 +79,11 @@ def phases(stamps: list[list[int]]) -> dict[str, list[float]]:
 
 
 def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None) -> None:
-    render = build.render
-    build.render = lambda plan: patch(render(plan)) if plan.variant.seesaw else render(plan)
-    case = make_case(batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=[prefix] * batch,
-                     page_size=64, mask="causal", seed=0)
-    v = parse_variant(variant) if variant else None
-
-    def call() -> None:
-        mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
-                                softmax_scale=case.scale, variant=v)
-
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    loaded = list(launch._loaded.values())[-1]
+    loaded, call = patched_row(lambda plan, source: patch(source) if plan.variant.seesaw else source,
+                               heads, batch, seqlen_q, prefix, variant)
     if not loaded.plan.variant.seesaw:
         raise SystemExit(f"{loaded.plan.name} is not a seesaw variant: pass one")
-    size = MAX_BLOCKS * MAX_PAIRS * EVENTS
-    memory = cupy.cuda.UnownedMemory(loaded.module.get_global_var("mlagen_ss_trace"), size * 8, loaded.module)
-    trace = cupy.ndarray((MAX_BLOCKS, MAX_PAIRS, EVENTS), dtype=cupy.uint64,
-                         memptr=cupy.cuda.MemoryPointer(memory, 0))
+    trace = device_array(loaded, "mlagen_ss_trace", (MAX_BLOCKS, MAX_PAIRS, EVENTS))
     trace[:] = 0
     call()
     torch.cuda.synchronize()
