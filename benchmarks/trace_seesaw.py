@@ -9,11 +9,14 @@ fails loudly. On the GPU machine:
 
 The variant must be a seesaw one. Printed: each phase's mean over the pairs of the blocks
 (first and last pair left out: they carry the prologue and the tail), then the pairs of one
-block. Clock64 deltas are shown in µs at 1.98 GHz (the H200's boost clock under load).
+block, and where the blocks' loops sit in the launch. The row is launched a few times first so
+that the clocks have ramped; the traced launch's SM clock is measured (clock64 against the
+global timer, which is also stamped at each pair's start) and converts the clock64 deltas to µs.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -22,13 +25,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trace_blocks import device_array, patched_row  # noqa: E402
 
-MAX_BLOCKS, MAX_PAIRS, EVENTS, GHZ = 512, 64, 16, 1.98
+MAX_BLOCKS, MAX_PAIRS, EVENTS, WARMUP = 512, 64, 16, 20
+GLOBAL = 7  # the event slot (unused by STEPS) that holds the global timer at each pair's start
 # (warpgroup, event): the landmark after which it is stamped. Each landmark occurs once.
 STEPS = [
     ((0, 0), "        mbar_wait(bars + 8 * K0_HI, parity);\n", "K0 landed"),
     ((0, 1), "        scores(s, buf0);\n", "S0 issued"),
-    ((0, 2), "        named_sync(S0_ISSUED, 256);                         // S1 queues behind S0 on the tensor cores\n"
-             "        wait_all();\n", "S0 done"),
+    (
+        (0, 2),
+        "        named_sync(S0_ISSUED, 256);                         // S1 queues behind S0 on the tensor cores\n"
+        "        wait_all();\n",
+        "S0 done",
+    ),
     ((0, 3), "        mbar_arrive(bars + 8 * P0_FULL);\n", "P0 stored (softmax 0 done)"),
     ((0, 4), "        pv_regs(s, buf0);\n        wait_all();\n", "P0 V0_L done"),
     ((0, 5), "        mbar_wait(bars + 8 * P1_FULL, parity);\n", "P1 received"),
@@ -42,12 +50,17 @@ STEPS = [
     ((1, 6), "        mbar_arrive(bars + 8 * P1_FULL);\n        wait_all();\n", "P0 V0_R done"),
     ((1, 7), "        pv_regs(s, buf1);\n        wait_all();\n", "P1 V1_R done"),
 ]
-HEADER = (f"__device__ unsigned long long mlagen_ss_trace[{MAX_BLOCKS * MAX_PAIRS * EVENTS}];\n"
-          "#define SS_BLOCK ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)\n"
-          "#define SS_PAIR (t_base / 2 + pi)   // the block's pairs so far: a balanced split's segments follow on\n"
-          f"#define TS(w, e) do {{ if (wt == 0 && SS_BLOCK < {MAX_BLOCKS} && SS_PAIR < {MAX_PAIRS}) "
-          f"mlagen_ss_trace[(SS_BLOCK * {MAX_PAIRS} + SS_PAIR) * {EVENTS} + 8 * (w) + (e)] = clock64(); }} "
-          "while (0)\n")
+HEADER = (
+    f"__device__ unsigned long long mlagen_ss_trace[{MAX_BLOCKS * MAX_PAIRS * EVENTS}];\n"
+    "#define SS_BLOCK ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)\n"
+    "#define SS_PAIR (t_base / 2 + pi)   // the block's pairs so far: a balanced split's segments follow on\n"
+    f"#define TS(w, e) do {{ if (wt == 0 && SS_BLOCK < {MAX_BLOCKS} && SS_PAIR < {MAX_PAIRS}) "
+    f"mlagen_ss_trace[(SS_BLOCK * {MAX_PAIRS} + SS_PAIR) * {EVENTS} + 8 * (w) + (e)] = clock64(); }} "
+    "while (0)\n"
+    '#define GT() do { unsigned long long g; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g)); '
+    f"if (wt == 0 && SS_BLOCK < {MAX_BLOCKS} && SS_PAIR < {MAX_PAIRS}) "
+    f"mlagen_ss_trace[(SS_BLOCK * {MAX_PAIRS} + SS_PAIR) * {EVENTS} + {GLOBAL}] = g; }} while (0)\n"
+)
 
 
 def patch(source: str) -> str:
@@ -58,13 +71,15 @@ def patch(source: str) -> str:
             raise SystemExit(f"landmark not found once (the template changed): {landmark!r}")
         end = source.index(landmark) + len(landmark)
         line_end = source.index("\n", end - 1) + 1 if not landmark.endswith("\n") else end
-        source = source[:line_end] + f"        TS({w}, {e});\n" + source[line_end:]
+        stamp = "TS(0, 0); GT();" if (w, e) == (0, 0) else f"TS({w}, {e});"
+        source = source[:line_end] + f"        {stamp}\n" + source[line_end:]
     return HEADER + source
 
 
-def phases(stamps: list[list[int]]) -> dict[str, list[float]]:
+def phases(stamps: list[list[int]], ghz: float) -> dict[str, list[float]]:
     """Per pair (the first and last left out), the µs between consecutive steps of each
-    warpgroup, and the pair's period (warpgroup 0's K0 landed to the next pair's)."""
+    warpgroup, and the pair's period (warpgroup 0's K0 landed to the next pair's); clock64
+    deltas at `ghz`."""
     names = {key: label for key, _, label in STEPS}
     out: dict[str, list[float]] = {}
     for i in range(1, len(stamps) - 1):
@@ -72,18 +87,21 @@ def phases(stamps: list[list[int]]) -> dict[str, list[float]]:
         for w, count in ((0, 7), (1, 8)):
             for e in range(1, count):
                 a, b = cur[8 * w + e - 1], cur[8 * w + e]
-                out.setdefault(f"wg{w}: {names[(w, e - 1)]} -> {names[(w, e)]}", []).append((b - a) / (GHZ * 1e3))
-        out.setdefault("pair period (wg0 K0 landed to the next)", []).append((nxt[0] - cur[0]) / (GHZ * 1e3))
-        out.setdefault("wg0: P1 V1_L done -> next K0 landed", []).append((nxt[0] - cur[6]) / (GHZ * 1e3))
+                out.setdefault(f"wg{w}: {names[(w, e - 1)]} -> {names[(w, e)]}", []).append((b - a) / (ghz * 1e3))
+        out.setdefault("pair period (wg0 K0 landed to the next)", []).append((nxt[0] - cur[0]) / (ghz * 1e3))
+        out.setdefault("wg0: P1 V1_L done -> next K0 landed", []).append((nxt[0] - cur[6]) / (ghz * 1e3))
     return out
 
 
 def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None) -> None:
-    loaded, call = patched_row(lambda plan, source: patch(source) if plan.variant.seesaw else source,
-                               heads, batch, seqlen_q, prefix, variant)
+    loaded, call = patched_row(
+        lambda plan, source: patch(source) if plan.variant.seesaw else source, heads, batch, seqlen_q, prefix, variant
+    )
     if not loaded.plan.variant.seesaw:
         raise SystemExit(f"{loaded.plan.name} is not a seesaw variant: pass one")
     trace = device_array(loaded, "mlagen_ss_trace", (MAX_BLOCKS, MAX_PAIRS, EVENTS))
+    for _ in range(WARMUP):
+        call()
     trace[:] = 0
     call()
     torch.cuda.synchronize()
@@ -91,19 +109,31 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
     blocks = [b for b in blocks if len(b) >= 3]
     if not blocks:
         raise SystemExit("no block ran 3 pairs or more: pick a longer row")
+    # each block's clock64 against the global timer (ns) between its first and last pair
+    ghz = statistics.median((b[-1][0] - b[0][0]) / (b[-1][GLOBAL] - b[0][GLOBAL]) for b in blocks)
     merged: dict[str, list[float]] = {}
     for b in blocks:
-        for name, values in phases(b).items():
+        for name, values in phases(b, ghz).items():
             merged.setdefault(name, []).extend(values)
-    print(loaded.plan.name, f"blocks with 3+ pairs: {len(blocks)}, pairs timed: {sum(len(b) - 2 for b in blocks)}")
+    print(
+        loaded.plan.name,
+        f"blocks with 3+ pairs: {len(blocks)}, pairs timed: {sum(len(b) - 2 for b in blocks)}, SM clock {ghz:.2f} GHz",
+    )
+    t0 = min(b[0][GLOBAL] for b in blocks)
+    for what, values in (
+        ("first pair starts (µs after the earliest)", [(b[0][GLOBAL] - t0) / 1e3 for b in blocks]),
+        ("last pair starts (µs)", [(b[-1][GLOBAL] - t0) / 1e3 for b in blocks]),
+        ("pairs per block", [len(b) for b in blocks]),
+    ):
+        print(f"{what:50} min {min(values):7.2f}  median {statistics.median(values):7.2f}  max {max(values):7.2f}")
     print(f"{'phase (µs, mean over pairs; min, max)':70} mean    min    max")
     for name, values in merged.items():
         print(f"{name:70} {sum(values) / len(values):5.2f}  {min(values):5.2f}  {max(values):5.2f}")
     first = blocks[0]
     print("block 0, per pair: each step's µs after that pair's wg0 K0 landed (wg0 steps | wg1 steps)")
     for i, pair in enumerate(first):
-        wg0 = " ".join(f"{(pair[e] - pair[0]) / (GHZ * 1e3):5.2f}" for e in range(1, 7))
-        wg1 = " ".join(f"{(pair[8 + e] - pair[0]) / (GHZ * 1e3):5.2f}" for e in range(8))
+        wg0 = " ".join(f"{(pair[e] - pair[0]) / (ghz * 1e3):5.2f}" for e in range(1, 7))
+        wg1 = " ".join(f"{(pair[8 + e] - pair[0]) / (ghz * 1e3):5.2f}" for e in range(8))
         print(f"pair {i:3d}: {wg0} | {wg1}")
 
 
