@@ -118,11 +118,6 @@ class BenchConfig:
     extra: tuple[Variant, ...] = ()     # named variants timed on every row, besides the families
 
 
-def kv_capacity(row: Row, page_size: int) -> int:
-    """Keys the bench's block table addresses: N rounded up to whole pages."""
-    return -(-row.keys // page_size) * page_size
-
-
 def spec_error(problem: Problem, variant: Variant) -> str:
     """'' when `variant` is valid for `problem` (checked without a GPU), else why not."""
     try:
@@ -136,7 +131,7 @@ def row_variants(problem: Problem, row: Row, page_size: int, arch: str, gpu: str
                  extra: Sequence[Variant] = ()) -> dict[str, Variant]:
     """{family, named variant or "dispatch": variant} for a row; families with no valid variant
     and named variants invalid for `problem` (see `invalid_cells`) left out."""
-    cap = kv_capacity(row, page_size)
+    cap = row.kv_capacity(page_size)
     chosen = {f: family_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu, f) for f in FAMILIES}
     found = {f: v for f, v in chosen.items() if v is not None}
     found |= {v.name: v for v in extra if not spec_error(problem, v)}

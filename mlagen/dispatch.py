@@ -10,8 +10,10 @@
 2. The heuristic: the tensor-core (mma) family wherever one of its variants fits the arch, else
    the scalar flash family; put as many query rows (positions x heads) in a block as the
    family's register budget holds, so each KV tile is loaded for as many rows as possible
-   (`mma_plan.heuristic_mma`, `flash_heuristic`); then split the key range by a small cost
-   model of waves, tiles per block and the merge (`num_splits`).
+   (`mma_plan.heuristic_mma`, `flash_heuristic`); on sm_90a, a launch with many KV tiles of
+   work per SM runs that tile on the seesaw schedule with TMA loads (`untuned_variant`); then
+   split the key range by a small cost model of waves, tiles per block and the merge
+   (`num_splits`).
 Then, whichever answered, a batch (B >= 2) on the mma family runs the chosen tile with the
 balanced split, whose ranges follow the real lengths on the device (`balanced_for_batch`).
 Answers are memoized per shape: a call costs one cache lookup, no file I/O.
@@ -34,6 +36,14 @@ MAX_FLASH_ROWS = 64        # 8 warps x 8 rows: the scalar kernel's accumulator b
 MERGE_TILES = 0.75
 SPLIT_TILES_PER_ROW = 3.4e-4
 MAX_SPLITS = 128
+# Without a table entry, an sm_90a tile runs the seesaw schedule (with TMA tile loads) from this
+# many KV tiles of work (row groups x requests x tiles) per SM of a 132-SM Hopper. In the H200
+# tune of v26 (benchmarks/h200-2026-11-29-v26/tune.log) the seesaw won every grid row from 16
+# tiles per SM on but one (H=16 B=64 S=4 at 31, where TMA alone won, within 3%), and lost at
+# 4-5 (short rows: a pair's chain costs more than it hides). The heuristic's own pick was 1.2 to
+# 1.55x the best on those long rows.
+SEESAW_TILES_PER_SM = 12
+HOPPER_SMS = 132
 
 
 def _divisors(n: int) -> list[int]:
@@ -67,6 +77,22 @@ def flash_heuristic(problem: Problem, seqlen_q: int, arch: str) -> Variant:
                 last_error = e
     raise SpecError("problem", problem.name, f"a shape some flash variant can hold on {arch} "
                     f"(last refusal: {last_error})")
+
+
+@functools.lru_cache(maxsize=4096)
+def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str) -> Variant:
+    """The pick for a shape no table covers: the heuristic's tile (`heuristic_variant`), on the
+    seesaw schedule with TMA loads when it is an sm_90a mma tile with SEESAW_TILES_PER_SM or more
+    KV tiles of work per SM (and the seesaw fits it: 64 rows, a page size TMA can box)."""
+    v = heuristic_variant(problem, seqlen_q, arch)
+    if v.family != "mma" or v.arch != "sm_90a":
+        return v
+    groups = -(-seqlen_q // v.q_tile) * (problem.heads // v.head_tile)
+    tiles = -(-kv_capacity // v.block_n)
+    if groups * batch * tiles < SEESAW_TILES_PER_SM * HOPPER_SMS:
+        return v
+    seesaw = v.with_(tma=True, seesaw=True)
+    return seesaw if is_valid(problem, seesaw) else v
 
 
 def _tuned_keys(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int) -> list[str]:
@@ -109,8 +135,8 @@ def choose_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int
     kv_capacity: keys the block table addresses (max_pages * page_size), a bound on lengths.
     """
     tuned = tuned_variant(problem, seqlen_q, batch, kv_capacity, arch, gpu)
-    return balanced_for_batch(problem, tuned if tuned is not None else heuristic_variant(problem, seqlen_q, arch),
-                              batch)
+    return balanced_for_batch(problem, tuned if tuned is not None
+                              else untuned_variant(problem, seqlen_q, batch, kv_capacity, arch), batch)
 
 
 def balanced_for_batch(problem: Problem, variant: Variant, batch: int) -> Variant:

@@ -21,6 +21,10 @@ class Row:
         """N, valid keys per request (the draft tokens included)."""
         return self.prefix + self.seqlen_q
 
+    def kv_capacity(self, page_size: int) -> int:
+        """Keys the bench's and the tuner's block tables address: N rounded up to whole pages."""
+        return -(-self.keys // page_size) * page_size
+
     @property
     def group(self) -> str:
         """The plot panel / table group: everything but the prefix."""

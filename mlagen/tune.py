@@ -22,7 +22,7 @@ import torch
 
 from . import dispatch, tables
 from .arch import specializations
-from .dispatch import balanced_for_batch, heuristic_variant, num_splits
+from .dispatch import balanced_for_batch, num_splits, untuned_variant
 from .grids import Row
 from .precompile import code_identity, precompile
 from .runtime import device_info, device_name
@@ -89,12 +89,14 @@ class RowTune:
                 "candidates": len(self.trials), "failed": sum(not math.isfinite(t.us) for t in self.trials)}
 
 
-def candidates(problem: Problem, seqlen_q: int, arch: str, max_candidates: int) -> list[Variant]:
-    """The heuristic's pick first, then naive, then the other families' structures taking turns,
-    `max_candidates` at most (naive and the heuristic included)."""
+def candidates(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
+               max_candidates: int) -> list[Variant]:
+    """The dispatcher's pick without a table first (`dispatch.untuned_variant`), then naive, then
+    the other families' structures taking turns, `max_candidates` at most (naive and the
+    heuristic included)."""
     found: list[Variant] = []
     try:
-        found.append(heuristic_variant(problem, seqlen_q, arch))
+        found.append(untuned_variant(problem, seqlen_q, batch, kv_capacity, arch))
     except SpecError:
         pass
     found += structures(problem, seqlen_q, arch, "naive", limit=1)
@@ -134,7 +136,9 @@ def tune_rows(rows: list[Row], config: TuneConfig, progress=None) -> list[RowTun
     for row in rows:
         for mask in config.masks:
             problem = problem_for(row, config.page_size, mask, config.dtype)
-            cands = as_dispatched(problem, row.batch, candidates(problem, row.seqlen_q, arch, config.max_candidates))
+            cands = as_dispatched(problem, row.batch, candidates(problem, row.seqlen_q, row.batch,
+                                                                   row.kv_capacity(config.page_size), arch,
+                                                                   config.max_candidates))
             plans.append((row, mask, problem, cands))
 
     compile_task = progress.add_task("compiling candidates", total=None) if progress else None

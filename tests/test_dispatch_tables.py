@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 from mlagen import dispatch, tables, tune
 from mlagen.arch import CI_ARCHS
-from mlagen.bench import kv_capacity
 from mlagen.grids import Row, select_rows
 from mlagen.presets import PRESETS
 from mlagen.space import split_variants, structures, tile_shapes, twin_variants
@@ -47,7 +46,7 @@ def test_bucket_key_names_every_field():
 
 def test_grid_rows_have_distinct_buckets():
     rows = select_rows(["seed", "serving"], [])
-    keys = {tables.bucket_key(problem_for(r, 64, "causal", "bf16"), r.seqlen_q, r.batch, kv_capacity(r, 64))
+    keys = {tables.bucket_key(problem_for(r, 64, "causal", "bf16"), r.seqlen_q, r.batch, r.kv_capacity(64))
             for r, _ in rows}
     assert len(keys) == len(rows) == 19
 
@@ -88,10 +87,37 @@ def test_shipped_tables_load():
             parse_variant(entry["variant"])
 
 
-def test_without_table_dispatch_is_the_heuristic():
+def test_without_table_dispatch_is_the_untuned_pick():
     p = Problem(heads=64)
     for s in (1, 9, 33, 64):
-        assert dispatch.choose_variant(p, s, 1, 8192, "sm_90", GPU) == dispatch.heuristic_variant(p, s, "sm_90")
+        for cap in (1024, 8192):
+            untuned = dispatch.untuned_variant(p, s, 1, cap, "sm_90")
+            assert dispatch.choose_variant(p, s, 1, cap, "sm_90", GPU) == untuned
+
+
+def test_untuned_long_launches_run_the_seesaw_on_sm90a():
+    """Without a table, an sm_90a mma tile goes on the seesaw schedule (with TMA loads) from
+    SEESAW_TILES_PER_SM KV tiles of work per SM on; shorter launches, other archs and page sizes
+    TMA cannot box keep the heuristic's tile as it is."""
+    p = Problem(heads=64)
+    base = dispatch.heuristic_variant(p, 9, "sm_90")
+    assert base.arch == "sm_90a" and (base.head_tile, base.q_tile) == (64, 1) and not base.seesaw
+    groups = 9                                             # ht64 qt1 at S=9
+    edge = -(-dispatch.SEESAW_TILES_PER_SM * dispatch.HOPPER_SMS // groups) * base.block_n   # keys
+    assert dispatch.untuned_variant(p, 9, 1, edge - base.block_n, "sm_90") == base
+    long = dispatch.untuned_variant(p, 9, 1, edge, "sm_90")
+    assert long == base.with_(tma=True, seesaw=True)
+    validate(p, long)
+    # the same work as a batch: by requests x tiles
+    assert dispatch.untuned_variant(p, 9, 8, 4160, "sm_90") == long
+    assert dispatch.choose_variant(p, 9, 8, 4160, "sm_90", "Other GPU") == long.with_(kv_split="balanced")
+    assert dispatch.untuned_variant(p, 9, 1, 4160, "sm_90") == base           # the 4096-key row: short
+    # no TMA box for pages of 16 keys: no seesaw
+    small_pages = p.with_(page_size=16)
+    assert not dispatch.untuned_variant(small_pages, 9, 1, 65600, "sm_90").seesaw
+    # other archs: the heuristic as it is
+    for arch in ("sm_80", "sm_89", "sm_120"):
+        assert dispatch.untuned_variant(p, 9, 1, 65600, arch) == dispatch.heuristic_variant(p, 9, arch)
 
 
 def test_dispatch_reads_the_table_then_neighbours_then_causal():
@@ -102,9 +128,9 @@ def test_dispatch_reads_the_table_then_neighbours_then_causal():
     assert dispatch.choose_variant(p, 9, 1, 4160, "sm_90", GPU).name == tuned
     assert dispatch.choose_variant(p, 9, 1, 8256, "sm_90", GPU).name == tuned            # one KV step longer
     assert dispatch.choose_variant(p.with_(mask="tree"), 9, 1, 4160, "sm_90", GPU).name == tuned
-    assert dispatch.choose_variant(p, 9, 1, 65600, "sm_90", GPU) == dispatch.heuristic_variant(p, 9, "sm_90")
+    assert dispatch.choose_variant(p, 9, 1, 65600, "sm_90", GPU) == dispatch.untuned_variant(p, 9, 1, 65600, "sm_90")
     assert dispatch.choose_variant(p, 9, 64, 4160, "sm_90", GPU) == dispatch.balanced_for_batch(
-        p, dispatch.heuristic_variant(p, 9, "sm_90"), 64)
+        p, dispatch.untuned_variant(p, 9, 64, 4160, "sm_90"), 64)
     assert dispatch.choose_variant(p, 9, 1, 4160, "sm_90", "Other GPU") == dispatch.heuristic_variant(p, 9, "sm_90")
     assert dispatch.family_variant(p, 9, 1, 4160, "sm_90", GPU, "naive").name == "naive_w8_sm90"
     assert dispatch.family_variant(p, 9, 1, 4160, "sm_90", GPU, "flash") == dispatch.flash_heuristic(p, 9, "sm_90")
@@ -143,9 +169,10 @@ def test_space_candidates_validate_and_are_bounded():
     for fam in FAMILIES:
         for v in structures(p, 33, "sm_90", fam, limit=12):
             validate(p, v)
-    cands = candidates(p, 9, "sm_90", 10)
+    cands = candidates(p, 9, 1, 4160, "sm_90", 10)
     assert len(cands) <= 10 and len(set(cands)) == len(cands)
     assert cands[0] == dispatch.heuristic_variant(p, 9, "sm_90")
+    assert candidates(p, 9, 1, 65600, "sm_90", 10)[0] == dispatch.untuned_variant(p, 9, 1, 65600, "sm_90")
     assert any(v.family == "naive" for v in cands)
 
 
@@ -211,7 +238,7 @@ def test_tune_times_knob_twins_of_the_fastest_last(monkeypatch):
         trial.samples.append(trial.us)
 
     monkeypatch.setattr(tune, "_time", fake_time)
-    cands = candidates(problem, 9, "sm_90", 8)
+    cands = candidates(problem, 9, 1, 1088, "sm_90", 8)
     result = tune._tune_one(work, cands, {}, tune.TuneConfig(), sm_count=132, advance=lambda more=0: None)
     config = tune.TuneConfig()
     retimed = timed[-config.retime_top * config.retimes:]   # the last stage: the fastest 3, in turns
@@ -238,7 +265,7 @@ def test_tune_times_twins_of_the_fastest_structures_not_of_one_structures_splits
     row = Row(heads=64, batch=1, seqlen_q=9, prefix=256)
     problem = problem_for(row, 64, "causal", "bf16")
     work = SimpleNamespace(row=row, problem=problem, kv_capacity=320)
-    cands = candidates(problem, 9, "sm_90", 20)
+    cands = candidates(problem, 9, 1, 320, "sm_90", 20)
     pick = cands[0]
     one_stage = pick.with_(stages=1, part16=False)
     assert pick.part16 and one_stage in cands
@@ -279,7 +306,7 @@ def test_tune_ranks_the_fastest_by_the_median_of_their_timings(monkeypatch):
         trial.us = sorted(trial.samples)[len(trial.samples) // 2]
 
     monkeypatch.setattr(tune, "_time", fake_time)
-    result = tune._tune_one(work, [lucky] + candidates(problem, 9, "sm_90", 6), {}, tune.TuneConfig(),
+    result = tune._tune_one(work, [lucky] + candidates(problem, 9, 8, 4160, "sm_90", 6), {}, tune.TuneConfig(),
                             sm_count=132, advance=lambda more=0: None)
     assert seen[lucky] == 3 and result.best.variant != lucky and result.best.us == 100.0
 
@@ -348,8 +375,9 @@ def test_batches_take_the_balanced_split_of_the_chosen_tile():
     base = dispatch.heuristic_variant(p, 9, "sm_90")
     assert base.family == "mma" and base.kv_split == "adaptive"
     for batch, cap in ((2, 4160), (32, 16384), (64, 8256)):
-        assert dispatch.choose_variant(p, 9, batch, cap, "sm_90", "Other GPU") == base.with_(kv_split="balanced")
-    assert dispatch.choose_variant(p, 9, 1, 65600, "sm_90", "Other GPU") == base      # one request
+        untuned = dispatch.untuned_variant(p, 9, batch, cap, "sm_90")
+        assert dispatch.choose_variant(p, 9, batch, cap, "sm_90", "Other GPU") == untuned.with_(kv_split="balanced")
+    assert dispatch.choose_variant(p, 9, 1, 4160, "sm_90", "Other GPU") == base       # one request
     # a tuned tile keeps its shape; its split becomes balanced for a batch
     tuned = "mma_ht32_qt2_bn64_w8_st2_sp4_sm90a"
     _save({tables.bucket_key(p, 9, 32, 16384): {"variant": tuned, "us": 10.0}})
@@ -368,7 +396,7 @@ def test_tuner_times_a_batch_as_the_dispatcher_runs_it():
     from mlagen.tune import as_dispatched
 
     p = Problem(heads=64)
-    cands = candidates(p, 9, "sm_90", 24)
+    cands = candidates(p, 9, 1, 4160, "sm_90", 24)
     one = as_dispatched(p, 1, cands)
     assert one == cands                                          # one request: as listed
     many = as_dispatched(p, 8, cands)
