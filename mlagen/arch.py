@@ -86,3 +86,11 @@ def arch_for_capability(major: int, minor: int) -> str:
     if not same_major:
         raise ValueError(f"no mlagen target for compute capability {major}.{minor}")
     return max(same_major, key=lambda a: a.capability).name
+
+
+def nvcc_arch_flags(arch: str) -> str:
+    """nvcc's target flags for `arch`: -arch=sm_XX, or for an arch-specific target such as sm_90a
+    a -gencode without PTX (-arch=sm_90a also embeds compute_90 PTX, which has no wgmma)."""
+    if arch.endswith("a"):
+        return f"-gencode arch={arch.replace('sm_', 'compute_')},code={arch}"
+    return f"-arch={arch}"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jinja2
 
+from .arch import nvcc_arch_flags
 from .params import FIELDS
 from .validate import KernelPlan
 
@@ -40,4 +41,4 @@ def _environment() -> jinja2.Environment:
 def render(plan: KernelPlan) -> str:
     """The CUDA C++ source of `plan`: its kernel (with the merge blocks of split families)."""
     template = _environment().get_template(f"{plan.variant.family}.cu.j2")
-    return template.render(plan=plan, fields=FIELDS)
+    return template.render(plan=plan, fields=FIELDS, arch_flags=nvcc_arch_flags(plan.arch.name))

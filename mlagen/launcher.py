@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 
 from . import __version__, dispatch, tensormap
+from .arch import nvcc_arch_flags
 from .codegen import _environment
 from .emit import write_if_changed
 from .launch import DEFAULT_SMEM_LIMIT
@@ -47,14 +48,6 @@ _ASSIGN: dict[str, str] = {
     "num_splits": "num_splits", "merge_blocks": "split ? merge_blocks(batch, seqlen_q) : 0",
     "scale_log2": f"softmax_scale * {_LOG2E}", "pad": "0",
 }
-
-
-def nvcc_arch_flags(arch: str) -> str:
-    """nvcc's target flags for `arch`: -arch=sm_XX, or for an arch-specific target such as sm_90a
-    a -gencode without PTX (-arch=sm_90a also embeds compute_90 PTX, which has no wgmma)."""
-    if arch.endswith("a"):
-        return f"-gencode arch={arch.replace('sm_', 'compute_')},code={arch}"
-    return f"-arch={arch}"
 
 
 def header_name(plan: KernelPlan) -> str:

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from mlagen.arch import nvcc_arch_flags
+from mlagen.codegen import render
 from mlagen.dispatch import num_splits
-from mlagen.launcher import _c_expr, emit_launcher, header_name, namespace, nvcc_arch_flags, render_launcher
+from mlagen.launcher import _c_expr, emit_launcher, header_name, namespace, render_launcher
 from mlagen.params import FIELDS
 from mlagen.spec import Problem, Variant, naive
 from mlagen.validate import validate
@@ -139,6 +141,19 @@ def test_nvcc_flags_keep_arch_specific_targets_without_ptx():
     assert nvcc_arch_flags("sm_90") == "-arch=sm_90"
     assert nvcc_arch_flags("sm_90a") == "-gencode arch=compute_90a,code=sm_90a"
     assert "nvcc -gencode arch=compute_90a,code=sm_90a --use_fast_math" in render_launcher(TMA_PLAN)
+
+
+@needs_nvcc
+def test_an_arch_specific_kernel_built_for_another_target_names_the_flags(tmp_path):
+    """An emitted sm_90a kernel under `-arch=sm_90a` (which also builds compute_90 PTX, without
+    wgmma) stops at its own #error naming the right flags, not at ptxas; with them it builds."""
+    (tmp_path / "k.cu").write_text(render(TMA_PLAN))
+    done = subprocess.run([NVCC, "-arch=sm_90a", "-c", "k.cu"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "this kernel is for sm_90a alone; build it with nvcc -gencode arch=compute_90a,code=sm_90a" in done.stderr
+    assert "ptxas" not in done.stderr
+    _compile([*nvcc_arch_flags("sm_90a").split(), "-c", "k.cu"], tmp_path)
+    assert "#error" not in render(PLANS[1])                      # sm_90: no guard
 
 
 def test_tma_header_encodes_the_runtimes_tensor_map():
