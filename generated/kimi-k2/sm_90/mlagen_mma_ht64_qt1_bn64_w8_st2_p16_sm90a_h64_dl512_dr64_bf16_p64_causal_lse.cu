@@ -10,9 +10,10 @@
 // group's merge blocks (z slabs after the requests').
 #include <cuda_bf16.h>
 
-// sm_90a's own instructions (wgmma, TMA) are in no other target's PTX: a build that
-// also compiles this file for another target stops here, naming the flags to use instead.
-#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// sm_90a's own instructions (wgmma, TMA) are in no other target's PTX: an nvcc build
+// that also compiles this file for another target stops here, naming the flags to use instead
+// (mlagen's own NVRTC compiles name the target exactly).
+#if defined(__CUDA_ARCH__) && !defined(__CUDACC_RTC__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "mlagen: this kernel is for sm_90a alone; build it with nvcc -gencode arch=compute_90a,code=sm_90a"
 #endif
 
