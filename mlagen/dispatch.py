@@ -46,6 +46,11 @@ SEESAW_TILES_PER_SM = 12
 HOPPER_SMS = 132
 
 
+def _row_groups(variant: Variant, heads: int, seqlen_q: int) -> int:
+    """Row groups (query tiles x head tiles) of one request under `variant`."""
+    return -(-seqlen_q // variant.q_tile) * (heads // variant.head_tile)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -87,9 +92,8 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
     v = heuristic_variant(problem, seqlen_q, arch)
     if v.family != "mma" or v.arch != "sm_90a":
         return v
-    groups = -(-seqlen_q // v.q_tile) * (problem.heads // v.head_tile)
     tiles = -(-kv_capacity // v.block_n)
-    if groups * batch * tiles < SEESAW_TILES_PER_SM * HOPPER_SMS:
+    if _row_groups(v, problem.heads, seqlen_q) * batch * tiles < SEESAW_TILES_PER_SM * HOPPER_SMS:
         return v
     seesaw = v.with_(tma=True, seesaw=True)
     return seesaw if is_valid(problem, seesaw) else v
@@ -198,7 +202,7 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
         return balanced_parts(variant, heads, batch, seqlen_q, kv_capacity, sm_count, blocks_per_sm)
     if variant.kv_split != "adaptive":
         return int(variant.kv_split)
-    blocks = batch * -(-seqlen_q // variant.q_tile) * (heads // variant.head_tile)
+    blocks = batch * _row_groups(variant, heads, seqlen_q)
     per_wave = max(1, sm_count * blocks_per_sm)
     tiles = max(1, -(-kv_capacity // variant.block_n))
     best, best_cost = 1, float("inf")
@@ -226,6 +230,6 @@ def balanced_parts(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_c
     templates/merge.cuh.j2 has the kernel's side. More ranges than the block table can hold
     tiles would only be empty.
     """
-    groups = -(-seqlen_q // variant.q_tile) * (heads // variant.head_tile)
+    groups = _row_groups(variant, heads, seqlen_q)
     tiles = max(1, -(-kv_capacity // variant.block_n))
     return max(1, min(sm_count * blocks_per_sm // max(1, groups), batch * tiles))
