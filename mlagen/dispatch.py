@@ -41,8 +41,7 @@ MAX_SPLITS = 128
 # tune of v26 (benchmarks/h200-2026-11-29-v26/tune.log) the seesaw won every grid row from 16
 # tiles per SM on but one (H=16 B=64 S=4 at 31, where the lockstep kernel with TMA won; v23
 # measured the seesaw 3% behind it there), and lost at 4-5 (short rows: a pair's chain costs
-# more than it hides). The heuristic's own pick was 1.2 to
-# 1.55x the best on those long rows.
+# more than it hides). The heuristic's own pick was 1.2 to 1.55x the best on those long rows.
 SEESAW_TILES_PER_SM = 12
 HOPPER_SMS = 132
 
