@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .dispatch import heuristic_variant
+from .dispatch import untuned_variant
 from .mma_plan import heuristic_mma
 from .spec import Problem, Variant, naive
 
@@ -15,14 +15,19 @@ class Preset:
     problem: Problem
     description: str
     # Draft lengths the emitted variants must cover: one variant per distinct choice of the
-    # heuristic dispatcher over these S (and, where that choice is arch-specific like sm_90a's
-    # wgmma, the portable one for the plain arch too), plus the naive baseline.
+    # dispatcher without a table over these S, for a request of EMIT_KEYS keys each (on sm_90a
+    # the long one runs the seesaw schedule), and, where that choice is arch-specific like
+    # sm_90a's wgmma, the portable one for the plain arch too; plus the naive baseline.
     seqlens_q: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 33, 64)
 
     def variants(self, arch: str) -> list[Variant]:
-        chosen = {heuristic_variant(self.problem, s, arch) for s in self.seqlens_q}
+        chosen = {untuned_variant(self.problem, s, 1, keys, arch) for s in self.seqlens_q for keys in EMIT_KEYS}
         chosen |= {v for s in self.seqlens_q if (v := heuristic_mma(self.problem, s, arch, specialize=False))}
         return [naive(arch=arch)] + sorted(chosen, key=lambda v: v.name)
+
+
+# Context lengths, short and long, whose dispatch `mlagen emit` covers for one request.
+EMIT_KEYS: tuple[int, ...] = (4096, 65536)
 
 
 def _mla(heads: int) -> Problem:

@@ -1,0 +1,1137 @@
+// mlagen generated kernel: mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+// family mma: head-tiled split-KV on the tensor cores (mma.sync m16n8k16, fp32 accumulation).
+// One block per (query tile x head tile, split, request) holds q_tile*head_tile = 64 query
+// rows (padded to 64); each KV tile of 64 keys is staged once in shared memory
+// (2-stage cp.async pipeline) and feeds both products:
+//   scores S = Q K^T: warps form a 4 x 2 grid over (64 rows, 64 keys);
+//   their row maxima meet in shared memory, P = exp2(S - m) goes to shared memory as bf16;
+//   output O += P V: every warp holds all rows and 64 of the 512 value dims, in registers.
+// With one split the block writes out/lse; otherwise partials go to the workspace for the row
+// group's merge blocks (z slabs after the requests').
+#include <cuda_bf16.h>
+
+// sm_90a's own instructions (wgmma, TMA) are in no other target's PTX: an nvcc build
+// that also compiles this file for another target stops here, naming the flags to use instead
+// (mlagen's own NVRTC compiles name the target exactly).
+#if defined(__CUDA_ARCH__) && !defined(__CUDACC_RTC__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "mlagen: this kernel is for sm_90a alone; build it with nvcc -gencode arch=compute_90a,code=sm_90a"
+#endif
+
+#ifndef INFINITY   // NVRTC has no <math.h>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+typedef __nv_bfloat16 elem_t;
+typedef __nv_bfloat162 elem2_t;
+__device__ __forceinline__ float2 to_float2(elem2_t v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ elem2_t from_float2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+
+// Problem constants, derived in Python (mlagen/validate.py).
+constexpr int H = 64;
+constexpr int DL = 512;                 // value width (first DL dims of a KV row)
+constexpr int DR = 64;                 // rope width
+constexpr int D = DL + DR;
+constexpr int CHUNK = 8;                                  // elements per 16-byte access
+constexpr int CH = D / CHUNK;                             // 16-byte chunks per KV row
+constexpr int CHV = DL / CHUNK;
+constexpr int PAGE = 64;
+constexpr int MASK_CAUSAL = 1;
+constexpr int MASK_TREE = 0;
+constexpr bool WRITE_LSE = true;
+constexpr float LN2 = 0.693147180559945309f;
+static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
+static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
+
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+
+// The parameter block every kernel of this file takes by value (mlagen/params.py).
+struct __align__(8) VerifyParams {
+  const elem_t* q;  // (B, S, H, Dl+Dr), last dim contiguous
+  const elem_t* kv;  // (num_pages, page_size, Dl+Dr), last dim contiguous
+  const void* kv_map;  // device address of kv's TMA descriptor (tma variants), else 0
+  const int* block_table;  // (B, max_pages) page ids of each request, in order
+  const int* seqlens;  // (B,) valid keys per request, draft tokens included
+  const unsigned char* tree_mask;  // (B or 1, S, S) bool, tree mask kind only
+  elem_t* out;  // (B, S, H, Dl)
+  float* lse;  // (B, H, S) fp32, natural log; written when the problem has lse
+  void* part_o;  // (num_splits, B, S, H, Dl) partial outputs: fp32 unnormalized, or normalized in elem_t (part16)
+  float2* part_ml;  // (num_splits, B, S, H) partial (max, sum), log2 domain
+  unsigned int* counters;  // (row groups,) finished splits per row group; zero between calls
+  long long q_stride_b;  // elements between requests of q
+  long long q_stride_s;  // elements between query positions of q
+  long long q_stride_h;  // elements between heads of q
+  long long kv_stride_page;  // elements between pages of kv
+  long long kv_stride_row;  // elements between rows of a page
+  long long bt_stride_b;  // elements between rows of block_table
+  long long mask_stride_b;  // elements between requests of tree_mask (0: shared)
+  long long mask_stride_q;  // elements between query rows of tree_mask
+  long long out_stride_b;  // elements between requests of out
+  long long out_stride_s;  // elements between query positions of out
+  long long out_stride_h;  // elements between heads of out
+  int batch;  // B
+  int seqlen_q;  // S, draft tokens per request
+  int max_pages;  // columns of block_table
+  int num_pages;  // pages in kv; page ids outside [0, num_pages) read as zeros
+  int num_splits;  // key-range splits; 1 writes out directly, no merge blocks
+  int merge_blocks;  // merge blocks per row group (num_splits > 1), in z slabs >= batch
+  float scale_log2;  // softmax_scale * log2(e)
+  int pad;  // unused, 0: keeps the block a multiple of 8 bytes
+};
+
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+
+// Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
+// a launch that did not ask for it): the next kernel on the stream may be scheduled once every
+// block of this one has started, and nothing here is read before the previous kernel's writes
+// are visible. A launch of this kernel therefore only overlaps with its neighbours' block
+// scheduling and tails, never with their memory traffic.
+__device__ __forceinline__ void pdl_prologue() {
+  asm volatile("griddepcontrol.launch_dependents;\n"
+               "griddepcontrol.wait;\n" ::: "memory");
+}
+
+// Keys of request b that may be read: the stored length, clamped to what block_table can
+// address, so a bad length never makes a kernel read outside the cache it was given.
+__device__ __forceinline__ int request_keys(const VerifyParams& p, int b) {
+  const int n = p.seqlens[b];
+  const long long cap = (long long)p.max_pages * PAGE;
+  return n < 0 ? 0 : (n > cap ? (int)cap : n);
+}
+
+// Page id of key j of request b, as block_table stores it (checked by kv_row_in).
+__device__ __forceinline__ int kv_page(const VerifyParams& p, int b, int j) {
+  return p.block_table[(long long)b * p.bt_stride_b + j / PAGE];
+}
+
+// Address of key j in page `page`, or nullptr when the page id is outside the cache.
+__device__ __forceinline__ const elem_t* kv_row_in(const VerifyParams& p, int page, int j) {
+  if (page < 0 || page >= p.num_pages) return nullptr;
+  return p.kv + (long long)page * p.kv_stride_page + (long long)(j % PAGE) * p.kv_stride_row;
+}
+
+// Address of key j of request b, or nullptr when its page id is outside the cache.
+__device__ __forceinline__ const elem_t* kv_row(const VerifyParams& p, int b, int j) {
+  return kv_row_in(p, kv_page(p, b, j), j);
+}
+
+// Draft-tree rows as bit sets: bit k of tree_bits(p, b, i) says query i sees draft token k.
+__device__ __forceinline__ unsigned long long tree_bits(const VerifyParams& p, int b, int i) {
+  const unsigned char* row = p.tree_mask + (long long)b * p.mask_stride_b + (long long)i * p.mask_stride_q;
+  unsigned long long bits = 0;
+  for (int k = 0; k < p.seqlen_q; ++k) bits |= (unsigned long long)(row[k] != 0) << k;
+  return bits;
+}
+
+// Whether query i (of S) sees key j (of n keys): prefix keys always, draft keys by the mask.
+// `bits` is tree_bits(...) of the row for tree masks, unused otherwise. Written with `&` and
+// `|`, not early returns, so that a tile's mask compiles to selects rather than a branch per key.
+__device__ __forceinline__ bool key_visible(int j, int n, int i, int S, unsigned long long bits) {
+  const int prefix = n - S;          // the S draft tokens sit at n-S .. n-1
+  const int d = j - prefix;          // draft index of key j (negative in the prefix)
+  const bool draft = MASK_CAUSAL ? d <= i : (MASK_TREE ? ((bits >> (d & 63)) & 1ull) != 0 : true);
+  return (j < n) & ((d < 0) | draft);
+}
+
+// One past the last key any query of [i0, i1) can see: causal rows stop at their own token.
+__device__ __forceinline__ int key_limit(int n, int S, int i1) {
+  if (!MASK_CAUSAL) return n;
+  const int lim = n - S + i1;
+  return lim < 0 ? 0 : (lim > n ? n : lim);
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* ptr) {
+  return (unsigned)__cvta_generic_to_shared(ptr);
+}
+
+// 16-byte global->shared copy to shared address `dst`; `bytes` 0 fills zeros and reads nothing
+// (src must still be some global address).
+__device__ __forceinline__ void cp_async16_to(unsigned dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  cp_async16_to(smem_addr(dst), src, valid ? 16 : 0);
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
+  const elem2_t* h = reinterpret_cast<const elem2_t*>(&v);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) { const float2 t = to_float2(h[e]); f[2 * e] = t.x; f[2 * e + 1] = t.y; }
+}
+__device__ __forceinline__ uint4 pack8(const float* f) {
+  uint4 v;
+  elem2_t* h = reinterpret_cast<elem2_t*>(&v);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) h[e] = from_float2(f[2 * e], f[2 * e + 1]);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// The natural-log LSE of a row from its log2-domain max m and sum l; -inf for an empty row.
+__device__ __forceinline__ float row_lse(float m, float l) {
+  return l > 0.f ? (m + __log2f(l)) * LN2 : -INFINITY;
+}
+
+// Output row (b, i, h).
+__device__ __forceinline__ elem_t* out_row(const VerifyParams& p, int b, int i, int h) {
+  return p.out + (long long)b * p.out_stride_b + (long long)i * p.out_stride_s + (long long)h * p.out_stride_h;
+}
+
+// Writes vals[0..N) * inv to dst as elem_t: one 16-, 8- or 4-byte store (N = 8, 4 or 2).
+template <int N>
+__device__ __forceinline__ void store_elems(elem_t* dst, const float* vals, float inv) {
+  static_assert(N == 8 || N == 4 || N == 2, "16-, 8- or 4-byte stores");
+  if constexpr (N == 8) {
+    float f[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = vals[e] * inv;
+    *reinterpret_cast<uint4*>(dst) = pack8(f);
+  } else if constexpr (N == 4) {
+    uint2 v;
+    elem2_t* h2 = reinterpret_cast<elem2_t*>(&v);
+    h2[0] = from_float2(vals[0] * inv, vals[1] * inv);
+    h2[1] = from_float2(vals[2] * inv, vals[3] * inv);
+    *reinterpret_cast<uint2*>(dst) = v;
+  } else {
+    *reinterpret_cast<elem2_t*>(dst) = from_float2(vals[0] * inv, vals[1] * inv);
+  }
+}
+
+// Writes `vals` (N = 8, 4 or 2 consecutive dims starting at `d0`) of output row (b, i, h),
+// divided by l; an empty row (l == 0) writes zeros.
+template <int N>
+__device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, int h, int d0,
+                                          const float* vals, float l) {
+  store_elems<N>(out_row(p, b, i, h) + d0, vals, l > 0.f ? 1.f / l : 0.f);
+}
+
+// Workspace rows from one split's (slot's) row (b, i, h) to the next one's: a split holds every
+// request's rows; a balanced-split slot holds one request's (see its work list in merge.cuh.j2).
+__device__ __forceinline__ long long part_slot_rows(const VerifyParams& p) {
+  return (long long)p.batch * p.seqlen_q * H;
+}
+
+// Index of row (split, b, i, h) in the partial-result workspace (the balanced split passes its
+// slot as `split`).
+__device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h) {
+  const long long row = ((long long)b * p.seqlen_q + i) * H + h;
+  return split * part_slot_rows(p) + row;
+}
+
+// Blocks of `bn` keys of [0, limit) that split `split` of `num_splits` owns: [*begin, *end),
+// in runs of UNIT blocks (the seesaw's pairs: only the last split can end on half a pair; a
+// split past the end owns none).
+template <int UNIT = 1>
+__device__ __forceinline__ void split_blocks(int limit, int bn, int split, int num_splits,
+                                             int* begin, int* end) {
+  const int blocks = (limit + bn - 1) / bn;
+  const int per = (blocks + num_splits * UNIT - 1) / (num_splits * UNIT) * UNIT;
+  const int b0 = split * per;
+  *begin = b0 < blocks ? b0 : blocks;
+  *end = b0 + per < blocks ? b0 + per : blocks;
+}
+
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+
+// A split's partial row: Dl values of part_t, then its (m, l) in part_ml. fp32 values are the
+// unnormalized accumulators; with part16 they are divided by the row's own sum l and rounded to
+// the output's type: half the bytes to write and read, one more rounding (the merge weighs such
+// a row by l as well).
+constexpr bool PART16 = true;
+using part_t = elem_t;
+
+// (m, l) of a split's partial row; a row that saw no key gets m = -inf: weight 0 in the merge.
+__device__ __forceinline__ float2 partial_stats(float m, float l) {
+  return make_float2(l > 0.f ? m : -INFINITY, l);
+}
+
+__device__ __forceinline__ part_t* partial_row(const VerifyParams& p, int split, int b, int i, int h) {
+  return static_cast<part_t*>(p.part_o) + part_row(p, split, b, i, h) * DL;
+}
+
+// The values of one 16-byte piece of a partial row (4 floats, or 8 of the output's type).
+__device__ __forceinline__ void unpack_part(const uint4& v, float* f) {
+  if constexpr (PART16) {
+    unpack8(v, f);
+  } else {
+    f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+  }
+}
+
+// Ends row (b, i, h) of one split. `direct` (the row group has one split): the row is final,
+// out = acc / l and lse. Otherwise the row and (m, l) go to workspace slot `split` for the row
+// group's merge blocks. `acc` holds N (8, 4 or 2) consecutive unnormalized dims starting at d0;
+// writes_stats picks one thread per row.
+template <int N>
+__device__ __forceinline__ void finish_row(const VerifyParams& p, int split, bool direct, int b, int i, int h,
+                                           int d0, const float* acc, float m, float l,
+                                           bool writes_stats) {
+  if (direct) {
+    store_out<N>(p, b, i, h, d0, acc, l);
+    if (WRITE_LSE && writes_stats)
+      p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
+    return;
+  }
+  part_t* dst = partial_row(p, split, b, i, h) + d0;
+  if constexpr (PART16) {
+    store_elems<N>(dst, acc, l > 0.f ? 1.f / l : 0.f);
+  } else if constexpr (N % 4 == 0) {     // 16-byte stores (d0 is a multiple of N)
+#pragma unroll
+    for (int e = 0; e < N / 4; ++e)
+      reinterpret_cast<float4*>(dst)[e] = make_float4(acc[4 * e], acc[4 * e + 1], acc[4 * e + 2], acc[4 * e + 3]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N / 2; ++e) reinterpret_cast<float2*>(dst)[e] = make_float2(acc[2 * e], acc[2 * e + 1]);
+  }
+  if (writes_stats) p.part_ml[part_row(p, split, b, i, h)] = partial_stats(m, l);
+}
+
+// finish_row for a whole row that is already final in the output's type (divided by l), as
+// part16 kernels stage it in shared memory: one warp copies it in 16-byte pieces to out or to
+// the split's partial row.
+__device__ __forceinline__ void finish_staged_row(const VerifyParams& p, int split, bool direct, int b, int i,
+                                                  int h, const elem_t* vals, float m, float l, int lane) {
+  uint4* dst = reinterpret_cast<uint4*>(direct ? out_row(p, b, i, h) : partial_row(p, split, b, i, h));
+  for (int c = lane; c < DL / 8; c += 32) dst[c] = reinterpret_cast<const uint4*>(vals)[c];
+  if (lane == 0) {
+    if (!direct) p.part_ml[part_row(p, split, b, i, h)] = partial_stats(m, l);
+    else if (WRITE_LSE) p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
+  }
+}
+
+// With num_splits > 1 the grid's z slabs 0..B-1 hold the split blocks (x: row group of request z,
+// y: split) and the slabs after them the merge blocks: one launch, no combine kernel. A split
+// block counts itself done in its row group's counter after writing its partials; each of the
+// group's p.merge_blocks merge blocks waits for all its splits' counts, counts itself too (the
+// last of all wraps the counter back to 0 for the next launch) and merges its share of the
+// group's rows, one row per warp at a time. The wait cannot deadlock: blocks start in grid order
+// and every merge block comes after every split block, so those are running or done when it waits.
+// Balanced split (kv_split "balanced"): the split blocks are slab 0, (x: row group of a request,
+// y: an equal range of the list of all requests' KV tiles, see its work list below), so a range may
+// span requests and a request's groups are split wherever a range ends; the merge blocks are the
+// slabs after it.
+__device__ __forceinline__ int merge_z0(const VerifyParams& p) {   // the first merge slab
+  return p.batch;
+}
+constexpr int MERGE_WARPS = 8;
+constexpr int GROUP_ROWS = 64;              // q_tile * head_tile
+
+// Row groups (query tile x head tile) of one request.
+__device__ __forceinline__ int request_groups(const VerifyParams& p) {
+  return ((p.seqlen_q + 1 - 1) / 1) * 1;
+}
+
+__device__ __forceinline__ unsigned* group_counter(const VerifyParams& p, int b, int x) {
+  return p.counters + ((long long)b * request_groups(p) + x);
+}
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+// A split block of row group (b, x), after every finish_row of that group: counts itself done
+// for the group's merge blocks, which wait for `splits` counts.
+// One release by the counting thread: the barrier orders every thread's partial stores before
+// its fence, and a gpu-scope release covers what is ordered before it (the pattern of a grid
+// barrier). A __threadfence() in every thread was a sequentially consistent fence per warp
+// (MEMBAR.SC.GPU + ERRBAR), the costliest kind, at the end of every split block.
+__device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, int x, int splits) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+    atomicInc(group_counter(p, b, x), splits + p.merge_blocks - 1);
+  }
+}
+
+// Row (b, i, h): m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l
+// (a part16 row holds acc_k / l_k: its weight is l_k 2^(m_k - m)).
+// One warp; partials are read from L2 (other SMs wrote them), so latency decides this on short
+// rows and no load may wait on another: the stats of 32 splits (lane k: split k's (m, l)) and the
+// rows of the first MERGE_BATCH splits go out together, then the max, the weights and the sums
+// when they land, then the next batches (at 6 splits: two L2 round trips, where reading the max,
+// then the weights, then 4 + 2 rows took four). MERGE_BATCH is 3 fp32 rows (4 16-byte loads a
+// lane each) because the merge shares the kernel's register allocation with the tile loop: at 4
+// the one-stage pvm kernel spilled; part16 rows take half the registers, so 6 of them. Rounds of
+// more than 32 splits rescale what the earlier rounds summed. A split without keys has l = 0:
+// weight 0, by select.
+constexpr int MERGE_BATCH = PART16 ? 6 : 3;
+__device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, int splits, int slot0) {
+  constexpr int E = 16 / (int)sizeof(part_t);   // values per 16-byte load
+  constexpr int V = DL / (32 * E);              // 16-byte loads per lane and partial row
+  float acc[V * E] = {};
+  float m = -INFINITY, l = 0.f;
+  for (int k0 = 0; k0 < splits; k0 += 32) {
+    const int n = splits - k0 < 32 ? splits - k0 : 32;
+    const float2 ml = lane < n ? __ldcg(&p.part_ml[part_row(p, slot0 + k0 + lane, b, i, h)])
+                               : make_float2(-INFINITY, 0.f);
+    uint4 x[MERGE_BATCH][V];
+    const uint4* src = reinterpret_cast<const uint4*>(partial_row(p, slot0 + k0, b, i, h)) + lane;
+    const long long split_stride = part_slot_rows(p) * (DL / E);   // in 16-byte loads
+#pragma unroll
+    for (int j = 0; j < MERGE_BATCH; ++j)
+#pragma unroll
+      for (int v = 0; v < V; ++v)
+        if (j < n) x[j][v] = __ldcg(src + j * split_stride + 32 * v);
+    const float m_new = fmaxf(m, warp_max(ml.y > 0.f ? ml.x : -INFINITY));
+    if (m_new == -INFINITY) continue;                    // no keys in these splits yet
+    const float w = ml.y > 0.f ? exp2f(ml.x - m_new) : 0.f;   // lane k: split k0 + k's weight
+    const float rescale = exp2f(m - m_new);             // 0 on the first round with keys
+    l = l * rescale + warp_sum(ml.y * w);
+    const float w_row = PART16 ? w * ml.y : w;          // what multiplies the row's values
+#pragma unroll
+    for (int e = 0; e < V * E; ++e) acc[e] *= rescale;
+    m = m_new;
+    for (int j0 = 0; j0 < n; j0 += MERGE_BATCH) {
+      if (j0 > 0)
+#pragma unroll
+        for (int j = 0; j < MERGE_BATCH; ++j)
+#pragma unroll
+          for (int v = 0; v < V; ++v)
+            if (j0 + j < n) x[j][v] = __ldcg(src + (j0 + j) * split_stride + 32 * v);
+#pragma unroll
+      for (int j = 0; j < MERGE_BATCH; ++j) {
+        const float wj = __shfl_sync(0xffffffffu, w_row, (j0 + j) & 31);
+        if (j0 + j >= n) break;
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          float f[E];
+          unpack_part(x[j][v], f);
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc[E * v + e] += wj != 0.f ? wj * f[e] : 0.f;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < V; ++v) store_out<E>(p, b, i, h, E * (lane + 32 * v), acc + E * v, l);
+  if (WRITE_LSE && lane == 0) p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
+}
+
+// A merge block (blockIdx.z >= merge_z0(p)). Merge blocks are numbered x fastest, then y, then z
+// slab; number f merges part f / groups of row group f % groups (request g / request_groups,
+// tile g % request_groups).
+__device__ void merge_block(const VerifyParams& p) {
+  const int gx = request_groups(p);
+  const long long groups = (long long)gx * p.batch;
+  const long long f = ((long long)(blockIdx.z - merge_z0(p)) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  if (f >= groups * p.merge_blocks) return;             // the last slab's spare blocks
+  const int part = (int)(f / groups), g = (int)(f % groups);
+  const int x = g % gx, b = g / gx;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int splits = p.num_splits, slot0 = 0;
+  const int h0 = (x % 1) * 64;
+  const int q0 = (x / 1) * 1;
+  unsigned* counter = group_counter(p, b, x);
+  if (threadIdx.x == 0) {
+    while (load_acquire(counter) < (unsigned)splits) __nanosleep(100);
+    atomicInc(counter, splits + p.merge_blocks - 1);
+  }
+  __syncthreads();   // the partials thread 0 acquired are visible to the whole block
+  const int per = (GROUP_ROWS + p.merge_blocks - 1) / p.merge_blocks;
+  const int end = (part + 1) * per < GROUP_ROWS ? (part + 1) * per : GROUP_ROWS;
+  for (int r = part * per + warp; r < end; r += MERGE_WARPS) {
+    const int i = q0 + r / 64, h = h0 + r % 64;
+    if (i < p.seqlen_q) merge_row(p, b, i, h, lane, splits, slot0);
+  }
+}
+
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+
+// `count` arrivals complete a phase (with the bytes an arrival expects).
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+
+// The issuing thread's arrival, expecting `bytes` to land before the phase completes.
+__device__ __forceinline__ void mbar_expect(unsigned bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// An arrival that brings no bytes (the seesaw's parts past the segment, its P hand-offs); it
+// releases this thread's earlier writes to the threads whose wait completes the phase.
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+
+// Waits until the phase of parity `parity` has completed (the tile is in shared memory).
+__device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+
+// The descriptor was written by a copy before the launch (generic proxy); TMA reads it through
+// the tensormap proxy.
+__device__ __forceinline__ void tma_acquire(const void* map) {
+  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" :: "l"(map) : "memory");
+}
+
+// Rows [row, row + box rows) of page `page`, dims [dim0, dim0 + 64), into shared address `dst`
+// (128-byte swizzled rows); coordinates outside the cache load zeros.
+__device__ __forceinline__ void tma_load(unsigned dst, const void* map, int dim0, int row, int page, unsigned bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, { %2, %3, %4 }], [%5];\n"
+               :: "r"(dst), "l"(map), "r"(dim0), "r"(row), "r"(page), "r"(bar) : "memory");
+}
+
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+
+
+
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+constexpr int HT = 64;
+constexpr int QT = 1;
+constexpr int ROWS = QT * HT;
+constexpr int M_PAD = 64;
+constexpr int WARPS = 8;
+constexpr int THREADS = WARPS * 32;
+constexpr int BN = 64;
+constexpr int STAGES = 2;
+constexpr int WMQ = 4, WNQ = 2;
+constexpr int ROWS_W = 16, KEYS_W = 32;     // score tile per warp
+constexpr int MTQ = ROWS_W / 16, NTQ = KEYS_W / 8;                  // its m16 / n8 pieces
+constexpr int MT = M_PAD / 16;                                      // output m16 pieces
+constexpr int DIMS_W = 64;                              // output dims per warp
+constexpr int NTO = DIMS_W / 8;
+constexpr int PS = 72;                                // P row stride (padded)
+
+// Output on wgmma: warpgroup wnq holds all 64 rows x dims [DL/2*wnq, +DL/2); its warp wmq rows
+// 16*wmq.. as one m16 piece of DL/16 n8 pieces (the same register order as mma.sync pieces).
+constexpr int MT_O = 1, NT_O = DL / 16;
+constexpr int HEAD_TILES = H / HT;
+// The epilogue stages the output rows in the Q and KV buffers (free once the tile loop ends) as
+// part_t (fp32 unnormalized; with part16 divided by l, in elem_t), rows padded by 8 values so
+// the staging stores meet 32 distinct banks (fp32: a half-warp's float2 stores, 4 rows x 4
+// lanes; part16: a warp's 4-byte pairs, 8 rows x 4 lanes), and each warp then writes whole rows
+// in 16-byte lanes, instead of the accumulator layout's scatter (every warp store touching 8
+// rows; ptxas even split the float2 partial stores). Kernels whose buffers are too small for it
+// store from registers.
+constexpr int STAGE_STRIDE = DL + 8;
+constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * (int)sizeof(part_t) <= (M_PAD + STAGES * BN) * D * (int)sizeof(elem_t);
+constexpr bool FP16 = false;
+static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
+static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
+static_assert(CH % 8 == 0, "the swizzle permutes chunks within groups of 8");
+static_assert((M_PAD * D * 2) % 1024 == 0 && (BN * D * 2) % 1024 == 0, "tiles start 1024-byte aligned");
+static_assert(M_PAD * D * 2 + STAGES * BN * D * 2 + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + 64 * 8
+              + 6 * 8 == 231728, "shared-memory plan matches mlagen/mma_plan.py");
+
+// Element offset of 16-byte chunk `c` of row `r` in a tile of NROWS rows: the tile is stored as
+// D/64 column blocks of [NROWS][64] (128-byte rows) and chunks are XOR-swizzled by row % 8, so
+// 8 rows read at one chunk column hit 8 bank groups. This is also the K-major 128-byte-swizzle
+// layout wgmma descriptors read (blocks start 1024-byte aligned).
+template <int NROWS>
+__device__ __forceinline__ int swz(int r, int c) {
+  return (c >> 3) * (NROWS * 64) + r * 64 + (((c ^ r) & 7) << 3);
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned* r) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned* r) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// c += a * b for one m16n8k16 piece.
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b) {
+  if (FP16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 { %0,%1,%2,%3}, { %4,%5,%6,%7}, { %8,%9}, { %0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { %0,%1,%2,%3}, { %4,%5,%6,%7}, { %8,%9}, { %0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
+
+// wgmma descriptor of a 128-byte-swizzled operand at shared address `addr`. K-major: 8-row
+// groups 1024 bytes apart (stride byte offset), the leading byte offset unused. Read N-major
+// (V as the B of P·V): 64-dim column blocks `lbo` bytes apart, 8-key groups `sbo` apart.
+// The address field is the byte address / 16: a k-step's descriptor is a base plus a constant
+// (shared addresses stay below 256 KB, so nothing carries out of the field).
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned lbo = 16, unsigned sbo = 1024) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16)
+         | ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
+}
+// o += P V for P = 64 rows x 16 keys (K-major, shared) and V = 16 keys x DL/2 dims read
+// N-major (transposed) from the KV tile: 64-dim column blocks BN*128 bytes apart (leading byte
+// offset), 8-key groups 1024 bytes apart (stride byte offset); measured, benchmarks/NOTES.md.
+// d (+)= A B, m64n256k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
+// shared memory, read N-major.
+// `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
+__device__ __forceinline__ void wgmma_pv(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+               "%128, %129, p, 1, 1, 0, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+               : "l"(a), "l"(b), "r"(accumulate));
+}
+// d (+)= A B, m64n32k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
+// shared memory.
+// `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
+__device__ __forceinline__ void wgmma_m64n32k16(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+               "%16, %17, p, 1, 1, 0, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               : "l"(a), "l"(b), "r"(accumulate));
+}
+// Scores of one warpgroup: all 64 rows of Q at `q` x 32 keys of the KV tile at `tile` (offset to
+// the warpgroup's keys); each k-step's descriptor is the tile's plus a constant. `after_block(c)`
+// runs once column block c's 4 k-steps are issued (it must not touch `s`).
+template <typename AfterBlock>
+__device__ __forceinline__ void scores_wgmma(float* s, unsigned q, unsigned tile, AfterBlock after_block) {
+  const unsigned long long qd = wgmma_desc(q), kd = wgmma_desc(tile);
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const unsigned within = (ks % 4) * 32, block = ks / 4;   // 4 k-steps per 128-byte column block
+    wgmma_m64n32k16(s, qd + ((block * (M_PAD * 128) + within) >> 4), kd + ((block * (BN * 128) + within) >> 4),
+                    ks > 0);
+    if (ks % 4 == 3) after_block(block);
+  }
+}
+// d (+)= A B, m64n64k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
+// shared memory.
+// `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
+__device__ __forceinline__ void wgmma_m64n64k16(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+               "%32, %33, p, 1, 1, 0, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+               : "l"(a), "l"(b), "r"(accumulate));
+}
+// Scores of a whole tile for one warpgroup (seesaw): all 64 rows of Q at `q` x all 64 keys of
+// the KV tile at `tile`, over all D dims.
+__device__ __forceinline__ void scores_wgmma64(float* s, unsigned q, unsigned tile) {
+  const unsigned long long qd = wgmma_desc(q), kd = wgmma_desc(tile);
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const unsigned within = (ks % 4) * 32, block = ks / 4;
+    wgmma_m64n64k16(s, qd + ((block * (M_PAD * 128) + within) >> 4), kd + ((block * (BN * 128) + within) >> 4), ks > 0);
+  }
+}
+// d (+)= A B, m64n256k16 with fp32 accumulators, for one warpgroup: A from registers, B from
+// shared memory, read N-major. A: a thread's 4 pairs of 16-bit values in the m64n16 accumulator layout.
+// `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
+__device__ __forceinline__ void wgmma_pv_regs(float* d, const unsigned* a, unsigned long long b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+               "{ %128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+// Named barrier `id` over `count` threads.
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+}
+// O (+)= P V for one warpgroup: P (64 rows x BN keys) at `pa`, V = the KV tile at `tile`
+// (offset to the warpgroup's DL/2 dims).
+__device__ __forceinline__ void pv_wgmma(float* o, unsigned pa, unsigned tile) {
+  const unsigned long long pd = wgmma_desc(pa), vd = wgmma_desc(tile, BN * 128, 1024);
+#pragma unroll
+  for (int ks = 0; ks < BN / 16; ++ks) wgmma_pv(o, pd + ks * 2, vd + ks * 128, 1);   // 32 and 2048 bytes
+}
+
+// Running max of `row` after the current tile, from the one in sM and every warp's tile maximum.
+// It moves only when the tile's maximum passes it by more than RESCALE_SLACK (log2 units), so on
+// most tiles of a long row no output row needs the 2^(m_old - m_new) rescale (its multiplies sit
+// between the softmax and P.V issue). Exact either way: P = 2^(s - m) then reaches at most
+// 2^RESCALE_SLACK (fp32 sums, and bf16/fp16 P, hold that with room), and out = acc / l and the
+// lse use the same m.
+constexpr float RESCALE_SLACK = 8.f;
+__device__ __forceinline__ float new_max(const float* sM, const float* sPart, int row) {
+  const float m = sM[row];
+  float tile = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < WNQ; ++w) tile = fmaxf(tile, sPart[w * M_PAD + row]);
+  return tile > m + RESCALE_SLACK ? tile : m;      // m = -inf: any finite tile maximum moves it
+}
+
+// Element offset of P(row, key) in shared memory: on wgmma the K-major 128-byte-swizzle layout
+// (BN = 64 keys = one 128-byte row), else padded rows for ldmatrix.
+__device__ __forceinline__ int p_off(int row, int key) {
+
+  return row * 64 + ((((key >> 3) ^ row) & 7) << 3) + (key & 7);
+}
+
+// One thread's share of loading a swizzled [NROWS][D] tile with cp.async: 8 threads per row
+// (thread `tid` of NT), each one 16-byte chunk of every 64-dim column block, so a warp reads
+// whole 128-byte lines. The thread's rows are tid/8 + k*NT/8 (pass k): they share row % 8 and
+// so the swizzled chunk offset, and every copy's addresses are a per-row base plus constants.
+// prepare() does the row lookups and copy() issues one column block: the two may be a tile
+// apart, and one tile's copies may be spread between other instructions (the score wgmmas).
+template <int NROWS, int NT>
+struct RowLoad {
+  static_assert(NT % 64 == 0, "NT/8 rows per pass keep row % 8");
+  static constexpr int PASSES = (NROWS * 8 + NT - 1) / NT;
+  const elem_t* src[PASSES];   // this thread's chunk of each row's first column block
+  int bytes[PASSES];           // 16, or 0 to zero-fill the row
+  unsigned dst;                // the chunk's byte offset in the tile's row tid/8
+  int row0;                    // tid/8
+
+  // `row_ptr(r, k)`: global address of row r (pass k), or nullptr to zero-fill it.
+  template <typename RowPtr>
+  __device__ __forceinline__ void prepare(int tid, const elem_t* fallback, RowPtr row_ptr) {
+    row0 = tid / 8;
+    const int sub = tid % 8;
+    dst = row0 * 128 + (((sub ^ row0) & 7) << 4);
+#pragma unroll
+    for (int k = 0; k < PASSES; ++k) {
+      const int r = row0 + k * (NT / 8);
+      const elem_t* p = r < NROWS ? row_ptr(r, k) : nullptr;
+      src[k] = (p ? p : fallback) + sub * CHUNK;
+      bytes[k] = p ? 16 : 0;
+    }
+  }
+  // Column block `blk` of the prepared rows, into the tile at shared address `tile`.
+  __device__ __forceinline__ void copy(unsigned tile, int blk) const {
+#pragma unroll
+    for (int k = 0; k < PASSES; ++k)
+      if (NROWS % (NT / 8) == 0 || row0 + k * (NT / 8) < NROWS)
+        cp_async16_to(tile + dst + k * (NT / 8) * 128 + blk * (NROWS * 128), src[k] + blk * 64, bytes[k]);
+  }
+  __device__ __forceinline__ void copy_all(unsigned tile) const {
+#pragma unroll
+    for (int blk = 0; blk < CH / 8; ++blk) copy(tile, blk);
+  }
+};
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+
+// grid: (ceil(S/QT) * H/HT, num_splits, B + merge slabs when num_splits > 1); block: 256 threads;
+// dynamic shared memory 231728 bytes.
+extern "C" __global__ void __launch_bounds__(256, 1)
+mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
+  using namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse;
+  pdl_prologue();
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
+  elem_t* sKV = sQ + M_PAD * D;                                           // (STAGES, BN, D) swizzled
+  elem_t* sP = sKV + STAGES * BN * D;                                     // (M_PAD, PS)
+  float* sPart = reinterpret_cast<float*>(sP + M_PAD * PS);               // (WNQ, M_PAD) row max / sum parts
+  float* sM = sPart + WNQ * M_PAD;                                        // (M_PAD,) running row max
+  unsigned long long* sBits = reinterpret_cast<unsigned long long*>(sM + M_PAD);   // (64,)
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates
+  // wnq through a lane-0 broadcast: the same value, but ptxas then knows it is warp-uniform.
+  const int wmq = warp % WMQ, wnq = __shfl_sync(0xffffffffu, warp / WMQ, 0);   // wgmma: wnq is the warpgroup
+  if (blockIdx.z >= merge_z0(p)) {  // a merge block (split launches only)
+    merge_block(p);
+    return;
+  }
+  // One mbarrier per KV stage; tiles_done counts this block's tiles over its segments, so tile
+  // k (in that count) uses stage k % STAGES and completes phase k / STAGES % 2 of its mbarrier.
+  unsigned long long* sFull = sBits + 64;                                 // (6,) after the tree-mask rows
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < 6; ++s) mbar_init(smem_addr(&sFull[s]), s < 4 ? 1 : 128);   // 4 load parts; P0, P1 (a warpgroup)
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    tma_acquire(p.kv_map);
+  }
+  __syncthreads();
+  int tiles_done = 0;
+  // One row group's share of the work: row group x of request b, over its KV tiles [t0, t1) (a
+  // balanced split's range; otherwise split `split`'s share of the group's keys), ending as
+  // workspace slot `split` of the group's `splits`, or written out directly when `direct`.
+  auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {
+    const int h0 = (x % HEAD_TILES) * HT, q0 = (x / HEAD_TILES) * QT;
+    const int S = p.seqlen_q;
+    const int n = request_keys(p, b);
+    const int q_end = q0 + QT < S ? q0 + QT : S;
+    int kb_begin, kb_end;
+
+    split_blocks<2>(key_limit(n, S, q_end), BN, split, p.num_splits, &kb_begin, &kb_end);
+
+    {
+      RowLoad<M_PAD, THREADS> ql;
+      ql.prepare(threadIdx.x, p.q, [&](int r, int) -> const elem_t* {
+        const int i = q0 + r / HT;
+        if (r >= ROWS || i >= S) return nullptr;
+        return p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)(h0 + r % HT) * p.q_stride_h;
+      });
+      ql.copy_all(smem_addr(sQ));
+    }
+    // KV tiles load in order, each one in two steps a tile apart (v9-v10, benchmarks/NOTES.md):
+    // block-table ids are read (fetch_pages) a tile before the row lookups (prepare_kv), and
+    // the lookups a tile before the copies, so no copy waits on a dependent global read.
+    // Thread 0 issues tile kb as D/64 boxes of [64 dims, BN rows] of its page (a tile is one
+    // page's run of rows: validate checks PAGE % BN == 0), reading the block-table id an
+    // iteration before the tile is issued.
+    // The previous segment's epilogue read and wrote these buffers through the generic proxy;
+    // the TMA writes below are the async proxy's: fence, then barrier, then issue.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    const int t_base = tiles_done;
+    auto tile_page = [&](int kb) { return kb < kb_end ? kv_page(p, b, kb * BN) : -1; };
+    cp_async_commit();                         // Q's copies: the only cp.async group
+    if (MASK_TREE && threadIdx.x < QT) sBits[threadIdx.x] = q0 + threadIdx.x < S ? tree_bits(p, b, q0 + threadIdx.x) : 0ull;
+
+    float o[MT_O][NT_O][4] = {};
+
+    const int o_row0 = 16 * wmq, o_dim0 = (DL / 2) * wnq;   // this warp's output piece
+    float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
+    const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
+// ---- seesaw: the tiles go in pairs, k0 in stage 0 and k1 in stage 1 ----
+    //   warpgroup 0: S0 = Q K0^T; m0 = max(m, rowmax S0); P0 = exp2(S0 - m0) (to K0's rope block
+    //                for warpgroup 1); O_L = O_L 2^(m - m0) + P0 V0_L (P0 from registers);
+    //                then O_L = O_L 2^(m0 - m1) + P1 V1_L (P1 from K1's rope block)
+    //   warpgroup 1: S1 = Q K1^T, issued after S0 so that it runs during warpgroup 0's softmax;
+    //                O_R = O_R 2^(m - m0) + P0 V0_R; m1 = max(m0, rowmax S1); P1 to K1's rope
+    //                block; O_R = O_R 2^(m0 - m1) + P1 V1_R (P1 from registers)
+    // O_L / O_R are the value dims [0, DL/2) / [DL/2, DL), the same layout as the lockstep
+    // loop's. Each part of the next pair's tiles is issued by the warpgroup that reads it last,
+    // once it has: four mbarriers, one per part, each completing once a pair. A rope block is
+    // free once its tile's scores are done: P goes there.
+    const int pairs = (kb_end - kb_begin + 1) / 2;          // an odd count ends with a padding tile
+    const int lim = kb_end * BN < n ? kb_end * BN : n;      // keys this segment reads
+    const unsigned buf0 = smem_addr(sKV), buf1 = buf0 + BN * D * (int)sizeof(elem_t);
+    const unsigned bars = smem_addr(sFull);
+    constexpr int VB = DL / 128, PB = DL / 64, NBLK = D / 64;   // value blocks of a half; the rope block; all
+    static_assert(NBLK == PB + 1, "one rope column block: P's place");
+    // mbarriers: the four load parts, then P0 / P1 with their row maxima (every thread of the
+    // giving warpgroup arrives; the taking one waits). A hand-off of data goes through an
+    // mbarrier (release / acquire), which compute-sanitizer's racecheck follows; the named
+    // barriers carry none. Both warpgroups pass every named barrier equally often: racecheck
+    // pairs barrier passes by count, and a barrier one warpgroup passes more often (a
+    // bar.arrive, a skipped zeroing) made it report hazards across the epilogue's
+    // __syncthreads (v23, benchmarks/NOTES.md; the same time either way).
+    enum Part { K0_LO, K0_HI, K1_MID, K1_REST, P0_FULL, P1_FULL };
+    enum Barrier { S0_ISSUED = 1, ZEROED = 2 };             // named barriers (0: __syncthreads)
+    // Column blocks [c0, c1) and [c2, c3) of tile kb into the stage at `dst`, counted by part
+    // mbarrier `part`; a tile past the segment only arrives (its rows are zeroed before use).
+    auto issue_part = [&](unsigned dst, int kb, int page, int part, int c0, int c1, int c2, int c3) {
+      const unsigned mb = bars + 8 * part;
+      if (kb >= kb_end) {
+        mbar_arrive(mb);
+        return;
+      }
+      mbar_expect(mb, (c1 - c0 + c3 - c2) * BN * 128);
+      for (int blk = c0; blk < c1; ++blk) tma_load(dst + blk * (BN * 128), p.kv_map, blk * 64, (kb * BN) % PAGE, page, mb);
+      for (int blk = c2; blk < c3; ++blk) tma_load(dst + blk * (BN * 128), p.kv_map, blk * 64, (kb * BN) % PAGE, page, mb);
+    };
+    if (threadIdx.x == 0 && pairs > 0) {
+      const int page0 = tile_page(kb_begin), page1 = tile_page(kb_begin + 1);
+      issue_part(buf0, kb_begin, page0, K0_LO, 0, VB, 0, 0);
+      issue_part(buf0, kb_begin, page0, K0_HI, VB, NBLK, 0, 0);
+      issue_part(buf1, kb_begin + 1, page1, K1_MID, VB, 2 * VB, 0, 0);
+      issue_part(buf1, kb_begin + 1, page1, K1_REST, 0, VB, 2 * VB, NBLK);
+    }
+    cp_async_wait<0>();                                     // Q's copies
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();                                        // Q and the tree-mask rows
+
+    const int wt = threadIdx.x % 128;                       // thread in the warpgroup
+    int rows[2], qi[2];
+    bool live[2];
+    unsigned long long bits[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      rows[half] = 16 * wmq + g + 8 * half;
+      qi[half] = q0 + rows[half] / HT;
+      live[half] = rows[half] < ROWS && qi[half] < S;
+      bits[half] = MASK_TREE && live[half] ? sBits[rows[half] / HT] : 0ull;
+    }
+    float m[2] = {-INFINITY, -INFINITY};    // running row max (log2 units), the same in both warpgroups
+    float* sMax = sPart;                    // (2, M_PAD): m0 from warpgroup 0, m1 from warpgroup 1
+    float* ov = &o[0][0][0];
+    auto finite = [](float x) { return x == -INFINITY ? 0.f : x; };
+    // 2^(a - b) for maxima a <= b: 0 when a is -inf (nothing was accumulated under it).
+    auto factor = [](float a, float b) { return a == -INFINITY ? 0.f : exp2f(a - (b == -INFINITY ? 0.f : b)); };
+    // O *= f per row, skipped when the warp's factors are all 1 (most tiles of a long row): a
+    // warp-uniform branch, so ptxas keeps the wgmmas unserialized.
+    auto rescale = [&](const float* f) {
+      if (__all_sync(0xffffffffu, f[0] == 1.f && f[1] == 1.f)) return;
+#pragma unroll
+      for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) { o[0][nt][2 * half] *= f[half]; o[0][nt][2 * half + 1] *= f[half]; }
+    };
+    // Rows [r0, BN) of the stage at `dst` to zeros, by this warpgroup (keys past the segment:
+    // a padding tile, or the request's last rows, whose memory may hold anything).
+    auto zero_rows = [&](unsigned dst, int kb) {
+      const int r0 = kb >= kb_end ? 0 : (n - kb * BN < BN ? n - kb * BN : BN);
+      if (r0 < BN) {
+        for (int i = wt; i < (BN - r0) * CH; i += 128) {
+          const int r = r0 + i / CH, c = i % CH;
+          asm volatile("st.shared.v4.u32 [%0], { %1, %1, %1, %1 };\n"
+                       :: "r"(dst + (c / 8) * (BN * 128) + r * 128 + (c % 8) * 16), "r"(0) : "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      }
+      named_sync(ZEROED + wnq, 128);                        // on every tile, zeroed or not (above)
+    };
+    // Mask and scale tile kb's scores into log2 units; each row's max over the tile into mx.
+    // One branch around the loops (a tile inside every row's prefix needs no mask), and the
+    // max in four independent chains: the softmax is on the pair's critical path.
+    auto mask_scale = [&](float* s, int kb, float* mx) {
+      if (kb < kb_end && (kb + 1) * BN <= n - S) {
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) s[i] *= p.scale_log2;
+      } else {
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float& v = s[4 * nt + 2 * half + e];
+              const int j = kb * BN + nt * 8 + 2 * t + e;
+              v = live[half] & (j < lim) & key_visible(j, n, qi[half], S, bits[half]) ? v * p.scale_log2 : -INFINITY;
+            }
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float mm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) mm[(2 * nt + e) % 4] = fmaxf(mm[(2 * nt + e) % 4], s[4 * nt + 2 * half + e]);
+        float r = fmaxf(fmaxf(mm[0], mm[1]), fmaxf(mm[2], mm[3]));
+        r = fmaxf(r, __shfl_xor_sync(0xffffffffu, r, 1));
+        mx[half] = fmaxf(r, __shfl_xor_sync(0xffffffffu, r, 2));
+      }
+    };
+    // s = exp2(s - m) per row; this thread's share of each row's sum into sum.
+    auto exponentiate = [&](float* s, const float* mr, float* sum) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float mu = finite(mr[half]);
+        float acc[2] = {0.f, 0.f};                         // two chains: the sum is off the store's path
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& v = s[4 * nt + 2 * half + e];
+            v = exp2f(v - mu);
+            acc[nt % 2] += v;
+          }
+        sum[half] = acc[0] + acc[1];
+      }
+    };
+    // P into the rope block of the stage at `dst` (the K-major swizzled layout P·V reads).
+    auto store_p = [&](unsigned dst, const float* s) {
+      unsigned char* base = smem_raw - smem_addr(smem_raw) + dst + PB * (BN * 128);
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+          *reinterpret_cast<elem2_t*>(base + 2 * p_off(rows[half], nt * 8 + 2 * t)) =
+              from_float2(s[4 * nt + 2 * half], s[4 * nt + 2 * half + 1]);
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // P stores -> the other warpgroup's wgmma
+    };
+    // O += P V over this warpgroup's value half, P from this thread's scores (the m64n64
+    // accumulator layout is four k16 steps of the A-fragment layout).
+    auto pv_regs = [&](const float* s, unsigned tile) {
+      unsigned a[BN / 16][4];
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ++ks)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const elem2_t v = from_float2(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
+          a[ks][r] = *reinterpret_cast<const unsigned*>(&v);
+        }
+      const unsigned long long vd = wgmma_desc(tile + wnq * VB * (BN * 128), BN * 128, 1024);
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ++ks) wgmma_pv_regs(ov, a[ks], vd + ks * 128, 1);   // 2048 bytes a k-step
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    };
+    // O += P V with P from the rope block of `tile` (the other warpgroup's).
+    auto pv_smem = [&](unsigned tile) {
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      pv_wgmma(ov, tile + PB * (BN * 128), tile + wnq * VB * (BN * 128));
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    };
+    auto scores = [&](float* s, unsigned tile) {
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      scores_wgmma64(s, sQa, tile);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    };
+    auto wait_all = [] { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); };
+
+    for (int pi = 0; pi < pairs; ++pi) {
+      const int k0 = kb_begin + 2 * pi, k1 = k0 + 1;
+      const bool more = pi + 1 < pairs;
+      const unsigned parity = (t_base / 2 + pi) & 1;
+      // the issuing thread of each warpgroup reads the next pair's pages now, off the path
+      int page0 = -1, page1 = -1;
+      if (more && wt == 0) {
+        page0 = tile_page(k0 + 2);
+        page1 = tile_page(k1 + 2);
+      }
+      float s[BN / 2], mx[2], m0[2], m1[2], f[2], sum[2];
+      if (wnq == 0) {
+        mbar_wait(bars + 8 * K0_LO, parity);
+        mbar_wait(bars + 8 * K0_HI, parity);
+        zero_rows(buf0, k0);
+        scores(s, buf0);
+        named_sync(S0_ISSUED, 256);                         // S1 queues behind S0 on the tensor cores
+        wait_all();
+        mask_scale(s, k0, mx);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          m0[half] = fmaxf(m[half], mx[half]);
+          f[half] = factor(m[half], m0[half]);
+          if (t == 0) sMax[rows[half]] = m0[half];
+        }
+        exponentiate(s, m0, sum);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) lpart[0][half] = lpart[0][half] * f[half] + sum[half];
+        store_p(buf0, s);
+        mbar_arrive(bars + 8 * P0_FULL);
+        rescale(f);
+        pv_regs(s, buf0);
+        wait_all();
+        if (more && wt == 0) issue_part(buf0, k0 + 2, page0, K0_LO, 0, VB, 0, 0);   // K0's value-left blocks are read
+        mbar_wait(bars + 8 * P1_FULL, parity);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          m1[half] = sMax[M_PAD + rows[half]];
+          f[half] = factor(m0[half], m1[half]);
+          lpart[0][half] *= f[half];
+        }
+        rescale(f);
+        pv_smem(buf1);
+        wait_all();
+        if (more && wt == 0) issue_part(buf1, k1 + 2, page1, K1_REST, 0, VB, 2 * VB, NBLK);   // and K1's, with P1
+      } else {
+        named_sync(S0_ISSUED, 256);
+        mbar_wait(bars + 8 * K1_MID, parity);
+        mbar_wait(bars + 8 * K1_REST, parity);
+        zero_rows(buf1, k1);
+        scores(s, buf1);
+        wait_all();                                         // S1 done: o is touched with no wgmma in flight
+        mask_scale(s, k1, mx);                              // while P0 is on its way
+        mbar_wait(bars + 8 * P0_FULL, parity);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          m0[half] = sMax[rows[half]];
+          f[half] = factor(m[half], m0[half]);
+        }
+        rescale(f);
+        pv_smem(buf0);                                      // runs during this softmax
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          m1[half] = fmaxf(m0[half], mx[half]);
+          if (t == 0) sMax[M_PAD + rows[half]] = m1[half];
+        }
+        exponentiate(s, m1, sum);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) lpart[0][half] = lpart[0][half] * factor(m[half], m1[half]) + sum[half];
+        store_p(buf1, s);
+        mbar_arrive(bars + 8 * P1_FULL);
+        wait_all();
+        if (more && wt == 0) issue_part(buf0, k0 + 2, page0, K0_HI, VB, NBLK, 0, 0);   // K0's value-right and rope blocks
+#pragma unroll
+        for (int half = 0; half < 2; ++half) f[half] = factor(m0[half], m1[half]);
+        rescale(f);
+        pv_regs(s, buf1);
+        wait_all();
+        if (more && wt == 0) issue_part(buf1, k1 + 2, page1, K1_MID, VB, 2 * VB, 0, 0);   // K1's value-right blocks
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) m[half] = m1[half];
+    }
+    if (wnq == 0 && t == 0)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) sM[rows[half]] = m[half];
+    tiles_done += 2 * pairs;
+
+    // ---- epilogue: row sums meet in shared memory; write out/lse or the split's partial ----
+    // The commit puts Q's copies in a group when no tile ran (an empty split with one stage
+    // commits nothing before this): the wait must cover them, the epilogue reuses their buffer.
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < MTQ; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float l = lpart[mt][half];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        if (t == 0) sPart[wnq * M_PAD + wmq * ROWS_W + mt * 16 + g + 8 * half] = l;
+      }
+    __syncthreads();
+    auto row_sum = [&](int row) {
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
+      return l;
+    };
+    if (STAGE_EPILOGUE) {
+      // The output rows go to shared memory over Q and the KV stages, then each warp ends whole
+      // rows in 16-byte stores.
+      part_t* sStage = reinterpret_cast<part_t*>(smem_raw);   // (M_PAD, STAGE_STRIDE)
+#pragma unroll
+      for (int mt = 0; mt < MT_O; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = o_row0 + mt * 16 + g + 8 * half;
+          if (row >= ROWS || q0 + row / HT >= S) continue;
+          const float l = PART16 ? row_sum(row) : 1.f, inv = l > 0.f ? 1.f / l : 0.f;   // part16 stages final values
+#pragma unroll
+          for (int nt = 0; nt < NT_O; ++nt) {
+            part_t* at = sStage + row * STAGE_STRIDE + o_dim0 + nt * 8 + 2 * t;
+            if constexpr (PART16)
+              *reinterpret_cast<elem2_t*>(at) = from_float2(o[mt][nt][2 * half] * inv, o[mt][nt][2 * half + 1] * inv);
+            else
+              *reinterpret_cast<float2*>(at) = make_float2(o[mt][nt][2 * half], o[mt][nt][2 * half + 1]);
+          }
+        }
+      __syncthreads();
+      for (int row = warp; row < ROWS; row += WARPS) {
+        const int i = q0 + row / HT, h = h0 + row % HT;
+        if (i >= S) continue;
+        const float l = row_sum(row);
+        finish_staged_row(p, split, direct, b, i, h, sStage + row * STAGE_STRIDE, sM[row], l, lane);
+      }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT_O; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = o_row0 + mt * 16 + g + 8 * half;
+          const int i = q0 + row / HT, h = h0 + row % HT;
+          if (row >= ROWS || i >= S) continue;
+          const float l = row_sum(row), m = sM[row];
+#pragma unroll
+          for (int nt = 0; nt < NT_O; ++nt) {
+            const float pair[2] = {o[mt][nt][2 * half], o[mt][nt][2 * half + 1]};
+            finish_row<2>(p, split, direct, b, i, h, o_dim0 + nt * 8 + 2 * t, pair, m, l,
+                          o_dim0 == 0 && nt == 0 && t == 0);
+          }
+        }
+    }
+    if (!direct) count_split_done(p, b, x, splits);
+  };
+
+  segment(blockIdx.z, blockIdx.x, 0, 0, blockIdx.y, p.num_splits == 1, p.num_splits);
+}
