@@ -241,5 +241,31 @@ def test_seesaw_trace_patch_compiles():
     module = compile_source(source, plan.name, plan.arch.name)
     assert all(not r.spills and r.stack_frame == 0 for r in module.resources.values()), module.resources
     assert "C751" not in module.log and "serialized" not in module.log, module.log
+    assert source.count("GT();") == 1                     # the global timer, once a pair
     with pytest.raises(SystemExit, match="landmark not found once"):
         trace_seesaw.patch(render(_built(WGMMA).plan))
+
+
+def test_seesaw_trace_phases_are_clock_deltas_at_the_measured_rate():
+    """trace_seesaw.phases: per inner pair, each warpgroup's step-to-step cycles at `ghz` as µs,
+    and the pair period; the first and last pairs (prologue, tail) are left out."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import trace_seesaw
+
+    def pair(start: int) -> list[int]:
+        stamps = [0] * trace_seesaw.EVENTS
+        for e in range(7):
+            stamps[e] = start + 100 * e                   # warpgroup 0: a step every 100 cycles
+        for e in range(8):
+            stamps[8 + e] = start + 50 + 200 * e          # warpgroup 1: every 200
+        return stamps
+
+    got = trace_seesaw.phases([pair(0), pair(4000), pair(8000), pair(12000)], ghz=2.0)
+    assert len(got["pair period (wg0 K0 landed to the next)"]) == 2
+    assert got["pair period (wg0 K0 landed to the next)"] == [2.0, 2.0]        # 4000 cycles at 2 GHz
+    assert got["wg0: K0 landed -> S0 issued"] == [0.05, 0.05]
+    assert all(v == [0.1, 0.1] for k, v in got.items() if k.startswith("wg1"))
+    assert got["wg0: P1 V1_L done -> next K0 landed"] == [(4000 - 600) / 2000] * 2
