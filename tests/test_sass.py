@@ -266,6 +266,7 @@ def test_seesaw_trace_phases_are_clock_deltas_at_the_measured_rate():
     got = trace_seesaw.phases([pair(0), pair(4000), pair(8000), pair(12000)], ghz=2.0)
     assert len(got["pair period (wg0 K0 landed to the next)"]) == 2
     assert got["pair period (wg0 K0 landed to the next)"] == [2.0, 2.0]        # 4000 cycles at 2 GHz
-    assert got["wg0: K0 landed -> S0 issued"] == [0.05, 0.05]
+    first, second = (label for _, _, label in trace_seesaw.STEPS[:2])           # warpgroup 0's first two steps
+    assert got[f"wg0: {first} -> {second}"] == [0.05, 0.05]
     assert all(v == [0.1, 0.1] for k, v in got.items() if k.startswith("wg1"))
     assert got["wg0: P1 V1_L done -> next K0 landed"] == [(4000 - 600) / 2000] * 2
