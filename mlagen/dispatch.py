@@ -170,8 +170,10 @@ def family_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int
         return tuned
     if family == "naive":
         return naive(arch=arch)
-    if family == "mma":
-        return heuristic_mma(problem, seqlen_q, arch)
+    if family == "mma":      # the untuned pick (seesaw on long launches), where an mma tile fits
+        if heuristic_mma(problem, seqlen_q, arch) is None:
+            return None
+        return untuned_variant(problem, seqlen_q, batch, kv_capacity, arch)
     try:
         return flash_heuristic(problem, seqlen_q, arch)
     except SpecError:

@@ -134,6 +134,10 @@ def test_dispatch_reads_the_table_then_neighbours_then_causal():
     assert dispatch.choose_variant(p, 9, 1, 4160, "sm_90", "Other GPU") == dispatch.heuristic_variant(p, 9, "sm_90")
     assert dispatch.family_variant(p, 9, 1, 4160, "sm_90", GPU, "naive").name == "naive_w8_sm90"
     assert dispatch.family_variant(p, 9, 1, 4160, "sm_90", GPU, "flash") == dispatch.flash_heuristic(p, 9, "sm_90")
+    # no table for another GPU: the mma column is the untuned pick, the seesaw on a long launch
+    assert dispatch.family_variant(p, 9, 1, 65600, "sm_90", "Other GPU", "mma").seesaw
+    sm80 = dispatch.family_variant(p, 9, 1, 4160, "sm_80", "Other GPU", "mma")
+    assert sm80 == dispatch.heuristic_variant(p, 9, "sm_80")
 
 
 @pytest.mark.parametrize("name", ["flash_ht3_qt9_bn32_w8_st2_spa_sm90",     # 3 does not divide 64
