@@ -8,6 +8,9 @@ from .dispatch import untuned_variant
 from .mma_plan import heuristic_mma
 from .spec import Problem, Variant, naive
 
+# Context lengths, short and long, whose dispatch `mlagen emit` covers for one request.
+EMIT_KEYS: tuple[int, ...] = (4096, 65536)
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -24,10 +27,6 @@ class Preset:
         chosen = {untuned_variant(self.problem, s, 1, keys, arch) for s in self.seqlens_q for keys in EMIT_KEYS}
         chosen |= {v for s in self.seqlens_q if (v := heuristic_mma(self.problem, s, arch, specialize=False))}
         return [naive(arch=arch)] + sorted(chosen, key=lambda v: v.name)
-
-
-# Context lengths, short and long, whose dispatch `mlagen emit` covers for one request.
-EMIT_KEYS: tuple[int, ...] = (4096, 65536)
 
 
 def _mla(heads: int) -> Problem:

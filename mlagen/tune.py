@@ -1,6 +1,6 @@
 """`mlagen tune`: search the variant space per shape on this GPU and persist the winners.
 
-Per row (a shape) and mask kind: the heuristic's pick, then up to `max_candidates` structures
+Per row (a shape) and mask kind: the dispatcher's pick without a table, then up to `max_candidates` structures
 (`mlagen.space`: every family, most promising first) are compiled in parallel processes and
 timed here with CUDA graph replay; then the fastest few structures are timed with fixed splits,
 and the fastest few after that with their knob twins (16-bit partial rows, `Variant.part16`;
@@ -72,7 +72,7 @@ class RowTune:
     @property
     def heuristic(self) -> Trial | None:
         """The heuristic's trial (the first one timed), if the heuristic had a variant."""
-        # candidates() puts the heuristic's pick first, or naive when the heuristic had none.
+        # candidates() puts the untuned pick (dispatch.untuned_variant) first, or naive when it had none.
         return self.trials[0] if self.trials and self.trials[0].variant.family != "naive" else None
 
     def entry(self) -> dict:
@@ -92,8 +92,8 @@ class RowTune:
 def candidates(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
                max_candidates: int) -> list[Variant]:
     """The dispatcher's pick without a table first (`dispatch.untuned_variant`), then naive, then
-    the other families' structures taking turns, `max_candidates` at most (naive and the
-    heuristic included)."""
+    the other families' structures taking turns, `max_candidates` at most (naive and that pick
+    included)."""
     found: list[Variant] = []
     try:
         found.append(untuned_variant(problem, seqlen_q, batch, kv_capacity, arch))
