@@ -88,14 +88,20 @@ def flash_heuristic(problem: Problem, seqlen_q: int, arch: str) -> Variant:
 def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str) -> Variant:
     """The pick for a shape no table covers: the heuristic's tile (`heuristic_variant`), on the
     seesaw schedule with TMA loads when it is an sm_90a mma tile with SEESAW_TILES_PER_SM or more
-    KV tiles of work per SM (and the seesaw fits it: 64 rows, a page size TMA can box)."""
+    KV tiles of work per SM (and the seesaw fits it: 64 rows, a page size TMA can box).
+
+    Such a launch takes the balanced split, a single request too: one range per SM, so one wave.
+    For a single request the adaptive split's model goes to two or three waves from ~2000 tiles
+    per row group (29 splits at 131072 keys, H=64 S=9). On the H200 that ran 12-13% slower than
+    one wave (280 against 250 µs; 283 against 250 at H=128 with 65536 keys). At one wave the two
+    splits tie (65536 keys, H=64: 142.3 against 144.4 µs; benchmarks/NOTES.md, session 12)."""
     v = heuristic_variant(problem, seqlen_q, arch)
     if v.family != "mma" or v.arch != "sm_90a":
         return v
     tiles = -(-kv_capacity // v.block_n)
     if _row_groups(v, problem.heads, seqlen_q) * batch * tiles < SEESAW_TILES_PER_SM * HOPPER_SMS:
         return v
-    seesaw = v.with_(tma=True, seesaw=True)
+    seesaw = v.with_(tma=True, seesaw=True, kv_split="balanced")
     return seesaw if is_valid(problem, seesaw) else v
 
 

@@ -96,7 +96,7 @@ def test_without_table_dispatch_is_the_untuned_pick():
 
 
 def test_untuned_long_launches_run_the_seesaw_on_sm90a():
-    """Without a table, an sm_90a mma tile goes on the seesaw schedule (with TMA loads) from
+    """Without a table, an sm_90a mma tile goes on the seesaw schedule (TMA loads, balanced split) from
     SEESAW_TILES_PER_SM KV tiles of work per SM on; shorter launches, other archs and page sizes
     TMA cannot box keep the heuristic's tile as it is."""
     p = Problem(heads=64)
@@ -106,11 +106,12 @@ def test_untuned_long_launches_run_the_seesaw_on_sm90a():
     edge = -(-dispatch.SEESAW_TILES_PER_SM * dispatch.HOPPER_SMS // groups) * base.block_n   # keys
     assert dispatch.untuned_variant(p, 9, 1, edge - base.block_n, "sm_90") == base
     long = dispatch.untuned_variant(p, 9, 1, edge, "sm_90")
-    assert long == base.with_(tma=True, seesaw=True)
+    assert long == base.with_(tma=True, seesaw=True, kv_split="balanced")   # one wave, one request too
     validate(p, long)
+    assert dispatch.num_splits(long, 64, 1, 9, 131136, 132) == 132 // groups
     # the same work as a batch: by requests x tiles
     assert dispatch.untuned_variant(p, 9, 8, 4160, "sm_90") == long
-    assert dispatch.choose_variant(p, 9, 8, 4160, "sm_90", "Other GPU") == long.with_(kv_split="balanced")
+    assert dispatch.choose_variant(p, 9, 8, 4160, "sm_90", "Other GPU") == long
     assert dispatch.untuned_variant(p, 9, 1, 4160, "sm_90") == base           # the 4096-key row: short
     # no TMA box for pages of 16 keys: no seesaw
     small_pages = p.with_(page_size=16)

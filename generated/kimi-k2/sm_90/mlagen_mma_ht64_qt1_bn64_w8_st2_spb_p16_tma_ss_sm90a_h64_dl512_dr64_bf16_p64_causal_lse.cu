@@ -1,4 +1,4 @@
-// mlagen generated kernel: mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+// mlagen generated kernel: mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 // family mma: head-tiled split-KV on the tensor cores (mma.sync m16n8k16, fp32 accumulation).
 // One block per (query tile x head tile, split, request) holds q_tile*head_tile = 64 query
 // rows (padded to 64); each KV tile of 64 keys is staged once in shared memory
@@ -26,7 +26,7 @@ typedef __nv_bfloat162 elem2_t;
 __device__ __forceinline__ float2 to_float2(elem2_t v) { return __bfloat1622float2(v); }
 __device__ __forceinline__ elem2_t from_float2(float a, float b) { return __floats2bfloat162_rn(a, b); }
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 
 // Problem constants, derived in Python (mlagen/validate.py).
 constexpr int H = 64;
@@ -44,7 +44,7 @@ constexpr float LN2 = 0.693147180559945309f;
 static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
 static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
 
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 // The parameter block every kernel of this file takes by value (mlagen/params.py).
 struct __align__(8) VerifyParams {
@@ -80,7 +80,7 @@ struct __align__(8) VerifyParams {
   int pad;  // unused, 0: keeps the block a multiple of 8 bytes
 };
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 
 // Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
 // a launch that did not ask for it): the next kernel on the stream may be scheduled once every
@@ -222,13 +222,13 @@ __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, i
 // Workspace rows from one split's (slot's) row (b, i, h) to the next one's: a split holds every
 // request's rows; a balanced-split slot holds one request's (see its work list in merge.cuh.j2).
 __device__ __forceinline__ long long part_slot_rows(const VerifyParams& p) {
-  return (long long)p.batch * p.seqlen_q * H;
+  return (long long)p.seqlen_q * H;
 }
 
 // Index of row (split, b, i, h) in the partial-result workspace (the balanced split passes its
 // slot as `split`).
 __device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h) {
-  const long long row = ((long long)b * p.seqlen_q + i) * H + h;
+  const long long row = (long long)i * H + h;
   return split * part_slot_rows(p) + row;
 }
 
@@ -245,9 +245,9 @@ __device__ __forceinline__ void split_blocks(int limit, int bn, int split, int n
   *end = b0 + per < blocks ? b0 + per : blocks;
 }
 
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 
 // A split's partial row: Dl values of part_t, then its (m, l) in part_ml. fp32 values are the
 // unnormalized accumulators; with part16 they are divided by the row's own sum l and rounded to
@@ -328,7 +328,7 @@ __device__ __forceinline__ void finish_staged_row(const VerifyParams& p, int spl
 // span requests and a request's groups are split wherever a range ends; the merge blocks are the
 // slabs after it.
 __device__ __forceinline__ int merge_z0(const VerifyParams& p) {   // the first merge slab
-  return p.batch;
+  return 1;
 }
 constexpr int MERGE_WARPS = 8;
 constexpr int GROUP_ROWS = 64;              // q_tile * head_tile
@@ -360,6 +360,65 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
     asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
     atomicInc(group_counter(p, b, x), splits + p.merge_blocks - 1);
   }
+}
+
+// The balanced split's work list: request b owns tiles [P_b, P_b + T_b) of it, T_b its keys in
+// BN-key tiles (from cache_seqlens, on the device, so a ragged batch is balanced by the keys it
+// holds), and split blocks (x, y) of every row group x own range y, [y*W, (y+1)*W), of gridDim.y
+// equal ranges; all row groups of a request stream its keys in step (L2 serves all but the
+// first read of a tile). Range y's partial of request b goes to workspace slot y + b: one
+// request's slots are consecutive and the next request's come after them (its first range is
+// at least this one's last), so a launch needs at most gridDim.y + B - 1 slots
+// (mlagen.dispatch.balanced_split sizes the workspace so). Each warp computes what it needs
+// from the lengths alone: no shared memory, no barrier.
+__device__ __forceinline__ int warp_sum_int(int x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ int request_tiles(const VerifyParams& p, int b) {
+  return (request_keys(p, b) + 64 - 1) / 64;
+}
+
+// The request whose tiles hold list position u (P_b <= u < P_b + T_b) and its P_b, or (B, all
+// tiles) when u is past the list. Every lane gets the answer; one request per lane at a time.
+__device__ __forceinline__ void request_at(const VerifyParams& p, int u, int lane, int* b_at, int* start) {
+  int base = 0;
+  for (int b0 = 0; b0 < p.batch; b0 += 32) {
+    const int t = b0 + lane < p.batch ? request_tiles(p, b0 + lane) : 0;
+    int upto = t;                                         // inclusive scan over the lanes
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, upto, d);
+      if (lane >= d) upto += v;
+    }
+    const unsigned past = __ballot_sync(0xffffffffu, t > 0 && base + upto > u);
+    if (past) {
+      const int j = __ffs(past) - 1;
+      *b_at = b0 + j;
+      *start = base + __shfl_sync(0xffffffffu, upto - t, j);
+      return;
+    }
+    base += __shfl_sync(0xffffffffu, upto, 31);
+  }
+  *b_at = p.batch;
+  *start = base;
+}
+
+// All tiles of the list, and the tiles of one range (0 when there are none).
+__device__ __forceinline__ void balanced_ranges(const VerifyParams& p, int lane, int* total, int* per) {
+  int end;
+  request_at(p, 0x7fffffff, lane, &end, total);
+  *per = (*total + gridDim.y - 1) / gridDim.y;
+}
+
+// The ranges that meet request b, whose tiles start at list position start: the first, and how
+// many (its row groups' splits; 0 for a request without keys).
+__device__ __forceinline__ void request_splits(const VerifyParams& p, int b, int start, int per, int* first,
+                                               int* count) {
+  const int t = request_tiles(p, b);
+  *first = t > 0 ? start / per : 0;
+  *count = t > 0 ? (start + t - 1) / per - *first + 1 : 0;
 }
 
 // Row (b, i, h): m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l
@@ -437,7 +496,12 @@ __device__ void merge_block(const VerifyParams& p) {
   const int part = (int)(f / groups), g = (int)(f % groups);
   const int x = g % gx, b = g / gx;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int splits = p.num_splits, slot0 = 0;
+  int total, range_tiles, start = 0, first, splits;
+  balanced_ranges(p, lane, &total, &range_tiles);
+  for (int k = lane; k < b; k += 32) start += request_tiles(p, k);
+  request_splits(p, b, warp_sum_int(start), range_tiles, &first, &splits);
+  if (splits == 1) return;                              // its one split block wrote it directly
+  const int slot0 = first + b;                          // its ranges' workspace slots (the work list above)
   const int h0 = (x % 1) * 64;
   const int q0 = (x / 1) * 1;
   unsigned* counter = group_counter(p, b, x);
@@ -454,9 +518,9 @@ __device__ void merge_block(const VerifyParams& p) {
   }
 }
 
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 
 // `count` arrivals complete a phase (with the bytes an arrival expects).
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
@@ -495,11 +559,11 @@ __device__ __forceinline__ void tma_load(unsigned dst, const void* map, int dim0
                :: "r"(dst), "l"(map), "r"(dim0), "r"(row), "r"(page), "r"(bar) : "memory");
 }
 
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 constexpr int HT = 64;
 constexpr int QT = 1;
 constexpr int ROWS = QT * HT;
@@ -723,13 +787,14 @@ struct RowLoad {
     for (int blk = 0; blk < CH / 8; ++blk) copy(tile, blk);
   }
 };
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
-// grid: (ceil(S/QT) * H/HT, num_splits, B + merge slabs when num_splits > 1); block: 256 threads;
+// grid: (row groups of a request, ranges, 1 + merge slabs when a row group is split); block: 256 threads;
+
 // dynamic shared memory 231728 bytes.
 extern "C" __global__ void __launch_bounds__(256, 1)
-mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
-  using namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse;
+mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
+  using namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse;
   pdl_prologue();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
@@ -767,7 +832,9 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_
     const int q_end = q0 + QT < S ? q0 + QT : S;
     int kb_begin, kb_end;
 
-    split_blocks<2>(key_limit(n, S, q_end), BN, split, p.num_splits, &kb_begin, &kb_end);
+    const int limit = (key_limit(n, S, q_end) + BN - 1) / BN;   // the group's tiles with keys
+    kb_begin = t0 < limit ? t0 : limit;
+    kb_end = t1 < limit ? t1 : limit;
 
     {
       RowLoad<M_PAD, THREADS> ql;
@@ -1133,5 +1200,25 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_
     if (!direct) count_split_done(p, b, x, splits);
   };
 
-  segment(blockIdx.z, blockIdx.x, 0, 0, blockIdx.y, p.num_splits == 1, p.num_splits);
+  // Every value of the range goes through a lane-0 broadcast: the same values, but ptxas then
+  // sees the request loop as uniform and keeps the tile loop's indices and shared addresses in
+  // uniform registers (v13's first balanced kernel did not: every wgmma descriptor was rebuilt
+  // per instruction and a tile took 17% longer; benchmarks/NOTES.md).
+  auto uniform = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
+  int total, per, b = 0, start = 0;
+  balanced_ranges(p, lane, &total, &per);
+  const int u0 = uniform(blockIdx.y * per), u1 = uniform(u0 + per < total ? u0 + per : total);
+  if (u0 < u1) request_at(p, u0, lane, &b, &start);
+  for (b = uniform(b), start = uniform(start); u0 < u1 && start < u1; ++b) {   // the requests this range meets
+    int first, splits;
+    request_splits(p, b, start, per, &first, &splits);
+    const int tiles = uniform(request_tiles(p, b));
+    if (tiles > 0) {
+      __syncthreads();                                    // the previous request's shared reads are done
+      segment(b, blockIdx.x, uniform((u0 > start ? u0 : start) - start),
+              uniform((u1 < start + tiles ? u1 : start + tiles) - start), uniform(blockIdx.y + b),
+              splits == 1, uniform(splits));
+    }
+    start += tiles;
+  }
 }
