@@ -8,8 +8,10 @@ fails loudly. On the GPU machine:
     python3 benchmarks/trace_seesaw.py 64 1 9 65536 [variant name; default: the dispatcher's]
 
 The variant must be a seesaw one. Printed: each phase's mean over the pairs of the blocks
-(first and last pair left out: they carry the prologue and the tail), then the pairs of one
-block, and where the blocks' loops sit in the launch. The row is launched a few times first so
+(first and last pair left out: they carry the prologue and the tail), where a balanced range
+moves on to its next request what its segment boundary spends (BOUNDARY: the epilogue's steps,
+stamped by thread 0, then the next segment's Q and first K0), then the pairs of one block, and
+where the blocks' loops sit in the launch. The row is launched a few times first so
 that the clocks have ramped; the traced launch's SM clock is measured (clock64 against the
 global timer, which is also stamped at each pair's start) and converts the clock64 deltas to µs.
 """
@@ -25,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trace_blocks import device_array, patched_row  # noqa: E402
 
-MAX_BLOCKS, MAX_PAIRS, EVENTS, WARMUP = 512, 64, 16, 20
+MAX_BLOCKS, MAX_PAIRS, EVENTS, WARMUP = 512, 96, 24, 20
 GLOBAL = 7  # the event slot (unused by STEPS) that holds the global timer at each pair's start
 # (warpgroup, event): the landmark after which it is stamped. Each landmark occurs once.
 STEPS = [
@@ -50,6 +52,16 @@ STEPS = [
     ((1, 6), "        mbar_arrive(bars + 8 * P1_FULL);\n        wait_all();\n", "P0 V0_R done"),
     ((1, 7), "        pv_regs(s, buf1);\n        wait_all();\n", "P1 V1_R done"),
 ]
+# Slot 16 + k: a segment's boundary, stamped by thread 0 into the segment's last pair (the
+# next segment's prologue: into the previous one's). (k, landmark, label, stamp before it?)
+BOUNDARY = [
+    (0, "    cp_async_commit();\n    cp_async_wait<0>();\n    __syncthreads();\n", "epilogue begun (synced)", False),
+    (1, "      __syncthreads();\n      for (int row = warp; row < ROWS; row += WARPS) {\n", "rows staged", True),
+    (2, "    if (!direct) count_split_done(p, b, x, splits);\n", "rows stored (issued)", True),
+    (3, "    if (!direct) count_split_done(p, b, x, splits);\n", "released (fence, count)", False),
+    (4, "    __syncthreads();                                        // Q and the tree-mask rows\n",
+     "next segment: Q landed", False),
+]
 HEADER = (
     f"__device__ unsigned long long mlagen_ss_trace[{MAX_BLOCKS * MAX_PAIRS * EVENTS}];\n"
     "#define SS_BLOCK ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)\n"
@@ -60,6 +72,9 @@ HEADER = (
     '#define GT() do { unsigned long long g; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g)); '
     f"if (wt == 0 && SS_BLOCK < {MAX_BLOCKS} && SS_PAIR < {MAX_PAIRS}) "
     f"mlagen_ss_trace[(SS_BLOCK * {MAX_PAIRS} + SS_PAIR) * {EVENTS} + {GLOBAL}] = g; }} while (0)\n"
+    f"#define TB(k) do {{ if (threadIdx.x == 0 && tiles_done > 0 && SS_BLOCK < {MAX_BLOCKS} && "
+    f"tiles_done / 2 <= {MAX_PAIRS}) "
+    f"mlagen_ss_trace[(SS_BLOCK * {MAX_PAIRS} + tiles_done / 2 - 1) * {EVENTS} + 16 + (k)] = clock64(); }} while (0)\n"
 )
 
 
@@ -73,6 +88,11 @@ def patch(source: str) -> str:
         line_end = source.index("\n", end - 1) + 1 if not landmark.endswith("\n") else end
         stamp = "TS(0, 0); GT();" if (w, e) == (0, 0) else f"TS({w}, {e});"
         source = source[:line_end] + f"        {stamp}\n" + source[line_end:]
+    for k, landmark, _, before in BOUNDARY:
+        if source.count(landmark) != 1:
+            raise SystemExit(f"landmark not found once (the template changed): {landmark!r}")
+        at = source.index(landmark) + (0 if before else len(landmark))
+        source = source[:at] + f"    TB({k});\n" + source[at:]
     return HEADER + source
 
 
@@ -90,6 +110,22 @@ def phases(stamps: list[list[int]], ghz: float) -> dict[str, list[float]]:
                 out.setdefault(f"wg{w}: {names[(w, e - 1)]} -> {names[(w, e)]}", []).append((b - a) / (ghz * 1e3))
         out.setdefault("pair period (wg0 K0 landed to the next)", []).append((nxt[0] - cur[0]) / (ghz * 1e3))
         out.setdefault("wg0: P1 V1_L done -> next K0 landed", []).append((nxt[0] - cur[6]) / (ghz * 1e3))
+    return out
+
+
+def boundaries(stamps: list[list[int]], ghz: float) -> dict[str, list[float]]:
+    """Per segment boundary of one block (a pair with boundary stamps and a pair after it), the µs
+    from warpgroup 0's last P1 V1_L through the epilogue's steps to the next segment's Q and its
+    first K0 landing; clock64 deltas at `ghz`."""
+    labels = ["wg0 P1 V1_L done"] + [label for _, _, label, _ in BOUNDARY] + ["next segment: K0 landed"]
+    out: dict[str, list[float]] = {}
+    for cur, nxt in zip(stamps[:-1], stamps[1:], strict=True):
+        if not cur[16]:
+            continue
+        times = [cur[6]] + cur[16 : 16 + len(BOUNDARY)] + [nxt[0]]
+        for i in range(1, len(times)):
+            out.setdefault(f"{labels[i - 1]} -> {labels[i]}", []).append((times[i] - times[i - 1]) / (ghz * 1e3))
+        out.setdefault("boundary in all (P1 V1_L done -> next K0 landed)", []).append((nxt[0] - cur[6]) / (ghz * 1e3))
     return out
 
 
@@ -129,6 +165,15 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
     print(f"{'phase (µs, mean over pairs; min, max)':70} mean    min    max")
     for name, values in merged.items():
         print(f"{name:70} {sum(values) / len(values):5.2f}  {min(values):5.2f}  {max(values):5.2f}")
+    edges: dict[str, list[float]] = {}
+    for b in blocks:
+        for name, values in boundaries(b, ghz).items():
+            edges.setdefault(name, []).extend(values)
+    if edges:
+        count = len(next(iter(edges.values())))
+        print(f"{f'segment boundaries ({count}; µs, mean; min, max)':70} mean    min    max")
+        for name, values in edges.items():
+            print(f"{name:70} {sum(values) / len(values):5.2f}  {min(values):5.2f}  {max(values):5.2f}")
     first = blocks[0]
     print("block 0, per pair: each step's µs after that pair's wg0 K0 landed (wg0 steps | wg1 steps)")
     for i, pair in enumerate(first):

@@ -238,6 +238,7 @@ def test_seesaw_trace_patch_compiles():
     plan = _built("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a").plan
     source = trace_seesaw.patch(render(plan))
     assert source.count("        TS(") == len(trace_seesaw.STEPS) == 15
+    assert source.count("    TB(") == len(trace_seesaw.BOUNDARY) == 5         # a segment boundary's steps
     module = compile_source(source, plan.name, plan.arch.name)
     assert all(not r.spills and r.stack_frame == 0 for r in module.resources.values()), module.resources
     assert "C751" not in module.log and "serialized" not in module.log, module.log
@@ -270,3 +271,29 @@ def test_seesaw_trace_phases_are_clock_deltas_at_the_measured_rate():
     assert got[f"wg0: {first} -> {second}"] == [0.05, 0.05]
     assert all(v == [0.1, 0.1] for k, v in got.items() if k.startswith("wg1"))
     assert got["wg0: P1 V1_L done -> next K0 landed"] == [(4000 - 600) / 2000] * 2
+
+
+def test_seesaw_trace_boundaries_follow_a_segment_end_to_the_next_k0():
+    """trace_seesaw.boundaries: for a pair with boundary stamps (a segment's last pair), the µs
+    from warpgroup 0's last P1 V1_L through each epilogue step to the next pair's K0; pairs
+    without them (inside a segment) and a block's last pair give nothing."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import trace_seesaw
+
+    def pair(start: int, boundary: bool) -> list[int]:
+        stamps = [0] * trace_seesaw.EVENTS
+        stamps[0], stamps[6] = start, start + 600
+        if boundary:
+            for k in range(len(trace_seesaw.BOUNDARY)):
+                stamps[16 + k] = start + 1000 + 200 * k       # a step every 200 cycles
+        return stamps
+
+    got = trace_seesaw.boundaries([pair(0, False), pair(4000, True), pair(9000, False), pair(12000, True)], ghz=2.0)
+    assert got["boundary in all (P1 V1_L done -> next K0 landed)"] == [(9000 - 4600) / 2000]
+    steps = [k for k in got if k != "boundary in all (P1 V1_L done -> next K0 landed)"]
+    assert len(steps) == len(trace_seesaw.BOUNDARY) + 1
+    assert got[steps[0]] == [0.2] and all(got[k] == [0.1] for k in steps[1:-1])   # 400, then 200 cycles
+    assert got[steps[-1]] == [(9000 - 5800) / 2000]
