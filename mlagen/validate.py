@@ -31,6 +31,13 @@ class SpecError(ValueError):
         super().__init__(f"{field}: got {value!r}, expected {expected}")
 
 
+# What the balanced split counts a segment as (a range's share of one request: its Q, its first
+# tiles landing, its epilogue) on top of the segment's KV tiles, in KV tiles: a range that starts
+# a request then streams fewer tiles. Session 12's traces of the seesaw put a segment boundary
+# at 4.8 µs (H=64 B=32 S=9, 2.6 tiles) to 7.1 µs (H=16 B=64 S=4, memory-bound: 2.9 tiles).
+SEGMENT_TILES = 3
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     """Everything derived from a validated (problem, variant): the templates' constants."""
@@ -92,6 +99,11 @@ class KernelPlan:
             return 0
         slots = num_splits + batch - 1 if self.variant.kv_split == "balanced" else num_splits * batch
         return slots * seqlen_q * self.problem.heads
+
+    @property
+    def segment_tiles(self) -> int:
+        """A balanced split's cost of a segment, in KV tiles (SEGMENT_TILES)."""
+        return SEGMENT_TILES
 
     @property
     def part_elem_bytes(self) -> int:

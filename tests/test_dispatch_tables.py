@@ -325,7 +325,8 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
     goes to exactly one range (run by that range's block of every row group), the ranges that
     meet a request fill the consecutive workspace slots its merge reads, no slot of the launch
     repeats or passes the workspace, a request without keys is left to its merge (0 splits),
-    the split blocks fit the resident slots, and the grid has a merge block per group part."""
+    a range's tiles and the segment costs of the requests it starts fit its length, the split
+    blocks fit the resident slots, and the grid has a merge block per group part."""
     heads, block_n = 64, 64
     v = Variant(family="mma", head_tile=shape[0], q_tile=shape[1], block_n=block_n, warps=8,
                 kv_split="balanced", arch="sm_90")
@@ -336,13 +337,16 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
     assert parts * groups <= max(sm_count, groups)       # one wave, unless one group per SM is already more
     lengths = data.draw(st.lists(st.integers(0, capacity_tiles * block_n), min_size=batch, max_size=batch))
     tiles = [-(-n // block_n) for n in lengths]
-    starts = [sum(tiles[:b]) for b in range(batch)]      # P_b
-    total = sum(tiles)
+    cost = plan.segment_tiles
+    spans = [cost + t if t else 0 for t in tiles]        # a request's positions: its segment's cost, its tiles
+    starts = [sum(spans[:b]) for b in range(batch)]      # P_b
+    total = sum(spans)
     per = -(-total // parts)
 
     def request_splits(b: int) -> tuple[int, int]:       # the kernel's: (first range, ranges)
-        first = starts[b] // per if tiles[b] else 0
-        return first, (starts[b] + tiles[b] - 1) // per - first + 1 if tiles[b] else 0
+        at = starts[b] + cost
+        first = at // per if tiles[b] else 0
+        return first, (at + tiles[b] - 1) // per - first + 1 if tiles[b] else 0
 
     owner: dict[tuple[int, int], int] = {}
     slots_of: dict[int, set[int]] = {b: set() for b in range(batch)}
@@ -350,19 +354,25 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
         u0, u1 = y * per, min(y * per + per, total)
         if u0 >= u1:
             continue
-        b = next(b for b in range(batch) if tiles[b] and starts[b] <= u0 < starts[b] + tiles[b])   # request_at
-        start = starts[b]
+        b = next(b for b in range(batch) if spans[b] and starts[b] <= u0 < starts[b] + spans[b])   # request_at
+        start, run, segments = starts[b], 0, 0
         while start < u1:
-            if tiles[b]:
-                first, splits = request_splits(b)
+            at = start + cost
+            first, splits = request_splits(b)
+            if tiles[b] and at < u1:
                 assert first <= y < first + splits
                 slots_of[b].add(y + b)
-                for t in range(max(u0, start) - start, min(u1, start + tiles[b]) - start):
+                for t in range(max(u0, at) - at, min(u1, at + tiles[b]) - at):
                     assert (b, t) not in owner
                     owner[(b, t)] = y
-            start += tiles[b]
+                    run += 1
+                segments += 1
+            else:
+                assert not first <= y < first + splits   # its merge counts no split of this range
+            start += spans[b]
             b += 1
-    assert len(owner) == total
+        assert run + cost * (segments - 1) <= per         # every segment after the first starts inside it
+    assert len(owner) == sum(tiles)
     used = [slot for b in range(batch) for slot in slots_of[b]]
     slots = plan.partial_rows(batch, seqlen_q, parts) // (seqlen_q * heads)   # what the workspace holds
     assert len(used) == len(set(used)) and all(0 <= slot < slots for slot in used)

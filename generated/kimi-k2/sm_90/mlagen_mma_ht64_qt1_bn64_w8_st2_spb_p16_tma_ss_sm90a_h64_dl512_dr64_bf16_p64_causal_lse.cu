@@ -362,10 +362,13 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
   }
 }
 
-// The balanced split's work list: request b owns tiles [P_b, P_b + T_b) of it, T_b its keys in
-// BN-key tiles (from cache_seqlens, on the device, so a ragged batch is balanced by the keys it
-// holds), and split blocks (x, y) of every row group x own range y, [y*W, (y+1)*W), of gridDim.y
-// equal ranges; all row groups of a request stream its keys in step (L2 serves all but the
+// The balanced split's work list: request b owns positions [P_b, P_b + C + T_b) of it, T_b its
+// keys in BN-key tiles (from cache_seqlens, on the device, so a ragged batch is balanced by the
+// keys it holds) after C = SEGMENT_TILES positions that stand for the fixed cost of a segment
+// (a block starting the request: its Q, first tiles and epilogue), and split blocks (x, y) of
+// every row group x own range y, [y*W, (y+1)*W), of gridDim.y equal ranges: the tiles whose
+// positions fall in it. So a range that starts a request streams fewer tiles, and the blocks
+// end together. All row groups of a request stream its keys in step (L2 serves all but the
 // first read of a tile). Range y's partial of request b goes to workspace slot y + b: one
 // request's slots are consecutive and the next request's come after them (its first range is
 // at least this one's last), so a launch needs at most gridDim.y + B - 1 slots
@@ -379,13 +382,20 @@ __device__ __forceinline__ int warp_sum_int(int x) {
 __device__ __forceinline__ int request_tiles(const VerifyParams& p, int b) {
   return (request_keys(p, b) + 64 - 1) / 64;
 }
+constexpr int SEGMENT_TILES = 3;
+// A request's positions in the work list: none without keys.
+__device__ __forceinline__ int request_span(const VerifyParams& p, int b) {
+  const int t = request_tiles(p, b);
+  return t > 0 ? SEGMENT_TILES + t : 0;
+}
 
-// The request whose tiles hold list position u (P_b <= u < P_b + T_b) and its P_b, or (B, all
-// tiles) when u is past the list. Every lane gets the answer; one request per lane at a time.
+// The request whose positions hold list position u (P_b <= u < P_b + C + T_b) and its P_b, or
+// (B, the list's length) when u is past the list. Every lane gets the answer; one request per
+// lane at a time.
 __device__ __forceinline__ void request_at(const VerifyParams& p, int u, int lane, int* b_at, int* start) {
   int base = 0;
   for (int b0 = 0; b0 < p.batch; b0 += 32) {
-    const int t = b0 + lane < p.batch ? request_tiles(p, b0 + lane) : 0;
+    const int t = b0 + lane < p.batch ? request_span(p, b0 + lane) : 0;
     int upto = t;                                         // inclusive scan over the lanes
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -405,20 +415,21 @@ __device__ __forceinline__ void request_at(const VerifyParams& p, int u, int lan
   *start = base;
 }
 
-// All tiles of the list, and the tiles of one range (0 when there are none).
+// The list's length, and one range's (0 when the list is empty).
 __device__ __forceinline__ void balanced_ranges(const VerifyParams& p, int lane, int* total, int* per) {
   int end;
   request_at(p, 0x7fffffff, lane, &end, total);
   *per = (*total + gridDim.y - 1) / gridDim.y;
 }
 
-// The ranges that meet request b, whose tiles start at list position start: the first, and how
-// many (its row groups' splits; 0 for a request without keys).
+// The ranges that meet request b's tiles, whose positions start at start + C: the first, and how
+// many (its row groups' splits; 0 for a request without keys). A range that meets only its first
+// C positions runs none of it.
 __device__ __forceinline__ void request_splits(const VerifyParams& p, int b, int start, int per, int* first,
                                                int* count) {
-  const int t = request_tiles(p, b);
-  *first = t > 0 ? start / per : 0;
-  *count = t > 0 ? (start + t - 1) / per - *first + 1 : 0;
+  const int t = request_tiles(p, b), t0 = start + SEGMENT_TILES;
+  *first = t > 0 ? t0 / per : 0;
+  *count = t > 0 ? (t0 + t - 1) / per - *first + 1 : 0;
 }
 
 // Row (b, i, h): m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l
@@ -498,7 +509,7 @@ __device__ void merge_block(const VerifyParams& p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int total, range_tiles, start = 0, first, splits;
   balanced_ranges(p, lane, &total, &range_tiles);
-  for (int k = lane; k < b; k += 32) start += request_tiles(p, k);
+  for (int k = lane; k < b; k += 32) start += request_span(p, k);
   request_splits(p, b, warp_sum_int(start), range_tiles, &first, &splits);
   if (splits == 1) return;                              // its one split block wrote it directly
   const int slot0 = first + b;                          // its ranges' workspace slots (the work list above)
@@ -1212,13 +1223,12 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   for (b = uniform(b), start = uniform(start); u0 < u1 && start < u1; ++b) {   // the requests this range meets
     int first, splits;
     request_splits(p, b, start, per, &first, &splits);
-    const int tiles = uniform(request_tiles(p, b));
-    if (tiles > 0) {
+    const int tiles = uniform(request_tiles(p, b)), at = start + SEGMENT_TILES;   // its tiles: [at, at + tiles)
+    if (tiles > 0 && at < u1) {                           // the range meets its tiles (request_splits counts so)
       __syncthreads();                                    // the previous request's shared reads are done
-      segment(b, blockIdx.x, uniform((u0 > start ? u0 : start) - start),
-              uniform((u1 < start + tiles ? u1 : start + tiles) - start), uniform(blockIdx.y + b),
-              splits == 1, uniform(splits));
+      segment(b, blockIdx.x, uniform((u0 > at ? u0 : at) - at), uniform((u1 < at + tiles ? u1 : at + tiles) - at),
+              uniform(blockIdx.y + b), splits == 1, uniform(splits));
     }
-    start += tiles;
+    start += uniform(request_span(p, b));
   }
 }
