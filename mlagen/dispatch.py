@@ -229,7 +229,8 @@ def balanced_parts(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_c
     """Ranges of a balanced-split launch (its num_splits).
 
     On the device the requests' KV tiles (their lengths from `cache_seqlens`, in `block_n`-key
-    tiles) form one list, cut into this many equal ranges; the grid is (row groups of a
+    tiles) form one list, each request preceded by `validate.SEGMENT_TILES` positions for the
+    fixed cost of a block starting it, cut into this many equal ranges; the grid is (row groups of a
     request, ranges), about one block per resident slot, and block (x, y) runs row group x of
     every request that range y meets. All row groups of a request stream the same keys at the
     same time, so each KV tile is read from memory once and from L2 by the others (a list over
