@@ -277,7 +277,7 @@ def tune(
     if table is not None and write_default:
         _fail("--table and --write-default: expected one of them, not both")
     _need_gpu("tune")
-    from mlagen.tune import TuneConfig
+    from mlagen.tune import Trial, TuneConfig
     from mlagen.tune import tune as run_tune
 
     config = TuneConfig(page_size=page_size, masks=tuple(dict.fromkeys(masks)), dtype=dtype,
@@ -285,13 +285,17 @@ def tune(
     with Progress(console=console, transient=True) as progress:
         path, results = run_tune([r for r, _ in rows], config, table, write_default, progress)
     out = Table(title=f"mlagen tune: {len(results)} shapes")
-    for col in ("H", "B", "S", "prefix", "mask", "heuristic µs", "best µs", "gain", "best variant", "tried", "failed"):
+    for col in ("H", "B", "S", "prefix", "mask", "heuristic µs", "table µs", "best µs", "gain", "best variant",
+                "tried", "failed"):
         out.add_column(col)
+
+    def us(trial: Trial | None) -> str:
+        return f"{trial.us:.1f}" if trial and math.isfinite(trial.us) else "—"
     for r in results:
         h, best = r.heuristic, r.best
         gain = h.us / best.us if h and math.isfinite(h.us) and math.isfinite(best.us) else None
         out.add_row(str(r.row.heads), str(r.row.batch), str(r.row.seqlen_q), str(r.row.prefix), r.mask,
-                    f"{h.us:.1f}" if h and math.isfinite(h.us) else "—",
+                    us(h), us(r.incumbent_trial),
                     f"{best.us:.1f}" if math.isfinite(best.us) else "[red]none ran[/red]",
                     f"{gain:.2f}×" if gain else "—", best.variant.name, str(len(r.trials)),
                     str(sum(not math.isfinite(t.us) for t in r.trials)))

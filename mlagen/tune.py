@@ -5,7 +5,9 @@ Per row (a shape) and mask kind: the dispatcher's pick without a table, then up 
 timed here with CUDA graph replay; then the fastest few structures are timed with fixed splits,
 and the fastest few after that with their knob twins (16-bit partial rows, `Variant.part16`;
 TMA tile loads, `Variant.tma`); the fastest few trials are then timed twice more, and each is
-ranked by the median of its timings. A
+ranked by the median of its timings. The pick the table already holds for the row (the
+incumbent) is timed among the candidates, so a new pick replaces it only by beating it in the
+same run: one machine start's timings can swap picks that are a few percent apart. A
 candidate that fails to compile or run scores infinity. The best overall and the best of each
 family go into the table entry of the row's bucket (`mlagen.tables`), which dispatch reads.
 """
@@ -21,16 +23,16 @@ from pathlib import Path
 import torch
 
 from . import dispatch, tables
-from .arch import specializations
+from .arch import runs_on, specializations
 from .dispatch import balanced_for_batch, num_splits, untuned_variant
 from .grids import Row
 from .precompile import code_identity, precompile
 from .runtime import device_info, device_name
 from .space import split_variants, structure_of, structures, twin_variants
-from .spec import FAMILIES, Problem, Variant
+from .spec import FAMILIES, Problem, Variant, parse_variant
 from .stamp import stamp
 from .timing import TimingConfig, l2_bytes, measure
-from .validate import SpecError
+from .validate import SpecError, is_valid
 from .workload import Workload, make_workload, mlagen_call, problem_for
 
 
@@ -64,6 +66,7 @@ class RowTune:
     mask: str
     key: str
     trials: list[Trial] = field(default_factory=list)
+    incumbent: Variant | None = None     # the table's pick for the row before this run, if it ran here
 
     @property
     def best(self) -> Trial:
@@ -74,6 +77,11 @@ class RowTune:
         """The heuristic's trial (the first one timed), if the heuristic had a variant."""
         # candidates() puts the untuned pick (dispatch.untuned_variant) first, or naive when it had none.
         return self.trials[0] if self.trials and self.trials[0].variant.family != "naive" else None
+
+    @property
+    def incumbent_trial(self) -> Trial | None:
+        """The trial of the table's previous pick for the row, if there was one."""
+        return next((t for t in self.trials if t.variant == self.incumbent), None) if self.incumbent else None
 
     def entry(self) -> dict:
         """The table entry: the best variant, and the best of each family that ran."""
@@ -110,6 +118,20 @@ def candidates(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, ar
     return list(dict.fromkeys(found))[:max_candidates]
 
 
+def with_incumbent(problem: Problem, arch: str, cands: list[Variant],
+                   name: str | None) -> tuple[list[Variant], Variant | None]:
+    """`cands` with the table's previous pick `name` second (after the untuned pick, which the
+    `heuristic µs` column reads first), and that pick; without it when there is none, or when it
+    does not parse, validate or run on `arch` (a table of another version or problem)."""
+    try:
+        v = parse_variant(name) if name else None
+    except ValueError:                # SpecError is one
+        v = None
+    if v is None or not runs_on(v.arch, arch) or not is_valid(problem, v):
+        return cands, None
+    return list(dict.fromkeys(cands[:1] + [v] + cands[1:])), v
+
+
 def as_dispatched(problem: Problem, batch: int, variants: list[Variant]) -> list[Variant]:
     """`variants` as the dispatcher would run them for a batch of `batch` requests (a batch's
     mma variants take the balanced split: dispatch.balanced_for_batch), each once, in order, so
@@ -127,8 +149,10 @@ def _time(work: Workload, trial: Trial, timing: TimingConfig, give_up_us: float 
         torch.cuda.empty_cache()
 
 
-def tune_rows(rows: list[Row], config: TuneConfig, progress=None) -> list[RowTune]:
-    """Tune every (row, mask) on the current CUDA device. `progress`: an optional rich Progress."""
+def tune_rows(rows: list[Row], config: TuneConfig, progress=None,
+              incumbents: dict[str, str] | None = None) -> list[RowTune]:
+    """Tune every (row, mask) on the current CUDA device. `progress`: an optional rich Progress;
+    `incumbents`: the variant names a table holds, by bucket key (each timed for its row)."""
     device = torch.cuda.current_device()
     arch, sm_count = device_info(device)
     l2 = l2_bytes(device)
@@ -136,31 +160,35 @@ def tune_rows(rows: list[Row], config: TuneConfig, progress=None) -> list[RowTun
     for row in rows:
         for mask in config.masks:
             problem = problem_for(row, config.page_size, mask, config.dtype)
-            cands = as_dispatched(problem, row.batch, candidates(problem, row.seqlen_q, row.batch,
-                                                                   row.kv_capacity(config.page_size), arch,
+            capacity = row.kv_capacity(config.page_size)
+            cands = as_dispatched(problem, row.batch, candidates(problem, row.seqlen_q, row.batch, capacity, arch,
                                                                    config.max_candidates))
-            plans.append((row, mask, problem, cands))
+            key = tables.bucket_key(problem, row.seqlen_q, row.batch, capacity)
+            cands, incumbent = with_incumbent(problem, arch, cands, (incumbents or {}).get(key))
+            plans.append((row, mask, problem, cands, incumbent))
 
     compile_task = progress.add_task("compiling candidates", total=None) if progress else None
 
     def compiled(total: int) -> None:
         if progress:
             progress.update(compile_task, total=total, advance=1)
-    errors = precompile([(p, v) for *_, p, cands in plans for v in cands], config.workers, compiled)
+    errors = precompile([(p, v) for _, _, p, cands, _ in plans for v in cands], config.workers, compiled)
 
-    time_task = progress.add_task("timing candidates", total=sum(len(c) for *_, c in plans)) if progress else None
+    total = sum(len(cands) for _, _, _, cands, _ in plans)
+    time_task = progress.add_task("timing candidates", total=total) if progress else None
 
     def advance(more: int = 0) -> None:
         """One trial done; `more` trials added to the total."""
         if progress:
             progress.update(time_task, total=progress.tasks[time_task].total + more, advance=0 if more else 1)
     results = []
-    for row, mask, _, cands in plans:
+    for row, mask, _, cands, incumbent in plans:
         if progress:
             progress.update(time_task, description=f"timing H={row.heads} B={row.batch} S={row.seqlen_q} "
                                                    f"prefix={row.prefix} {mask}")
         work = make_workload(row, config.page_size, mask, config.dtype, l2)
         results.append(_tune_one(work, cands, errors, config, sm_count, advance))
+        results[-1].incumbent = incumbent
         del work
         torch.cuda.empty_cache()
     return results
@@ -244,7 +272,7 @@ def tune(rows: list[Row], config: TuneConfig, path: Path | None = None, write_de
             raise ValueError(f"{path} holds a table for {table.gpu} {table.arch}")
     except (OSError, ValueError, KeyError):
         table = tables.Table(gpu=gpu, arch=arch)         # none yet, or another GPU's: start anew
-    results = tune_rows(rows, config, progress)
+    results = tune_rows(rows, config, progress, {k: e.get("variant", "") for k, e in table.entries.items()})
     for r in results:
         if math.isfinite(r.best.us):
             table.entries[r.key] = r.entry()

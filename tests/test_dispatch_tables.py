@@ -226,6 +226,27 @@ def test_twin_variants_are_the_knobs_that_make_kernels_of_their_own():
     assert twin_variants(Problem(heads=64, page_size=16), [mma]) == [mma.with_(part16=True)]
 
 
+def test_tune_times_the_tables_previous_pick_second():
+    """The table's previous pick for a row (the incumbent) joins the row's candidates right after
+    the untuned pick, once; a name that does not parse, validate for the problem or run on the
+    device's arch is left out, and the row is tuned without one."""
+    problem = problem_for(Row(heads=64, batch=1, seqlen_q=9, prefix=1024), 64, "causal", "bf16")
+    cands = candidates(problem, 9, 1, 1088, "sm_90", 8)
+    old = parse_variant("mma_ht32_qt2_bn64_w8_st1_sp4_p16_sm90a")
+    assert old not in cands
+    got, incumbent = tune.with_incumbent(problem, "sm_90", cands, old.name)
+    assert incumbent == old and got == [cands[0], old] + cands[1:]
+    got, incumbent = tune.with_incumbent(problem, "sm_90", cands, cands[3].name)   # one of them already
+    assert incumbent == cands[3] and got[:2] == [cands[0], cands[3]] and sorted(got, key=str) == sorted(cands, key=str)
+    for name in (None, "", "not_a_variant", "mma_ht64_qt2_bn64_w8_st2_spa_sm90a",   # 128 rows: no such tile
+                 "mma_ht32_qt1_bn32_w4_st1_sm120"):                              # another arch's
+        assert tune.with_incumbent(problem, "sm_90", cands, name) == (cands, None), name
+    result = tune.RowTune(row=Row(64, 1, 9, 1024), mask="causal", key="k",
+                          trials=[tune.Trial(cands[0], 12.0), tune.Trial(old, 11.0)], incumbent=old)
+    assert result.incumbent_trial.us == 11.0
+    assert tune.RowTune(row=Row(64, 1, 9, 1024), mask="causal", key="k").incumbent_trial is None
+
+
 def test_tune_times_knob_twins_of_the_fastest_last(monkeypatch):
     """The tuner's stage before the retimes times the knob twins (16-bit partials, TMA loads) of
     the fastest few trials, each once, and the table entry takes one when it wins."""
