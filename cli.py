@@ -260,7 +260,8 @@ def tune(
     write_default: bool = typer.Option(False, "--write-default",
                                        help="merge into the table shipped in the package (mlagen/tables/)"),
 ) -> None:
-    """Search the variant space per shape on this GPU; save the winners where dispatch reads them."""
+    """Search the variant space per shape on this GPU; save the winners where dispatch reads them.
+    A row's pick already in the table is timed with the candidates and stays unless one beats it."""
     import math
 
     rows = _rows(grid, row, ["seed", "serving"])
