@@ -45,6 +45,10 @@ def test_tiny_tune_writes_a_table_dispatch_uses(tmp_path, user_tables):
     assert entry["variant"] == result.best.variant.name
     bench = run_bench([(row, ("custom",))], BenchConfig(timing=QUICK, host_calls=100))
     assert bench.rows[0].cells[DISPATCH].variant == result.best.variant.name
+    # a second tune times that pick again as the row's incumbent, right after the untuned pick
+    _, (again,) = tune([row], TuneConfig(max_candidates=3, split_top=1, workers=2, timing=QUICK))
+    assert again.incumbent == result.best.variant and math.isfinite(again.incumbent_trial.us)
+    assert again.incumbent in [t.variant for t in again.trials[:2]]
 
 
 def test_host_cost_is_measured(user_tables):
