@@ -187,8 +187,7 @@ def tune_rows(rows: list[Row], config: TuneConfig, progress=None,
             progress.update(time_task, description=f"timing H={row.heads} B={row.batch} S={row.seqlen_q} "
                                                    f"prefix={row.prefix} {mask}")
         work = make_workload(row, config.page_size, mask, config.dtype, l2)
-        results.append(_tune_one(work, cands, errors, config, sm_count, advance))
-        results[-1].incumbent = incumbent
+        results.append(_tune_one(work, cands, errors, config, sm_count, advance, incumbent))
         del work
         torch.cuda.empty_cache()
     return results
@@ -206,13 +205,15 @@ def _run_trials(work: Workload, result: RowTune, variants: list[Variant], errors
 
 
 def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, Variant], str],
-              config: TuneConfig, sm_count: int, advance: Callable[..., None]) -> RowTune:
+              config: TuneConfig, sm_count: int, advance: Callable[..., None],
+              incumbent: Variant | None = None) -> RowTune:
     """Structures first, then fixed splits of the fastest few structures (same code: compiled
     already), then the knob twins of the fastest few structures (16-bit partials, TMA loads:
     their own kernels, compiled when first run); last, the fastest few trials again."""
     row = work.row
     result = RowTune(row=row, mask=work.problem.mask,
-                     key=tables.bucket_key(work.problem, row.seqlen_q, row.batch, work.kv_capacity))
+                     key=tables.bucket_key(work.problem, row.seqlen_q, row.batch, work.kv_capacity),
+                     incumbent=incumbent)
     _run_trials(work, result, cands, errors, config, advance)
 
     def fastest(clear_knobs: bool = False) -> list[Variant]:
