@@ -19,7 +19,7 @@ for step in $steps; do
       timeout 420 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" ;;
     sanitize)
       for tool in memcheck racecheck; do   # -lineinfo: each report names its source lines
-        MLAGEN_LINEINFO=1 timeout 240 compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize.py 2>&1 \
+        MLAGEN_LINEINFO=1 timeout 360 compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize.py 2>&1 \
           | tail -n 40 | tee "$OUT/sanitize_$tool.log"
       done ;;
     tune)

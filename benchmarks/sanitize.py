@@ -23,6 +23,10 @@ CASES = [
     dict(batch=2, seqlen_q=9, heads=64, prefixes=[129, 700], page_size=64, mask="causal"),
     dict(batch=2, seqlen_q=3, heads=8, prefixes=[70, 5], page_size=1, mask="none"),
 ]
+# Enough tiles that balanced ranges run from one request into the next (an empty one between),
+# with several tiles on both sides; for the balanced variants only (racecheck is slow on it).
+CROSSING = dict(batch=6, seqlen_q=9, heads=8, prefixes=[2000, 0, 900, 3500, 5, 1400], page_size=64, mask="causal",
+                empty=[False, True, False, False, False, False])
 
 
 def main() -> None:
@@ -46,9 +50,10 @@ def main() -> None:
         for part16 in (False, True):
             variants.append(Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1,
                                     mma_pv=True, part16=part16, arch="sm_90a"))
-    for i, shape in enumerate(CASES):
+    balanced = [v for v in variants if v is not None and v.kv_split == "balanced"]
+    for i, (shape, case_variants) in enumerate([(c, variants) for c in CASES] + [(CROSSING, balanced)]):
         case = make_case(seed=i, **shape)
-        for v in variants:
+        for v in case_variants:
             if v is not None and (shape["heads"] % v.head_tile or (v.tma and shape["page_size"] % v.block_n)):
                 continue
             out, lse = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
