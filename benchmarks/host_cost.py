@@ -16,18 +16,14 @@ import cProfile
 import ctypes
 import io
 import pstats
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers import make_case  # noqa: E402
-
-import mlagen  # noqa: E402
-from mlagen import launch, runtime  # noqa: E402
-from mlagen.timing import host_us_per_call  # noqa: E402
+import mlagen
+from mlagen import launch, runtime
+from mlagen.testing import make_case
+from mlagen.timing import host_us_per_call
 
 CALLS = 2000
 SHAPE = dict(batch=1, seqlen_q=9, heads=64, prefixes=[256], page_size=64)

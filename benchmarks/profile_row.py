@@ -8,15 +8,12 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers import make_case  # noqa: E402
-
-import mlagen  # noqa: E402
-from mlagen.spec import parse_variant  # noqa: E402
+import mlagen
+from mlagen.spec import parse_variant
+from mlagen.testing import make_case
 
 
 def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None, calls: int = 4) -> None:

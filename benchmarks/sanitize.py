@@ -6,17 +6,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers import assert_matches, make_case  # noqa: E402
-
-import mlagen  # noqa: E402
-from mlagen.runtime import device_info  # noqa: E402
-from mlagen.spec import Variant, naive  # noqa: E402
+import mlagen
+from mlagen.runtime import device_info
+from mlagen.spec import Variant, naive
+from mlagen.testing import assert_matches, make_case
 
 CASES = [
     dict(batch=3, seqlen_q=5, heads=16, prefixes=[300, 0, 1000], page_size=16, mask="tree", empty=[False, True, False]),

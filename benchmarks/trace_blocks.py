@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import cupy
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers import make_case  # noqa: E402
-
-import mlagen  # noqa: E402
-import mlagen.build as build  # noqa: E402
-from mlagen import launch  # noqa: E402
-from mlagen.spec import parse_variant  # noqa: E402
-from mlagen.validate import KernelPlan  # noqa: E402
+import mlagen
+import mlagen.build as build
+from mlagen import launch
+from mlagen.spec import parse_variant
+from mlagen.testing import make_case
+from mlagen.validate import KernelPlan
 
 SLOTS, MAX_BLOCKS, GHZ = 8, 8192, 1.98
 START, TILE0, LOOP_END, MERGE_WAIT, DONE, CLUSTER_MET, END = 0, 2, 3, 4, 5, 6, 7   # slot 1: clock64 at start

@@ -4,7 +4,7 @@ import sys
 import pytest
 from hypothesis import HealthCheck, settings
 
-sys.path.insert(0, os.path.dirname(__file__))   # tests/helpers.py
+sys.path.insert(0, os.path.dirname(__file__))   # tests/dropin_cases.py
 
 settings.register_profile(
     "default", deadline=None, print_blob=True,

@@ -4,9 +4,9 @@ tests/helpers.make_case, with their per-request references."""
 from __future__ import annotations
 
 import torch
-from helpers import Case, make_case, random_tree
 
 from mlagen.reference import gather_kv, reference
+from mlagen.testing import Case, make_case, random_tree
 
 
 def ragged_case(counts: list[int], prefixes: list[int], *, heads: int, mask: str, seed: int,

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_case
 from typer.testing import CliRunner
 
 from cli import app
@@ -20,6 +19,7 @@ from mlagen.peers import PEERS, peer
 from mlagen.precompile import code_identity, precompile
 from mlagen.report import FILES, from_json, markdown, plot, rich_table, to_json, write_all
 from mlagen.spec import Problem, Variant, naive, parse_variant
+from mlagen.testing import make_case
 from mlagen.timing import rotation_count
 from mlagen.validate import validate
 from mlagen.workload import draft_tree

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from dropin_cases import draft_only, per_request_reference, prefix_only, ragged_case
-from helpers import make_case, rel_error
 
 import mlagen
 from mlagen.compat import flash_mla
+from mlagen.testing import make_case, rel_error
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent

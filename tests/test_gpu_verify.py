@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from helpers import assert_matches, make_case, poison_allocator, poisoned_out, rel_error
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import mlagen
 from mlagen.spec import Variant, naive
+from mlagen.testing import assert_matches, make_case, poison_allocator, poisoned_out, rel_error
 from mlagen.validate import SpecError, is_valid, validate
 
 pytestmark = pytest.mark.gpu

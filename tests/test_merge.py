@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 from dropin_cases import draft_only, prefix_only
-from helpers import make_case
 
 import mlagen
+from mlagen.testing import make_case
 
 
 @pytest.mark.parametrize("mask", ["causal", "tree"])

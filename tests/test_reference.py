@@ -3,11 +3,11 @@
 import math
 
 import torch
-from helpers import make_case, random_tree
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlagen.reference import reference, visible_keys
+from mlagen.testing import make_case, random_tree
 
 
 def loop_reference(case, dtype=torch.float64):

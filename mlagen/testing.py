@@ -1,4 +1,10 @@
-"""Shared by the tests: building paged cases (NaN where nothing may be read) and comparing."""
+"""Paged cases for checking kernels against the reference, and the comparison itself.
+
+The tests, `benchmarks/` and `mlagen fuzz` share these. A case fills every place no kernel may
+read (unused pages, keys past a request's length, block-table entries past its pages) with NaN,
+so a stray read shows up in the output; `poisoned_out` and `poison_allocator` do the same for
+what a kernel must write.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mlagen.reference import reference
+from .reference import reference
 
 
 @dataclass
 class Case:
+    """One paged verify-attention problem with its inputs; `kwargs()` gives the op's keyword
+    arguments and `reference()` the expected out [B, S, H, Dl] and lse [B, H, S]."""
+
     q: torch.Tensor              # [B, S, H, D]
     kv_cache: torch.Tensor       # [num_pages, page, D]; unused pages and keys past a length: NaN
     block_table: torch.Tensor    # [B, max_pages] int32; entries past a request's pages: NaN pages
@@ -22,10 +31,12 @@ class Case:
     dl: int
 
     def kwargs(self) -> dict:
+        """softmax_scale, causal, tree_mask and head_dim_v, as the op takes them."""
         return dict(softmax_scale=self.scale, causal=self.causal, tree_mask=self.tree_mask,
                     head_dim_v=self.dl)
 
     def reference(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """out [B, S, H, Dl] and lse [B, H, S] from `mlagen.reference`, computed in `dtype`."""
         return reference(self.q, self.kv_cache, self.block_table, self.cache_seqlens,
                          dtype=dtype, **self.kwargs())
 
@@ -46,7 +57,15 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
               mask: str, seed: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
               dl: int = 512, dr: int = 64, empty: list[bool] | None = None,
               spare_pages: int = 3, per_request_tree: bool = False) -> Case:
-    """A paged case: request b holds prefixes[b] + S keys (0 where empty[b]) on shuffled pages."""
+    """A paged case: request b holds prefixes[b] + S keys (0 where empty[b]) on shuffled pages.
+
+    q is [B, S, H, dl+dr] and the cache [pages, page_size, dl+dr], both in `dtype` on `device`,
+    from a generator seeded with `seed` (the same seed gives the same case). mask: "causal",
+    "tree" (one random draft tree, or one per request with per_request_tree) or "none". The
+    softmax scale is 1/sqrt(dl+dr) times a random factor in [0.5, 2]. NaN fills the unused
+    pages (spare_pages of them), each request's keys past its length, and the block table's
+    entries past a request's pages (they point at unused pages).
+    """
     gen = torch.Generator().manual_seed(seed)
     D = dl + dr
     lengths = [0 if (empty and empty[b]) else prefixes[b] + seqlen_q for b in range(batch)]
@@ -85,6 +104,8 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
 
 
 def poisoned_out(case: Case) -> torch.Tensor:
+    """An `out=` tensor for the case, [B, S, H, Dl] in q's dtype, all NaN: any element a kernel
+    does not write stays NaN."""
     B, S, H, _ = case.q.shape
     return torch.full((B, S, H, case.dl), math.nan, dtype=case.q.dtype, device=case.q.device)
 
@@ -97,27 +118,44 @@ def poison_allocator(nbytes: int, device: str = "cuda") -> None:
 
 
 def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| over all elements, in fp64."""
     x, ref = x.double(), ref.double()
     denom = ref.norm().item()
     return (x - ref).norm().item() / max(denom, 1e-30)
 
 
-def assert_matches(out: torch.Tensor, lse: torch.Tensor | None, case: Case, tol: float = 1e-2) -> None:
-    """out (and lse) against the fp64 reference: every element written and finite, empty rows
-    exactly zero / -inf, relative error under tol."""
+def mismatch(out: torch.Tensor, lse: torch.Tensor | None, case: Case, tol: float = 1e-2) -> str | None:
+    """What is wrong with out [B, S, H, Dl] (and lse [B, H, S] fp32) against the fp64 reference,
+    or None: every element written and finite, rows that see no key exactly 0 (lse -inf), and the
+    relative error (Frobenius norm over the whole output) under tol."""
     ref_out, ref_lse = case.reference(torch.float64)
     out = out.double()
-    assert not torch.isnan(out).any(), f"{int(torch.isnan(out).sum())} output elements unwritten or NaN"
+    if torch.isnan(out).any():
+        return f"{int(torch.isnan(out).sum())} output elements unwritten or NaN"
     empty = torch.isinf(ref_lse).transpose(1, 2)                 # [B, S, H]: rows with no key
-    assert (out[empty] == 0).all(), "rows that see no key must be exactly 0"
+    if not (out[empty] == 0).all():
+        return "rows that see no key must be exactly 0"
     err = rel_error(out, ref_out)
-    assert err < tol, f"relative error {err:.3g} >= {tol}"
-    if lse is not None:
-        assert lse.dtype == torch.float32 and tuple(lse.shape) == tuple(ref_lse.shape)
-        lse = lse.double()
-        assert not torch.isnan(lse).any(), "lse has NaN"
-        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "lse -inf rows differ"
-        finite = ~torch.isinf(ref_lse)
-        if finite.any():
-            diff = (lse[finite] - ref_lse[finite]).abs().max().item()
-            assert diff < tol * max(1.0, ref_lse[finite].abs().max().item()), f"lse differs by {diff:.3g}"
+    if not err < tol:
+        return f"relative error {err:.3g} >= {tol}"
+    if lse is None:
+        return None
+    if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(ref_lse.shape):
+        return f"lse: got {lse.dtype} {tuple(lse.shape)}, expected torch.float32 {tuple(ref_lse.shape)}"
+    lse = lse.double()
+    if torch.isnan(lse).any():
+        return "lse has NaN"
+    if not torch.equal(torch.isinf(lse), torch.isinf(ref_lse)):
+        return "lse -inf rows differ"
+    finite = ~torch.isinf(ref_lse)
+    if finite.any():
+        diff = (lse[finite] - ref_lse[finite]).abs().max().item()
+        if not diff < tol * max(1.0, ref_lse[finite].abs().max().item()):
+            return f"lse differs by {diff:.3g}"
+    return None
+
+
+def assert_matches(out: torch.Tensor, lse: torch.Tensor | None, case: Case, tol: float = 1e-2) -> None:
+    """`mismatch` as an assertion."""
+    problem = mismatch(out, lse, case, tol)
+    assert problem is None, problem
