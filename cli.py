@@ -1,4 +1,4 @@
-"""The `mlagen` command line: emit, list, show, check, bench, tune."""
+"""The `mlagen` command line: emit, list, show, check, bench, tune, fuzz."""
 
 from __future__ import annotations
 
@@ -204,11 +204,11 @@ def _variants(names: list[str] | None) -> tuple[Variant, ...]:
     return tuple(variants)
 
 
-def _need_gpu(command: str) -> None:
+def _need_gpu(command: str, why: str = "times kernels") -> None:
     import torch
 
     if not torch.cuda.is_available():
-        _fail(f"{command} times kernels and needs a CUDA GPU; none is visible here")
+        _fail(f"{command} {why} and needs a CUDA GPU; none is visible here")
 
 
 @app.command()
@@ -302,6 +302,93 @@ def tune(
                     str(sum(not math.isfinite(t.us) for t in r.trials)))
     console.print(out)
     console.print(f"wrote {path}")
+
+
+# FuzzSpace's fields as fuzz's options, for its errors and the replay line.
+_FUZZ_OPTIONS = {"heads": "--heads", "max_batch": "--max-batch", "max_seqlen_q": "--max-seqlen-q",
+                 "max_prefix": "--max-prefix", "page_sizes": "--page-size", "masks": "--mask", "dtypes": "--dtype"}
+
+
+@app.command()
+def fuzz(
+    cases: int = typer.Option(200, help="shapes to draw; shape i comes from seed SEED+i"),
+    seed: int = typer.Option(0, help="the first seed (--seed N --cases 1 replays shape N)"),
+    minutes: float | None = typer.Option(None, help="stop drawing shapes after this long"),
+    variant: list[str] | None = typer.Option(
+        None, help="a variant to check on every shape it fits, besides the dispatcher's pick (repeatable)"),
+    dispatch: bool = typer.Option(True, "--dispatch/--no-dispatch", help="check the dispatcher's pick"),
+    heads: list[int] | None = typer.Option(None, help="head counts to draw from (repeatable); default 8 16 32 64 128"),
+    max_batch: int = typer.Option(8, help="requests per batch, at most"),
+    max_seqlen_q: int = typer.Option(64, help="draft tokens per request (S), at most"),
+    max_prefix: int = typer.Option(20000, help="cached keys before a request's draft, at most"),
+    page_size: list[int] | None = typer.Option(None, help="page sizes to draw from (repeatable); default 1 16 64 128"),
+    mask: list[str] | None = typer.Option(None, help="masks to draw from (repeatable); default causal, tree, none"),
+    dtype: list[str] | None = typer.Option(None, help="dtypes to draw from (repeatable); default bf16, fp16"),
+) -> None:
+    """Check random shapes on this GPU against the fp64 reference: ragged batches with empty
+    requests, draft lengths, heads, page sizes, masks, dtypes and lse, on poisoned outputs.
+    Exits with 1 if any check failed, and prints the command that replays each failure."""
+    from mlagen.fuzz import FuzzSpace, Outcome
+    from mlagen.fuzz import fuzz as run_fuzz
+
+    given = {"heads": heads, "max_batch": max_batch, "max_seqlen_q": max_seqlen_q, "max_prefix": max_prefix,
+             "page_sizes": page_size, "masks": mask, "dtypes": dtype}
+    defaults = FuzzSpace()
+    changed = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()
+               if v is not None and v != getattr(defaults, k)}
+    try:
+        space = FuzzSpace(**changed)
+    except ValueError as e:
+        field_name, _, rest = str(e).partition(":")
+        _fail(f"{_FUZZ_OPTIONS[field_name]}:{rest}")
+    if cases < 1:
+        _fail(f"--cases: got {cases}, expected >= 1")
+    if minutes is not None and minutes <= 0:
+        _fail(f"--minutes: got {minutes}, expected > 0")
+    variants: list[Variant | None] = [None] if dispatch else []
+    variants += _variants(variant)
+    if not variants:
+        _fail("--no-dispatch: expected at least one --variant to check then")
+    _need_gpu("fuzz", "runs kernels")
+    from mlagen.arch import runs_on
+    from mlagen.runtime import device_info
+
+    device_arch = device_info(0)[0]
+    for v in variants:
+        if v is not None and not runs_on(v.arch, device_arch):
+            _fail(f"--variant: {v.name} is built for {v.arch}, which does not run on this {device_arch} GPU")
+
+    flags = " ".join(f"{_FUZZ_OPTIONS[k]} {x}" for k, v in changed.items()
+                     for x in (v if isinstance(v, tuple) else [v]))
+
+    def replay(o: Outcome) -> str:
+        which = "" if o.variant == "dispatch" else f" --no-dispatch --variant {o.variant}"
+        return f"mlagen fuzz --seed {o.shape.seed} --cases 1{which}{' ' + flags if flags else ''}"
+
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("fuzz", total=cases * len(variants))
+
+        def show(o: Outcome) -> None:
+            progress.advance(task)
+            if o.status == "fail":
+                progress.console.print(f"[red]FAIL[/red] seed {o.shape.seed} {o.shape} {o.variant}: {o.message}\n"
+                                       f"     replay: {replay(o)}")
+
+        report = run_fuzz(range(seed, seed + cases), variants, space,
+                          budget_s=minutes * 60 if minutes is not None else None, on_outcome=show)
+    out = Table(title=f"mlagen fuzz: seeds {seed}..{seed + cases - 1} on {device_arch}")
+    for col in ("kernel", "ok", "skipped", "failed"):
+        out.add_column(col)
+    for name in dict.fromkeys(o.variant for o in report.outcomes):
+        mine = [o for o in report.outcomes if o.variant == name]
+        failed = sum(o.status == "fail" for o in mine)
+        out.add_row(name, str(sum(o.status == "ok" for o in mine)), str(sum(o.status == "skip" for o in mine)),
+                    f"[red]{failed}[/red]" if failed else "0")
+    console.print(out)
+    if report.stopped:
+        console.print(f"stopped early: {report.stopped}")
+    if report.failures:
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call: GPU facts, GPU tests, compute-sanitizer,
 # tuning, benchmark, host cost. Logs go to $OUT (the device tool's folder) or ./out.
-#   bash benchmarks/run_gpu.sh [tests] [sanitize] [tune] [bench] [ragged] [host]
+#   bash benchmarks/run_gpu.sh [tests] [sanitize] [tune] [bench] [ragged] [host] [fuzz]
 # (default: tests sanitize bench). `tune` rewrites the shipped table (mlagen/tables/) and copies
 # it to $OUT, so run it before `bench`. On the H200, racecheck alone takes ~5 min (memcheck less):
 # give `sanitize` a device call of its own.
@@ -34,7 +34,9 @@ for step in $steps; do
       done | tee "$OUT/ragged.log" ;;
     host)
       timeout 120 python3 benchmarks/host_cost.py 2>&1 | tee "$OUT/host.log" ;;
+    fuzz)     # random shapes through the dispatcher's pick for 4 minutes
+      timeout 330 python3 cli.py fuzz --minutes 4 --cases 100000 2>&1 | tee "$OUT/fuzz.log" ;;
     *)
-      echo "unknown step $step (tests, sanitize, tune, bench, ragged, host)"; exit 2 ;;
+      echo "unknown step $step (tests, sanitize, tune, bench, ragged, host, fuzz)"; exit 2 ;;
   esac
 done

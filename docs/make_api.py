@@ -22,6 +22,9 @@ SECTIONS: list[tuple[str, list[str] | None]] = [
     ("mlagen.compat.flash_mla", ["get_mla_metadata", "flash_mla_with_kvcache"]),
     ("mlagen.launcher", ["emit_launcher", "render_launcher", "header_name", "namespace"]),
     ("mlagen.spec", ["parse_variant"]),
+    ("mlagen.testing", ["make_case", "Case", "poisoned_out", "poison_allocator", "mismatch", "assert_matches",
+                        "rel_error", "random_tree"]),
+    ("mlagen.fuzz", ["FuzzSpace", "Shape", "draw", "check", "fuzz", "launch", "Outcome", "Report"]),
 ]
 
 HEADER = """# mlagen API reference

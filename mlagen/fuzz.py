@@ -1,0 +1,222 @@
+"""Random shapes on this GPU against the reference: what `mlagen fuzz` runs.
+
+Each seed draws one shape (batch, draft length S, heads, ragged prefixes with empty requests,
+page size, mask, dtype, lse) from a `FuzzSpace`; the same seed and space always give the same
+shape, so a failure replays from its seed. Every shape runs through the dispatcher's pick and
+any named variants, on poisoned outputs and workspaces, and is compared with the fp64 reference
+(`mlagen.testing.mismatch`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .spec import DTYPES, MASKS, Problem, Variant
+from .testing import Case, make_case, mismatch, poison_allocator, poisoned_out
+from .validate import SpecError, validate
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Prefix ceilings a shape draws its requests' prefixes under: empty caches, a tile, a few
+# pages, a long context and the space's maximum.
+_PREFIX_TOPS = (0, 64, 700, 5000)
+
+
+@dataclass(frozen=True)
+class FuzzSpace:
+    """What `draw` picks from. max_work bounds B * S * H * (longest request's keys), which is
+    what the fp64 reference pays for."""
+
+    heads: tuple[int, ...] = (8, 16, 32, 64, 128)
+    max_batch: int = 8
+    max_seqlen_q: int = 64
+    max_prefix: int = 20000
+    page_sizes: tuple[int, ...] = (1, 16, 64, 128)
+    masks: tuple[str, ...] = MASKS
+    dtypes: tuple[str, ...] = DTYPES
+    max_work: float = 3e9
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("heads", self.heads, bool(self.heads) and all(h >= 1 for h in self.heads), "head counts >= 1"),
+            ("max_batch", self.max_batch, self.max_batch >= 1, ">= 1"),
+            ("max_seqlen_q", self.max_seqlen_q, self.max_seqlen_q >= 1, ">= 1"),
+            ("max_prefix", self.max_prefix, self.max_prefix >= 0, ">= 0"),
+            ("page_sizes", self.page_sizes,
+             bool(self.page_sizes) and all(p >= 1 and not p & (p - 1) for p in self.page_sizes), "powers of two"),
+            ("masks", self.masks, bool(self.masks) and set(self.masks) <= set(MASKS), f"some of {', '.join(MASKS)}"),
+            ("dtypes", self.dtypes, bool(self.dtypes) and set(self.dtypes) <= set(DTYPES),
+             f"some of {', '.join(DTYPES)}"),
+            ("max_work", self.max_work, self.max_work > 0, "> 0"),
+        ]
+        for name, got, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"{name}: got {got!r}, expected {expected}")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One drawn case: request b holds prefixes[b] + seqlen_q keys, or none where empty[b]."""
+
+    seed: int
+    batch: int
+    seqlen_q: int
+    heads: int
+    prefixes: tuple[int, ...]
+    empty: tuple[bool, ...]
+    page_size: int
+    mask: str
+    per_request_tree: bool
+    lse: bool
+    dtype: str
+
+    @property
+    def problem(self) -> Problem:
+        """The kernel problem of the shape (Dl=512, Dr=64)."""
+        return Problem(heads=self.heads, dtype=self.dtype, page_size=self.page_size, mask=self.mask, lse=self.lse)
+
+    def case(self, device: str = "cuda") -> Case:
+        """The shape's inputs (`mlagen.testing.make_case`, NaN wherever nothing may be read)."""
+        return make_case(batch=self.batch, seqlen_q=self.seqlen_q, heads=self.heads, prefixes=list(self.prefixes),
+                         page_size=self.page_size, mask=self.mask, seed=self.seed, dtype=TORCH_DTYPES[self.dtype],
+                         device=device, empty=list(self.empty), per_request_tree=self.per_request_tree)
+
+    def __str__(self) -> str:
+        lengths = ["-" if e else str(p) for p, e in zip(self.prefixes, self.empty, strict=True)]
+        tree = " per-request" if self.mask == "tree" and self.per_request_tree else ""
+        return (f"B={self.batch} S={self.seqlen_q} H={self.heads} prefixes=[{','.join(lengths)}] "
+                f"page={self.page_size}{tree} {self.mask} {self.dtype}{' lse' if self.lse else ''}")
+
+
+def _prefix(rng: random.Random, top: int, seqlen_q: int) -> int:
+    """A prefix under `top`; a third of them put the request's end at a 64-key tile's edge."""
+    p = rng.randint(0, top)
+    if top >= 64 and rng.random() < 1 / 3:
+        p = max(0, (p + seqlen_q) // 64 * 64 - seqlen_q + rng.choice((-1, 0, 1)))
+    return min(p, top)
+
+
+def draw(seed: int, space: FuzzSpace = FuzzSpace()) -> Shape:
+    """The shape for `seed`: the same seed and space always give the same shape."""
+    rng = random.Random(seed)
+    while True:
+        batch = rng.randint(1, space.max_batch)
+        # Most drafts are short: 1 to 16 tokens three times in four, up to the maximum otherwise.
+        short = min(16, space.max_seqlen_q)
+        seqlen_q = rng.randint(1, short) if rng.random() < 0.75 else rng.randint(1, space.max_seqlen_q)
+        heads = rng.choice(space.heads)
+        top = rng.choice([t for t in _PREFIX_TOPS if t < space.max_prefix] + [space.max_prefix])
+        prefixes = tuple(_prefix(rng, top, seqlen_q) for _ in range(batch))
+        some_empty = rng.random() < 0.3
+        empty = tuple(some_empty and rng.random() < 0.3 for _ in range(batch))
+        if batch * seqlen_q * heads * (max(prefixes) + seqlen_q) <= space.max_work:
+            break
+    mask = rng.choice(space.masks)
+    return Shape(seed=seed, batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=prefixes, empty=empty,
+                 page_size=rng.choice(space.page_sizes), mask=mask,
+                 per_request_tree=mask == "tree" and rng.random() < 0.5, lse=rng.random() < 0.5,
+                 dtype=rng.choice(space.dtypes))
+
+
+# A kernel under test: (case, shape, variant or None for the dispatcher's pick) -> (out, lse or None).
+Kernel = Callable[[Case, Shape, Variant | None], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def launch(case: Case, shape: Shape, variant: Variant | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`mlagen.verify_attention` on the case, with a NaN `out=` and NaN left in torch's allocator
+    for its workspace, synchronized."""
+    from .runtime import verify_attention
+
+    poison_allocator(64 << 20, str(case.q.device))
+    out = poisoned_out(case)
+    res = verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, variant=variant,
+                           return_lse=shape.lse, out=out, **case.kwargs())
+    torch.cuda.synchronize()
+    return res if shape.lse else (res, None)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One shape through one kernel: status "ok", "skip" (the variant does not fit the shape:
+    message says why) or "fail" (message says what went wrong)."""
+
+    shape: Shape
+    variant: str            # a variant name, or "dispatch"
+    status: str
+    message: str = ""
+
+
+def check(shape: Shape, variant: Variant | None, *, device: str = "cuda", kernel: Kernel | None = None,
+          tol: float = 1e-2) -> Outcome:
+    """Run one shape through `variant` (None: the dispatcher's pick) and compare. kernel: what
+    runs it (None: `launch`, the op itself)."""
+    kernel = kernel or launch
+    name = variant.name if variant is not None else "dispatch"
+    if variant is not None:
+        try:
+            validate(shape.problem, variant)
+        except SpecError as e:
+            return Outcome(shape, name, "skip", str(e))
+    case = shape.case(device)
+    try:
+        out, lse = kernel(case, shape, variant)
+    except Exception as e:      # anything the op raises on a valid shape is a finding
+        return Outcome(shape, name, "fail", f"{type(e).__name__}: {e}")
+    problem = mismatch(out, lse, case, tol)
+    return Outcome(shape, name, "fail" if problem else "ok", problem or "")
+
+
+@dataclass
+class Report:
+    """What a fuzz run found; stopped says why it ended early (None: every seed ran)."""
+
+    outcomes: list[Outcome] = field(default_factory=list)
+    stopped: str | None = None
+
+    def count(self, status: str) -> int:
+        """Outcomes with this status ("ok", "skip" or "fail")."""
+        return sum(o.status == status for o in self.outcomes)
+
+    @property
+    def failures(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status == "fail"]
+
+
+def _context_alive() -> bool:
+    """False once a kernel fault (an illegal address, say) has lost the CUDA context."""
+    try:
+        torch.cuda.synchronize()
+        return True
+    except Exception:
+        return False
+
+
+def fuzz(seeds: Iterable[int], variants: Sequence[Variant | None], space: FuzzSpace = FuzzSpace(), *,
+         budget_s: float | None = None, device: str = "cuda", kernel: Kernel | None = None,
+         alive: Callable[[], bool] | None = None,
+         on_outcome: Callable[[Outcome], None] | None = None) -> Report:
+    """Every seed's shape through every variant (None: the dispatcher's pick), until the seeds or
+    the time budget run out, or a failure leaves the CUDA context unusable. kernel: as in
+    `check`; alive: whether the CUDA context still works after a failure (None: a synchronize
+    tells); on_outcome: called with each outcome as it comes (progress, printing)."""
+    alive = alive or _context_alive
+    report = Report()
+    start = time.monotonic()
+    for seed in seeds:
+        if budget_s is not None and time.monotonic() - start > budget_s:
+            report.stopped = f"the time budget ran out before seed {seed}"
+            break
+        shape = draw(seed, space)
+        for v in variants:
+            outcome = check(shape, v, device=device, kernel=kernel)
+            report.outcomes.append(outcome)
+            if on_outcome is not None:
+                on_outcome(outcome)
+            if outcome.status == "fail" and not alive():
+                report.stopped = f"the CUDA context was lost at seed {seed}; later seeds need a new process"
+                return report
+    return report

@@ -1,0 +1,138 @@
+"""`mlagen fuzz`: the shapes it draws, how it judges a kernel (with stand-in kernels on the CPU),
+its options; on a GPU, a short run of the real thing."""
+
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli import app
+from mlagen.fuzz import FuzzSpace, Shape, check, draw, fuzz
+from mlagen.spec import DTYPES, MASKS, parse_variant
+
+runner = CliRunner()
+SMALL = FuzzSpace(heads=(8, 16), max_batch=3, max_seqlen_q=9, max_prefix=300, page_sizes=(16, 64))
+
+
+def test_a_seed_always_draws_the_same_shape_within_the_space():
+    space = FuzzSpace()
+    shapes = [draw(seed, space) for seed in range(400)]
+    assert shapes == [draw(seed, space) for seed in range(400)]
+    for s in shapes:
+        assert 1 <= s.batch <= space.max_batch and len(s.prefixes) == len(s.empty) == s.batch
+        assert 1 <= s.seqlen_q <= space.max_seqlen_q and s.heads in space.heads
+        assert all(0 <= p <= space.max_prefix for p in s.prefixes)
+        assert s.batch * s.seqlen_q * s.heads * (max(s.prefixes) + s.seqlen_q) <= space.max_work
+        assert s.per_request_tree <= (s.mask == "tree")
+    # what the kernels' corner cases need shows up within a few hundred seeds
+    assert {s.mask for s in shapes} == set(MASKS) and {s.dtype for s in shapes} == set(DTYPES)
+    assert {s.page_size for s in shapes} == set(space.page_sizes) and {s.heads for s in shapes} == set(space.heads)
+    assert any(any(s.empty) and not all(s.empty) for s in shapes)
+    assert any(s.seqlen_q > 16 for s in shapes) and any(s.seqlen_q == 1 for s in shapes)
+    assert any(s.per_request_tree for s in shapes) and {s.lse for s in shapes} == {False, True}
+    assert any((p + s.seqlen_q) % 64 in (63, 0, 1) and p > 0 for s in shapes for p in s.prefixes)
+    assert any(max(s.prefixes) > 5000 for s in shapes) and any(max(s.prefixes) == 0 for s in shapes)
+    assert len({s.prefixes for s in shapes if s.batch > 1 and len(set(s.prefixes)) > 1}) > 50   # ragged
+
+
+def test_a_narrow_space_is_kept():
+    shapes = [draw(seed, SMALL) for seed in range(100)]
+    assert {s.heads for s in shapes} <= {8, 16} and {s.page_size for s in shapes} <= {16, 64}
+    assert max(s.seqlen_q for s in shapes) <= 9 and max(max(s.prefixes) for s in shapes) <= 300
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("page_sizes", (3,), "powers of two"), ("masks", ("causal", "diagonal"), "some of causal"),
+    ("dtypes", ("fp8",), "some of bf16"), ("heads", (), "head counts"), ("max_batch", 0, ">= 1"),
+])
+def test_a_bad_space_names_its_field(field, value, expected):
+    with pytest.raises(ValueError, match=f"^{field}: got .*expected {expected}"):
+        FuzzSpace(**{field: value})
+
+
+def _reference_kernel(case, shape, variant):
+    out, lse = case.reference(torch.float64)
+    return out.to(case.q.dtype), (lse.float() if shape.lse else None)
+
+
+def _leaves_a_row_unwritten(case, shape, variant):
+    out, lse = _reference_kernel(case, shape, variant)
+    out[0, 0, 0, :] = math.nan
+    return out, lse
+
+
+def _shifts_one_value(case, shape, variant):
+    out, lse = _reference_kernel(case, shape, variant)
+    out[0, -1, -1, 0] += 100.0
+    return out, lse
+
+
+def _raises(case, shape, variant):
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def _nonempty(seed_from: int = 0) -> Shape:
+    """The first SMALL shape from seed_from on whose first request has keys."""
+    shapes = (draw(i, SMALL) for i in range(seed_from, seed_from + 100))
+    return next(s for s in shapes if not s.empty[0] and s.mask != "tree")
+
+
+def test_a_correct_kernel_passes_every_shape():
+    report = fuzz(range(12), [None], SMALL, device="cpu", kernel=_reference_kernel)
+    assert [o.status for o in report.outcomes] == ["ok"] * 12 and report.stopped is None
+
+
+@pytest.mark.parametrize("kernel,message", [(_leaves_a_row_unwritten, "unwritten or NaN"),
+                                            (_shifts_one_value, "relative error"),
+                                            (_raises, "RuntimeError: CUDA error")])
+def test_a_wrong_kernel_fails_with_what_went_wrong(kernel, message):
+    outcome = check(_nonempty(), None, device="cpu", kernel=kernel)
+    assert outcome.status == "fail" and message in outcome.message and outcome.variant == "dispatch"
+
+
+def test_a_variant_that_does_not_fit_the_shape_is_skipped_without_running():
+    shape = next(s for s in (draw(i, SMALL) for i in range(100)) if s.heads == 8)
+    variant = parse_variant("mma_ht16_qt4_bn64_w8_st2_spa_sm90")      # 16 heads a block, the shape has 8
+
+    def must_not_run(case, shape, variant):
+        raise AssertionError("ran")
+    outcome = check(shape, variant, device="cpu", kernel=must_not_run)
+    assert outcome.status == "skip" and "head_tile" in outcome.message
+
+
+def test_a_lost_cuda_context_stops_the_run_at_that_seed():
+    first = _nonempty().seed
+    report = fuzz(range(first, first + 5), [None], SMALL, device="cpu", kernel=_raises, alive=lambda: False)
+    assert len(report.outcomes) == 1 and report.stopped.startswith(f"the CUDA context was lost at seed {first}")
+    survived = fuzz(range(first, first + 3), [None], SMALL, device="cpu", kernel=_raises, alive=lambda: True)
+    assert [o.status for o in survived.outcomes] == ["fail"] * 3 and survived.stopped is None
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--page-size", "48"], "--page-size: got (48,), expected powers of two"),
+    (["--mask", "diagonal"], "--mask: got ('diagonal',)"),
+    (["--max-seqlen-q", "0"], "--max-seqlen-q: got 0"),
+    (["--cases", "0"], "--cases: got 0"),
+    (["--minutes", "0"], "--minutes: got 0"),
+    (["--no-dispatch"], "at least one --variant"),
+    (["--variant", "mma_bogus"], "--variant"),
+])
+def test_fuzz_options_fail_before_any_gpu_work(args, message):
+    result = runner.invoke(app, ["fuzz", *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_fuzz_needs_a_gpu():
+    result = runner.invoke(app, ["fuzz", "--cases", "1"])
+    assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
+
+
+@pytest.mark.gpu
+def test_fuzz_runs_clean_on_this_gpu():
+    """A short run of the real thing: the dispatcher's pick and a fixed-split mma variant."""
+    result = runner.invoke(app, ["fuzz", "--cases", "8", "--max-prefix", "3000",
+                                 "--variant", "mma_ht8_qt4_bn64_w4_st2_sp3_sm90"])
+    assert result.exit_code == 0, result.output
+    assert "dispatch" in result.output and "mma_ht8_qt4_bn64_w4_st2_sp3_sm90" in result.output
