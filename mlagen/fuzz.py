@@ -73,6 +73,8 @@ class Shape:
     per_request_tree: bool
     lse: bool
     dtype: str
+    max_seqlen_k: int | None = None     # the op's host bound on the lengths; may be below them
+    table_pages: int = 0                # block table width, when wider than the lengths need
 
     @property
     def problem(self) -> Problem:
@@ -83,13 +85,16 @@ class Shape:
         """The shape's inputs (`mlagen.testing.make_case`, NaN wherever nothing may be read)."""
         return make_case(batch=self.batch, seqlen_q=self.seqlen_q, heads=self.heads, prefixes=list(self.prefixes),
                          page_size=self.page_size, mask=self.mask, seed=self.seed, dtype=TORCH_DTYPES[self.dtype],
-                         device=device, empty=list(self.empty), per_request_tree=self.per_request_tree)
+                         device=device, empty=list(self.empty), per_request_tree=self.per_request_tree,
+                         table_pages=self.table_pages)
 
     def __str__(self) -> str:
         lengths = ["-" if e else str(p) for p, e in zip(self.prefixes, self.empty, strict=True)]
         tree = " per-request" if self.mask == "tree" and self.per_request_tree else ""
+        bound = f" max_seqlen_k={self.max_seqlen_k}" if self.max_seqlen_k is not None else ""
+        bound += f" table={self.table_pages} pages" if self.table_pages else ""
         return (f"B={self.batch} S={self.seqlen_q} H={self.heads} prefixes=[{','.join(lengths)}] "
-                f"page={self.page_size}{tree} {self.mask} {self.dtype}{' lse' if self.lse else ''}")
+                f"page={self.page_size}{tree} {self.mask} {self.dtype}{' lse' if self.lse else ''}{bound}")
 
 
 def _prefix(rng: random.Random, top: int, seqlen_q: int) -> int:
@@ -116,10 +121,18 @@ def draw(seed: int, space: FuzzSpace = FuzzSpace()) -> Shape:
         if batch * seqlen_q * heads * (max(prefixes) + seqlen_q) <= space.max_work:
             break
     mask = rng.choice(space.masks)
+    # No length bound half the time; else the true longest length, or (a broken promise the op
+    # must survive) a smaller one.
+    longest = max((0 if e else p + seqlen_q) for p, e in zip(prefixes, empty, strict=True))
+    bound = rng.choice([None, None, longest, rng.randint(0, longest)])
+    page_size = rng.choice(space.page_sizes)
+    # A quarter of the block tables are sized for a long context, as engines size them.
+    wide = rng.random() < 0.25
+    table_pages = -(-rng.choice([4096, 32768, 131072]) // page_size) if wide else 0
     return Shape(seed=seed, batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=prefixes, empty=empty,
-                 page_size=rng.choice(space.page_sizes), mask=mask,
+                 page_size=page_size, mask=mask,
                  per_request_tree=mask == "tree" and rng.random() < 0.5, lse=rng.random() < 0.5,
-                 dtype=rng.choice(space.dtypes))
+                 dtype=rng.choice(space.dtypes), max_seqlen_k=bound, table_pages=table_pages)
 
 
 # A kernel under test: (case, shape, variant or None for the dispatcher's pick) -> (out, lse or None).
@@ -134,7 +147,7 @@ def launch(case: Case, shape: Shape, variant: Variant | None) -> tuple[torch.Ten
     poison_allocator(64 << 20, str(case.q.device))
     out = poisoned_out(case)
     res = verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, variant=variant,
-                           return_lse=shape.lse, out=out, **case.kwargs())
+                           return_lse=shape.lse, out=out, max_seqlen_k=shape.max_seqlen_k, **case.kwargs())
     torch.cuda.synchronize()
     return res if shape.lse else (res, None)
 

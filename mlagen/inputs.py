@@ -14,6 +14,7 @@ signature and afterwards checks only what changes from call to call (data-pointe
 
 from __future__ import annotations
 
+import math
 import os
 from typing import NamedTuple
 
@@ -156,6 +157,19 @@ def check_out(out: object, q: torch.Tensor, shapes: Shapes) -> None:
     if tuple(out.shape) != expected:
         _fail("out.shape", tuple(out.shape), f"[B, S, H, Dl]={list(expected)}")
     _aligned_rows("out", out, (0, 1, 2))
+
+
+def key_bound(max_seqlen_k: object) -> int | None:
+    """max_seqlen_k checked (None, or an int >= 0) and rounded up to a quarter octave, at least
+    one 64-key tile: at most 19% over it, so a bound that grows call by call re-plans a few
+    times per doubling of the keys rather than at every page."""
+    if max_seqlen_k is None:
+        return None
+    if not isinstance(max_seqlen_k, int) or isinstance(max_seqlen_k, bool) or max_seqlen_k < 0:
+        _fail("max_seqlen_k", repr(max_seqlen_k), "None or an int >= 0 (a host bound on cache_seqlens)")
+    if max_seqlen_k <= 64:
+        return 64
+    return max(max_seqlen_k, math.ceil(2 ** (math.ceil(4 * math.log2(max_seqlen_k)) / 4)))
 
 
 def values_requested(flag: bool | None) -> bool:

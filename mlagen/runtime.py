@@ -58,14 +58,13 @@ class _Prepared:
 
 @functools.lru_cache(maxsize=4096)
 def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str, lse: bool,
-             batch: int, seqlen_q: int, max_pages: int, device: int,
+             batch: int, seqlen_q: int, kv_capacity: int, device: int,
              variant: Variant | None) -> _Prepared:
-    """Problem, variant (given or dispatched), loaded kernels, split and grids of a shape:
-    memoized on plain values, since a serving step repeats the same shapes and each piece
-    costs host time."""
+    """Problem, variant (given or dispatched), loaded kernels, split and grids of a shape, planned
+    for requests of up to kv_capacity keys: memoized on plain values, since a serving step
+    repeats the same shapes and each piece costs host time."""
     problem = Problem(heads=heads, dl=dl, dr=dr, dtype=dtype, page_size=page_size, mask=mask, lse=lse)
     device_arch, sm_count = device_info(device)
-    kv_capacity = max_pages * page_size
     if variant is None:
         variant = choose_variant(problem, seqlen_q, batch, kv_capacity, device_arch, device_name(device))
     elif not runs_on(variant.arch, device_arch):
@@ -106,12 +105,12 @@ _MAX_CALLS = 1024
 
 def _lookup(q: object, kv_cache: object, block_table: object, cache_seqlens: object, tree_mask: object,
             out: object, head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
-            variant: Variant | None) -> tuple[tuple | None, _Call | None]:
+            variant: Variant | None, bound: int | None) -> tuple[tuple | None, _Call | None]:
     """(key, remembered _Call or None) for these arguments; the key is None for arguments that
     are not tensors or not hashable (the full checks name those)."""
     try:
         key = (inputs.signature(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale),
-               causal, return_lse, variant)
+               causal, return_lse, variant, bound)
         return key, _calls.get(key)
     except (AttributeError, TypeError, RuntimeError):
         return None, None
@@ -125,9 +124,9 @@ def _require_cuda(q: object) -> None:
 
 def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: object, cache_seqlens: object,
                   tree_mask: object, out: object, head_dim_v: int, softmax_scale: float | None, causal: bool,
-                  return_lse: bool, variant: Variant | None, check_values: bool | None) -> _Call:
+                  return_lse: bool, variant: Variant | None, check_values: bool | None, bound: int | None) -> _Call:
     """Every check, in the op's order (each names the bad argument), then the _Call, which is
-    remembered under `key` (from `_lookup`)."""
+    remembered under `key` (from `_lookup`). bound: `inputs.key_bound(max_seqlen_k)`."""
     _require_cuda(q)
     shapes = inputs.check_inputs(q, kv_cache, block_table, cache_seqlens, tree_mask, head_dim_v, softmax_scale)
     if inputs.values_requested(check_values):
@@ -135,8 +134,9 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
     B, S, H, dl = shapes.batch, shapes.seqlen_q, shapes.heads, shapes.dl
     mask = "tree" if tree_mask is not None else ("causal" if causal else "none")
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    capacity = shapes.max_pages * shapes.page_size
     prep = _prepare(H, dl, shapes.head_dim - dl, shapes.dtype, shapes.page_size, mask,
-                    return_lse, B, S, shapes.max_pages, device, variant)
+                    return_lse, B, S, capacity if bound is None else min(capacity, bound), device, variant)
     if out is not None:
         inputs.check_out(out, q, shapes)
     out_size = (B, S, H, dl)
@@ -179,6 +179,7 @@ def verify_attention(
     head_dim_v: int = 512,
     check_values: bool | None = None,
     out: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA verify attention over a paged latent KV cache.
 
@@ -199,13 +200,19 @@ def verify_attention(
             MLAGEN_CHECK_VALUES. Unchecked bad values never make a kernel leave its tensors.
         out: optional preallocated [B, S, H, Dl] output in q's dtype (last dim contiguous),
             written in place and returned.
+        max_seqlen_k: optional host int, a bound on cache_seqlens (as varlen attention APIs
+            take). The variant, its split and its table entry are then chosen for that many keys
+            (rounded up by at most 19%) instead of for the block table's capacity, which serving
+            engines size for the longest context. A request longer than the bound still runs
+            correctly, on a plan made for fewer keys.
 
     Returns:
         out [B, S, H, Dl] in q's dtype, and lse if return_lse. A row that sees no key gives
         out = 0 and lse = -inf.
     """
+    bound = inputs.key_bound(max_seqlen_k) if max_seqlen_k is not None else None
     key, call = _lookup(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale, causal,
-                        return_lse, variant)
+                        return_lse, variant, bound)
     if call is not None:
         # Pointers change from call to call, so alignment is checked every time; a misaligned
         # one goes through the full checks, which name it.
@@ -214,7 +221,7 @@ def verify_attention(
             call = None
     if call is None:
         call = _checked_call(key, q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v,
-                             softmax_scale, causal, return_lse, variant, check_values)
+                             softmax_scale, causal, return_lse, variant, check_values, bound)
         q_ptr, kv_ptr = q.data_ptr(), kv_cache.data_ptr()
     elif check_values or (check_values is None and inputs.CHECK_VALUES_DEFAULT):   # values_requested, inlined
         inputs.check_values(call.shapes, block_table, cache_seqlens)

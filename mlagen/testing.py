@@ -56,7 +56,7 @@ def random_tree(seqlen_q: int, gen: torch.Generator) -> torch.Tensor:
 def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], page_size: int,
               mask: str, seed: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
               dl: int = 512, dr: int = 64, empty: list[bool] | None = None,
-              spare_pages: int = 3, per_request_tree: bool = False) -> Case:
+              spare_pages: int = 3, per_request_tree: bool = False, table_pages: int = 0) -> Case:
     """A paged case: request b holds prefixes[b] + S keys (0 where empty[b]) on shuffled pages.
 
     q is [B, S, H, dl+dr] and the cache [pages, page_size, dl+dr], both in `dtype` on `device`,
@@ -64,13 +64,15 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
     "tree" (one random draft tree, or one per request with per_request_tree) or "none". The
     softmax scale is 1/sqrt(dl+dr) times a random factor in [0.5, 2]. NaN fills the unused
     pages (spare_pages of them), each request's keys past its length, and the block table's
-    entries past a request's pages (they point at unused pages).
+    entries past a request's pages (they point at unused pages). The block table is
+    table_pages wide, or one page wider than the longest request needs if that is more (an
+    engine's table is sized for its longest context).
     """
     gen = torch.Generator().manual_seed(seed)
     D = dl + dr
     lengths = [0 if (empty and empty[b]) else prefixes[b] + seqlen_q for b in range(batch)]
     pages_needed = [-(-n // page_size) for n in lengths]
-    max_pages = max(1, max(pages_needed) + 1)          # a spare column: must never be read
+    max_pages = max(1, max(pages_needed) + 1, table_pages)   # a spare column: must never be read
     total = sum(pages_needed) + spare_pages
     order = torch.randperm(total, generator=gen)
     kv = torch.full((total, page_size, D), math.nan, dtype=torch.float32)

@@ -34,6 +34,11 @@ def test_a_seed_always_draws_the_same_shape_within_the_space():
     assert any((p + s.seqlen_q) % 64 in (63, 0, 1) and p > 0 for s in shapes for p in s.prefixes)
     assert any(max(s.prefixes) > 5000 for s in shapes) and any(max(s.prefixes) == 0 for s in shapes)
     assert len({s.prefixes for s in shapes if s.batch > 1 and len(set(s.prefixes)) > 1}) > 50   # ragged
+    longest = [max(0 if e else p + s.seqlen_q for p, e in zip(s.prefixes, s.empty, strict=True)) for s in shapes]
+    bounds = [(s.max_seqlen_k, n) for s, n in zip(shapes, longest, strict=True)]
+    assert any(b is None for b, _ in bounds) and any(b == n > 0 for b, n in bounds)
+    assert any(b is not None and b < n for b, n in bounds) and all(b is None or b <= n for b, n in bounds)
+    assert any(s.table_pages * s.page_size >= 32768 for s in shapes) and any(not s.table_pages for s in shapes)
 
 
 def test_a_narrow_space_is_kept():

@@ -406,3 +406,19 @@ def test_value_checks_and_bad_values_stay_in_bounds():
     for variant in (None, naive(arch=_arch())):
         mlagen.verify_attention(case.q, case.kv_cache, table, lengths, variant=variant)
         torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("heads,batch,prefixes", [(64, 1, [256]), (16, 3, [1000, 40, 3000])])
+def test_a_length_bound_on_a_wide_block_table_stays_correct(heads, batch, prefixes):
+    """A block table sized for 128k keys holding short requests (as engines size them): without a
+    bound, with the true longest length, and with a bound below it (a broken promise)."""
+    case = make_case(batch=batch, seqlen_q=9, heads=heads, prefixes=prefixes, page_size=64, mask="causal",
+                     seed=batch, table_pages=2048)
+    longest = int(case.cache_seqlens.max())
+    for bound in (None, longest, longest // 3):
+        poison_allocator(64 << 20)
+        out, lse = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                           return_lse=True, out=poisoned_out(case), max_seqlen_k=bound,
+                                           **case.kwargs())
+        torch.cuda.synchronize()
+        assert_matches(out, lse, case)

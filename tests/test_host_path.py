@@ -51,8 +51,8 @@ def fake_gpu(monkeypatch):
     driver, prepared = Driver(), []
     kernel = launch.KernelLaunch(args=MAIN, name="main_k")
 
-    def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, max_pages, device, variant):
-        prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, max_pages, device, variant))
+    def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, device, variant):
+        prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, device, variant))
         rows, value_bytes = 2 * batch * seqlen_q * heads, 2 if variant and variant.part16 else 4
         return runtime._Prepared(loaded=None, kernel=kernel, splits=2, merge_blocks=3,
                                  layout=workspace.Layout.of(rows, dl * value_bytes, GROUPS))
@@ -108,6 +108,29 @@ def test_repeat_calls_reuse_one_checked_call(fake_gpu):
     # new tensors with equal metadata hit the same entry
     call(make_args(), out=torch.empty(B, S, H, DL, dtype=torch.bfloat16))
     assert len(fake_gpu.prepared) == 1
+
+
+def test_a_length_bound_plans_for_itself_not_the_block_tables_capacity(fake_gpu):
+    """Engines size block tables for the longest context: max_seqlen_k has the variant and split
+    planned for the bound (a quarter octave up), one plan per quarter octave, never past the
+    capacity; the kernel still gets the block table's real width."""
+    a = make_args(block_table=torch.zeros(B, 400, dtype=torch.int32))     # 400 pages of 16 keys
+
+    def capacity() -> int:                                               # what the last plan got
+        return fake_gpu.prepared[-1][9]
+    call(a)
+    assert capacity() == 400 * PAGE
+    call(a, max_seqlen_k=20)
+    assert capacity() == 64                                              # one tile at least
+    call(a, max_seqlen_k=1000)
+    assert capacity() == 1024
+    call(a, max_seqlen_k=1010)                                           # the same quarter octave
+    call(a, max_seqlen_k=10**6)
+    assert capacity() == 400 * PAGE
+    assert len(fake_gpu.prepared) == 4
+    assert {fields(block)["max_pages"] for _, block in fake_gpu.driver.launches} == {400}
+    with pytest.raises(InputError, match="^max_seqlen_k: got -1"):
+        call(a, max_seqlen_k=-1)
 
 
 def test_part16_workspace_holds_16_bit_rows_then_fp32_stats(fake_gpu):

@@ -4,7 +4,7 @@ metadata checks do not need a GPU; the CUDA requirement is the op's first check)
 import pytest
 import torch
 
-from mlagen.inputs import InputError, check_inputs, check_out
+from mlagen.inputs import InputError, check_inputs, check_out, key_bound
 
 
 def args(B=2, S=3, H=4, D=576, pages=5, page=16, dtype=torch.bfloat16):
@@ -70,3 +70,18 @@ def test_out_argument():
         check_out(torch.zeros(2, 3, 4, 576, dtype=torch.bfloat16), a["q"], s)
     with pytest.raises(InputError, match="out.dtype"):
         check_out(torch.zeros(2, 3, 4, 512), a["q"], s)
+
+
+def test_a_length_bound_rounds_up_a_quarter_octave_at_most():
+    assert key_bound(None) is None and key_bound(0) == key_bound(64) == 64
+    bounds = [key_bound(n) for n in range(1, 300_000, 7)]
+    for n, b in zip(range(1, 300_000, 7), bounds, strict=True):
+        assert max(n, 64) <= b <= max(64, n * 1.19 + 1), (n, b)
+    assert bounds == sorted(bounds) and len(set(bounds)) <= 4 * 19    # a few plans per doubling
+    assert key_bound(4096) == 4096 and key_bound(4097) == 4871
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4096"])
+def test_a_bad_length_bound_is_named(bad):
+    with pytest.raises(InputError, match=r"^max_seqlen_k: got .*expected None or an int >= 0"):
+        key_bound(bad)
