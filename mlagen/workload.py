@@ -86,14 +86,16 @@ def make_workload(row: Row, page_size: int, mask: str, dtype: str, l2: int, seed
                     scale=1.0 / math.sqrt(DL + DR))
 
 
-def mlagen_call(work: Workload, variant: Variant | None) -> Callable[[InputSet], object]:
-    """One `verify_attention` on a set; variant None: the dispatcher's choice."""
+def mlagen_call(work: Workload, variant: Variant | None,
+                max_seqlen_k: int | None = None) -> Callable[[InputSet], object]:
+    """One `verify_attention` on a set; variant None: the dispatcher's choice (planned for
+    max_seqlen_k keys when given)."""
     causal = work.problem.mask == "causal"
 
     def call(s: InputSet) -> object:
         return verify_attention(s.q, s.kv_cache, s.block_table, s.cache_seqlens, softmax_scale=work.scale,
                                 causal=causal, tree_mask=s.tree_mask, variant=variant, out=s.out,
-                                check_values=False)
+                                check_values=False, max_seqlen_k=max_seqlen_k)
     return call
 
 
