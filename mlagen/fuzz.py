@@ -51,7 +51,8 @@ class FuzzSpace:
             ("masks", self.masks, bool(self.masks) and set(self.masks) <= set(MASKS), f"some of {', '.join(MASKS)}"),
             ("dtypes", self.dtypes, bool(self.dtypes) and set(self.dtypes) <= set(DTYPES),
              f"some of {', '.join(DTYPES)}"),
-            ("max_work", self.max_work, self.max_work > 0, "> 0"),
+            ("max_work", self.max_work, self.max_work >= min(self.heads, default=1),
+             "at least the smallest head count (one key of one query)"),
         ]
         for name, got, ok, expected in checks:
             if not ok:
@@ -127,8 +128,8 @@ def draw(seed: int, space: FuzzSpace = FuzzSpace()) -> Shape:
     bound = rng.choice([None, None, longest, rng.randint(0, longest)])
     page_size = rng.choice(space.page_sizes)
     # A quarter of the block tables are sized for a long context, as engines size them.
-    wide = rng.random() < 0.25
-    table_pages = -(-rng.choice([4096, 32768, 131072]) // page_size) if wide else 0
+    wide = -(-rng.choice([4096, 32768, 131072]) // page_size) if rng.random() < 0.25 else 0
+    table_pages = wide if wide > -(-longest // page_size) + 1 else 0      # wider than make_case's own
     return Shape(seed=seed, batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=prefixes, empty=empty,
                  page_size=page_size, mask=mask,
                  per_request_tree=mask == "tree" and rng.random() < 0.5, lse=rng.random() < 0.5,
