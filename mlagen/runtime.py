@@ -202,9 +202,9 @@ def verify_attention(
             written in place and returned.
         max_seqlen_k: optional host int, a bound on cache_seqlens (as varlen attention APIs
             take). The variant, its split and its table entry are then chosen for that many keys
-            (rounded up by at most 19%) instead of for the block table's capacity, which serving
-            engines size for the longest context. A request longer than the bound still runs
-            correctly, on a plan made for fewer keys.
+            (rounded up: at most 19% more, at least 64) instead of for the block table's
+            capacity, which serving engines size for the longest context. A request longer than
+            the bound still runs correctly, on a plan made for fewer keys.
 
     Returns:
         out [B, S, H, Dl] in q's dtype, and lse if return_lse. A row that sees no key gives
