@@ -334,8 +334,8 @@ def fuzz(
     given = {"heads": heads, "max_batch": max_batch, "max_seqlen_q": max_seqlen_q, "max_prefix": max_prefix,
              "page_sizes": page_size, "masks": mask, "dtypes": dtype}
     defaults = FuzzSpace()
-    changed = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()
-               if v is not None and v != getattr(defaults, k)}
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}
+    changed = {k: v for k, v in given.items() if v != getattr(defaults, k)}
     try:
         space = FuzzSpace(**changed)
     except ValueError as e:
@@ -380,9 +380,8 @@ def fuzz(
     for col in ("kernel", "ok", "skipped", "failed"):
         out.add_column(col)
     for name in dict.fromkeys(o.variant for o in report.outcomes):
-        mine = [o for o in report.outcomes if o.variant == name]
-        failed = sum(o.status == "fail" for o in mine)
-        out.add_row(name, str(sum(o.status == "ok" for o in mine)), str(sum(o.status == "skip" for o in mine)),
+        failed = report.count("fail", name)
+        out.add_row(name, str(report.count("ok", name)), str(report.count("skip", name)),
                     f"[red]{failed}[/red]" if failed else "0")
     console.print(out)
     if report.stopped:

@@ -191,9 +191,10 @@ class Report:
     outcomes: list[Outcome] = field(default_factory=list)
     stopped: str | None = None
 
-    def count(self, status: str) -> int:
-        """Outcomes with this status ("ok", "skip" or "fail")."""
-        return sum(o.status == status for o in self.outcomes)
+    def count(self, status: str, variant: str | None = None) -> int:
+        """Outcomes with this status ("ok", "skip" or "fail"), of one kernel if `variant` (a
+        variant name or "dispatch")."""
+        return sum(o.status == status and variant in (None, o.variant) for o in self.outcomes)
 
     @property
     def failures(self) -> list[Outcome]:

@@ -112,6 +112,8 @@ def test_a_lost_cuda_context_stops_the_run_at_that_seed():
     assert len(report.outcomes) == 1 and report.stopped.startswith(f"the CUDA context was lost at seed {first}")
     survived = fuzz(range(first, first + 3), [None], SMALL, device="cpu", kernel=_raises, alive=lambda: True)
     assert [o.status for o in survived.outcomes] == ["fail"] * 3 and survived.stopped is None
+    assert (survived.count("fail"), survived.count("fail", "dispatch"), survived.count("ok")) == (3, 3, 0)
+    assert survived.count("fail", "mma_ht16_qt4_bn64_w8_st2_spa_sm90") == 0
 
 
 @pytest.mark.parametrize("args,message", [
