@@ -317,6 +317,8 @@ def fuzz(
     variant: list[str] | None = typer.Option(
         None, help="a variant to check on every shape it fits, besides the dispatcher's pick (repeatable)"),
     dispatch: bool = typer.Option(True, "--dispatch/--no-dispatch", help="check the dispatcher's pick"),
+    any_variant: bool = typer.Option(False, "--any-variant", help="also check a random variant per shape, any that "
+                                     "the DSL accepts for this GPU (each compiles on first use: seconds a shape)"),
     heads: list[int] | None = typer.Option(None, help="head counts to draw from (repeatable); default 8 16 32 64 128"),
     max_batch: int = typer.Option(8, help="requests per batch, at most"),
     max_seqlen_q: int = typer.Option(64, help="draft tokens per request (S), at most"),
@@ -347,8 +349,8 @@ def fuzz(
         _fail(f"--minutes: got {minutes}, expected > 0")
     variants: list[Variant | None] = [None] if dispatch else []
     variants += _variants(variant)
-    if not variants:
-        _fail("--no-dispatch: expected at least one --variant to check then")
+    if not variants and not any_variant:
+        _fail("--no-dispatch: expected --variant or --any-variant to check then")
     _need_gpu("fuzz", "runs kernels")
     from mlagen.arch import runs_on
     from mlagen.runtime import device_info
@@ -366,7 +368,7 @@ def fuzz(
         return f"mlagen fuzz --seed {o.shape.seed} --cases 1{which}{' ' + flags if flags else ''}"
 
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("fuzz", total=cases * len(variants))
+        task = progress.add_task("fuzz", total=cases * (len(variants) + any_variant))
 
         def show(o: Outcome) -> None:
             progress.advance(task)
@@ -374,7 +376,7 @@ def fuzz(
                 progress.console.print(f"[red]FAIL[/red] seed {o.shape.seed} {o.shape} {o.variant}: {o.message}\n"
                                        f"     replay: {replay(o)}")
 
-        report = run_fuzz(range(seed, seed + cases), variants, space,
+        report = run_fuzz(range(seed, seed + cases), variants, space, any_variant=device_arch if any_variant else None,
                           budget_s=minutes * 60 if minutes is not None else None, on_outcome=show)
     out = Table(title=f"mlagen fuzz: seeds {seed}..{seed + cases - 1} on {device_arch}")
     for col in ("kernel", "ok", "skipped", "failed"):

@@ -24,7 +24,8 @@ SECTIONS: list[tuple[str, list[str] | None]] = [
     ("mlagen.spec", ["parse_variant"]),
     ("mlagen.testing", ["make_case", "Case", "poisoned_out", "poison_allocator", "mismatch", "assert_matches",
                         "rel_error", "random_tree"]),
-    ("mlagen.fuzz", ["FuzzSpace", "Shape", "draw", "check", "fuzz", "launch", "Outcome", "Report"]),
+    ("mlagen.fuzz", ["FuzzSpace", "Shape", "draw", "draw_variant", "check", "fuzz", "launch", "Outcome",
+                     "Report"]),
 ]
 
 HEADER = """# mlagen API reference

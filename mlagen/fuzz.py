@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from .spec import DTYPES, MASKS, Problem, Variant
+from .arch import specializations
+from .spec import DTYPES, MASKS, Problem, Variant, naive
 from .testing import Case, make_case, mismatch, poison_allocator, poisoned_out
-from .validate import SpecError, validate
+from .validate import SpecError, is_valid, validate
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Prefix ceilings a shape draws its requests' prefixes under: empty caches, a tile, a few
@@ -136,6 +137,36 @@ def draw(seed: int, space: FuzzSpace = FuzzSpace()) -> Shape:
                  dtype=rng.choice(space.dtypes), max_seqlen_k=bound, table_pages=table_pages)
 
 
+def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
+    """A random variant that the DSL accepts for the shape's problem, for `arch` or a target its
+    devices also run (sm_90a on sm_90), the same for the same shape (its seed) and arch; None if `tries` draws
+    found none. A third of the draws on sm_90a start from the 64-row, 8-warp, 64-key wgmma tile
+    that its knobs (TMA loads, the seesaw, the cluster split) need."""
+    rng = random.Random(f"variant {shape.seed}")
+    archs = (arch, *specializations(arch))
+    divisors = [d for d in range(1, shape.heads + 1) if shape.heads % d == 0]
+    family = rng.choice(["naive", "flash", "mma", "mma", "mma"])   # first, so that easy ones do not crowd
+    for _ in range(tries):
+        target = rng.choice(archs)
+        if family == "naive":
+            v = naive(arch=target, warps=rng.choice([1, 2, 4, 8]))
+        elif target == "sm_90a" and rng.random() < 1 / 3:
+            head_tile = rng.choice([d for d in divisors if 64 % d == 0])
+            v = Variant(family="mma", head_tile=head_tile, q_tile=64 // head_tile, block_n=64, warps=8, stages=2,
+                        arch=target, kv_split=rng.choice(["adaptive", "balanced", 1, 2, 4]),
+                        part16=rng.random() < 0.5, tma=rng.random() < 0.5)
+            v = v.with_(seesaw=v.tma and rng.random() < 0.5, cluster=isinstance(v.kv_split, int) and rng.random() < 0.3,
+                        mma_pv=rng.random() < 0.2)
+        else:
+            v = Variant(family=family, head_tile=rng.choice(divisors), q_tile=rng.randint(1, 16),
+                        block_n=rng.choice([32, 64, 128]), warps=rng.choice([2, 4, 8, 16]), stages=rng.randint(1, 3),
+                        kv_split=rng.choice(["adaptive", 1, 2, 5, "balanced"]), arch=target,
+                        part16=family == "mma" and rng.random() < 0.5)
+        if is_valid(shape.problem, v):
+            return v
+    return None
+
+
 # A kernel under test: (case, shape, variant or None for the dispatcher's pick) -> (out, lse or None).
 Kernel = Callable[[Case, Shape, Variant | None], tuple[torch.Tensor, torch.Tensor | None]]
 
@@ -210,13 +241,26 @@ def _context_alive() -> bool:
         return False
 
 
+def _outcomes(shape: Shape, variants: Sequence[Variant | None], any_variant: str | None, device: str,
+              kernel: Kernel | None) -> Iterator[Outcome]:
+    """The shape through each variant, then through a random one for any_variant's arch; one by
+    one, so a run can stop after any of them."""
+    for v in variants:
+        yield check(shape, v, device=device, kernel=kernel)
+    if any_variant:
+        v = draw_variant(shape, any_variant)
+        yield (check(shape, v, device=device, kernel=kernel) if v is not None
+               else Outcome(shape, "any", "skip", f"no {any_variant} variant drawn fits this shape"))
+
+
 def fuzz(seeds: Iterable[int], variants: Sequence[Variant | None], space: FuzzSpace = FuzzSpace(), *,
-         budget_s: float | None = None, device: str = "cuda", kernel: Kernel | None = None,
-         alive: Callable[[], bool] | None = None,
+         any_variant: str | None = None, budget_s: float | None = None, device: str = "cuda",
+         kernel: Kernel | None = None, alive: Callable[[], bool] | None = None,
          on_outcome: Callable[[Outcome], None] | None = None) -> Report:
-    """Every seed's shape through every variant (None: the dispatcher's pick), until the seeds or
-    the time budget run out, or a failure leaves the CUDA context unusable. kernel: as in
-    `check`; alive: whether the CUDA context still works after a failure (None: a synchronize
+    """Every seed's shape through every variant (None: the dispatcher's pick), and with
+    any_variant (an arch) through a random variant for that arch too (`draw_variant`), until the
+    seeds or the time budget run out, or a failure leaves the CUDA context unusable. kernel: as
+    in `check`; alive: whether the CUDA context still works after a failure (None: a synchronize
     tells); on_outcome: called with each outcome as it comes (progress, printing)."""
     alive = alive or _context_alive
     report = Report()
@@ -225,9 +269,7 @@ def fuzz(seeds: Iterable[int], variants: Sequence[Variant | None], space: FuzzSp
         if budget_s is not None and time.monotonic() - start > budget_s:
             report.stopped = f"the time budget ran out before seed {seed}"
             break
-        shape = draw(seed, space)
-        for v in variants:
-            outcome = check(shape, v, device=device, kernel=kernel)
+        for outcome in _outcomes(draw(seed, space), variants, any_variant, device, kernel):
             report.outcomes.append(outcome)
             if on_outcome is not None:
                 on_outcome(outcome)

@@ -8,8 +8,9 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
-from mlagen.fuzz import FuzzSpace, Shape, check, draw, fuzz
+from mlagen.fuzz import FuzzSpace, Shape, check, draw, draw_variant, fuzz
 from mlagen.spec import DTYPES, MASKS, parse_variant
+from mlagen.validate import is_valid
 
 runner = CliRunner()
 SMALL = FuzzSpace(heads=(8, 16), max_batch=3, max_seqlen_q=9, max_prefix=300, page_sizes=(16, 64))
@@ -45,6 +46,27 @@ def test_a_narrow_space_is_kept():
     shapes = [draw(seed, SMALL) for seed in range(100)]
     assert {s.heads for s in shapes} <= {8, 16} and {s.page_size for s in shapes} <= {16, 64}
     assert max(s.seqlen_q for s in shapes) <= 9 and max(max(s.prefixes) for s in shapes) <= 300
+
+
+def test_a_random_variant_is_valid_for_its_shape_and_reaches_every_knob():
+    shapes = [draw(seed) for seed in range(300)]
+    hopper = [draw_variant(s, "sm_90") for s in shapes]
+    assert hopper == [draw_variant(s, "sm_90") for s in shapes]
+    assert all(v is not None and is_valid(s.problem, v) for s, v in zip(shapes, hopper, strict=True))
+    assert {v.family for v in hopper} == {"naive", "flash", "mma"} and {v.arch for v in hopper} == {"sm_90", "sm_90a"}
+    for knob in ("tma", "seesaw", "cluster", "part16", "mma_pv"):
+        assert any(getattr(v, knob) for v in hopper), knob
+    assert any(v.kv_split == "balanced" for v in hopper) and any(v.kv_split == "adaptive" for v in hopper)
+    ampere = [draw_variant(s, "sm_80") for s in shapes[:100]]
+    assert {v.arch for v in ampere} == {"sm_80"}
+    assert all(is_valid(s.problem, v) for s, v in zip(shapes[:100], ampere, strict=True))
+
+
+def test_any_variant_adds_a_random_variant_to_every_shape():
+    report = fuzz(range(6), [None], SMALL, any_variant="sm_90", device="cpu", kernel=_reference_kernel)
+    assert [o.variant == "dispatch" for o in report.outcomes] == [True, False] * 6
+    assert all(o.status == "ok" for o in report.outcomes)
+    assert [o.variant for o in report.outcomes[1::2]] == [draw_variant(draw(i, SMALL), "sm_90").name for i in range(6)]
 
 
 @pytest.mark.parametrize("field,value,expected", [
@@ -122,7 +144,7 @@ def test_a_lost_cuda_context_stops_the_run_at_that_seed():
     (["--max-seqlen-q", "0"], "--max-seqlen-q: got 0"),
     (["--cases", "0"], "--cases: got 0"),
     (["--minutes", "0"], "--minutes: got 0"),
-    (["--no-dispatch"], "at least one --variant"),
+    (["--no-dispatch"], "expected --variant or --any-variant"),
     (["--variant", "mma_bogus"], "--variant"),
 ])
 def test_fuzz_options_fail_before_any_gpu_work(args, message):
@@ -143,3 +165,11 @@ def test_fuzz_runs_clean_on_this_gpu():
                                  "--variant", "mma_ht8_qt4_bn64_w4_st2_sp3_sm90"])
     assert result.exit_code == 0, result.output
     assert "dispatch" in result.output and "mma_ht8_qt4_bn64_w4_st2_sp3_sm90" in result.output
+
+
+@pytest.mark.gpu
+def test_fuzz_any_variant_runs_clean_on_this_gpu():
+    """Random variants of the whole DSL for this GPU (they compile on first use)."""
+    result = runner.invoke(app, ["fuzz", "--cases", "4", "--max-prefix", "2000", "--no-dispatch", "--any-variant"])
+    assert result.exit_code == 0, result.output
+    assert "any" in result.output or "_sm" in result.output
