@@ -2,9 +2,9 @@
 
 Each seed draws one shape (batch, draft length S, heads, ragged prefixes with empty requests,
 page size, mask, dtype, lse) from a `FuzzSpace`; the same seed and space always give the same
-shape, so a failure replays from its seed. Every shape runs through the dispatcher's pick and
-any named variants, on poisoned outputs and workspaces, and is compared with the fp64 reference
-(`mlagen.testing.mismatch`).
+shape, so a failure replays from its seed. Every shape runs through the dispatcher's pick, any
+named variants and, when asked, a random variant (`draw_variant`), on poisoned outputs and
+workspaces, and is compared with the fp64 reference (`mlagen.testing.mismatch`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from .arch import specializations
 from .spec import DTYPES, MASKS, Problem, Variant, naive
 from .testing import Case, make_case, mismatch, poison_allocator, poisoned_out
 from .validate import SpecError, is_valid, validate
+from .workload import TORCH_DTYPES
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Prefix ceilings a shape draws its requests' prefixes under: empty caches, a tile, a few
 # pages, a long context and the space's maximum.
 _PREFIX_TOPS = (0, 64, 700, 5000)
