@@ -336,8 +336,8 @@ def fuzz(
     given = {"heads": heads, "max_batch": max_batch, "max_seqlen_q": max_seqlen_q, "max_prefix": max_prefix,
              "page_sizes": page_size, "masks": mask, "dtypes": dtype}
     defaults = FuzzSpace()
-    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}
-    changed = {k: v for k, v in given.items() if v != getattr(defaults, k)}
+    changed = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}
+    changed = {k: v for k, v in changed.items() if v != getattr(defaults, k)}
     try:
         space = FuzzSpace(**changed)
     except ValueError as e:
@@ -381,7 +381,7 @@ def fuzz(
     out = Table(title=f"mlagen fuzz: seeds {seed}..{seed + cases - 1} on {device_arch}")
     for col in ("kernel", "ok", "skipped", "failed"):
         out.add_column(col)
-    for name in dict.fromkeys(o.variant for o in report.outcomes):
+    for name in dict.fromkeys(o.kernel for o in report.outcomes):   # random variants in one row
         failed = report.count("fail", name)
         out.add_row(name, str(report.count("ok", name)), str(report.count("skip", name)),
                     f"[red]{failed}[/red]" if failed else "0")

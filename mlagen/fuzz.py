@@ -9,6 +9,7 @@ workspaces, and is compared with the fp64 reference (`mlagen.testing.mismatch`).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -193,6 +194,12 @@ class Outcome:
     variant: str            # a variant name, or "dispatch"
     status: str
     message: str = ""
+    drawn: bool = False     # the variant is a random one (`draw_variant`)
+
+    @property
+    def kernel(self) -> str:
+        """What a summary counts it under: the variant's name, "dispatch", or "random variants"."""
+        return "random variants" if self.drawn else self.variant
 
 
 def check(shape: Shape, variant: Variant | None, *, device: str = "cuda", kernel: Kernel | None = None,
@@ -222,10 +229,9 @@ class Report:
     outcomes: list[Outcome] = field(default_factory=list)
     stopped: str | None = None
 
-    def count(self, status: str, variant: str | None = None) -> int:
-        """Outcomes with this status ("ok", "skip" or "fail"), of one kernel if `variant` (a
-        variant name or "dispatch")."""
-        return sum(o.status == status and variant in (None, o.variant) for o in self.outcomes)
+    def count(self, status: str, kernel: str | None = None) -> int:
+        """Outcomes with this status ("ok", "skip" or "fail"), under one `Outcome.kernel` if given."""
+        return sum(o.status == status and kernel in (None, o.kernel) for o in self.outcomes)
 
     @property
     def failures(self) -> list[Outcome]:
@@ -249,8 +255,8 @@ def _outcomes(shape: Shape, variants: Sequence[Variant | None], any_variant: str
         yield check(shape, v, device=device, kernel=kernel)
     if any_variant:
         v = draw_variant(shape, any_variant)
-        yield (check(shape, v, device=device, kernel=kernel) if v is not None
-               else Outcome(shape, "any", "skip", f"no {any_variant} variant drawn fits this shape"))
+        yield (dataclasses.replace(check(shape, v, device=device, kernel=kernel), drawn=True) if v is not None
+               else Outcome(shape, "any", "skip", f"no {any_variant} variant drawn fits this shape", drawn=True))
 
 
 def fuzz(seeds: Iterable[int], variants: Sequence[Variant | None], space: FuzzSpace = FuzzSpace(), *,

@@ -67,6 +67,8 @@ def test_any_variant_adds_a_random_variant_to_every_shape():
     assert [o.variant == "dispatch" for o in report.outcomes] == [True, False] * 6
     assert all(o.status == "ok" for o in report.outcomes)
     assert [o.variant for o in report.outcomes[1::2]] == [draw_variant(draw(i, SMALL), "sm_90").name for i in range(6)]
+    assert all(o.drawn for o in report.outcomes[1::2]) and not any(o.drawn for o in report.outcomes[::2])
+    assert (report.count("ok", "random variants"), report.count("ok", "dispatch")) == (6, 6)
 
 
 @pytest.mark.parametrize("field,value,expected", [
