@@ -2,6 +2,7 @@
 its options; on a GPU, a short run of the real thing."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -162,16 +163,19 @@ def test_fuzz_needs_a_gpu():
 
 @pytest.mark.gpu
 def test_fuzz_runs_clean_on_this_gpu():
-    """A short run of the real thing: the dispatcher's pick and a fixed-split mma variant."""
-    result = runner.invoke(app, ["fuzz", "--cases", "8", "--max-prefix", "3000",
-                                 "--variant", "mma_ht8_qt4_bn64_w4_st2_sp3_sm90"])
-    assert result.exit_code == 0, result.output
-    assert "dispatch" in result.output and "mma_ht8_qt4_bn64_w4_st2_sp3_sm90" in result.output
+    """A short run of the real thing: the dispatcher's pick and a fixed-split mma variant on
+    every shape, each shape compared with the reference."""
+    name = "mma_ht8_qt4_bn64_w4_st2_sp3_sm90"
+    report = fuzz(range(8), [None, parse_variant(name)], FuzzSpace(max_prefix=3000))
+    assert report.stopped is None and len(report.outcomes) == 16
+    assert report.count("ok", "dispatch") == 8, [o.message for o in report.outcomes if o.status != "ok"]
+    assert report.count("fail", name) == 0 and report.count("ok", name) >= 1
 
 
 @pytest.mark.gpu
 def test_fuzz_any_variant_runs_clean_on_this_gpu():
-    """Random variants of the whole DSL for this GPU (they compile on first use)."""
+    """Random variants of the whole DSL for this GPU (they compile on first use), through the CLI:
+    every seed passes and the summary counts them in one row."""
     result = runner.invoke(app, ["fuzz", "--cases", "4", "--max-prefix", "2000", "--no-dispatch", "--any-variant"])
     assert result.exit_code == 0, result.output
-    assert "any" in result.output or "_sm" in result.output
+    assert re.search(r"random variants\s*│\s*4\s*│\s*0\s*│\s*0\s*│", result.output), result.output
