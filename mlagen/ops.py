@@ -14,6 +14,7 @@ fp32 tensor unless return_lse. `verify_attention_op` below hides that and also t
 
 import torch
 
+from .inputs import key_bound
 from .runtime import verify_attention
 from .spec import Variant, parse_variant
 
@@ -74,6 +75,10 @@ def verify_attention_op(
     variant name (e.g. "flash_ht8_qt8_bn32_w8_st2_spa_sm90"), there is no `out=` (custom ops
     return fresh tensors) and no `check_values` (MLAGEN_CHECK_VALUES still applies eagerly).
     """
+    if max_seqlen_k is not None:
+        # checked before the op: its schema turns a bool into an int and refuses a str or a
+        # float with an error of torch's that does not name the argument
+        key_bound(max_seqlen_k)
     name = variant.name if isinstance(variant, Variant) else variant
     out, lse = torch.ops.mlagen.verify_attention(q, kv_cache, block_table, cache_seqlens,
                                                  softmax_scale, causal, tree_mask, return_lse, name,

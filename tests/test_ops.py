@@ -62,3 +62,13 @@ def test_compile_fullgraph_traces_the_op():
     (gm,) = graphs
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and "mlagen" in str(n.target)]
     assert len(calls) == 1 and "verify_attention" in str(calls[0].target)
+
+
+@pytest.mark.parametrize("bad", [-1, "4096", 4096.0, True])
+def test_op_names_a_bad_max_seqlen_k_before_the_op_sees_it(bad):
+    # The op's schema would turn True into 1 and refuse a str or float with torch's own error.
+    q = torch.zeros(1, 2, 8, 576, dtype=torch.bfloat16)
+    with pytest.raises(mlagen.InputError, match=f"^max_seqlen_k: got {bad!r}, expected None or an int >= 0"):
+        mlagen.verify_attention_op(q, torch.zeros(4, 64, 576, dtype=torch.bfloat16),
+                                   torch.zeros(1, 4, dtype=torch.int32), torch.full((1,), 10, dtype=torch.int32),
+                                   max_seqlen_k=bad)

@@ -8,7 +8,10 @@ GPU mlagen targets (sm_80, sm_89, sm_90, sm_120), with any power-of-two page siz
 schedules its own work, so `get_mla_metadata` returns small placeholders of FlashMLA's types
 and `flash_mla_with_kvcache` ignores them. What FlashMLA offers and mlagen does not (sparse
 attention through `indices`, fp8 KV caches) raises NotImplementedError. For draft-tree masks,
-which FlashMLA lacks, call `mlagen.verify_attention(..., tree_mask=...)` directly.
+which FlashMLA lacks, call `mlagen.verify_attention(..., tree_mask=...)` directly. One mlagen
+extension, keyword-only so FlashMLA's positional calls are unchanged: `flash_mla_with_kvcache(...,
+max_seqlen_k=n)`, a host bound on `cache_seqlens` that plans the kernel for n keys instead of
+the block table's capacity.
 
 Calls go through the `mlagen::verify_attention` custom op, so they trace under torch.compile.
 """
@@ -47,6 +50,10 @@ def get_mla_metadata(
         num_heads_q, is_fp8_kvcache, topk: as in FlashMLA; fp8 and sparse (topk) raise
             NotImplementedError.
 
+    The metadata carry no length bound: they live on cache_seqlens' device, and reading one
+    back in every layer's call would be a host sync, which neither FlashMLA nor mlagen does.
+    Pass the bound to `flash_mla_with_kvcache(..., max_seqlen_k=)` instead.
+
     Returns:
         (tile_scheduler_metadata [1, 8] int32, num_splits [B+1] int32), zeros on
         cache_seqlens' device.
@@ -75,6 +82,8 @@ def flash_mla_with_kvcache(
     causal: bool = False,
     is_fp8_kvcache: bool = False,
     indices: torch.Tensor | None = None,
+    *,
+    max_seqlen_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's dense decode attention, computed by mlagen.
 
@@ -90,6 +99,13 @@ def flash_mla_with_kvcache(
         causal: FlashMLA's default False (every valid key visible); True: query i sees the
             prefix and query tokens 0..i.
         is_fp8_kvcache, indices: fp8 KV and sparse attention raise NotImplementedError.
+        max_seqlen_k: mlagen's extension, keyword-only: optional host int, a bound on
+            cache_seqlens (engines keep one per step; FlashMLA has no such argument). The
+            kernel, its split and its table entry are then chosen for that many keys (rounded
+            up: at most 19% more, at least 64) instead of for the block table's capacity,
+            block_table.shape[1] * page_block_size, which engines size for the longest context.
+            A request longer than the bound still runs correctly, on a plan made for fewer
+            keys. Not an int >= 0: mlagen.InputError, before anything is launched.
 
     Returns:
         (out [B, S, H, head_dim_v] in q's dtype, lse [B, H, S] fp32, natural log). FlashMLA's
@@ -101,6 +117,7 @@ def flash_mla_with_kvcache(
         _unsupported("sparse attention (indices)")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out, lse = verify_attention_op(q, k_cache, block_table, cache_seqlens, softmax_scale=scale,
-                                   causal=causal, return_lse=True, head_dim_v=head_dim_v)
+                                   causal=causal, return_lse=True, head_dim_v=head_dim_v,
+                                   max_seqlen_k=max_seqlen_k)
     # mlagen marks an empty row with lse = -inf; FlashMLA with +inf.
     return out, lse.masked_fill(lse == -math.inf, math.inf)
