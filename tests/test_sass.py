@@ -297,3 +297,28 @@ def test_seesaw_trace_boundaries_follow_a_segment_end_to_the_next_k0():
     assert len(steps) == len(trace_seesaw.BOUNDARY) + 1
     assert got[steps[0]] == [0.2] and all(got[k] == [0.1] for k in steps[1:-1])   # 400, then 200 cycles
     assert got[steps[-1]] == [(9000 - 5800) / 2000]
+
+
+@pytest.mark.parametrize("heads,seqlen_q", [(8, 9), (16, 4)])
+def test_transposed_probe_compiles_without_spills_or_serialized_wgmmas(heads, seqlen_q):
+    """benchmarks/transposed_probe.py (NOTES, session 14): its kernel for 72 and 64 rows fits the
+    registers, and ptxas keeps its wgmmas asynchronous. Its first version waited after every
+    wgmma (175 against 146 µs on the H200) until the warpgroup's branch took its index through a
+    lane-0 broadcast; ptxas's log said nothing either way, so the SASS is counted."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import transposed_probe
+
+    from mlagen.compiler import compile_source
+
+    module = compile_source(transposed_probe.source(heads, seqlen_q), f"tprobe_{heads}_{seqlen_q}", "sm_90a")
+    assert all(not r.spills and r.stack_frame == 0 for r in module.resources.values()), module.resources
+    assert "C7510" not in module.log and "serialized" not in module.log, module.log
+    _needs_nvdisasm()
+    # one wait for the scores and one for P.V, per warpgroup's path: ptxas's log says nothing when
+    # it serializes, the SASS then has a wait after every wgmma
+    assert sass.disassemble(module.cubin, "probe", "sm_90a").count("WARPGROUP.DEPBAR") == 4
+    with pytest.raises(AssertionError, match="rows 80"):
+        transposed_probe.source(16, 5)
