@@ -66,6 +66,8 @@ struct __align__(64) Params {
   long long* trace;        // [blocks][2 warpgroups][8]: clock64 cycles per phase, summed over tiles
   int max_pages, L, splits;
   float scale_log2;
+  const __nv_bfloat16* kv;  // [pages][64][576], for the seesaw's cp.async loads
+  const __nv_bfloat16* q;   // [B][N][576]
 };
 constexpr int N = NROWS, H = NHEADS, S = NPOS, DL = 512, BN = 64;
 constexpr int Q_BYTES = 9 * N * 128, STAGE_BYTES = 9 * BN * 128;
@@ -323,10 +325,311 @@ extern "C" __global__ void __launch_bounds__(256, 1) probe(const __grid_constant
 }
 """
 
+SEESAW = r"""
+// ---- the seesaw: tiles in pairs, A (even) in stage 0 scored by warpgroup 0, B (odd) in stage 1
+// scored by warpgroup 1; P.V of both tiles by both warpgroups, value dims split 256 + 256.
+// Shared memory: [Q][stage 0 value blocks][rope 0][1 KB #0][1 KB #1][rope 1][stage 1 value
+// blocks], the whole 232,448 bytes for 72 rows. P^T of A is rope 0 + #0, of B #1 + rope 1
+// (K-major [column][64 keys]). A warpgroup's column maxima go through its tile's rope block; the
+// running max goes from one warpgroup to the other through #0 (m_A) and #1 (m_B) before P^T is
+// written there. Loads by cp.async (no room for mbarriers), each stage by the warpgroup that
+// scores it. Hand-offs by named barriers.
+constexpr int S0 = Q_BYTES, ROPE0 = S0 + 8 * 8192, O0 = S0 + 9 * 8192, O1 = O0 + 1024, ROPE1 = O1 + 1024,
+              S1V = ROPE1 + 8192, SMEM_SS = S1V + 8 * 8192;
+enum { WG0 = 1, WG1 = 2, MA = 3, ACKA = 4, PA = 5, MB = 6, ACKB = 7, PB = 8, FREE0 = 9, FREE1 = 10 };
+__device__ __forceinline__ unsigned ss_block(unsigned base, int st, int c) {
+  return base + (st == 0 ? (c == 8 ? ROPE0 : S0 + c * 8192) : (c == 8 ? ROPE1 : S1V + c * 8192));
+}
+__device__ __forceinline__ void nsync(int id, int n) { asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void narrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void cp16(unsigned dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ unsigned pack(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<unsigned*>(&v);
+}
+// Tile kb of request b into stage st by one warpgroup's 128 threads; a tile past kb1 is zeros.
+__device__ __forceinline__ void ss_load(const Params& p, unsigned base, int st, int b, int kb, int kb1, int wt) {
+  const bool live = kb < kb1;
+  const int page = live ? p.table[b * p.max_pages + kb] : 0, sub = wt % 8;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int row = wt / 8 + 16 * k;
+    const char* src = reinterpret_cast<const char*>(p.kv + ((size_t)page * 64 + row) * 576) + sub * 16;
+    const unsigned off = row * 128 + (((sub ^ row) & 7) << 4);
+#pragma unroll
+    for (int c = 0; c < 9; ++c) cp16(ss_block(base, st, c) + off, src + c * 128, live ? 16 : 0);
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 
-def source(heads: int, seqlen_q: int, pipelined: bool = False) -> str:
+template <int ME>
+__device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, int kb0, int kb1, long long start) {
+  const int wt = threadIdx.x % 128, w = wt / 32, l = wt % 32;
+  float o[4][N / 2];                      // O^T, value dims [256 ME, +256) x the N columns
+  float m[N / 8][2], lsum[N / 8][2];      // running max (the same in both warpgroups); own sums
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) o[i][k] = 0.f;
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) { m[j][0] = m[j][1] = -INFINITY; lsum[j][0] = lsum[j][1] = 0.f; }
+  auto factor = [](float a, float bb) { return a == -INFINITY ? 0.f : exp2f(a - bb); };   // bb >= a
+  auto rescale = [&](float (*f)[2]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int k = 0; k < N / 2; ++k) o[i][k] *= f[k / 4][k % 2];
+  };
+  // P.V of the tile in stage st: this warpgroup's 4 value blocks, B = that tile's P^T
+  auto pv = [&](int st, bool wait = true) {
+    const unsigned pt = base + (st == 0 ? ROPE0 : O1);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        PV(o[i], desc(ss_block(base, st, 4 * ME + i) + ks * 2048, BN * 128, 1024), desc(pt + ks * 32, 16, 1024), 1);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    if (wait) asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  };
+  long long ph[6] = {0, 0, 0, 0, 0, 0}, t0 = clock64(), t1;
+  const long long loop_start = t0;
+  const int pairs = (kb1 - kb0 + 1) / 2;
+  float* mx_other = reinterpret_cast<float*>(smem + (ME == 0 ? O1 : O0));   // the other's new max
+  float* mx_mine = reinterpret_cast<float*>(smem + (ME == 0 ? O0 : O1));
+  __nv_bfloat16* pm = reinterpret_cast<__nv_bfloat16*>(smem + (ME == 0 ? ROPE0 : ROPE1));
+  for (int pi = 0; pi < pairs; ++pi) {
+    const int kb = kb0 + 2 * pi + ME;
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    nsync(WG0 + ME, 128);                                 // this warpgroup's tile has landed
+    STAMP(0)
+    float s[N / 2];
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int c = 0; c < 9; ++c)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        SC(s, desc(ss_block(base, ME, c) + ks * 32, 16, 1024), desc(base + c * N * 128 + ks * 32, 16, 1024), c + ks > 0);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    // f: the running max before this tile -> after it (warpgroup 1: m_A -> m_B; its m_Bprev ->
+    // m_A goes into O_R and the sums as soon as m_A is read: O_R has no wgmma in flight then)
+    float f[N / 8][2];
+    if constexpr (ME == 1) {
+      nsync(MA, 256);                                     // m_A is in #0
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float ma = mx_other[8 * j + 2 * (l % 4) + e];
+          f[j][e] = factor(m[j][e], ma);
+          lsum[j][e] *= f[j][e];
+          m[j][e] = ma;
+        }
+      narrive(ACKA, 256);
+      rescale(f);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    STAMP(1)
+    const int key0 = kb * BN + 16 * w + l / 4;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * (l % 4) + e, lim = kb < kb1 ? p.L - S + col / H : -1;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float& x = s[4 * j + 2 * h + e];
+          x = key0 + 8 * h <= lim ? x * p.scale_log2 : -INFINITY;
+        }
+        float mx = fmaxf(s[4 * j + e], s[4 * j + 2 + e]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        if (l < 4) pm[w * N + col] = __float2bfloat16_ru(mx);
+      }
+    nsync(WG0 + ME, 128);                                 // the warps' column maxima
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+      const int col = 8 * j + 2 * (l % 4);
+      float tm[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int ww = 0; ww < 4; ++ww) {
+        const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(pm + ww * N + col);
+        tm[0] = fmaxf(tm[0], __bfloat162float(v.x));
+        tm[1] = fmaxf(tm[1], __bfloat162float(v.y));
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float mn = fmaxf(m[j][e], tm[e]);
+        f[j][e] = factor(m[j][e], mn);
+        m[j][e] = mn;
+      }
+    }
+    if (w == 0 && l < 4) {                                // hand the new max over
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j) { mx_mine[8 * j + 2 * l] = m[j][0]; mx_mine[8 * j + 2 * l + 1] = m[j][1]; }
+    }
+    narrive(ME == 0 ? MA : MB, 256);
+    // P = exp2(s - m); own sums, relative to m
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float mm = m[j][e] == -INFINITY ? 0.f : m[j][e];
+        const float p0 = exp2f(s[4 * j + e] - mm), p1 = exp2f(s[4 * j + 2 + e] - mm);
+        s[4 * j + e] = p0;
+        s[4 * j + 2 + e] = p1;
+        lsum[j][e] = lsum[j][e] * f[j][e] + p0 + p1;
+      }
+    STAMP(2)
+    nsync(ME == 0 ? ACKA : ACKB, 256);                    // the other warpgroup has read the max
+    {                                                     // P^T, K-major, by stmatrix.trans
+      const unsigned pt = base + (ME == 0 ? ROPE0 : O1);
+      const int mi = l / 8, r = l % 8;
+#pragma unroll
+      for (int j = 0; j + 1 < N / 8; j += 2) {
+        const int col = 8 * (j + mi / 2) + r, chunk = 2 * w + mi % 2;
+        const unsigned addr = pt + col * 128 + (((chunk ^ col) & 7) << 4);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                     :: "r"(addr), "r"(pack(s[4 * j], s[4 * j + 1])), "r"(pack(s[4 * j + 2], s[4 * j + 3])),
+                        "r"(pack(s[4 * j + 4], s[4 * j + 5])), "r"(pack(s[4 * j + 6], s[4 * j + 7])) : "memory");
+      }
+      if constexpr (N / 8 % 2 == 1) {
+        constexpr int j = N / 8 - 1;
+        const int col = 8 * j + r, chunk = 2 * w + (mi % 2);
+        const unsigned addr = pt + col * 128 + (((chunk ^ col) & 7) << 4);
+        asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n"
+                     :: "r"(addr), "r"(pack(s[4 * j], s[4 * j + 1])), "r"(pack(s[4 * j + 2], s[4 * j + 3])) : "memory");
+      }
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    narrive(ME == 0 ? PA : PB, 256);
+    STAMP(3)
+    if constexpr (ME == 0) {
+      // O_L: up to m_A, + P_A V_A; m_B from warpgroup 1; up to m_B, + P_B V_B
+      rescale(f);
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+          PV(o[i], desc(ss_block(base, 0, i) + ks * 2048, BN * 128, 1024), desc(base + ROPE0 + ks * 32, 16, 1024), 1);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      nsync(MB, 256);
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float mb = mx_other[8 * j + 2 * (l % 4) + e];
+          f[j][e] = factor(m[j][e], mb);
+          lsum[j][e] *= f[j][e];
+          m[j][e] = mb;
+        }
+      narrive(ACKB, 256);
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      STAMP(4)
+      rescale(f);
+      nsync(PB, 256);
+      pv(1, false);
+      nsync(FREE0, 256);                                  // stage 0 reloads while P_B V_B runs
+      if (pi + 1 < pairs) ss_load(p, base, 0, b, kb + 2, kb1, wt);
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      narrive(FREE1, 256);
+    } else {
+      nsync(PA, 256);
+      STAMP(4)
+      pv(0);
+      narrive(FREE0, 256);
+      rescale(f);                                         // m_A -> m_B
+      pv(1);
+      nsync(FREE1, 256);
+      if (pi + 1 < pairs) ss_load(p, base, 1, b, kb + 2, kb1, wt);
+    }
+    STAMP(5)
+  }
+  const long long loop_end = clock64();
+  __syncthreads();                                        // every wgmma and copy is done: reuse the stages
+  float* red = reinterpret_cast<float*>(smem + S0);       // [8 warps][N] column sums
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = lsum[j][e];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (l < 4) red[(4 * ME + w) * N + 8 * j + 2 * l + e] = v;
+    }
+  __syncthreads();
+  const int slot = b * p.splits + blockIdx.x;
+  if (ME == 0 && w == 0 && l < 4) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * l + e;
+        float sum = 0.f;
+        for (int ww = 0; ww < 8; ++ww) sum += red[ww * N + col];
+        p.stats[(slot * 2) * N + col] = m[j][e];
+        p.stats[(slot * 2 + 1) * N + col] = sum;
+      }
+  }
+  float* part = p.part + (size_t)slot * N * DL;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) {
+      const int dim = (4 * ME + i) * 64 + 16 * w + l / 4 + 8 * ((k >> 1) & 1), col = 8 * (k >> 2) + 2 * (l % 4) + (k & 1);
+      part[col * DL + dim] = o[i][k];
+    }
+  __syncwarp();
+  if (wt == 0) {
+    long long* tr = p.trace + ((blockIdx.y * gridDim.x + blockIdx.x) * 2 + ME) * 12;
+    for (int k = 0; k < 6; ++k) tr[k] = ph[k];
+    tr[6] = 2 * pairs;
+    tr[7] = loop_start - start;
+    tr[8] = loop_end - loop_start;
+    tr[9] = clock64() - loop_end;
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    tr[10] = smid;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) probe(const __grid_constant__ Params p) {
+  const unsigned base = (unsigned)__cvta_generic_to_shared(smem);
+  const int b = blockIdx.y, tiles = (p.L + BN - 1) / BN;
+  const int kb0 = blockIdx.x * tiles / p.splits, kb1 = (blockIdx.x + 1) * tiles / p.splits;
+  const long long start = clock64();
+  for (int id = threadIdx.x; id < N * 72; id += 256) {    // Q: N rows x 9 blocks x 8 chunks
+    const int row = id / 72, blk = id % 72 / 8, sub = id % 8;
+    cp16(base + blk * N * 128 + row * 128 + (((sub ^ row) & 7) << 4), p.q + ((size_t)b * N + row) * 576 + blk * 64 + sub * 8, 16);
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  const int me = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  if (kb0 < kb1) ss_load(p, base, me, b, kb0 + me, kb1, threadIdx.x % 128);
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // the copies -> wgmma reads
+  __syncthreads();                                        // Q from every thread's copies
+  if (me == 0) ss_run<0>(p, base, b, kb0, kb1, start);
+  else ss_run<1>(p, base, b, kb0, kb1, start);
+}
+"""
+
+
+def source(heads: int, seqlen_q: int, schedule: str = "lockstep") -> str:
+    """The probe's CUDA source for H x S rows; schedule: lockstep, pipelined or seesaw."""
     n = heads * seqlen_q
     assert n % 8 == 0 and 8 < n <= 72, f"rows {n}: a multiple of 8 up to 72 (shared memory)"
+    if schedule == "seesaw":
+        head = HEAD.replace("NROWS", str(n)).replace("NHEADS", str(heads)).replace("NPOS", str(seqlen_q))
+        fns = _wgmma("sc", n, 0, 0) + _wgmma("pvw", n, 1, 0)
+        body = SEESAW.replace("SC(", "sc(").replace("PV(", "pvw(")
+        stamp = "#define STAMP(k) t1 = clock64(); ph[k] += t1 - t0; t0 = t1;\n"
+        return f"#define NROWS {n}\n" + head + "constexpr int N0 = 0;\n" + fns + stamp + body
     n0 = -(-n // 16) * 8                     # warpgroup 0's score columns
     fns = _wgmma("score0", n0, 0, 0) + _wgmma("score1", n - n0, 0, 0) + _wgmma("pv", n, 1, 0)
     body = BODY.replace("SCORE(", "score_for<NW>(").replace("PV(", "pv(")
@@ -334,7 +637,7 @@ def source(heads: int, seqlen_q: int, pipelined: bool = False) -> str:
             "unsigned long long b, int acc) {\n"
             "  if constexpr (NW == N0) score0(d, a, b, acc); else score1(d, a, b, acc);\n}\n")
     head = HEAD.replace("NROWS", str(n)).replace("NHEADS", str(heads)).replace("NPOS", str(seqlen_q))
-    defines = f"#define NROWS {n}\n#define PIPE {int(pipelined)}\n"
+    defines = f"#define NROWS {n}\n#define PIPE {int(schedule == 'pipelined')}\n"
     return defines + head + f"constexpr int N0 = {n0};\n" + fns + pick + body
 
 
@@ -353,11 +656,16 @@ def _timed(call, reps: int = 20) -> float:
     return float(np.median(times))
 
 
-def _phases(trace: torch.Tensor) -> str:
-    """The clock64 stamps in µs at 1.98 GHz (the SM clock may run lower: compare, don't add)."""
+PHASES = {"lockstep": ("wait tile", "wait scores", "maxima", "P^T", "P.V", "release"),
+          "seesaw": ("own tile landed", "scores (+ m_A)", "softmax", "P^T", "P.V 1 (+ hand-offs)", "P.V 2, load")}
+
+
+def _phases(trace: torch.Tensor, schedule: str) -> str:
+    """The clock64 stamps in µs at 1.98 GHz (the SM clock may run lower: compare, don't add);
+    the seesaw's are per pair, divided by two."""
     tiles = trace[:, :, 6].double().clamp(min=1)
     per = (trace[:, :, :6].double() / tiles[..., None]).mean(0) / 1980
-    names = ("wait tile", "wait scores", "maxima", "P^T", "P.V", "release")
+    names = PHASES["lockstep" if schedule == "pipelined" else schedule]
     lines = []
     for wg in range(2):
         phases = ", ".join(f"{k} {v:.2f}" for k, v in zip(names, per[wg].tolist(), strict=True))
@@ -372,6 +680,9 @@ def _phases(trace: torch.Tensor) -> str:
         lines.append(f"  {name} blocks (SM, loop µs, tile waits µs): " + ", ".join(
             f"({int(trace[k, 0, 10])}, {loop[k].item():.0f}, {wait[k].item():.0f})" for k in idx.tolist()))
     return "\n".join(lines)
+
+
+SCHEDULES = os.environ.get("PROBE_SCHEDULES", "lockstep,seesaw").split(",")
 
 
 def main() -> None:
@@ -410,18 +721,20 @@ def main() -> None:
     params += np.array(pointers, dtype=np.uint64).tobytes()
     params += np.array([pages, length, splits], dtype=np.int32).tobytes()
     params += np.array([scale * math.log2(math.e)], dtype=np.float32).tobytes()
+    params += np.array([kv.data_ptr(), q.data_ptr()], dtype=np.uint64).tobytes()
     buf = ctypes.create_string_buffer(len(params) + 128)
     addr = (ctypes.addressof(buf) + 63) // 64 * 64               # the tensor maps want 64-byte alignment
     ctypes.memmove(addr, params, len(params))
     argv = (ctypes.c_void_p * 1)(addr)
-    smem = 9 * n * 128 + 2 * 9 * 64 * 128 + 1024 + 4 * n * 2 + 24
-    for pipelined in (False, True):
-        mod = cp.RawModule(code=source(heads, seqlen_q, pipelined), options=("-arch=sm_90a", "-std=c++17"),
+    for schedule in SCHEDULES:
+        # the seesaw: Q, two stages, two 1 KB blocks; the others also hold maxima and mbarriers
+        smem = 9 * n * 128 + 2 * 9 * 64 * 128 + (2048 if schedule == "seesaw" else 1024 + 4 * n * 2 + 24)
+        mod = cp.RawModule(code=source(heads, seqlen_q, schedule), options=("-arch=sm_90a", "-std=c++17"),
                            jitify=False)
         fn = mod.get_function("probe")
         fn.max_dynamic_shared_size_bytes = smem
 
-        def launch(fn=fn) -> None:
+        def launch(fn=fn, smem=smem) -> None:
             driver.launchKernel(fn.kernel.ptr, splits, batch, 1, 256, 1, 1, smem,
                                 torch.cuda.current_stream().cuda_stream, ctypes.addressof(argv), 0)
 
@@ -432,9 +745,9 @@ def main() -> None:
         w = torch.exp2(stats[:, :, 0].double() - stats[:, :, 0].double().amax(1, keepdim=True))   # [B, splits, n]
         got = ((part.double() * w[..., None]).sum(1) / (stats[:, :, 1].double() * w).sum(1)[..., None])
         err = ((got.view(batch, seqlen_q, heads, 512) - ref).norm() / ref.norm()).item()
-        report.append(f"probe, {'pipelined' if pipelined else 'lockstep'}: {_timed(launch):.1f} µs (split blocks only, "
+        report.append(f"probe, {schedule}: {_timed(launch):.1f} µs (split blocks only, "
                       f"no merge), error {err:.1e}, registers {fn.num_regs}, local {fn.local_size_bytes} B, "
-                      f"{smem} B shared\n{_phases(trace)}")
+                      f"{smem} B shared\n{_phases(trace, schedule)}")
     text = "\n".join(report)
     print(text)
     with open(os.path.join(os.environ.get("OUT", "."), "transposed_probe.txt"), "a") as f:
