@@ -340,8 +340,12 @@ enum { WG0 = 1, WG1 = 2, MA = 3, ACKA = 4, PA = 5, MB = 6, ACKB = 7, PB = 8, FRE
 __device__ __forceinline__ unsigned ss_block(unsigned base, int st, int c) {
   return base + (st == 0 ? (c == 8 ? ROPE0 : S0 + c * 8192) : (c == 8 ? ROPE1 : S1V + c * 8192));
 }
-__device__ __forceinline__ void nsync(int id, int n) { asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void narrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void nsync(int id, int n) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void narrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(n) : "memory");
+}
 __device__ __forceinline__ void cp16(unsigned dst, const void* src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
 }
@@ -412,7 +416,8 @@ __device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, in
     for (int c = 0; c < 9; ++c)
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks)
-        SC(s, desc(ss_block(base, ME, c) + ks * 32, 16, 1024), desc(base + c * N * 128 + ks * 32, 16, 1024), c + ks > 0);
+        SC(s, desc(ss_block(base, ME, c) + ks * 32, 16, 1024), desc(base + c * N * 128 + ks * 32, 16, 1024),
+           c + ks > 0);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     // f: the running max before this tile -> after it (warpgroup 1: m_A -> m_B; its m_Bprev ->
     // m_A goes into O_R and the sums as soon as m_A is read: O_R has no wgmma in flight then)
@@ -582,8 +587,8 @@ __device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, in
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int k = 0; k < N / 2; ++k) {
-      const int dim = (4 * ME + i) * 64 + 16 * w + l / 4 + 8 * ((k >> 1) & 1), col = 8 * (k >> 2) + 2 * (l % 4) + (k & 1);
-      part[col * DL + dim] = o[i][k];
+      const int dim = (4 * ME + i) * 64 + 16 * w + l / 4 + 8 * ((k >> 1) & 1);
+      part[(8 * (k >> 2) + 2 * (l % 4) + (k & 1)) * DL + dim] = o[i][k];
     }
   __syncwarp();
   if (wt == 0) {
@@ -606,7 +611,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) probe(const __grid_constant
   const long long start = clock64();
   for (int id = threadIdx.x; id < N * 72; id += 256) {    // Q: N rows x 9 blocks x 8 chunks
     const int row = id / 72, blk = id % 72 / 8, sub = id % 8;
-    cp16(base + blk * N * 128 + row * 128 + (((sub ^ row) & 7) << 4), p.q + ((size_t)b * N + row) * 576 + blk * 64 + sub * 8, 16);
+    cp16(base + blk * N * 128 + row * 128 + (((sub ^ row) & 7) << 4),
+         p.q + ((size_t)b * N + row) * 576 + blk * 64 + sub * 8, 16);
   }
   asm volatile("cp.async.commit_group;\n" ::: "memory");
   const int me = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
