@@ -12,8 +12,15 @@ once its scores are done) and a 1 KB block next to it. Stage 1 keeps its rope bl
 one 1 KB block sits between the stages and serves both. Shared memory: Q 82,944 + two stages
 147,456 + 1,024 + column maxima 576 + mbarriers 24 = 232,024 of 232,448 bytes.
 
-Two schedules, both run: lockstep (scores, softmax, P.V, then the next tile) and pipelined
-(the next tile's scores are issued right behind this tile's P.V).
+Schedules (PROBE_SCHEDULES picks, default lockstep,seesaw,seesaw_lazy):
+- lockstep: scores, softmax, P.V, then the next tile;
+- pipelined: the next tile's scores are issued right behind this tile's P.V;
+- seesaw: tiles in pairs, warpgroup 0 scores the even one and warpgroup 1 the odd one, each
+  softmax runs under the other's wgmmas. It takes all 232,448 bytes of shared memory (its
+  layout is at SEESAW): loads are cp.async and hand-offs named barriers, and the running max
+  goes between the warpgroups through P^T's 1 KB blocks;
+- seesaw_lazy: the same, but the running max moves only when a score passes it by more than
+  8 (log2 units), so after the first pairs the two softmaxes no longer wait on each other.
 
 This is a probe, not the product: uniform lengths, page size 64, the causal mask, a fixed split
 into contiguous tile ranges with fp32 partials merged in torch, finite keys past the lengths
@@ -346,6 +353,13 @@ __device__ __forceinline__ void nsync(int id, int n) {
 __device__ __forceinline__ void narrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(n) : "memory");
 }
+// OR of `pred` over the `n` threads of named barrier `id` (a barrier itself)
+__device__ __forceinline__ bool bar_or(int id, bool pred) {
+  unsigned r;
+  asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 q, %1, 0;\nbar.red.or.pred p, %2, 128, q;\nselp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(r) : "r"((unsigned)pred), "r"(id) : "memory");
+  return r != 0;
+}
 __device__ __forceinline__ void cp16(unsigned dst, const void* src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
 }
@@ -403,6 +417,8 @@ __device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, in
   const int pairs = (kb1 - kb0 + 1) / 2;
   float* mx_other = reinterpret_cast<float*>(smem + (ME == 0 ? O1 : O0));   // the other's new max
   float* mx_mine = reinterpret_cast<float*>(smem + (ME == 0 ? O0 : O1));
+  volatile int* flag_other = reinterpret_cast<volatile int*>(mx_other + N);   // whether that max moved
+  volatile int* flag_mine = reinterpret_cast<volatile int*>(mx_mine + N);
   __nv_bfloat16* pm = reinterpret_cast<__nv_bfloat16*>(smem + (ME == 0 ? ROPE0 : ROPE1));
   for (int pi = 0; pi < pairs; ++pi) {
     const int kb = kb0 + 2 * pi + ME;
@@ -423,22 +439,26 @@ __device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, in
     // m_A goes into O_R and the sums as soon as m_A is read: O_R has no wgmma in flight then)
     float f[N / 8][2];
     if constexpr (ME == 1) {
-      nsync(MA, 256);                                     // m_A is in #0
+      nsync(MA, 256);                                     // m_A (if it moved) is in #0
+      const bool moved = !LAZY || flag_other[0] != 0;
+      if (moved) {
 #pragma unroll
-      for (int j = 0; j < N / 8; ++j)
+        for (int j = 0; j < N / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float ma = mx_other[8 * j + 2 * (l % 4) + e];
-          f[j][e] = factor(m[j][e], ma);
-          lsum[j][e] *= f[j][e];
-          m[j][e] = ma;
-        }
+          for (int e = 0; e < 2; ++e) {
+            const float ma = mx_other[8 * j + 2 * (l % 4) + e];
+            f[j][e] = factor(m[j][e], ma);
+            lsum[j][e] *= f[j][e];
+            m[j][e] = ma;
+          }
+      }
       narrive(ACKA, 256);
-      rescale(f);
+      if (moved) rescale(f);
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     STAMP(1)
     const int key0 = kb * BN + 16 * w + l / 4;
+    bool over = false;
 #pragma unroll
     for (int j = 0; j < N / 8; ++j)
 #pragma unroll
@@ -448,12 +468,21 @@ __device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, in
         for (int h = 0; h < 2; ++h) {
           float& x = s[4 * j + 2 * h + e];
           x = key0 + 8 * h <= lim ? x * p.scale_log2 : -INFINITY;
+          over |= x > m[j][e] + LAZY_SLACK;
         }
+      }
+    // LAZY: the running max stays unless a score passes it by more than LAZY_SLACK (P <= 2^SLACK)
+    const bool moved = !LAZY || bar_or(WG0 + ME, over);
+    if (moved) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
         float mx = fmaxf(s[4 * j + e], s[4 * j + 2 + e]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-        if (l < 4) pm[w * N + col] = __float2bfloat16_ru(mx);
+        if (l < 4) pm[w * N + 8 * j + 2 * (l % 4) + e] = __float2bfloat16_ru(mx);
       }
     nsync(WG0 + ME, 128);                                 // the warps' column maxima
 #pragma unroll
@@ -477,6 +506,8 @@ __device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, in
 #pragma unroll
       for (int j = 0; j < N / 8; ++j) { mx_mine[8 * j + 2 * l] = m[j][0]; mx_mine[8 * j + 2 * l + 1] = m[j][1]; }
     }
+    }                                                     // moved
+    if (wt == 0) flag_mine[0] = moved;
     narrive(ME == 0 ? MA : MB, 256);
     // P = exp2(s - m); own sums, relative to m
 #pragma unroll
@@ -487,7 +518,7 @@ __device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, in
         const float p0 = exp2f(s[4 * j + e] - mm), p1 = exp2f(s[4 * j + 2 + e] - mm);
         s[4 * j + e] = p0;
         s[4 * j + 2 + e] = p1;
-        lsum[j][e] = lsum[j][e] * f[j][e] + p0 + p1;
+        lsum[j][e] = (moved ? lsum[j][e] * f[j][e] : lsum[j][e]) + p0 + p1;
       }
     STAMP(2)
     nsync(ME == 0 ? ACKA : ACKB, 256);                    // the other warpgroup has read the max
@@ -515,7 +546,7 @@ __device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, in
     STAMP(3)
     if constexpr (ME == 0) {
       // O_L: up to m_A, + P_A V_A; m_B from warpgroup 1; up to m_B, + P_B V_B
-      rescale(f);
+      if (moved) rescale(f);
       asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
       for (int i = 0; i < 4; ++i)
@@ -524,19 +555,22 @@ __device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, in
           PV(o[i], desc(ss_block(base, 0, i) + ks * 2048, BN * 128, 1024), desc(base + ROPE0 + ks * 32, 16, 1024), 1);
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       nsync(MB, 256);
+      const bool b_moved = !LAZY || flag_other[0] != 0;
+      if (b_moved) {
 #pragma unroll
-      for (int j = 0; j < N / 8; ++j)
+        for (int j = 0; j < N / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float mb = mx_other[8 * j + 2 * (l % 4) + e];
-          f[j][e] = factor(m[j][e], mb);
-          lsum[j][e] *= f[j][e];
-          m[j][e] = mb;
-        }
+          for (int e = 0; e < 2; ++e) {
+            const float mb = mx_other[8 * j + 2 * (l % 4) + e];
+            f[j][e] = factor(m[j][e], mb);
+            lsum[j][e] *= f[j][e];
+            m[j][e] = mb;
+          }
+      }
       narrive(ACKB, 256);
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       STAMP(4)
-      rescale(f);
+      if (b_moved) rescale(f);
       nsync(PB, 256);
       pv(1, false);
       nsync(FREE0, 256);                                  // stage 0 reloads while P_B V_B runs
@@ -548,7 +582,7 @@ __device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, in
       STAMP(4)
       pv(0);
       narrive(FREE0, 256);
-      rescale(f);                                         // m_A -> m_B
+      if (moved) rescale(f);                              // m_A -> m_B
       pv(1);
       nsync(FREE1, 256);
       if (pi + 1 < pairs) ss_load(p, base, 1, b, kb + 2, kb1, wt);
@@ -630,11 +664,13 @@ def source(heads: int, seqlen_q: int, schedule: str = "lockstep") -> str:
     """The probe's CUDA source for H x S rows; schedule: lockstep, pipelined or seesaw."""
     n = heads * seqlen_q
     assert n % 8 == 0 and 8 < n <= 72, f"rows {n}: a multiple of 8 up to 72 (shared memory)"
-    if schedule == "seesaw":
+    if schedule in ("seesaw", "seesaw_lazy"):
         head = HEAD.replace("NROWS", str(n)).replace("NHEADS", str(heads)).replace("NPOS", str(seqlen_q))
         fns = _wgmma("sc", n, 0, 0) + _wgmma("pvw", n, 1, 0)
         body = SEESAW.replace("SC(", "sc(").replace("PV(", "pvw(")
-        stamp = "#define STAMP(k) t1 = clock64(); ph[k] += t1 - t0; t0 = t1;\n"
+        stamp = ("#define STAMP(k) t1 = clock64(); ph[k] += t1 - t0; t0 = t1;\n"
+                 f"constexpr bool LAZY = {'true' if schedule == 'seesaw_lazy' else 'false'};\n"
+                 "constexpr float LAZY_SLACK = 8.f;\n")
         return f"#define NROWS {n}\n" + head + "constexpr int N0 = 0;\n" + fns + stamp + body
     n0 = -(-n // 16) * 8                     # warpgroup 0's score columns
     fns = _wgmma("score0", n0, 0, 0) + _wgmma("score1", n - n0, 0, 0) + _wgmma("pv", n, 1, 0)
@@ -671,7 +707,7 @@ def _phases(trace: torch.Tensor, schedule: str) -> str:
     the seesaw's are per pair, divided by two."""
     tiles = trace[:, :, 6].double().clamp(min=1)
     per = (trace[:, :, :6].double() / tiles[..., None]).mean(0) / 1980
-    names = PHASES["lockstep" if schedule == "pipelined" else schedule]
+    names = PHASES["lockstep" if schedule == "pipelined" else "seesaw" if schedule.startswith("seesaw") else schedule]
     lines = []
     for wg in range(2):
         phases = ", ".join(f"{k} {v:.2f}" for k, v in zip(names, per[wg].tolist(), strict=True))
@@ -688,7 +724,7 @@ def _phases(trace: torch.Tensor, schedule: str) -> str:
     return "\n".join(lines)
 
 
-SCHEDULES = os.environ.get("PROBE_SCHEDULES", "lockstep,seesaw").split(",")
+SCHEDULES = os.environ.get("PROBE_SCHEDULES", "lockstep,seesaw,seesaw_lazy").split(",")
 
 
 def main() -> None:
@@ -734,7 +770,7 @@ def main() -> None:
     argv = (ctypes.c_void_p * 1)(addr)
     for schedule in SCHEDULES:
         # the seesaw: Q, two stages, two 1 KB blocks; the others also hold maxima and mbarriers
-        smem = 9 * n * 128 + 2 * 9 * 64 * 128 + (2048 if schedule == "seesaw" else 1024 + 4 * n * 2 + 24)
+        smem = 9 * n * 128 + 2 * 9 * 64 * 128 + (2048 if schedule.startswith("seesaw") else 1024 + 4 * n * 2 + 24)
         mod = cp.RawModule(code=source(heads, seqlen_q, schedule), options=("-arch=sm_90a", "-std=c++17"),
                            jitify=False)
         fn = mod.get_function("probe")

@@ -300,7 +300,7 @@ def test_seesaw_trace_boundaries_follow_a_segment_end_to_the_next_k0():
 
 
 @pytest.mark.parametrize("heads,seqlen_q", [(8, 9), (16, 4)])
-@pytest.mark.parametrize("schedule,waits", [("lockstep", 4), ("pipelined", 10), ("seesaw", 7)])
+@pytest.mark.parametrize("schedule,waits", [("lockstep", 4), ("pipelined", 10), ("seesaw", 7), ("seesaw_lazy", 7)])
 def test_transposed_probe_compiles_with_asynchronous_wgmmas(heads, seqlen_q, schedule, waits):
     """benchmarks/transposed_probe.py (NOTES, session 14): its kernels for 72 and 64 rows compile,
     and ptxas keeps their wgmmas asynchronous. The first version waited after every wgmma (175
