@@ -107,6 +107,29 @@ __device__ __forceinline__ void tma3(unsigned dst, const TMap* map, int x, int y
 }
 __device__ __forceinline__ void expect(unsigned bar, int bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}// This thread's O^T (value dims [64 db, 64 db + 256) x the N columns) into partial slot `slot`.
+__device__ __forceinline__ void store_part(const Params& p, int slot, int db, const float (*o)[N / 2], int w, int l) {
+  float* part = p.part + (size_t)slot * N * DL;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) {
+      const int dim = (db + i) * 64 + 16 * w + l / 4 + 8 * ((k >> 1) & 1);
+      part[(8 * (k >> 2) + 2 * (l % 4) + (k & 1)) * DL + dim] = o[i][k];
+    }
+}
+// Warpgroup wg's phase counters, its tile count and the block's spans and SM into the trace.
+__device__ __forceinline__ void write_trace(const Params& p, int wg, const long long* ph, int tiles, long long start,
+                                            long long loop_start, long long loop_end) {
+  long long* tr = p.trace + ((blockIdx.y * gridDim.x + blockIdx.x) * 2 + wg) * 12;
+  for (int k = 0; k < 6; ++k) tr[k] = ph[k];
+  tr[6] = tiles;
+  tr[7] = loop_start - start;
+  tr[8] = loop_end - loop_start;
+  tr[9] = clock64() - loop_end;
+  unsigned smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  tr[10] = smid;
 }
 """
 
@@ -287,26 +310,9 @@ __device__ __forceinline__ void run(const Params& p, unsigned base, int b, int k
         p.stats[(slot * 2 + 1) * N + col] = red[col] + red[N + col] + red[2 * N + col] + red[3 * N + col];
       }
   }
-  float* part = p.part + (size_t)slot * N * DL;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int k = 0; k < N / 2; ++k) {
-      const int dim = (DB + i) * 64 + 16 * w + l / 4 + 8 * ((k >> 1) & 1), col = 8 * (k >> 2) + 2 * (l % 4) + (k & 1);
-      part[col * DL + dim] = o[i][k];
-    }
+  store_part(p, slot, DB, o, w, l);
   __syncwarp();
-  if (wt == 0) {
-    long long* tr = p.trace + ((blockIdx.y * gridDim.x + blockIdx.x) * 2 + DB / 4) * 12;
-    for (int k = 0; k < 6; ++k) tr[k] = ph[k];
-    tr[6] = kb1 - kb0;
-    tr[7] = loop_start - start;
-    tr[8] = loop_end - loop_start;
-    tr[9] = clock64() - loop_end;
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    tr[10] = smid;
-  }
+  if (wt == 0) write_trace(p, DB / 4, ph, kb1 - kb0, start, loop_start, loop_end);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) probe(const __grid_constant__ Params p) {
@@ -616,26 +622,9 @@ __device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, in
         p.stats[(slot * 2 + 1) * N + col] = sum;
       }
   }
-  float* part = p.part + (size_t)slot * N * DL;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int k = 0; k < N / 2; ++k) {
-      const int dim = (4 * ME + i) * 64 + 16 * w + l / 4 + 8 * ((k >> 1) & 1);
-      part[(8 * (k >> 2) + 2 * (l % 4) + (k & 1)) * DL + dim] = o[i][k];
-    }
+  store_part(p, slot, 4 * ME, o, w, l);
   __syncwarp();
-  if (wt == 0) {
-    long long* tr = p.trace + ((blockIdx.y * gridDim.x + blockIdx.x) * 2 + ME) * 12;
-    for (int k = 0; k < 6; ++k) tr[k] = ph[k];
-    tr[6] = 2 * pairs;
-    tr[7] = loop_start - start;
-    tr[8] = loop_end - loop_start;
-    tr[9] = clock64() - loop_end;
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    tr[10] = smid;
-  }
+  if (wt == 0) write_trace(p, ME, ph, 2 * pairs, start, loop_start, loop_end);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) probe(const __grid_constant__ Params p) {
