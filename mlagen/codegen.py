@@ -40,5 +40,7 @@ def _environment() -> jinja2.Environment:
 @functools.lru_cache(maxsize=512)
 def render(plan: KernelPlan) -> str:
     """The CUDA C++ source of `plan`: its kernel (with the merge blocks of split families)."""
-    template = _environment().get_template(f"{plan.variant.family}.cu.j2")
+    # the transposed tile is a kernel of its own in the mma family
+    name = "mma_transposed" if plan.variant.transposed else plan.variant.family
+    template = _environment().get_template(f"{name}.cu.j2")
     return template.render(plan=plan, fields=FIELDS, arch_flags=nvcc_arch_flags(plan.arch.name))

@@ -60,6 +60,32 @@ def _score_split(m_pad: int, block_n: int, warps: int) -> tuple[int, int] | None
     return None if best is None else (best[1], best[2])
 
 
+# The transposed tile (Variant.transposed): its N = rows in multiples of 8, at most what leaves
+# two 64-key stages and P^T's 1 KB blocks room in sm_90a's 227 KB (templates/mma_transposed.cu.j2).
+TRANSPOSED_ROWS = range(16, 73, 8)
+KV_COLUMN_BLOCK = 64 * 128          # bytes of a 64-key tile's 64-dim column block
+
+
+def transposed_layout(p: Problem, v: Variant) -> MmaLayout | str:
+    """The transposed tile's layout, or what it needs: Q [rows][576], two stages of 64 keys, and
+    two 1 KB blocks (P^T's ninth column group and the running max between the warpgroups)."""
+    rows = v.q_tile * v.head_tile
+    if v.arch != "sm_90a":
+        return f"arch sm_90a for transposed (wgmma), got {v.arch}"
+    if rows not in TRANSPOSED_ROWS:
+        return f"q_tile*head_tile a multiple of 8 from 16 to 72 for transposed, got {rows}"
+    if (p.dl, p.dr) != (512, 64):
+        return f"Dl=512 and Dr=64 for transposed (P^T lives in the rope block), got Dl={p.dl} Dr={p.dr}"
+    if (v.block_n, v.warps, v.stages) != (64, 8, 2):
+        return (f"block_n=64, 8 warps and 2 stages for transposed, got block_n={v.block_n}, {v.warps} warps, "
+                f"{v.stages} stages")
+    if v.tma or v.seesaw or v.cluster or v.mma_pv:
+        return "no tma, seesaw, cluster or mma_pv with transposed (its own schedule, cp.async loads)"
+    smem = rows * p.head_dim * 2 + 2 * 9 * KV_COLUMN_BLOCK + 2 * 1024
+    return MmaLayout(m_pad=rows, wmq=4, wnq=2, rows_w=rows, keys_w=64, dims_w=p.dl // 2, p_stride=64,
+                     smem_bytes=smem, wgmma=True, pv_wgmma=True)
+
+
 # The seesaw's mbarriers: its tile pair loads in four parts, each with one (stage 0's
 # value-left blocks and the rest, stage 1's value-right blocks and the rest, each refilled by
 # the warpgroup that reads it last), and each warpgroup hands its P and row maxima over on one.
@@ -68,6 +94,8 @@ SEESAW_BARRIERS = 6
 
 def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
     """The layout, or a message saying which rule the variant breaks."""
+    if v.transposed:
+        return transposed_layout(p, v)
     rows = v.q_tile * v.head_tile
     m_pad = -(-rows // 16) * 16
     if p.head_dim % 64:

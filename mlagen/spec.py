@@ -99,6 +99,12 @@ class Variant:
         each warpgroup computing one tile's scores and softmax while the other runs matrix work
         (P·V of both tiles per warpgroup on half the value dims; P through the tile's rope
         block). Named `_ss`.
+    transposed: sm_90a mma, q_tile*head_tile rows a multiple of 8 from 16 to 72, Dl=512 and Dr=64:
+        the products run transposed, S^T = K Q^T and O^T = V^T P^T, so wgmma's N is the rows
+        themselves and no row is padded to a 64-row group (H=8 S=9, H=16 S=2). The tiles go in
+        pairs as in the seesaw, with a column softmax whose running max moves only when a score
+        passes it by more than 8 (log2 units). cp.async loads, 64-key tiles, 8 warps, two stages;
+        shared memory is all of sm_90a's 227 KB for 72 rows. Named `_tr`.
     """
 
     family: Family = "flash"
@@ -114,6 +120,7 @@ class Variant:
     part16: bool = False
     tma: bool = False
     seesaw: bool = False
+    transposed: bool = False
 
     @property
     def name(self) -> str:
@@ -160,7 +167,8 @@ class Variant:
 
 
 # Boolean knobs and their tags, in the name's order.
-KNOB_TAGS = (("mma_pv", "pvm"), ("cluster", "cl"), ("part16", "p16"), ("tma", "tma"), ("seesaw", "ss"))
+KNOB_TAGS = (("mma_pv", "pvm"), ("cluster", "cl"), ("part16", "p16"), ("tma", "tma"), ("seesaw", "ss"),
+             ("transposed", "tr"))
 
 
 def naive(arch: str = "sm_90", warps: int = 4) -> Variant:

@@ -186,6 +186,8 @@ def _check_common(v: Variant) -> None:
              "False, or True for the mma family (on sm_90a)")
     _require(v.seesaw is False or (v.seesaw is True and v.family == "mma"), "variant.seesaw", v.seesaw,
              "False, or True for the mma family (on sm_90a, with tma)")
+    _require(v.transposed is False or (v.transposed is True and v.family == "mma"), "variant.transposed",
+             v.transposed, "False, or True for the mma family (on sm_90a)")
 
 
 def _smem_fits(arch: Arch, smem: int, what: str) -> None:

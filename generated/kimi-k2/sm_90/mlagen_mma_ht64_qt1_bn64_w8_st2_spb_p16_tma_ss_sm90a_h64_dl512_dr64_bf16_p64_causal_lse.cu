@@ -1211,7 +1211,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
     if (!direct) count_split_done(p, b, x, splits);
   };
 
-  // Every value of the range goes through a lane-0 broadcast: the same values, but ptxas then
+// Every value of the range goes through a lane-0 broadcast: the same values, but ptxas then
   // sees the request loop as uniform and keeps the tile loop's indices and shared addresses in
   // uniform registers (v13's first balanced kernel did not: every wgmma descriptor was rebuilt
   // per instruction and a tile took 17% longer; benchmarks/NOTES.md).
