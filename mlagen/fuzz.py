@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .arch import specializations
+from .mma_plan import TRANSPOSED_ROWS
 from .spec import DTYPES, MASKS, Problem, Variant, naive
 from .testing import Case, make_case, mismatch, poison_allocator, poisoned_out
 from .validate import SpecError, is_valid, validate
@@ -142,7 +143,8 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
     """A random variant that the DSL accepts for the shape's problem, for `arch` or a target its
     devices also run (sm_90a on sm_90), the same for the same shape (its seed) and arch; None if `tries` draws
     found none. A third of the draws on sm_90a start from the 64-row, 8-warp, 64-key wgmma tile
-    that its knobs (TMA loads, the seesaw, the cluster split) need."""
+    that its knobs (TMA loads, the seesaw, the cluster split) need, and a sixth are transposed
+    tiles (16 to 72 rows)."""
     rng = random.Random(f"variant {shape.seed}")
     archs = (arch, *specializations(arch))
     divisors = [d for d in range(1, shape.heads + 1) if shape.heads % d == 0]
@@ -151,6 +153,12 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
         target = rng.choice(archs)
         if family == "naive":
             v = naive(arch=target, warps=rng.choice([1, 2, 4, 8]))
+        elif target == "sm_90a" and rng.random() < 1 / 6:
+            head_tile, q_tile = rng.choice([(h, q) for h in divisors for q in range(1, 73) if h * q in TRANSPOSED_ROWS]
+                                           or [(1, 1)])
+            v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2, arch=target,
+                        kv_split=rng.choice(["adaptive", "balanced", 1, 2, 4]), part16=rng.random() < 0.5,
+                        transposed=True)
         elif target == "sm_90a" and rng.random() < 1 / 3:
             head_tile = rng.choice([d for d in divisors if 64 % d == 0])
             v = Variant(family="mma", head_tile=head_tile, q_tile=64 // head_tile, block_n=64, warps=8, stages=2,

@@ -126,6 +126,29 @@ def test_seesaw_variants_compile_without_spills_or_serialized_wgmmas(dtype, mask
     assert "C751" not in log and "serialized" not in log and "injected" not in log, log
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("mask", ["causal", "tree", "none"])
+@pytest.mark.parametrize("heads, head_tile, q_tile, split, part16", [
+    (8, 8, 9, "adaptive", True), (8, 8, 9, "balanced", False), (16, 16, 2, "balanced", True), (16, 8, 2, 3, False),
+    (64, 16, 4, "adaptive", False)])
+def test_transposed_variants_compile_with_asynchronous_wgmmas(dtype, mask, heads, head_tile, q_tile, split, part16):
+    """The transposed tile: wgmma's N is the block's rows (no padding to 64), the output product
+    reads the tile M-major, and ptxas neither serializes nor waits around its wgmmas. At 72 rows
+    its 144 output accumulators leave a few spills, as in the probe the H200 timed (40-56 bytes;
+    benchmarks/NOTES.md, session 14), and a tree mask's byte reads a few more (88-96 bytes at 72
+    rows, 8 at 64): more than 128 bytes means something grew; 32 rows fit with room."""
+    v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2, arch="sm_90a",
+                kv_split=split, part16=part16, transposed=True)
+    built = build(Problem(heads=heads, dtype=dtype, mask=mask), v)
+    rows = head_tile * q_tile
+    assert f"m64n{rows}k16" in built.source and "stmatrix.sync.aligned.m8n8.x4.trans" in built.source
+    assert built.plan.smem_bytes == rows * 576 * 2 + 2 * 64 * 576 * 2 + 2048
+    for name, r in built.module.resources.items():
+        assert r.stack_frame <= (0 if rows <= 32 else 128), f"{name}: {r}"
+    log = built.module.log
+    assert "C751" not in log and "serialized" not in log and "injected" not in log, log
+
+
 def test_sources_are_self_contained():
     plan = validate(Problem(mask="tree"), Variant())
     includes = re.findall(r'#include\s*[<"]([^>"]+)[>"]', render(plan))

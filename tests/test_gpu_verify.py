@@ -113,6 +113,30 @@ def test_wgmma_schedules_match_reference(shape, schedule, kv_split, part16, tma,
     assert_matches(out, lse_out, case)
 
 
+def _transposed_tiles(heads: int) -> list[tuple[int, int]]:
+    """(head_tile, q_tile) of the transposed tiles for `heads`: rows a multiple of 8, 16 to 72."""
+    from mlagen.mma_plan import TRANSPOSED_ROWS
+
+    return [(h, q) for h in range(1, heads + 1) if heads % h == 0 for q in range(1, 73) if h * q in TRANSPOSED_ROWS]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the transposed tile runs on wgmma: a compute capability 9.0 GPU (sm_90a)")
+@given(shape=shapes(max_work=4e9), data=st.data(), kv_split=st.sampled_from(["adaptive", 1, 3, 16, "balanced"]),
+       part16=st.booleans())
+def test_transposed_tile_matches_reference(shape, data, kv_split, part16):
+    """The transposed tile (wgmma's N = the rows) over every shape the strategy draws: ragged,
+    empty and NaN-tailed requests, every mask, lse, page sizes 1 to 64, fixed and balanced
+    splits, and q tiles that overhang S."""
+    lse = shape.pop("lse")
+    head_tile, q_tile = data.draw(st.sampled_from(_transposed_tiles(shape["heads"])))
+    variant = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2,
+                      arch="sm_90a", kv_split=kv_split, part16=part16, transposed=True)
+    case = make_case(**shape)
+    out, lse_out = _run(case, variant, lse)
+    assert_matches(out, lse_out, case)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the cluster split's variants here are sm_90a (compute capability 9.0)")
 @given(shape=shapes(max_work=4e9), size=st.sampled_from([2, 3, 5, 8]), schedule=st.sampled_from(list(SCHEDULES)),

@@ -324,3 +324,19 @@ def test_transposed_probe_compiles_with_asynchronous_wgmmas(heads, seqlen_q, sch
     assert sass.disassemble(module.cubin, "probe", "sm_90a").count("WARPGROUP.DEPBAR") <= waits
     with pytest.raises(AssertionError, match="rows 80"):
         transposed_probe.source(16, 5, schedule)
+
+
+@pytest.mark.parametrize("name,heads", [("mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", 8),
+                                        ("mma_ht16_qt2_bn64_w8_st2_spa_tr_sm90a", 16)])
+def test_transposed_kernel_issues_each_product_without_waits(name, heads):
+    """The transposed tile's 36 score wgmmas, and each output product's 16, go out back to back:
+    ptxas's log says nothing when it makes a wgmma wait for the one before (the probe's first
+    version), so the SASS is read. Its waits: one per product and the loop's few."""
+    _needs_nvdisasm()
+    b = build(Problem(heads=heads, mask="tree"), parse_variant(name))
+    code = sass.disassemble(b.module.cubin, b.plan.main_kernel, b.plan.arch.name)
+    marks = "".join("w" if "WARPGROUP.DEPBAR" in line else "h" for line in code.splitlines()
+                    if "HGMMA" in line or "WARPGROUP.DEPBAR" in line)
+    runs = [len(r) for r in marks.split("w") if r]
+    assert max(runs) >= 36 and runs.count(16) >= 2, marks
+    assert marks.count("w") <= 8, marks

@@ -23,6 +23,7 @@ variants = st.builds(
     part16=st.booleans(),
     tma=st.booleans(),
     seesaw=st.booleans(),
+    transposed=st.booleans(),
 )
 
 
@@ -56,6 +57,10 @@ def test_names_are_readable_and_distinct():
 def test_bad_names_say_what_was_expected(bad):
     with pytest.raises(ValueError, match="expected"):
         parse_variant(bad)
+
+
+# a valid transposed tile for H=8 S=9, which the cases below break one rule of
+TRANSPOSED = Variant(family="mma", head_tile=8, q_tile=9, block_n=64, arch="sm_90a", transposed=True)
 
 
 @pytest.mark.parametrize("problem,variant,field", [
@@ -93,6 +98,12 @@ def test_bad_names_say_what_was_expected(bad):
      "variant.seesaw"),                                                             # needs tma
     (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", tma=True, mma_pv=True,
                         seesaw=True), "variant.seesaw"),                             # P·V on mma.sync
+    (Problem(heads=8), Variant(transposed=True), "variant.transposed"),                # flash family
+    (Problem(heads=8), TRANSPOSED.with_(arch="sm_90"), "variant"),                    # no wgmma
+    (Problem(heads=16), TRANSPOSED.with_(head_tile=16, q_tile=5), "variant"),          # 80 rows
+    (Problem(heads=8), TRANSPOSED.with_(head_tile=1), "variant"),                      # 9 rows
+    (Problem(heads=8, dr=32), TRANSPOSED, "variant"),                                 # P^T needs Dr=64
+    (Problem(heads=8), TRANSPOSED.with_(tma=True), "variant"),                        # its own loads
 ])
 def test_validation_names_field_value_and_limit(problem, variant, field):
     with pytest.raises(SpecError) as info:
