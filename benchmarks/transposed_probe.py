@@ -426,6 +426,24 @@ __device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, in
   volatile int* flag_other = reinterpret_cast<volatile int*>(mx_other + N);   // whether that max moved
   volatile int* flag_mine = reinterpret_cast<volatile int*>(mx_mine + N);
   __nv_bfloat16* pm = reinterpret_cast<__nv_bfloat16*>(smem + (ME == 0 ? ROPE0 : ROPE1));
+  // After barrier `bar` (MA or MB): whether the other warpgroup's running max moved; if it did,
+  // it goes into m, and its factor into f and the sums (the caller rescales O).
+  auto take_other_max = [&](int bar, float (*f)[2]) {
+    nsync(bar, 256);
+    const bool moved = !LAZY || flag_other[0] != 0;
+    if (moved) {
+#pragma unroll
+      for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float mo = mx_other[8 * j + 2 * (l % 4) + e];
+          f[j][e] = factor(m[j][e], mo);
+          lsum[j][e] *= f[j][e];
+          m[j][e] = mo;
+        }
+    }
+    return moved;
+  };
   for (int pi = 0; pi < pairs; ++pi) {
     const int kb = kb0 + 2 * pi + ME;
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -445,19 +463,7 @@ __device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, in
     // m_A goes into O_R and the sums as soon as m_A is read: O_R has no wgmma in flight then)
     float f[N / 8][2];
     if constexpr (ME == 1) {
-      nsync(MA, 256);                                     // m_A (if it moved) is in #0
-      const bool moved = !LAZY || flag_other[0] != 0;
-      if (moved) {
-#pragma unroll
-        for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float ma = mx_other[8 * j + 2 * (l % 4) + e];
-            f[j][e] = factor(m[j][e], ma);
-            lsum[j][e] *= f[j][e];
-            m[j][e] = ma;
-          }
-      }
+      const bool moved = take_other_max(MA, f);           // m_A (if it moved) is in #0
       narrive(ACKA, 256);
       if (moved) rescale(f);
     }
@@ -553,26 +559,8 @@ __device__ __forceinline__ void ss_run(const Params& p, unsigned base, int b, in
     if constexpr (ME == 0) {
       // O_L: up to m_A, + P_A V_A; m_B from warpgroup 1; up to m_B, + P_B V_B
       if (moved) rescale(f);
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks)
-          PV(o[i], desc(ss_block(base, 0, i) + ks * 2048, BN * 128, 1024), desc(base + ROPE0 + ks * 32, 16, 1024), 1);
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      nsync(MB, 256);
-      const bool b_moved = !LAZY || flag_other[0] != 0;
-      if (b_moved) {
-#pragma unroll
-        for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float mb = mx_other[8 * j + 2 * (l % 4) + e];
-            f[j][e] = factor(m[j][e], mb);
-            lsum[j][e] *= f[j][e];
-            m[j][e] = mb;
-          }
-      }
+      pv(0, false);
+      const bool b_moved = take_other_max(MB, f);
       narrive(ACKB, 256);
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       STAMP(4)
