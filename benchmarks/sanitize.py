@@ -1,10 +1,14 @@
 """A handful of paged, ragged, tree-masked shapes through every family, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py
-    compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py
+    compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py [NAME_PART]
+
+With NAME_PART, only the variants whose names contain it (racecheck on everything takes minutes).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -45,6 +49,14 @@ def main() -> None:
         for part16 in (False, True):
             variants.append(Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1,
                                     mma_pv=True, part16=part16, arch="sm_90a"))
+        # the transposed tile: 72 rows (all of the shared memory; its q tile overhangs S=3 and 5)
+        # and 32, with a fixed and a balanced split
+        for tile, knobs in (((8, 9), {"kv_split": 2}), ((8, 9), {"kv_split": "balanced", "part16": True}),
+                            ((8, 4), {"kv_split": "balanced"})):
+            variants.append(Variant(family="mma", head_tile=tile[0], q_tile=tile[1], block_n=64, warps=8, stages=2,
+                                    arch="sm_90a", transposed=True, **knobs))
+    if len(sys.argv) > 1:
+        variants = [v for v in variants if v is not None and sys.argv[1] in v.name]
     balanced = [v for v in variants if v is not None and v.kv_split == "balanced"]
     for i, (shape, case_variants) in enumerate([(c, variants) for c in CASES] + [(CROSSING, balanced)]):
         case = make_case(seed=i, **shape)

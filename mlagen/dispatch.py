@@ -25,7 +25,7 @@ import functools
 
 from . import tables
 from .arch import runs_on
-from .mma_plan import heuristic_mma
+from .mma_plan import TRANSPOSED_ROWS, heuristic_mma
 from .spec import Problem, Variant, naive, parse_variant
 from .validate import SpecError, is_valid, validate
 
@@ -88,7 +88,9 @@ def flash_heuristic(problem: Problem, seqlen_q: int, arch: str) -> Variant:
 def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str) -> Variant:
     """The pick for a shape no table covers: the heuristic's tile (`heuristic_variant`), on the
     seesaw schedule with TMA loads when it is an sm_90a mma tile with SEESAW_TILES_PER_SM or more
-    KV tiles of work per SM (and the seesaw fits it: 64 rows, a page size TMA can box).
+    KV tiles of work per SM (and the seesaw fits it: 64 rows, a page size TMA can box). Where a
+    request's rows fit one transposed tile (`transposed_tile`) that tile runs instead, from the
+    same work per SM.
 
     Such a launch takes the balanced split, a single request too: one range per SM, so one wave.
     For a single request the adaptive split's model goes to two or three waves from ~2000 tiles
@@ -96,6 +98,9 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
     one wave (280 against 250 µs; 283 against 250 at H=128 with 65536 keys). At one wave the two
     splits tie (65536 keys, H=64: 142.3 against 144.4 µs; benchmarks/NOTES.md, session 12)."""
     v = heuristic_variant(problem, seqlen_q, arch)
+    transposed = transposed_tile(problem, seqlen_q) if runs_on("sm_90a", arch) else None
+    if transposed is not None and batch * -(-kv_capacity // 64) >= SEESAW_TILES_PER_SM * HOPPER_SMS:
+        return transposed
     if v.family != "mma" or v.arch != "sm_90a":
         return v
     tiles = -(-kv_capacity // v.block_n)
@@ -103,6 +108,24 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
         return v
     seesaw = v.with_(tma=True, seesaw=True, kv_split="balanced")
     return seesaw if is_valid(problem, seesaw) else v
+
+
+def transposed_tile(problem: Problem, seqlen_q: int) -> Variant | None:
+    """The transposed tile that holds all H*S rows of a request in one row group (16 to 72 rows,
+    other than 64), balanced split with 16-bit partial rows; None where there is none.
+
+    Such rows take a padded 64-row group on the other tiles (H=16 S=2: half of it padding) or two
+    (H=8 S=9: 72 rows), and each group streams the request's keys. H200, graph replay, against
+    the dispatcher's seesaw or lockstep tile (benchmarks/NOTES.md, session 15): 0.70-0.84x at
+    32 rows (H=16 S=2, H=8 S=4) and 16 (H=16 S=1), 0.79-0.88x at 72 (H=8 S=9) from 4096 key tiles
+    of work, 0.97x at 2048, and 1.12-1.27x at 1024 and fewer: a block's fixed costs over too few
+    tiles. Hence the seesaw's threshold, counted over this tile's single row group."""
+    rows = problem.heads * seqlen_q
+    if rows not in TRANSPOSED_ROWS or rows % 64 == 0:
+        return None
+    v = Variant(family="mma", head_tile=problem.heads, q_tile=seqlen_q, kv_split="balanced", block_n=64,
+                warps=8, stages=2, arch="sm_90a", part16=True, transposed=True)
+    return v if is_valid(problem, v) else None
 
 
 def _tuned_keys(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int) -> list[str]:

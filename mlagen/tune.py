@@ -24,7 +24,7 @@ import torch
 
 from . import dispatch, tables
 from .arch import runs_on, specializations
-from .dispatch import balanced_for_batch, num_splits, untuned_variant
+from .dispatch import balanced_for_batch, num_splits, transposed_tile, untuned_variant
 from .grids import Row
 from .precompile import code_identity, precompile
 from .runtime import device_info, device_name
@@ -99,14 +99,17 @@ class RowTune:
 
 def candidates(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
                max_candidates: int) -> list[Variant]:
-    """The dispatcher's pick without a table first (`dispatch.untuned_variant`), then naive, then
-    the other families' structures taking turns, `max_candidates` at most (naive and that pick
-    included)."""
+    """The dispatcher's pick without a table first (`dispatch.untuned_variant`), then the
+    transposed tile of all a request's rows where the device runs one (`dispatch.transposed_tile`),
+    naive, then the other families' structures taking turns, `max_candidates` at most (naive and
+    those picks included)."""
     found: list[Variant] = []
     try:
         found.append(untuned_variant(problem, seqlen_q, batch, kv_capacity, arch))
     except SpecError:
         pass
+    transposed = transposed_tile(problem, seqlen_q) if runs_on("sm_90a", arch) else None
+    found += [transposed] if transposed is not None else []
     found += structures(problem, seqlen_q, arch, "naive", limit=1)
     others = [f for f in FAMILIES if f != "naive"]
     share = max(1, max_candidates // max(1, len(others)))

@@ -121,6 +121,34 @@ def test_untuned_long_launches_run_the_seesaw_on_sm90a():
         assert dispatch.untuned_variant(p, 9, 1, 65600, arch) == dispatch.heuristic_variant(p, 9, arch)
 
 
+@pytest.mark.parametrize("heads,seqlen_q", [(8, 9), (16, 2), (8, 4), (16, 1), (8, 6)])
+def test_untuned_long_launches_take_the_transposed_tile_where_rows_fit_one(heads, seqlen_q):
+    """Rows (H*S) from 16 to 72 other than 64 go to one transposed tile of all of them, from
+    SEESAW_TILES_PER_SM KV tiles of work per SM (counted over that single row group), on devices
+    that run sm_90a only; the tuner times that tile whatever the work."""
+    p = Problem(heads=heads)
+    edge = dispatch.SEESAW_TILES_PER_SM * dispatch.HOPPER_SMS * 64        # keys of one request
+    tile = dispatch.transposed_tile(p, seqlen_q)
+    assert tile == Variant(family="mma", head_tile=heads, q_tile=seqlen_q, kv_split="balanced", block_n=64,
+                           warps=8, stages=2, arch="sm_90a", part16=True, transposed=True)
+    validate(p, tile)
+    assert dispatch.untuned_variant(p, seqlen_q, 1, edge, "sm_90") == tile
+    assert dispatch.untuned_variant(p, seqlen_q, 16, edge // 16, "sm_90a") == tile
+    assert not dispatch.untuned_variant(p, seqlen_q, 1, edge - 64, "sm_90").transposed
+    assert dispatch.untuned_variant(p, seqlen_q, 16, 4160, "sm_90") != tile        # H=8 S=9 at 4096 keys: short
+    for arch in ("sm_80", "sm_89", "sm_120"):
+        assert not dispatch.untuned_variant(p, seqlen_q, 1, edge, arch).transposed
+    assert tile in candidates(p, seqlen_q, 1, 4160, "sm_90", 24)
+    assert not any(v.transposed for v in candidates(p, seqlen_q, 1, 4160, "sm_80", 24))
+
+
+@pytest.mark.parametrize("heads,seqlen_q", [(64, 1), (8, 8), (16, 9), (64, 9), (1, 9), (2, 4), (8, 1)])
+def test_rows_that_fill_64_row_groups_or_miss_the_range_take_no_transposed_tile(heads, seqlen_q):
+    p = Problem(heads=heads)
+    assert dispatch.transposed_tile(p, seqlen_q) is None
+    assert not dispatch.untuned_variant(p, seqlen_q, 64, 65600, "sm_90").transposed
+
+
 def test_dispatch_reads_the_table_then_neighbours_then_causal():
     p = Problem(heads=64)
     tuned = "flash_ht4_qt9_bn64_w8_st2_sp8_sm90"
