@@ -19,9 +19,13 @@ for step in $steps; do
     tests)
       timeout 420 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" ;;
     sanitize)
-      for tool in memcheck racecheck; do   # -lineinfo: each report names its source lines
-        MLAGEN_LINEINFO=1 timeout 480 compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize.py 2>&1 \
-          | tail -n 40 | tee "$OUT/sanitize_$tool.log"
+      # -lineinfo: each report names its source lines. racecheck does not pair bar.arrive with
+      # bar.sync: the transposed tile (_tr_), whose warpgroups hand over through them, gets
+      # synccheck instead (and tests/test_gpu_verify.py's bitwise-repeatability test).
+      for check in "memcheck " "racecheck -_tr_" "synccheck _tr_"; do
+        set -- $check
+        MLAGEN_LINEINFO=1 timeout 480 compute-sanitizer --tool $1 --print-limit 20 python3 benchmarks/sanitize.py ${2:-} 2>&1 \
+          | tail -n 40 | tee "$OUT/sanitize_$1.log"
       done ;;
     tune)
       timeout 300 python3 cli.py tune --grid seed --grid serving --write-default 2>&1 | tail -n 40 | tee "$OUT/tune.log"
