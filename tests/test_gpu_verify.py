@@ -123,16 +123,16 @@ def _transposed_tiles(heads: int) -> list[tuple[int, int]]:
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the transposed tile runs on wgmma: a compute capability 9.0 GPU (sm_90a)")
 @given(shape=shapes(max_work=4e9), data=st.data(), kv_split=st.sampled_from(["adaptive", 1, 3, 16, "balanced"]),
-       part16=st.booleans())
-def test_transposed_tile_matches_reference(shape, data, kv_split, part16):
+       part16=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_transposed_tile_matches_reference(shape, data, kv_split, part16, dtype):
     """The transposed tile (wgmma's N = the rows) over every shape the strategy draws: ragged,
     empty and NaN-tailed requests, every mask, lse, page sizes 1 to 64, fixed and balanced
-    splits, and q tiles that overhang S."""
+    splits, q tiles that overhang S, bf16 and fp16."""
     lse = shape.pop("lse")
     head_tile, q_tile = data.draw(st.sampled_from(_transposed_tiles(shape["heads"])))
     variant = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2,
                       arch="sm_90a", kv_split=kv_split, part16=part16, transposed=True)
-    case = make_case(**shape)
+    case = make_case(dtype=dtype, **shape)
     out, lse_out = _run(case, variant, lse)
     assert_matches(out, lse_out, case)
 
