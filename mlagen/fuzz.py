@@ -21,7 +21,7 @@ from .arch import specializations
 from .mma_plan import TRANSPOSED_ROWS
 from .spec import DTYPES, MASKS, Problem, Variant, naive
 from .testing import Case, make_case, mismatch, poison_allocator, poisoned_out
-from .validate import SpecError, is_valid, validate
+from .validate import MAX_SEQLEN_Q, SpecError, is_valid, validate
 from .workload import TORCH_DTYPES
 
 # Prefix ceilings a shape draws its requests' prefixes under: empty caches, a tile, a few
@@ -154,7 +154,8 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
         if family == "naive":
             v = naive(arch=target, warps=rng.choice([1, 2, 4, 8]))
         elif target == "sm_90a" and rng.random() < 1 / 6:
-            head_tile, q_tile = rng.choice([(h, q) for h in divisors for q in range(1, 73) if h * q in TRANSPOSED_ROWS]
+            head_tile, q_tile = rng.choice([(h, q) for h in divisors for q in range(1, MAX_SEQLEN_Q + 1)
+                                            if h * q in TRANSPOSED_ROWS]
                                            or [(1, 1)])
             v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2, arch=target,
                         kv_split=rng.choice(["adaptive", "balanced", 1, 2, 4]), part16=rng.random() < 0.5,
