@@ -136,9 +136,11 @@ def check(
     arch: list[str] | None = typer.Option(None, help="targets; default sm_80 sm_89 sm_90 sm_120"),
     preset: list[str] | None = typer.Option(None, help="presets; default all"),
 ) -> None:
-    """Compile every preset variant for each arch; fail on compile errors or spills."""
+    """Compile every preset variant for each arch; fail on compile errors or spills (beyond the
+    few a 72-row transposed tile is allowed: mma_plan.stack_budget)."""
     from mlagen.build import build
     from mlagen.compiler import CompileError
+    from mlagen.mma_plan import stack_budget
 
     archs = _archs(arch, CI_ARCHS)
     presets = [get_preset(n) for n in preset] if preset else list(PRESETS.values())
@@ -159,15 +161,16 @@ def check(
                 continue
             for name, r in built.module.resources.items():
                 spill = r.spill_stores + r.spill_loads
-                bad += spill > 0
+                over = r.stack_frame > stack_budget(v) or (spill > 0 and not stack_budget(v))
+                bad += over
+                shown = f"[red]{spill}[/red]" if over else (f"[yellow]{spill} (allowed)[/yellow]" if spill else "0")
                 table.add_row(p.name, v.name, name.removeprefix(built.plan.name + "_"), str(r.registers),
-                              str(built.plan.smem_bytes),
-                              f"[red]{spill}[/red]" if spill else "0")
+                              str(built.plan.smem_bytes), shown)
             progress.advance(task)
     console.print(table)
     if bad:
         _fail(f"{bad} kernels failed to compile or spill")
-    console.print(f"{len(jobs)} variants compiled for {', '.join(archs)}: no spills")
+    console.print(f"{len(jobs)} variants compiled for {', '.join(archs)}: no spills beyond the allowed")
 
 
 def _rows(grid: list[str] | None, row: list[str] | None, default: list[str]):

@@ -63,6 +63,17 @@ def _score_split(m_pad: int, block_n: int, warps: int) -> tuple[int, int] | None
 # The transposed tile (Variant.transposed): its N = rows in multiples of 8, at most what leaves
 # two 64-key stages and P^T's 1 KB blocks room in sm_90a's 227 KB (templates/mma_transposed.cu.j2).
 TRANSPOSED_ROWS = range(16, 73, 8)
+# Stack that a transposed tile of more than 32 rows may take: its 144 output accumulators (72
+# rows) fill the registers, and ptxas spills 40-56 bytes (88-96 with a tree mask's byte reads),
+# as in the probe the H200 timed (benchmarks/NOTES.md, sessions 14 and 15). More means
+# something grew.
+TRANSPOSED_STACK = 128
+
+
+def stack_budget(v: Variant) -> int:
+    """Bytes of stack (spills) `v`'s kernels may take: 0, but for a transposed tile of more than
+    32 rows TRANSPOSED_STACK."""
+    return TRANSPOSED_STACK if v.transposed and v.q_tile * v.head_tile > 32 else 0
 KV_COLUMN_BLOCK = 64 * 128          # bytes of a 64-key tile's 64-dim column block
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .dispatch import untuned_variant
+from .arch import runs_on
+from .dispatch import transposed_tile, untuned_variant
 from .mma_plan import heuristic_mma
 from .spec import Problem, Variant, naive
 
@@ -20,12 +21,16 @@ class Preset:
     # Draft lengths the emitted variants must cover: one variant per distinct choice of the
     # dispatcher without a table over these S, for a request of EMIT_KEYS keys each (on sm_90a
     # the long one runs the seesaw schedule), and, where that choice is arch-specific like
-    # sm_90a's wgmma, the portable one for the plain arch too; plus the naive baseline.
+    # sm_90a's wgmma, the portable one for the plain arch too; on devices that run sm_90a, the
+    # transposed tile where all of a request's rows fit one (the dispatcher's pick for long
+    # batched launches of such rows); plus the naive baseline.
     seqlens_q: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 33, 64)
 
     def variants(self, arch: str) -> list[Variant]:
         chosen = {untuned_variant(self.problem, s, 1, keys, arch) for s in self.seqlens_q for keys in EMIT_KEYS}
         chosen |= {v for s in self.seqlens_q if (v := heuristic_mma(self.problem, s, arch, specialize=False))}
+        if runs_on("sm_90a", arch):
+            chosen |= {v for s in self.seqlens_q if (v := transposed_tile(self.problem, s))}
         return [naive(arch=arch)] + sorted(chosen, key=lambda v: v.name)
 
 

@@ -134,21 +134,24 @@ def test_flash_mla_compat(causal):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build the C++ example")
-@pytest.mark.parametrize("part16, tma, seesaw", [("0", "0", "0"), ("1", "0", "0"), ("1", "1", "0"), ("0", "1", "1")])
-def test_cpp_launcher_example_runs(tmp_path, part16, tma, seesaw):
+@pytest.mark.parametrize("part16, tma, seesaw, transposed", [("0", "0", "0", "0"), ("1", "0", "0", "0"),
+                                                          ("1", "1", "0", "0"), ("0", "1", "1", "0"),
+                                                          ("1", "0", "0", "1")])
+def test_cpp_launcher_example_runs(tmp_path, part16, tma, seesaw, transposed):
     """The example's runs: 1, the default and a forced split, each launched twice back to back
     (the second programmatically on sm_90+), with fp32 or 16-bit partial rows; on sm_90, also
-    the TMA kernels (with and without the seesaw) on the tensor map the launcher makes."""
+    the TMA kernels (with and without the seesaw) on the tensor map the launcher makes, and the
+    transposed tile."""
     from mlagen.runtime import device_info
 
     arch = device_info(torch.cuda.current_device())[0]
-    if tma == "1":
+    if "1" in (tma, transposed):
         if arch != "sm_90":
-            pytest.skip(f"TMA kernels are sm_90a's; this GPU is {arch}")
+            pytest.skip(f"TMA kernels and the transposed tile are sm_90a's; this GPU is {arch}")
         arch = "sm_90a"
     build = subprocess.run(["make", "-C", str(ROOT / "examples" / "cpp_launcher"), f"BUILD={tmp_path}",
                             f"PYTHON={sys.executable}", f"ARCH={arch}", f"PART16={part16}", f"TMA={tma}",
-                            f"SEESAW={seesaw}", "run"],
+                            f"SEESAW={seesaw}", f"TRANSPOSED={transposed}", "run"],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stdout + build.stderr
     assert "PASS" in build.stdout

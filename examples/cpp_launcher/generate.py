@@ -24,12 +24,17 @@ PROBLEM = Problem(heads=8, dl=512, dr=64, dtype="bf16", page_size=16, mask="caus
 SEQLEN_Q = 4
 
 
-def generate(arch: str, out: Path, part16: bool = False, tma: bool = False, seesaw: bool = False) -> Path:
+def generate(arch: str, out: Path, part16: bool = False, tma: bool = False, seesaw: bool = False,
+             transposed: bool = False) -> Path:
     """Writes the files for `arch` into `out` (with 16-bit partial rows: `part16`, mma family
     only; TMA tile loads: `tma`, and the seesaw schedule on them: `seesaw`, both sm_90a with
-    64-row pages); returns the kernel source's path."""
+    64-row pages; the transposed tile of all 32 rows: `transposed`, sm_90a); returns the kernel
+    source's path."""
     problem = dataclasses.replace(PROBLEM, page_size=64) if tma else PROBLEM
-    if tma:   # the sm_90a wgmma kernel, all 8 heads of 8 positions a block
+    if transposed:   # the sm_90a tile whose wgmma N is the 8 heads x 4 positions themselves
+        variant = Variant(family="mma", head_tile=8, q_tile=SEQLEN_Q, block_n=64, warps=8, stages=2, arch=arch,
+                          part16=part16, transposed=True)
+    elif tma:   # the sm_90a wgmma kernel, all 8 heads of 8 positions a block
         variant = Variant(family="mma", head_tile=8, q_tile=8, block_n=64, warps=8, stages=2, arch=arch,
                           part16=part16, tma=True, seesaw=seesaw)
     else:
@@ -52,10 +57,13 @@ def main() -> None:
     parser.add_argument("--part16", action="store_true", help="the variant with 16-bit partial rows")
     parser.add_argument("--tma", action="store_true", help="TMA tile loads (--arch sm_90a; 64-row pages)")
     parser.add_argument("--seesaw", action="store_true", help="the seesaw schedule (with --tma)")
+    parser.add_argument("--transposed", action="store_true", help="the transposed tile (--arch sm_90a)")
     args = parser.parse_args()
     if args.seesaw and not args.tma:
         parser.error("--seesaw needs --tma")
-    print(generate(args.arch, args.out, args.part16, args.tma, args.seesaw))
+    if args.transposed and (args.tma or args.seesaw):
+        parser.error("--transposed loads its own tiles: no --tma or --seesaw")
+    print(generate(args.arch, args.out, args.part16, args.tma, args.seesaw, args.transposed))
 
 
 if __name__ == "__main__":
