@@ -98,8 +98,8 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
     one wave (280 against 250 µs; 283 against 250 at H=128 with 65536 keys). At one wave the two
     splits tie (65536 keys, H=64: 142.3 against 144.4 µs; benchmarks/NOTES.md, session 12)."""
     v = heuristic_variant(problem, seqlen_q, arch)
-    transposed = transposed_tile(problem, seqlen_q) if runs_on("sm_90a", arch) else None
-    if transposed is not None and batch * -(-kv_capacity // 64) >= SEESAW_TILES_PER_SM * HOPPER_SMS:
+    transposed = transposed_tile(problem, seqlen_q, arch)
+    if transposed is not None and batch * -(-kv_capacity // transposed.block_n) >= SEESAW_TILES_PER_SM * HOPPER_SMS:
         return transposed
     if v.family != "mma" or v.arch != "sm_90a":
         return v
@@ -110,9 +110,10 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
     return seesaw if is_valid(problem, seesaw) else v
 
 
-def transposed_tile(problem: Problem, seqlen_q: int) -> Variant | None:
+def transposed_tile(problem: Problem, seqlen_q: int, arch: str) -> Variant | None:
     """The transposed tile that holds all H*S rows of a request in one row group (16 to 72 rows,
-    other than 64), balanced split with 16-bit partial rows; None where there is none.
+    other than 64), balanced split with 16-bit partial rows, for a device of target `arch` that
+    runs sm_90a; None where there is none.
 
     Such rows take a padded 64-row group on the other tiles (H=16 S=2: half of it padding) or two
     (H=8 S=9: 72 rows), and each group streams the request's keys. H200, graph replay, against
@@ -121,7 +122,7 @@ def transposed_tile(problem: Problem, seqlen_q: int) -> Variant | None:
     of work, 0.97x at 2048, and 1.12-1.27x at 1024 and fewer: a block's fixed costs over too few
     tiles. Hence the seesaw's threshold, counted over this tile's single row group."""
     rows = problem.heads * seqlen_q
-    if rows not in TRANSPOSED_ROWS or rows % 64 == 0:
+    if rows not in TRANSPOSED_ROWS or rows % 64 == 0 or not runs_on("sm_90a", arch):
         return None
     v = Variant(family="mma", head_tile=problem.heads, q_tile=seqlen_q, kv_split="balanced", block_n=64,
                 warps=8, stages=2, arch="sm_90a", part16=True, transposed=True)

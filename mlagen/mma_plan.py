@@ -63,17 +63,6 @@ def _score_split(m_pad: int, block_n: int, warps: int) -> tuple[int, int] | None
 # The transposed tile (Variant.transposed): its N = rows in multiples of 8, at most what leaves
 # two 64-key stages and P^T's 1 KB blocks room in sm_90a's 227 KB (templates/mma_transposed.cu.j2).
 TRANSPOSED_ROWS = range(16, 73, 8)
-# Stack that a transposed tile of more than 32 rows may take: its 144 output accumulators (72
-# rows) fill the registers, and ptxas spills 40-56 bytes (88-96 with a tree mask's byte reads),
-# as in the probe the H200 timed (benchmarks/NOTES.md, sessions 14 and 15). More means
-# something grew.
-TRANSPOSED_STACK = 128
-
-
-def stack_budget(v: Variant) -> int:
-    """Bytes of stack (spills) `v`'s kernels may take: 0, but for a transposed tile of more than
-    32 rows TRANSPOSED_STACK."""
-    return TRANSPOSED_STACK if v.transposed and v.q_tile * v.head_tile > 32 else 0
 KV_COLUMN_BLOCK = 64 * 128          # bytes of a 64-key tile's 64-dim column block
 
 
@@ -95,6 +84,19 @@ def transposed_layout(p: Problem, v: Variant) -> MmaLayout | str:
     smem = rows * p.head_dim * 2 + 2 * 9 * KV_COLUMN_BLOCK + 2 * 1024
     return MmaLayout(m_pad=rows, wmq=4, wnq=2, rows_w=rows, keys_w=64, dims_w=p.dl // 2, p_stride=64,
                      smem_bytes=smem, wgmma=True, pv_wgmma=True)
+
+
+# Stack that a transposed tile of more than 32 rows may take: its 144 output accumulators (72
+# rows) fill the registers, and ptxas spills 40-56 bytes (88-96 with a tree mask's byte reads),
+# as in the probe the H200 timed (benchmarks/NOTES.md, sessions 14 and 15). More means
+# something grew.
+TRANSPOSED_STACK = 128
+
+
+def stack_budget(v: Variant) -> int:
+    """Bytes of stack (spills) `v`'s kernels may take: 0, but for a transposed tile of more than
+    32 rows TRANSPOSED_STACK."""
+    return TRANSPOSED_STACK if v.transposed and v.q_tile * v.head_tile > 32 else 0
 
 
 # The seesaw's mbarriers: its tile pair loads in four parts, each with one (stage 0's

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .arch import runs_on
 from .dispatch import transposed_tile, untuned_variant
 from .mma_plan import heuristic_mma
 from .spec import Problem, Variant, naive
@@ -29,8 +28,7 @@ class Preset:
     def variants(self, arch: str) -> list[Variant]:
         chosen = {untuned_variant(self.problem, s, 1, keys, arch) for s in self.seqlens_q for keys in EMIT_KEYS}
         chosen |= {v for s in self.seqlens_q if (v := heuristic_mma(self.problem, s, arch, specialize=False))}
-        if runs_on("sm_90a", arch):
-            chosen |= {v for s in self.seqlens_q if (v := transposed_tile(self.problem, s))}
+        chosen |= {v for s in self.seqlens_q if (v := transposed_tile(self.problem, s, arch))}
         return [naive(arch=arch)] + sorted(chosen, key=lambda v: v.name)
 
 

@@ -108,7 +108,7 @@ def candidates(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, ar
         found.append(untuned_variant(problem, seqlen_q, batch, kv_capacity, arch))
     except SpecError:
         pass
-    transposed = transposed_tile(problem, seqlen_q) if runs_on("sm_90a", arch) else None
+    transposed = transposed_tile(problem, seqlen_q, arch)
     found += [transposed] if transposed is not None else []
     found += structures(problem, seqlen_q, arch, "naive", limit=1)
     others = [f for f in FAMILIES if f != "naive"]

@@ -128,7 +128,7 @@ def test_untuned_long_launches_take_the_transposed_tile_where_rows_fit_one(heads
     that run sm_90a only; the tuner times that tile whatever the work."""
     p = Problem(heads=heads)
     edge = dispatch.SEESAW_TILES_PER_SM * dispatch.HOPPER_SMS * 64        # keys of one request
-    tile = dispatch.transposed_tile(p, seqlen_q)
+    tile = dispatch.transposed_tile(p, seqlen_q, "sm_90")
     assert tile == Variant(family="mma", head_tile=heads, q_tile=seqlen_q, kv_split="balanced", block_n=64,
                            warps=8, stages=2, arch="sm_90a", part16=True, transposed=True)
     validate(p, tile)
@@ -138,6 +138,7 @@ def test_untuned_long_launches_take_the_transposed_tile_where_rows_fit_one(heads
     assert dispatch.untuned_variant(p, seqlen_q, 16, 4160, "sm_90") != tile        # H=8 S=9 at 4096 keys: short
     for arch in ("sm_80", "sm_89", "sm_120"):
         assert not dispatch.untuned_variant(p, seqlen_q, 1, edge, arch).transposed
+        assert dispatch.transposed_tile(p, seqlen_q, arch) is None
     assert tile in candidates(p, seqlen_q, 1, 4160, "sm_90", 24)
     assert not any(v.transposed for v in candidates(p, seqlen_q, 1, 4160, "sm_80", 24))
 
@@ -145,7 +146,7 @@ def test_untuned_long_launches_take_the_transposed_tile_where_rows_fit_one(heads
 @pytest.mark.parametrize("heads,seqlen_q", [(64, 1), (8, 8), (16, 9), (64, 9), (1, 9), (2, 4), (8, 1)])
 def test_rows_that_fill_64_row_groups_or_miss_the_range_take_no_transposed_tile(heads, seqlen_q):
     p = Problem(heads=heads)
-    assert dispatch.transposed_tile(p, seqlen_q) is None
+    assert dispatch.transposed_tile(p, seqlen_q, "sm_90") is None
     assert not dispatch.untuned_variant(p, seqlen_q, 64, 65600, "sm_90").transposed
 
 
