@@ -1,25 +1,29 @@
-"""Inside one block of a seesaw kernel (`Variant.seesaw`): when each warpgroup reaches each step
-of each pair of KV tiles, so that the time of a pair splits into waits, matrix work and softmax.
+"""Inside one block of a paired kernel (`Variant.seesaw`, `Variant.transposed`): when each
+warpgroup reaches each step of each pair of KV tiles, so that the time of a pair splits into
+waits, matrix work and softmax.
 
 Clock64 stamps, taken by the first thread of each warpgroup, are patched into the rendered
-source of this run only, at landmarks of templates/mma_seesaw.cuh.j2; a landmark that moved
-fails loudly. On the GPU machine:
+source of this run only, at landmarks of templates/mma_seesaw.cuh.j2 or
+templates/mma_transposed.cu.j2 (a `Schedule` each); a landmark that moved fails loudly. On the
+GPU machine:
 
     python3 benchmarks/trace_seesaw.py 64 1 9 65536 [variant name; default: the dispatcher's]
+    python3 benchmarks/trace_seesaw.py 8 16 9 16384 mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a
 
-The variant must be a seesaw one. Printed: each phase's mean over the pairs of the blocks
-(first and last pair left out: they carry the prologue and the tail), where a balanced range
-moves on to its next request what its segment boundary spends (BOUNDARY: the epilogue's steps,
-stamped by thread 0, then the next segment's Q and first K0), then the pairs of one block, and
-where the blocks' loops sit in the launch. The row is launched a few times first so
-that the clocks have ramped; the traced launch's SM clock is measured (clock64 against the
-global timer, which is also stamped at each pair's start) and converts the clock64 deltas to µs.
+The variant must be a seesaw or a transposed one. Printed: each phase's mean over the pairs of
+the blocks (first and last pair left out: they carry the prologue and the tail), where a
+balanced range moves on to its next request what its segment boundary spends (the epilogue's
+steps, stamped by thread 0, then the next segment's prologue), then the pairs of one block, and
+where the blocks' loops sit in the launch. The row is launched a few times first so that the
+clocks have ramped; the traced launch's SM clock is measured (clock64 against the global timer,
+which is also stamped at each pair's start) and converts the clock64 deltas to µs.
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,138 +31,237 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trace_blocks import device_array, patched_row  # noqa: E402
 
-MAX_BLOCKS, MAX_PAIRS, EVENTS, WARMUP = 512, 96, 24, 20
-GLOBAL = 7  # the event slot (unused by STEPS) that holds the global timer at each pair's start
-# (warpgroup, event): the landmark after which it is stamped. Each landmark occurs once.
-STEPS = [
-    ((0, 0), "        mbar_wait(bars + 8 * K0_HI, parity);\n", "K0 landed"),
-    ((0, 1), "        scores(s, buf0);\n", "S0 issued"),
-    (
-        (0, 2),
-        "        named_sync(S0_ISSUED, 256);                         // S1 queues behind S0 on the tensor cores\n"
-        "        wait_all();\n",
-        "S0 done",
+MAX_BLOCKS, MAX_PAIRS, WARMUP = 512, 96, 20
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Where one paired schedule's stamps go. A step is ((warpgroup, event), landmark, label):
+    stamped after the landmark by the first thread of that warpgroup, or of both when the
+    warpgroup is None (code the two run alike: the stamp then reads `me`); each warpgroup's
+    steps, in the order listed, are its pair's sequence. A boundary step is (k, landmark,
+    label, stamp before it?), by thread 0 into the segment's last pair. A pair's stamps are
+    `events` slots: warpgroup w's event e at stride * w + e, the global timer at `global_slot`,
+    boundary step k at boundary_slot + k. `pair` is the block's pair index so far (C), and
+    `last_pair` that of the last pair before a segment's boundary; `extra` inserts code at
+    landmarks (landmark, code, before it?), e.g. a pair counter."""
+
+    steps: tuple[tuple[tuple[int | None, int], str, str], ...]
+    boundary: tuple[tuple[int, str, str, bool], ...]
+    stride: int
+    global_slot: int
+    boundary_slot: int
+    events: int
+    pair: str
+    last_pair: str
+    extra: tuple[tuple[str, str, bool], ...] = ()
+
+    def sequence(self, w: int) -> list[tuple[int, str]]:
+        """Warpgroup w's steps in order: (slot, label)."""
+        return [(self.stride * w + e, label) for (ww, e), _, label in self.steps if ww in (None, w)]
+
+    def header(self) -> str:
+        at = f"(SS_BLOCK * {MAX_PAIRS} + SS_PAIR) * {self.events}"
+        mine = f"wt == 0 && SS_BLOCK < {MAX_BLOCKS} && SS_PAIR < {MAX_PAIRS}"
+        last = f"({self.last_pair})"
+        return (
+            f"__device__ unsigned long long mlagen_ss_trace[{MAX_BLOCKS * MAX_PAIRS * self.events}];\n"
+            "#define SS_BLOCK ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)\n"
+            f"#define SS_PAIR ({self.pair})   // the block's pairs so far: a balanced split's segments follow on\n"
+            f"#define TS(w, e) do {{ if ({mine}) mlagen_ss_trace[{at} + {self.stride} * (w) + (e)] = clock64(); }} "
+            "while (0)\n"
+            '#define GT() do { unsigned long long g; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g)); '
+            f"if ({mine}) mlagen_ss_trace[{at} + {self.global_slot}] = g; }} while (0)\n"
+            f"#define TB(k) do {{ if (threadIdx.x == 0 && {last} >= 0 && SS_BLOCK < {MAX_BLOCKS} && "
+            f"{last} < {MAX_PAIRS}) mlagen_ss_trace[(SS_BLOCK * {MAX_PAIRS} + {last}) * {self.events} + "
+            f"{self.boundary_slot} + (k)] = clock64(); }} while (0)\n"
+        )
+
+
+# The seesaw (templates/mma_seesaw.cuh.j2): each warpgroup's own code, all of it.
+SEESAW = Schedule(
+    steps=(
+        ((0, 0), "        mbar_wait(bars + 8 * K0_HI, parity);\n", "K0 landed"),
+        ((0, 1), "        scores(s, buf0);\n", "S0 issued"),
+        (
+            (0, 2),
+            "        named_sync(S0_ISSUED, 256);                         // S1 queues behind S0 on the tensor cores\n"
+            "        wait_all();\n",
+            "S0 done",
+        ),
+        ((0, 3), "        mbar_arrive(bars + 8 * P0_FULL);\n", "P0 stored (softmax 0 done)"),
+        ((0, 4), "        pv_regs(s, buf0);\n        wait_all();\n", "P0 V0_L done"),
+        ((0, 5), "        mbar_wait(bars + 8 * P1_FULL, parity);\n", "P1 received"),
+        ((0, 6), "        pv_smem(buf1);\n        wait_all();\n", "P1 V1_L done"),
+        ((1, 0), "      } else {\n        named_sync(S0_ISSUED, 256);\n", "S0 issued (seen)"),
+        ((1, 1), "        mbar_wait(bars + 8 * K1_REST, parity);\n", "K1 landed"),
+        ((1, 2), "        scores(s, buf1);\n", "S1 issued"),
+        ((1, 3), "        wait_all();                                         // S1 done", "S1 done"),
+        ((1, 4), "        mbar_wait(bars + 8 * P0_FULL, parity);\n", "P0 received (S1 masked)"),
+        ((1, 5), "        mbar_arrive(bars + 8 * P1_FULL);\n", "P1 stored (softmax 1 done)"),
+        ((1, 6), "        mbar_arrive(bars + 8 * P1_FULL);\n        wait_all();\n", "P0 V0_R done"),
+        ((1, 7), "        pv_regs(s, buf1);\n        wait_all();\n", "P1 V1_R done"),
     ),
-    ((0, 3), "        mbar_arrive(bars + 8 * P0_FULL);\n", "P0 stored (softmax 0 done)"),
-    ((0, 4), "        pv_regs(s, buf0);\n        wait_all();\n", "P0 V0_L done"),
-    ((0, 5), "        mbar_wait(bars + 8 * P1_FULL, parity);\n", "P1 received"),
-    ((0, 6), "        pv_smem(buf1);\n        wait_all();\n", "P1 V1_L done"),
-    ((1, 0), "      } else {\n        named_sync(S0_ISSUED, 256);\n", "S0 issued (seen)"),
-    ((1, 1), "        mbar_wait(bars + 8 * K1_REST, parity);\n", "K1 landed"),
-    ((1, 2), "        scores(s, buf1);\n", "S1 issued"),
-    ((1, 3), "        wait_all();                                         // S1 done", "S1 done"),
-    ((1, 4), "        mbar_wait(bars + 8 * P0_FULL, parity);\n", "P0 received (S1 masked)"),
-    ((1, 5), "        mbar_arrive(bars + 8 * P1_FULL);\n", "P1 stored (softmax 1 done)"),
-    ((1, 6), "        mbar_arrive(bars + 8 * P1_FULL);\n        wait_all();\n", "P0 V0_R done"),
-    ((1, 7), "        pv_regs(s, buf1);\n        wait_all();\n", "P1 V1_R done"),
-]
-# Slot 16 + k: a segment's boundary, stamped by thread 0 into the segment's last pair (the
-# next segment's prologue: into the previous one's). (k, landmark, label, stamp before it?)
-BOUNDARY = [
-    (0, "    cp_async_commit();\n    cp_async_wait<0>();\n    __syncthreads();\n", "epilogue begun (synced)", False),
-    (1, "      __syncthreads();\n      for (int row = warp; row < ROWS; row += WARPS) {\n", "rows staged", True),
-    (2, "    if (!direct) count_split_done(p, b, x, splits);\n", "rows stored (issued)", True),
-    (3, "    if (!direct) count_split_done(p, b, x, splits);\n", "released (fence, count)", False),
-    (4, "    __syncthreads();                                        // Q and the tree-mask rows\n",
-     "next segment: Q landed", False),
-]
-HEADER = (
-    f"__device__ unsigned long long mlagen_ss_trace[{MAX_BLOCKS * MAX_PAIRS * EVENTS}];\n"
-    "#define SS_BLOCK ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)\n"
-    "#define SS_PAIR (t_base / 2 + pi)   // the block's pairs so far: a balanced split's segments follow on\n"
-    f"#define TS(w, e) do {{ if (wt == 0 && SS_BLOCK < {MAX_BLOCKS} && SS_PAIR < {MAX_PAIRS}) "
-    f"mlagen_ss_trace[(SS_BLOCK * {MAX_PAIRS} + SS_PAIR) * {EVENTS} + 8 * (w) + (e)] = clock64(); }} "
-    "while (0)\n"
-    '#define GT() do { unsigned long long g; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g)); '
-    f"if (wt == 0 && SS_BLOCK < {MAX_BLOCKS} && SS_PAIR < {MAX_PAIRS}) "
-    f"mlagen_ss_trace[(SS_BLOCK * {MAX_PAIRS} + SS_PAIR) * {EVENTS} + {GLOBAL}] = g; }} while (0)\n"
-    f"#define TB(k) do {{ if (threadIdx.x == 0 && tiles_done > 0 && SS_BLOCK < {MAX_BLOCKS} && "
-    f"tiles_done / 2 <= {MAX_PAIRS}) "
-    f"mlagen_ss_trace[(SS_BLOCK * {MAX_PAIRS} + tiles_done / 2 - 1) * {EVENTS} + 16 + (k)] = clock64(); }} while (0)\n"
+    boundary=(
+        (0, "    cp_async_commit();\n    cp_async_wait<0>();\n    __syncthreads();\n", "epilogue begun (synced)",
+         False),
+        (1, "      __syncthreads();\n      for (int row = warp; row < ROWS; row += WARPS) {\n", "rows staged", True),
+        (2, "    if (!direct) count_split_done(p, b, x, splits);\n", "rows stored (issued)", True),
+        (3, "    if (!direct) count_split_done(p, b, x, splits);\n", "released (fence, count)", False),
+        (4, "    __syncthreads();                                        // Q and the tree-mask rows\n",
+         "next segment: Q landed", False),
+    ),
+    stride=8, global_slot=7, boundary_slot=16, events=24,
+    pair="t_base / 2 + pi", last_pair="tiles_done / 2 - 1",
+)
+
+# The transposed tile (templates/mma_transposed.cu.j2): the scores and the softmax are code both
+# warpgroups run (`me` picks the tile), the P.V hand-offs each warpgroup's own. Its segments
+# keep no count of tiles before them, so the patch adds one (tr_pairs).
+TRANSPOSED = Schedule(
+    steps=(
+        ((None, 0), "      named_sync(WG0 + me, 128);                            // its rows have landed\n",
+         "tile landed"),
+        ((None, 1), "      float f[NJ][2];\n      bool a_moved = false;\n", "scores issued"),
+        ((1, 10), "        a_moved = take_other_max(MA, f);                    // m_A, if it moved, is in #0\n",
+         "m_A received"),
+        ((None, 2), "      if (a_moved) rescale(f);", "scores done"),
+        ((None, 3), "      const bool moved = warpgroup_any(WG0 + me, over);\n", "masked, max voted"),
+        ((None, 4), "      named_arrive(me == 0 ? MA : MB, 256);\n", "max handed over"),
+        ((None, 5), "      named_sync(me == 0 ? ACKA : ACKB, 256);", "P exponentiated, max read"),
+        ((None, 6), "      named_arrive(me == 0 ? PA : PB, 256);\n", "P^T stored"),
+        ((0, 7), "        const bool b_moved = take_other_max(MB, f);\n", "m_B received (P_A V_A issued)"),
+        ((0, 8), "        if (b_moved) rescale(f);\n", "P_A V_A done"),
+        ((0, 9), "        named_sync(PB, 256);\n        pv(1, false);\n", "P_B^T seen, P_B V_B issued"),
+        ((0, 10), "        named_sync(FREE0, 256);                             // warpgroup 1's P_A V_A is done\n",
+         "wg1's P_A V_A done (FREE0)"),
+        ((0, 11), "        named_arrive(FREE1, 256);\n", "next A issued, P_B V_B done"),
+        ((1, 7), "        named_sync(PA, 256);\n        pv(0, true);\n", "P_A V_A done"),
+        ((1, 8), "        pv(1, true);\n", "P_B V_B done"),
+        ((1, 9), "        named_sync(FREE1, 256);                             // warpgroup 0's P_B V_B is done\n"
+                 "        if (more) load_tile(kb + 2);\n", "next B issued"),
+    ),
+    boundary=(
+        (0, "    cp_async_wait<0>();\n    __syncthreads();                                        "
+            "// every wgmma and copy is done\n", "epilogue begun (synced)", False),
+        (1, "    __syncthreads();\n    for (int row = warp; row < N; row += THREADS / 32) {\n", "rows staged", True),
+        (2, "    if (!direct) count_split_done(p, b, x, splits);\n", "rows stored (issued)", True),
+        (3, "    if (!direct) count_split_done(p, b, x, splits);\n", "released (fence, count)", False),
+        (4, "    __syncthreads();                                        // Q from every thread's copies\n",
+         "next segment: Q and its first tiles landed", False),
+    ),
+    stride=12, global_slot=23, boundary_slot=24, events=32,
+    pair="tr_pairs + pi", last_pair="tr_pairs - 1",
+    extra=(("  auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {\n",
+            "  int tr_pairs = 0;   // trace: the block's pairs before this segment\n", True),
+           ("    // ---- epilogue: column sums and maxima meet in shared memory", "    tr_pairs += pairs;\n", True)),
 )
 
 
-def patch(source: str) -> str:
-    """`source` with a stamp after each landmark of STEPS (in a seesaw kernel's rendered source)."""
-    # longest landmark first: warpgroup 1's "P0 V0_R done" landmark holds its "P1 stored" one
-    for (w, e), landmark, _ in sorted(STEPS, key=lambda s: -len(s[1])):
-        if source.count(landmark) != 1:
-            raise SystemExit(f"landmark not found once (the template changed): {landmark!r}")
-        end = source.index(landmark) + len(landmark)
-        line_end = source.index("\n", end - 1) + 1 if not landmark.endswith("\n") else end
-        stamp = "TS(0, 0); GT();" if (w, e) == (0, 0) else f"TS({w}, {e});"
-        source = source[:line_end] + f"        {stamp}\n" + source[line_end:]
-    for k, landmark, _, before in BOUNDARY:
-        if source.count(landmark) != 1:
-            raise SystemExit(f"landmark not found once (the template changed): {landmark!r}")
-        at = source.index(landmark) + (0 if before else len(landmark))
-        source = source[:at] + f"    TB({k});\n" + source[at:]
-    return HEADER + source
+def schedule_of(variant) -> Schedule | None:
+    return SEESAW if variant.seesaw else TRANSPOSED if variant.transposed else None
 
 
-def phases(stamps: list[list[int]], ghz: float) -> dict[str, list[float]]:
+def _insert(source: str, landmark: str, code: str, before: bool) -> str:
+    if source.count(landmark) != 1:
+        raise SystemExit(f"landmark not found once (the template changed): {landmark!r}")
+    at = source.index(landmark)
+    if not before:
+        end = at + len(landmark)
+        at = end if landmark.endswith("\n") else source.index("\n", end - 1) + 1
+    return source[:at] + code + source[at:]
+
+
+def patch(source: str, schedule: Schedule) -> str:
+    """`source` with a stamp after each landmark of the schedule's steps and boundary."""
+    first = schedule.steps[0][0]
+    # longest landmark first: one landmark may hold another (the seesaw's "P0 V0_R done" holds
+    # its "P1 stored")
+    for (w, e), landmark, _ in sorted(schedule.steps, key=lambda s: -len(s[1])):
+        timer = "" if (w, e) != first else " GT();" if w is not None else " if (me == 0) GT();"
+        stamp = f"TS({'me' if w is None else w}, {e});{timer}"
+        source = _insert(source, landmark, f"        {stamp}\n", False)
+    for k, landmark, _, before in schedule.boundary:
+        source = _insert(source, landmark, f"    TB({k});\n", before)
+    for landmark, code, before in schedule.extra:
+        source = _insert(source, landmark, code, before)
+    return schedule.header() + source
+
+
+def phases(stamps: list[list[int]], ghz: float, schedule: Schedule) -> dict[str, list[float]]:
     """Per pair (the first and last left out), the µs between consecutive steps of each
-    warpgroup, and the pair's period (warpgroup 0's K0 landed to the next pair's); clock64
+    warpgroup, and the pair's period (warpgroup 0's first step to the next pair's); clock64
     deltas at `ghz`."""
-    names = {key: label for key, _, label in STEPS}
     out: dict[str, list[float]] = {}
+    seq0 = schedule.sequence(0)
+    (first, first_label), (last, last_label) = seq0[0], seq0[-1]
     for i in range(1, len(stamps) - 1):
         cur, nxt = stamps[i], stamps[i + 1]
-        for w, count in ((0, 7), (1, 8)):
-            for e in range(1, count):
-                a, b = cur[8 * w + e - 1], cur[8 * w + e]
-                out.setdefault(f"wg{w}: {names[(w, e - 1)]} -> {names[(w, e)]}", []).append((b - a) / (ghz * 1e3))
-        out.setdefault("pair period (wg0 K0 landed to the next)", []).append((nxt[0] - cur[0]) / (ghz * 1e3))
-        out.setdefault("wg0: P1 V1_L done -> next K0 landed", []).append((nxt[0] - cur[6]) / (ghz * 1e3))
+        for w in (0, 1):
+            seq = schedule.sequence(w)
+            for (a, la), (b, lb) in zip(seq[:-1], seq[1:], strict=True):
+                out.setdefault(f"wg{w}: {la} -> {lb}", []).append((cur[b] - cur[a]) / (ghz * 1e3))
+        us = (nxt[first] - cur[first]) / (ghz * 1e3), (nxt[first] - cur[last]) / (ghz * 1e3)
+        out.setdefault(f"pair period (wg0 {first_label} to the next)", []).append(us[0])
+        out.setdefault(f"wg0: {last_label} -> next {first_label}", []).append(us[1])
     return out
 
 
-def boundaries(stamps: list[list[int]], ghz: float) -> dict[str, list[float]]:
+def boundaries(stamps: list[list[int]], ghz: float, schedule: Schedule) -> dict[str, list[float]]:
     """Per segment boundary of one block (a pair with boundary stamps and a pair after it), the µs
-    from warpgroup 0's last P1 V1_L through the epilogue's steps to the next segment's Q and its
-    first K0 landing; clock64 deltas at `ghz`."""
-    labels = ["wg0 P1 V1_L done"] + [label for _, _, label, _ in BOUNDARY] + ["next segment: K0 landed"]
+    from warpgroup 0's last step through the epilogue's steps to the next segment's first step;
+    clock64 deltas at `ghz`."""
+    seq0 = schedule.sequence(0)
+    (first, first_label), (last, last_label) = seq0[0], seq0[-1]
+    labels = ([f"wg0 {last_label}"] + [label for _, _, label, _ in schedule.boundary]
+              + [f"next segment: {first_label}"])
+    b0, count = schedule.boundary_slot, len(schedule.boundary)
     out: dict[str, list[float]] = {}
     for cur, nxt in zip(stamps[:-1], stamps[1:], strict=True):
-        if not cur[16]:
+        if not cur[b0]:
             continue
-        times = [cur[6]] + cur[16 : 16 + len(BOUNDARY)] + [nxt[0]]
+        times = [cur[last]] + cur[b0 : b0 + count] + [nxt[first]]
         for i in range(1, len(times)):
             out.setdefault(f"{labels[i - 1]} -> {labels[i]}", []).append((times[i] - times[i - 1]) / (ghz * 1e3))
-        out.setdefault("boundary in all (P1 V1_L done -> next K0 landed)", []).append((nxt[0] - cur[6]) / (ghz * 1e3))
+        out.setdefault(f"boundary in all ({last_label} -> next {first_label})", []).append(
+            (nxt[first] - cur[last]) / (ghz * 1e3))
     return out
 
 
 def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None) -> None:
     loaded, call = patched_row(
-        lambda plan, source: patch(source) if plan.variant.seesaw else source, heads, batch, seqlen_q, prefix, variant
+        lambda plan, source: patch(source, sched) if (sched := schedule_of(plan.variant)) else source,
+        heads, batch, seqlen_q, prefix, variant,
     )
-    if not loaded.plan.variant.seesaw:
-        raise SystemExit(f"{loaded.plan.name} is not a seesaw variant: pass one")
-    trace = device_array(loaded, "mlagen_ss_trace", (MAX_BLOCKS, MAX_PAIRS, EVENTS))
+    schedule = schedule_of(loaded.plan.variant)
+    if schedule is None:
+        raise SystemExit(f"{loaded.plan.name} is neither a seesaw nor a transposed variant: pass one")
+    trace = device_array(loaded, "mlagen_ss_trace", (MAX_BLOCKS, MAX_PAIRS, schedule.events))
     for _ in range(WARMUP):
         call()
     trace[:] = 0
     call()
     torch.cuda.synchronize()
-    blocks = [[[int(x) for x in pair] for pair in block if pair[0]] for block in trace.get()]
+    first = schedule.sequence(0)[0][0]
+    blocks = [[[int(x) for x in pair] for pair in block if pair[first]] for block in trace.get()]
     blocks = [b for b in blocks if len(b) >= 3]
     if not blocks:
         raise SystemExit("no block ran 3 pairs or more: pick a longer row")
     # each block's clock64 against the global timer (ns) between its first and last pair
-    ghz = statistics.median((b[-1][0] - b[0][0]) / (b[-1][GLOBAL] - b[0][GLOBAL]) for b in blocks)
+    timer = schedule.global_slot
+    ghz = statistics.median((b[-1][first] - b[0][first]) / (b[-1][timer] - b[0][timer]) for b in blocks)
     merged: dict[str, list[float]] = {}
     for b in blocks:
-        for name, values in phases(b, ghz).items():
+        for name, values in phases(b, ghz, schedule).items():
             merged.setdefault(name, []).extend(values)
     print(
         loaded.plan.name,
         f"blocks with 3+ pairs: {len(blocks)}, pairs timed: {sum(len(b) - 2 for b in blocks)}, SM clock {ghz:.2f} GHz",
     )
-    t0 = min(b[0][GLOBAL] for b in blocks)
+    t0 = min(b[0][timer] for b in blocks)
     for what, values in (
-        ("first pair starts (µs after the earliest)", [(b[0][GLOBAL] - t0) / 1e3 for b in blocks]),
-        ("last pair starts (µs)", [(b[-1][GLOBAL] - t0) / 1e3 for b in blocks]),
+        ("first pair starts (µs after the earliest)", [(b[0][timer] - t0) / 1e3 for b in blocks]),
+        ("last pair starts (µs)", [(b[-1][timer] - t0) / 1e3 for b in blocks]),
         ("pairs per block", [len(b) for b in blocks]),
     ):
         print(f"{what:50} min {min(values):7.2f}  median {statistics.median(values):7.2f}  max {max(values):7.2f}")
@@ -167,18 +270,18 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
         print(f"{name:70} {sum(values) / len(values):5.2f}  {min(values):5.2f}  {max(values):5.2f}")
     edges: dict[str, list[float]] = {}
     for b in blocks:
-        for name, values in boundaries(b, ghz).items():
+        for name, values in boundaries(b, ghz, schedule).items():
             edges.setdefault(name, []).extend(values)
     if edges:
         count = len(next(iter(edges.values())))
         print(f"{f'segment boundaries ({count}; µs, mean; min, max)':70} mean    min    max")
         for name, values in edges.items():
             print(f"{name:70} {sum(values) / len(values):5.2f}  {min(values):5.2f}  {max(values):5.2f}")
-    first = blocks[0]
-    print("block 0, per pair: each step's µs after that pair's wg0 K0 landed (wg0 steps | wg1 steps)")
-    for i, pair in enumerate(first):
-        wg0 = " ".join(f"{(pair[e] - pair[0]) / (ghz * 1e3):5.2f}" for e in range(1, 7))
-        wg1 = " ".join(f"{(pair[8 + e] - pair[0]) / (ghz * 1e3):5.2f}" for e in range(8))
+    label = schedule.sequence(0)[0][1]
+    print(f"block 0, per pair: each step's µs after that pair's wg0 {label} (wg0 steps | wg1 steps)")
+    for i, pair in enumerate(blocks[0]):
+        wg0, wg1 = (" ".join(f"{(pair[slot] - pair[first]) / (ghz * 1e3):5.2f}" for slot, _ in schedule.sequence(w))
+                    for w in (0, 1))
         print(f"pair {i:3d}: {wg0} | {wg1}")
 
 

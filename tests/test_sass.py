@@ -236,15 +236,47 @@ def test_seesaw_trace_patch_compiles():
     from mlagen.compiler import compile_source
 
     plan = _built("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a").plan
-    source = trace_seesaw.patch(render(plan))
-    assert source.count("        TS(") == len(trace_seesaw.STEPS) == 15
-    assert source.count("    TB(") == len(trace_seesaw.BOUNDARY) == 5         # a segment boundary's steps
+    seesaw = trace_seesaw.SEESAW
+    source = trace_seesaw.patch(render(plan), seesaw)
+    assert source.count("        TS(") == len(seesaw.steps) == 15
+    assert source.count("    TB(") == len(seesaw.boundary) == 5         # a segment boundary's steps
     module = compile_source(source, plan.name, plan.arch.name)
     assert all(not r.spills and r.stack_frame == 0 for r in module.resources.values()), module.resources
     assert "C751" not in module.log and "serialized" not in module.log, module.log
     assert source.count("GT();") == 1                     # the global timer, once a pair
     with pytest.raises(SystemExit, match="landmark not found once"):
-        trace_seesaw.patch(render(_built(WGMMA).plan))
+        trace_seesaw.patch(render(_built(WGMMA).plan), seesaw)
+
+
+@pytest.mark.parametrize("name", ["mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", "mma_ht8_qt4_bn64_w8_st2_sp3_tr_sm90a"])
+def test_transposed_trace_patch_compiles(name):
+    """trace_seesaw.py's transposed schedule: every landmark of templates/mma_transposed.cu.j2 is
+    there once, the stamps go into every step of both warpgroups (the scores and softmax through
+    `me`), a pair counter carries the pairs across a balanced range's segments, and the patched
+    kernel keeps its wgmmas asynchronous and its stack within what the tile is allowed."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import trace_seesaw
+
+    from mlagen.codegen import render
+    from mlagen.compiler import compile_source
+    from mlagen.mma_plan import TRANSPOSED_STACK
+
+    plan = build(Problem(heads=8), parse_variant(name)).plan
+    tr = trace_seesaw.TRANSPOSED
+    assert trace_seesaw.schedule_of(plan.variant) is tr
+    source = trace_seesaw.patch(render(plan), tr)
+    assert source.count("        TS(") == len(tr.steps) and source.count("TS(me, ") == 7
+    assert source.count("    TB(") == len(tr.boundary) and source.count("if (me == 0) GT();") == 1
+    assert "int tr_pairs = 0;" in source and "tr_pairs += pairs;" in source
+    slots = [slot for w in (0, 1) for slot, _ in tr.sequence(w)] + [tr.global_slot]
+    slots += [tr.boundary_slot + k for k in range(len(tr.boundary))]
+    assert len(set(slots)) == len(slots) and max(slots) < tr.events      # no two stamps share a slot
+    module = compile_source(source, plan.name, plan.arch.name)
+    assert all(r.stack_frame <= TRANSPOSED_STACK for r in module.resources.values()), module.resources
+    assert "C751" not in module.log and "serialized" not in module.log, module.log
 
 
 def test_seesaw_trace_phases_are_clock_deltas_at_the_measured_rate():
@@ -257,17 +289,17 @@ def test_seesaw_trace_phases_are_clock_deltas_at_the_measured_rate():
     import trace_seesaw
 
     def pair(start: int) -> list[int]:
-        stamps = [0] * trace_seesaw.EVENTS
+        stamps = [0] * trace_seesaw.SEESAW.events
         for e in range(7):
             stamps[e] = start + 100 * e                   # warpgroup 0: a step every 100 cycles
         for e in range(8):
             stamps[8 + e] = start + 50 + 200 * e          # warpgroup 1: every 200
         return stamps
 
-    got = trace_seesaw.phases([pair(0), pair(4000), pair(8000), pair(12000)], ghz=2.0)
+    got = trace_seesaw.phases([pair(0), pair(4000), pair(8000), pair(12000)], 2.0, trace_seesaw.SEESAW)
     assert len(got["pair period (wg0 K0 landed to the next)"]) == 2
     assert got["pair period (wg0 K0 landed to the next)"] == [2.0, 2.0]        # 4000 cycles at 2 GHz
-    first, second = (label for _, _, label in trace_seesaw.STEPS[:2])           # warpgroup 0's first two steps
+    first, second = (label for _, _, label in trace_seesaw.SEESAW.steps[:2])    # warpgroup 0's first two steps
     assert got[f"wg0: {first} -> {second}"] == [0.05, 0.05]
     assert all(v == [0.1, 0.1] for k, v in got.items() if k.startswith("wg1"))
     assert got["wg0: P1 V1_L done -> next K0 landed"] == [(4000 - 600) / 2000] * 2
@@ -283,18 +315,21 @@ def test_seesaw_trace_boundaries_follow_a_segment_end_to_the_next_k0():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import trace_seesaw
 
+    seesaw = trace_seesaw.SEESAW
+
     def pair(start: int, boundary: bool) -> list[int]:
-        stamps = [0] * trace_seesaw.EVENTS
+        stamps = [0] * seesaw.events
         stamps[0], stamps[6] = start, start + 600
         if boundary:
-            for k in range(len(trace_seesaw.BOUNDARY)):
-                stamps[16 + k] = start + 1000 + 200 * k       # a step every 200 cycles
+            for k in range(len(seesaw.boundary)):
+                stamps[seesaw.boundary_slot + k] = start + 1000 + 200 * k       # a step every 200 cycles
         return stamps
 
-    got = trace_seesaw.boundaries([pair(0, False), pair(4000, True), pair(9000, False), pair(12000, True)], ghz=2.0)
+    got = trace_seesaw.boundaries([pair(0, False), pair(4000, True), pair(9000, False), pair(12000, True)], 2.0,
+                                  seesaw)
     assert got["boundary in all (P1 V1_L done -> next K0 landed)"] == [(9000 - 4600) / 2000]
     steps = [k for k in got if k != "boundary in all (P1 V1_L done -> next K0 landed)"]
-    assert len(steps) == len(trace_seesaw.BOUNDARY) + 1
+    assert len(steps) == len(seesaw.boundary) + 1
     assert got[steps[0]] == [0.2] and all(got[k] == [0.1] for k in steps[1:-1])   # 400, then 200 cycles
     assert got[steps[-1]] == [(9000 - 5800) / 2000]
 
