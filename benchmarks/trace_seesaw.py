@@ -174,7 +174,7 @@ def _insert(source: str, landmark: str, code: str, before: bool) -> str:
 
 def patch(source: str, schedule: Schedule) -> str:
     """`source` with a stamp after each landmark of the schedule's steps and boundary."""
-    first = schedule.steps[0][0]
+    first = next(key for key, _, _ in schedule.steps if key[0] in (None, 0))   # warpgroup 0's first step
     # longest landmark first: one landmark may hold another (the seesaw's "P0 V0_R done" holds
     # its "P1 stored")
     for (w, e), landmark, _ in sorted(schedule.steps, key=lambda s: -len(s[1])):
