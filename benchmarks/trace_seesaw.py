@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from mlagen.spec import Variant
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trace_blocks import device_array, patched_row  # noqa: E402
 
@@ -158,7 +160,8 @@ TRANSPOSED = Schedule(
 )
 
 
-def schedule_of(variant) -> Schedule | None:
+def schedule_of(variant: Variant) -> Schedule | None:
+    """The schedule whose landmarks `variant`'s template has, or None for an unpaired kernel."""
     return SEESAW if variant.seesaw else TRANSPOSED if variant.transposed else None
 
 
