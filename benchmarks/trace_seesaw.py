@@ -80,6 +80,13 @@ class Schedule:
         )
 
 
+# Boundary steps 2 and 3 of both templates: a split segment ends through merge.cuh.j2's
+# count_split_done, after its rows are stored.
+RELEASE = (
+    (2, "    if (!direct) count_split_done(p, b, x, splits);\n", "rows stored (issued)", True),
+    (3, "    if (!direct) count_split_done(p, b, x, splits);\n", "released (fence, count)", False),
+)
+
 # The seesaw (templates/mma_seesaw.cuh.j2): each warpgroup's own code, all of it.
 SEESAW = Schedule(
     steps=(
@@ -108,8 +115,7 @@ SEESAW = Schedule(
         (0, "    cp_async_commit();\n    cp_async_wait<0>();\n    __syncthreads();\n", "epilogue begun (synced)",
          False),
         (1, "      __syncthreads();\n      for (int row = warp; row < ROWS; row += WARPS) {\n", "rows staged", True),
-        (2, "    if (!direct) count_split_done(p, b, x, splits);\n", "rows stored (issued)", True),
-        (3, "    if (!direct) count_split_done(p, b, x, splits);\n", "released (fence, count)", False),
+        *RELEASE,
         (4, "    __syncthreads();                                        // Q and the tree-mask rows\n",
          "next segment: Q landed", False),
     ),
@@ -147,8 +153,7 @@ TRANSPOSED = Schedule(
         (0, "    cp_async_wait<0>();\n    __syncthreads();                                        "
             "// every wgmma and copy is done\n", "epilogue begun (synced)", False),
         (1, "    __syncthreads();\n    for (int row = warp; row < N; row += THREADS / 32) {\n", "rows staged", True),
-        (2, "    if (!direct) count_split_done(p, b, x, splits);\n", "rows stored (issued)", True),
-        (3, "    if (!direct) count_split_done(p, b, x, splits);\n", "released (fence, count)", False),
+        *RELEASE,
         (4, "    __syncthreads();                                        // Q from every thread's copies\n",
          "next segment: Q and its first tiles landed", False),
     ),
