@@ -128,25 +128,26 @@ SEESAW = Schedule(
 # keep no count of tiles before them, so the patch adds one (tr_pairs).
 TRANSPOSED = Schedule(
     steps=(
+        ((1, 8), "        if (take_other_max(MA, f)) rescale(f);", "m_A received"),
+        ((1, 9), "        named_arrive(FREE0, 256);\n", "P_A V_A done (FREE0)"),
         ((None, 0), "      named_sync(WG0 + me, 128);                            // its rows have landed\n",
          "tile landed"),
-        ((None, 1), "      float f[NJ][2];\n      bool a_moved = false;\n", "scores issued"),
-        ((1, 10), "        a_moved = take_other_max(MA, f);                    // m_A, if it moved, is in #0\n",
-         "m_A received"),
-        ((None, 2), "      if (a_moved) rescale(f);", "scores done"),
-        ((None, 3), "      const bool moved = warpgroup_any(WG0 + me, over);\n", "masked, max voted"),
-        ((None, 4), "      named_arrive(me == 0 ? MA : MB, 256);\n", "max handed over"),
-        ((None, 5), "      named_sync(me == 0 ? ACKA : ACKB, 256);", "P exponentiated, max read"),
-        ((None, 6), "      named_arrive(me == 0 ? PA : PB, 256);\n", "P^T stored"),
-        ((0, 7), "        const bool b_moved = take_other_max(MB, f);\n", "m_B received (P_A V_A issued)"),
-        ((0, 8), "        if (b_moved) rescale(f);\n", "P_A V_A done"),
-        ((0, 9), "        named_sync(PB, 256);\n        pv(1, false);\n", "P_B^T seen, P_B V_B issued"),
-        ((0, 10), "        named_sync(FREE0, 256);                             // warpgroup 1's P_A V_A is done\n",
+        ((None, 1), '      asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory");\n'
+                    '      asm volatile("wgmma.wait_group.sync.aligned 0;\\n" ::: "memory");\n', "scores done"),
+        ((None, 2), "      const bool moved = warpgroup_any(WG0 + me, over);\n", "masked, max voted"),
+        ((None, 3), "      named_arrive(me == 0 ? MA : MB, 256);\n", "max handed over"),
+        ((None, 4), "      named_sync(me == 0 ? ACKA : ACKB, 256);", "P exponentiated, max read"),
+        ((None, 5), "      named_arrive(me == 0 ? PA : PB, 256);\n", "P^T stored"),
+        ((0, 6), "        if (moved) rescale(f);\n        pv(0, true);\n", "own P_A V_A done"),
+        ((0, 7), "        named_sync(FREE0, 256);                             // warpgroup 1's P_A V_A is done\n",
          "wg1's P_A V_A done (FREE0)"),
-        ((0, 11), "        named_arrive(FREE1, 256);\n", "next A issued, P_B V_B done"),
-        ((1, 7), "        named_sync(PA, 256);\n        pv(0, true);\n", "P_A V_A done"),
-        ((1, 8), "        pv(1, true);\n", "P_B V_B done"),
-        ((1, 9), "        named_sync(FREE1, 256);                             // warpgroup 0's P_B V_B is done\n"
+        ((0, 8), "        named_sync(FREE0, 256);                             // warpgroup 1's P_A V_A is done\n"
+                 "        if (more) load_tile(kb + 2);\n", "next A issued"),
+        ((0, 9), "        if (take_other_max(MB, f)) rescale(f);", "m_B received"),
+        ((0, 10), "        named_sync(PB, 256);\n        pv(1, true);\n", "P_B V_B done"),
+        ((1, 6), "        if (moved) rescale(f);                              // O_R (P_A V_A in it) to m_B\n"
+                 "        pv(1, true);\n", "P_B V_B done"),
+        ((1, 7), "        named_sync(FREE1, 256);                             // warpgroup 0's P_B V_B is done\n"
                  "        if (more) load_tile(kb + 2);\n", "next B issued"),
     ),
     boundary=(

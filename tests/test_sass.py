@@ -268,7 +268,8 @@ def test_transposed_trace_patch_compiles(name):
     tr = trace_seesaw.TRANSPOSED
     assert trace_seesaw.schedule_of(plan.variant) is tr
     source = trace_seesaw.patch(render(plan), tr)
-    assert source.count("        TS(") == len(tr.steps) and source.count("TS(me, ") == 7
+    assert source.count("        TS(") == len(tr.steps)
+    assert source.count("TS(me, ") == sum(w is None for (w, _), _, _ in tr.steps) >= 6
     assert source.count("    TB(") == len(tr.boundary) and source.count("if (me == 0) GT();") == 1
     assert "int tr_pairs = 0;" in source and "tr_pairs += pairs;" in source
     slots = [slot for w in (0, 1) for slot, _ in tr.sequence(w)] + [tr.global_slot]
