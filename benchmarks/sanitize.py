@@ -53,9 +53,10 @@ def main() -> None:
             variants.append(Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1,
                                     mma_pv=True, part16=part16, arch="sm_90a"))
         # the transposed tile: 72 rows (all of the shared memory; its q tile overhangs S=3 and 5)
-        # and 32, with a fixed and a balanced split
+        # and 32, with a fixed and a balanced split, and TMA loads (whose mbarriers share #0/#1)
         for tile, knobs in (((8, 9), {"kv_split": 2}), ((8, 9), {"kv_split": "balanced", "part16": True}),
-                            ((8, 4), {"kv_split": "balanced"})):
+                            ((8, 4), {"kv_split": "balanced"}), ((8, 9), {"kv_split": 2, "tma": True}),
+                            ((8, 9), {"kv_split": "balanced", "part16": True, "tma": True})):
             variants.append(Variant(family="mma", head_tile=tile[0], q_tile=tile[1], block_n=64, warps=8, stages=2,
                                     arch="sm_90a", transposed=True, **knobs))
     if len(sys.argv) > 1:

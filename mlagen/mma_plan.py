@@ -79,8 +79,8 @@ def transposed_layout(p: Problem, v: Variant) -> MmaLayout | str:
     if (v.block_n, v.warps, v.stages) != (64, 8, 2):
         return (f"block_n=64, 8 warps and 2 stages for transposed, got block_n={v.block_n}, {v.warps} warps, "
                 f"{v.stages} stages")
-    if v.tma or v.seesaw or v.cluster or v.mma_pv:
-        return "no tma, seesaw, cluster or mma_pv with transposed (its own schedule, cp.async loads)"
+    if v.seesaw or v.cluster or v.mma_pv:
+        return "no seesaw, cluster or mma_pv with transposed (its own schedule)"
     smem = rows * p.head_dim * 2 + 2 * 9 * KV_COLUMN_BLOCK + 2 * 1024
     return MmaLayout(m_pad=rows, wmq=4, wnq=2, rows_w=rows, keys_w=64, dims_w=p.dl // 2, p_stride=64,
                      smem_bytes=smem, wgmma=True, pv_wgmma=True)

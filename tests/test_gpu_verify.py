@@ -125,15 +125,16 @@ def _transposed_tiles(heads: int) -> list[tuple[int, int]]:
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the transposed tile runs on wgmma: a compute capability 9.0 GPU (sm_90a)")
 @given(shape=shapes(max_work=4e9), data=st.data(), kv_split=st.sampled_from(["adaptive", 1, 3, 16, "balanced"]),
-       part16=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
-def test_transposed_tile_matches_reference(shape, data, kv_split, part16, dtype):
+       part16=st.booleans(), dtype=st.sampled_from([torch.bfloat16, torch.float16]), tma=st.booleans())
+def test_transposed_tile_matches_reference(shape, data, kv_split, part16, dtype, tma):
     """The transposed tile (wgmma's N = the rows) over every shape the strategy draws: ragged,
     empty and NaN-tailed requests, every mask, lse, page sizes 1 to 64, fixed and balanced
-    splits, q tiles that overhang S, bf16 and fp16."""
+    splits, q tiles that overhang S, bf16 and fp16, cp.async or TMA loads (pages of 64)."""
     lse = shape.pop("lse")
     head_tile, q_tile = data.draw(st.sampled_from(_transposed_tiles(shape["heads"])))
     variant = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2,
-                      arch="sm_90a", kv_split=kv_split, part16=part16, transposed=True)
+                      arch="sm_90a", kv_split=kv_split, part16=part16, transposed=True,
+                      tma=tma and shape["page_size"] % 64 == 0)
     case = make_case(dtype=dtype, **shape)
     out, lse_out = _run(case, variant, lse)
     assert_matches(out, lse_out, case)
@@ -141,15 +142,17 @@ def test_transposed_tile_matches_reference(shape, data, kv_split, part16, dtype)
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the transposed tile runs on wgmma: a compute capability 9.0 GPU (sm_90a)")
-@pytest.mark.parametrize("name", ["mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", "mma_ht8_qt9_bn64_w8_st2_sp3_tr_sm90a",
-                                  "mma_ht8_qt4_bn64_w8_st2_spb_tr_sm90a"])
-def test_transposed_tile_is_bitwise_repeatable(name):
+@pytest.mark.parametrize("name,page_size", [("mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", 16),
+                                            ("mma_ht8_qt9_bn64_w8_st2_sp3_tr_sm90a", 16),
+                                            ("mma_ht8_qt4_bn64_w8_st2_spb_tr_sm90a", 16),
+                                            ("mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a", 64)])
+def test_transposed_tile_is_bitwise_repeatable(name, page_size):
     """The warpgroups hand the running max, its moved flag and P^T over through named barriers
     (bar.arrive, then bar.sync), which compute-sanitizer's racecheck does not pair up: it reports
     every hand-off as a hazard. A real one would move the output between launches of the same
     inputs; 200 launches over ragged, tree-masked requests whose balanced ranges cross from one
     request into the next must agree to the bit (and with the reference)."""
-    case = make_case(batch=6, seqlen_q=9, heads=8, prefixes=[2000, 0, 900, 3500, 5, 1400], page_size=16,
+    case = make_case(batch=6, seqlen_q=9, heads=8, prefixes=[2000, 0, 900, 3500, 5, 1400], page_size=page_size,
                      mask="tree", empty=[False, True, False, False, False, False], seed=11)
     first, first_lse = _run(case, parse_variant(name), True)
     assert_matches(first, first_lse, case)

@@ -103,7 +103,8 @@ TRANSPOSED = Variant(family="mma", head_tile=8, q_tile=9, block_n=64, arch="sm_9
     (Problem(heads=16), TRANSPOSED.with_(head_tile=16, q_tile=5), "variant"),          # 80 rows
     (Problem(heads=8), TRANSPOSED.with_(head_tile=1), "variant"),                      # 9 rows
     (Problem(heads=8, dr=32), TRANSPOSED, "variant"),                                 # P^T needs Dr=64
-    (Problem(heads=8), TRANSPOSED.with_(tma=True), "variant"),                        # its own loads
+    (Problem(heads=8), TRANSPOSED.with_(tma=True, seesaw=True), "variant"),           # its own schedule
+    (Problem(heads=8, page_size=16), TRANSPOSED.with_(tma=True), "variant.tma"),      # a tile is one page's run
 ])
 def test_validation_names_field_value_and_limit(problem, variant, field):
     with pytest.raises(SpecError) as info:
