@@ -130,7 +130,9 @@ def test_untuned_long_launches_take_the_transposed_tile_where_rows_fit_one(heads
     edge = dispatch.SEESAW_TILES_PER_SM * dispatch.HOPPER_SMS * 64        # keys of one request
     tile = dispatch.transposed_tile(p, seqlen_q, "sm_90")
     assert tile == Variant(family="mma", head_tile=heads, q_tile=seqlen_q, kv_split="balanced", block_n=64,
-                           warps=8, stages=2, arch="sm_90a", part16=True, transposed=True)
+                           warps=8, stages=2, arch="sm_90a", part16=True, transposed=True,
+                           tma=heads * seqlen_q > 64)        # TMA loads above 64 rows (72), pages of 64
+    assert dispatch.transposed_tile(Problem(heads=heads, page_size=16), seqlen_q, "sm_90") == tile.with_(tma=False)
     validate(p, tile)
     assert dispatch.untuned_variant(p, seqlen_q, 1, edge, "sm_90") == tile
     assert dispatch.untuned_variant(p, seqlen_q, 16, edge // 16, "sm_90a") == tile
