@@ -122,15 +122,14 @@ def transposed_tile(problem: Problem, seqlen_q: int, arch: str) -> Variant | Non
     of work, 0.97x at 2048, and 1.12-1.27x at 1024 and fewer: a block's fixed costs over too few
     tiles. Hence the seesaw's threshold, counted over this tile's single row group.
 
-    Above 64 rows (72) the tiles load by TMA where a page holds whole tiles: 0.96-0.97x the
-    cp.async loads on the H200, which a tile of 32 or 16 rows ran 1.02-1.05x (benchmarks/NOTES.md,
-    session 16, v40)."""
+    Its tiles load by cp.async: TMA loads (`tma`, pages of 64) ran 32- and 16-row tiles 2-5%
+    slower on the H200 and 72-row ones 3% faster or 2-4% slower from one timing to the next
+    (benchmarks/NOTES.md, session 16, v40), so they are left to the tuner."""
     rows = problem.heads * seqlen_q
     if rows not in TRANSPOSED_ROWS or rows % 64 == 0 or not runs_on("sm_90a", arch):
         return None
     v = Variant(family="mma", head_tile=problem.heads, q_tile=seqlen_q, kv_split="balanced", block_n=64,
-                warps=8, stages=2, arch="sm_90a", part16=True, transposed=True,
-                tma=rows > 64 and problem.page_size % 64 == 0)
+                warps=8, stages=2, arch="sm_90a", part16=True, transposed=True)
     return v if is_valid(problem, v) else None
 
 

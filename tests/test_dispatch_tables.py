@@ -130,9 +130,7 @@ def test_untuned_long_launches_take_the_transposed_tile_where_rows_fit_one(heads
     edge = dispatch.SEESAW_TILES_PER_SM * dispatch.HOPPER_SMS * 64        # keys of one request
     tile = dispatch.transposed_tile(p, seqlen_q, "sm_90")
     assert tile == Variant(family="mma", head_tile=heads, q_tile=seqlen_q, kv_split="balanced", block_n=64,
-                           warps=8, stages=2, arch="sm_90a", part16=True, transposed=True,
-                           tma=heads * seqlen_q > 64)        # TMA loads above 64 rows (72), pages of 64
-    assert dispatch.transposed_tile(Problem(heads=heads, page_size=16), seqlen_q, "sm_90") == tile.with_(tma=False)
+                           warps=8, stages=2, arch="sm_90a", part16=True, transposed=True)
     validate(p, tile)
     assert dispatch.untuned_variant(p, seqlen_q, 1, edge, "sm_90") == tile
     assert dispatch.untuned_variant(p, seqlen_q, 16, edge // 16, "sm_90a") == tile
@@ -142,6 +140,8 @@ def test_untuned_long_launches_take_the_transposed_tile_where_rows_fit_one(heads
         assert not dispatch.untuned_variant(p, seqlen_q, 1, edge, arch).transposed
         assert dispatch.transposed_tile(p, seqlen_q, arch) is None
     assert tile in candidates(p, seqlen_q, 1, 4160, "sm_90", 24)
+    assert tile.with_(tma=True) in twin_variants(p, [tile])          # the tuner times its TMA loads too
+    assert tile.with_(tma=True) not in twin_variants(Problem(heads=heads, page_size=16), [tile])
     assert not any(v.transposed for v in candidates(p, seqlen_q, 1, 4160, "sm_80", 24))
 
 
