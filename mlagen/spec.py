@@ -103,8 +103,8 @@ class Variant:
         the products run transposed, S^T = K Q^T and O^T = V^T P^T, so wgmma's N is the rows
         themselves and no row is padded to a 64-row group (H=8 S=9, H=16 S=2). The tiles go in
         pairs as in the seesaw, with a column softmax whose running max moves only when a score
-        passes it by more than 8 (log2 units). cp.async loads, 64-key tiles, 8 warps, two stages;
-        shared memory is all of sm_90a's 227 KB for 72 rows. Named `_tr`.
+        passes it by more than 8 (log2 units). cp.async loads (or TMA with `tma`), 64-key tiles,
+        8 warps, two stages; shared memory is all of sm_90a's 227 KB for 72 rows. Named `_tr`.
     """
 
     family: Family = "flash"

@@ -363,7 +363,8 @@ def test_transposed_probe_compiles_with_asynchronous_wgmmas(heads, seqlen_q, sch
 
 
 @pytest.mark.parametrize("name,heads", [("mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", 8),
-                                        ("mma_ht16_qt2_bn64_w8_st2_spa_tr_sm90a", 16)])
+                                        ("mma_ht16_qt2_bn64_w8_st2_spa_tr_sm90a", 16),
+                                        ("mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a", 8)])
 def test_transposed_kernel_issues_each_product_without_waits(name, heads):
     """The transposed tile's 36 score wgmmas, and each output product's 16, go out back to back:
     ptxas's log says nothing when it makes a wgmma wait for the one before (the probe's first
