@@ -557,6 +557,17 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
 }
 
+// Rows [r0, rows) of a stage at `stage` to zeros: `chunks` 16-byte chunks a row, in 64-dim
+// column blocks of `rows` 128-byte rows one after another (as the boxes land), by threads `tid`
+// of `threads`. A box brings its page's rows past the request's keys, which may hold anything.
+__device__ __forceinline__ void zero_tile_rows(unsigned stage, int r0, int rows, int chunks, int tid, int threads) {
+  for (int i = tid; i < (rows - r0) * chunks; i += threads) {
+    const int r = r0 + i / chunks, c = i % chunks;
+    asm volatile("st.shared.v4.u32 [%0], { %1, %1, %1, %1 };\n"
+                 :: "r"(stage + (c / 8) * (rows * 128) + r * 128 + (c % 8) * 16), "r"(0) : "memory");
+  }
+}
+
 // The descriptor was written by a copy before the launch (generic proxy); TMA reads it through
 // the tensormap proxy.
 __device__ __forceinline__ void tma_acquire(const void* map) {
@@ -956,11 +967,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
     auto zero_rows = [&](unsigned dst, int kb) {
       const int r0 = kb >= kb_end ? 0 : (n - kb * BN < BN ? n - kb * BN : BN);
       if (r0 < BN) {
-        for (int i = wt; i < (BN - r0) * CH; i += 128) {
-          const int r = r0 + i / CH, c = i % CH;
-          asm volatile("st.shared.v4.u32 [%0], { %1, %1, %1, %1 };\n"
-                       :: "r"(dst + (c / 8) * (BN * 128) + r * 128 + (c % 8) * 16), "r"(0) : "memory");
-        }
+        zero_tile_rows(dst, r0, BN, CH, wt, 128);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       }
       named_sync(ZEROED + wnq, 128);                        // on every tile, zeroed or not (above)
