@@ -362,6 +362,21 @@ def test_transposed_probe_compiles_with_asynchronous_wgmmas(heads, seqlen_q, sch
         transposed_probe.source(16, 5, schedule)
 
 
+@pytest.mark.parametrize("name,heads", [("mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", 8), ("mma_ht8_qt9_bn64_w8_st2_spb_tr_sm90a", 8),
+                                        ("mma_ht8_qt5_bn64_w8_st2_sp3_p16_tr_sm90a", 8),
+                                        ("mma_ht16_qt1_bn64_w8_st2_spb_p16_tr_sm90a", 16)])
+def test_transposed_tile_stores_its_fragments_by_stmatrix(name, heads):
+    """P^T (8 columns x 8 keys a fragment) and, with part16, the staged output rows (8 columns x 8
+    dims, 4 value blocks a thread: v41) go out as stmatrix.trans, two 8-column groups an
+    instruction: ceil(N/16) a tile, and 4 times that in the epilogue. fp32 rows stay scalar."""
+    _needs_nvdisasm()
+    v = parse_variant(name)
+    b = build(Problem(heads=heads), v)
+    code = sass.disassemble(b.module.cubin, b.plan.main_kernel, b.plan.arch.name)
+    groups = -(-v.q_tile * v.head_tile // 16)
+    assert code.count("STSM") == groups * (5 if v.part16 else 1)
+
+
 @pytest.mark.parametrize("name,heads", [("mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", 8),
                                         ("mma_ht16_qt2_bn64_w8_st2_spa_tr_sm90a", 16),
                                         ("mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a", 8)])
