@@ -362,7 +362,8 @@ def test_transposed_probe_compiles_with_asynchronous_wgmmas(heads, seqlen_q, sch
         transposed_probe.source(16, 5, schedule)
 
 
-@pytest.mark.parametrize("name,heads", [("mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", 8), ("mma_ht8_qt9_bn64_w8_st2_spb_tr_sm90a", 8),
+@pytest.mark.parametrize("name,heads", [("mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", 8),
+                                        ("mma_ht8_qt9_bn64_w8_st2_spb_tr_sm90a", 8),
                                         ("mma_ht8_qt5_bn64_w8_st2_sp3_p16_tr_sm90a", 8),
                                         ("mma_ht16_qt1_bn64_w8_st2_spb_p16_tr_sm90a", 16)])
 def test_transposed_tile_stores_its_fragments_by_stmatrix(name, heads):
