@@ -159,9 +159,10 @@ def check(
                 table.add_row(p.name, v.name, "-", "-", "-", f"[red]{e}[/red]")
                 progress.advance(task)
                 continue
+            budget = stack_budget(v)
             for name, r in built.module.resources.items():
                 spill = r.spill_stores + r.spill_loads
-                over = r.stack_frame > stack_budget(v) or (spill > 0 and not stack_budget(v))
+                over = r.stack_frame > budget or (spill > 0 and not budget)
                 bad += over
                 shown = f"[red]{spill}[/red]" if over else (f"[yellow]{spill} (allowed)[/yellow]" if spill else "0")
                 table.add_row(p.name, v.name, name.removeprefix(built.plan.name + "_"), str(r.registers),

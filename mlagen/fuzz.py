@@ -144,7 +144,7 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
     devices also run (sm_90a on sm_90), the same for the same shape (its seed) and arch; None if `tries` draws
     found none. A third of the draws on sm_90a start from the 64-row, 8-warp, 64-key wgmma tile
     that its knobs (TMA loads, the seesaw, the cluster split) need, and a sixth are transposed
-    tiles (16 to 72 rows)."""
+    tiles (16 to 72 rows; TMA loads too where a page holds whole 64-key tiles)."""
     rng = random.Random(f"variant {shape.seed}")
     archs = (arch, *specializations(arch))
     divisors = [d for d in range(1, shape.heads + 1) if shape.heads % d == 0]
@@ -159,7 +159,7 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
                                            or [(1, 1)])
             v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2, arch=target,
                         kv_split=rng.choice(["adaptive", "balanced", 1, 2, 4]), part16=rng.random() < 0.5,
-                        transposed=True)
+                        transposed=True, tma=shape.page_size % 64 == 0 and rng.random() < 0.5)
         elif target == "sm_90a" and rng.random() < 1 / 3:
             head_tile = rng.choice([d for d in divisors if 64 % d == 0])
             v = Variant(family="mma", head_tile=head_tile, q_tile=64 // head_tile, block_n=64, warps=8, stages=2,
