@@ -29,6 +29,9 @@ CASES = [
 # with several tiles on both sides; for the balanced variants only (racecheck is slow on it).
 CROSSING = dict(batch=6, seqlen_q=9, heads=8, prefixes=[2000, 0, 900, 3500, 5, 1400], page_size=64, mask="causal",
                 empty=[False, True, False, False, False, False])
+# Short requests, a block table of at most 320 keys, for the P exchange (`_px`) only: it refuses
+# wider tables. Requests that fill every block's tile and one that leaves blocks without one.
+SHORT = dict(batch=3, seqlen_q=9, heads=64, prefixes=[247, 0, 120], page_size=16, mask="tree", empty=[False, True, False])
 
 
 def main() -> None:
@@ -59,12 +62,19 @@ def main() -> None:
                             ((8, 9), {"kv_split": "balanced", "part16": True, "tma": True})):
             variants.append(Variant(family="mma", head_tile=tile[0], q_tile=tile[1], block_n=64, warps=8, stages=2,
                                     arch="sm_90a", transposed=True, **knobs))
+        # the P exchange (the SHORT case only): 5 tiles in 5 and in 8 blocks, a causal mask
+        exchange = [Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1, arch="sm_90a",
+                            kv_split=k, cluster=True, p_exchange=True) for k in (5, 8)]
+    else:
+        exchange = []
     if len(sys.argv) > 1:
         part = sys.argv[1].lstrip("-")
         keep = not sys.argv[1].startswith("-")
         variants = [v for v in variants if (part in (v.name if v else "dispatched")) == keep]
+        exchange = [v for v in exchange if (part in v.name) == keep]
     balanced = [v for v in variants if v is not None and v.kv_split == "balanced"]
-    for i, (shape, case_variants) in enumerate([(c, variants) for c in CASES] + [(CROSSING, balanced)]):
+    runs = [(c, variants) for c in CASES] + [(CROSSING, balanced), (SHORT, exchange), (SHORT | {"mask": "causal"}, exchange)]
+    for i, (shape, case_variants) in enumerate(runs):
         case = make_case(seed=i, **shape)
         for v in case_variants:
             if v is not None and (shape["heads"] % v.head_tile or (v.tma and shape["page_size"] % v.block_n)):

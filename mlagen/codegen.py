@@ -40,7 +40,8 @@ def _environment() -> jinja2.Environment:
 @functools.lru_cache(maxsize=512)
 def render(plan: KernelPlan) -> str:
     """The CUDA C++ source of `plan`: its kernel (with the merge blocks of split families)."""
-    # the transposed tile is a kernel of its own in the mma family
-    name = "mma_transposed" if plan.variant.transposed else plan.variant.family
+    # the transposed tile and the P exchange are kernels of their own in the mma family
+    v = plan.variant
+    name = "mma_transposed" if v.transposed else "mma_exchange" if v.p_exchange else v.family
     template = _environment().get_template(f"{name}.cu.j2")
     return template.render(plan=plan, fields=FIELDS, arch_flags=nvcc_arch_flags(plan.arch.name))

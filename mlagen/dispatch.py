@@ -133,6 +133,12 @@ def transposed_tile(problem: Problem, seqlen_q: int, arch: str) -> Variant | Non
     return v if is_valid(problem, v) else None
 
 
+def covers(variant: Variant, kv_capacity: int) -> bool:
+    """Whether `variant` runs requests of up to `kv_capacity` keys: every variant but a P
+    exchange (`Variant.p_exchange`), whose cluster holds one block_n-key tile a block."""
+    return not variant.p_exchange or kv_capacity <= int(variant.kv_split) * variant.block_n
+
+
 def _tuned_keys(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int) -> list[str]:
     """Bucket keys to try, best match first (see the module docstring)."""
     masks = [problem.mask] + (["causal"] if problem.mask != "causal" else [])
@@ -157,7 +163,7 @@ def tuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
             continue
         try:
             v = parse_variant(name)
-            if runs_on(v.arch, arch):
+            if runs_on(v.arch, arch) and covers(v, kv_capacity):
                 validate(problem, v)
                 return v
         except (ValueError, SpecError):

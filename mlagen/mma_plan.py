@@ -105,10 +105,50 @@ def stack_budget(v: Variant) -> int:
 SEESAW_BARRIERS = 6
 
 
+# The P exchange (Variant.p_exchange, templates/mma_exchange.cu.j2): a block's slot holds its
+# tile's P (64 rows x 64 keys, 16-bit) and each row's max and sum (fp32), as one bulk copy.
+EXCHANGE_SLOT = 64 * 128 + 2 * 64 * 4
+
+
+def exchange_units(p: Problem, cluster: int) -> int:
+    """The most 64-dim column blocks of the value dims one block of the cluster adds up
+    (block r owns blocks r, r + cluster, ...)."""
+    return -(-(p.dl // 64) // cluster)
+
+
+def exchange_layout(p: Problem, v: Variant) -> MmaLayout | str:
+    """The P exchange's layout, or what it needs: Q (its buffer later holds the cluster's
+    slots), the block's own tile, the value slices of the other tiles for its column blocks, the
+    row max / sum parts, the tree-mask rows and one mbarrier."""
+    rows = v.q_tile * v.head_tile
+    if v.arch != "sm_90a":
+        return f"arch sm_90a for p_exchange (wgmma, bulk copies between a cluster's blocks), got {v.arch}"
+    if not v.cluster:
+        return "cluster=True with p_exchange (the blocks that exchange P are one cluster)"
+    if not 49 <= rows <= 64:
+        return f"q_tile*head_tile from 49 to 64 for p_exchange (one m64 wgmma row group), got {rows}"
+    if (v.block_n, v.warps, v.stages) != (64, 8, 1):
+        return (f"block_n=64, 8 warps and 1 stage for p_exchange (one tile a block), got block_n={v.block_n}, "
+                f"{v.warps} warps, {v.stages} stages")
+    if v.tma or v.seesaw or v.transposed or v.mma_pv or v.part16:
+        return "no tma, seesaw, transposed, mma_pv or part16 with p_exchange (its own schedule, no partials)"
+    if p.head_dim % 64 or p.dl % 64:
+        return f"Dl and Dl+Dr multiples of 64 for p_exchange (64-dim column blocks), got Dl={p.dl} Dr={p.dr}"
+    k = int(v.kv_split)
+    tile = 64 * p.head_dim * 2
+    slices = exchange_units(p, k) * (k - 1) * KV_COLUMN_BLOCK
+    slots = -(-max(tile, k * EXCHANGE_SLOT) // 1024) * 1024      # Q's buffer, later the slots
+    smem = slots + tile + slices + 4 * 64 * 4 + 64 * 8 + 16
+    return MmaLayout(m_pad=64, wmq=4, wnq=2, rows_w=16, keys_w=32, dims_w=64, p_stride=64,
+                     smem_bytes=smem, wgmma=True, pv_wgmma=True)
+
+
 def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
     """The layout, or a message saying which rule the variant breaks."""
     if v.transposed:
         return transposed_layout(p, v)
+    if v.p_exchange:
+        return exchange_layout(p, v)
     rows = v.q_tile * v.head_tile
     m_pad = -(-rows // 16) * 16
     if p.head_dim % 64:
@@ -165,7 +205,7 @@ def plan_mma(p: Problem, v: Variant, arch: Arch):
     if v.seesaw:
         _require(v.tma and layout.pv_wgmma and v.stages == 2 and not v.cluster, "variant.seesaw", v.seesaw,
                  "False, or True on sm_90a with tma, both products on wgmma (no mma_pv), two stages and no cluster")
-    if v.cluster:
+    if v.cluster and not v.p_exchange:      # the P exchange stages no output rows
         _require(arch.capability >= 90, "variant.cluster", v.cluster,
                  f"False on {arch.name}: thread-block clusters need sm_90 or newer")
         # The cluster's blocks stage their output rows (fp32, or 16-bit with part16) over the Q

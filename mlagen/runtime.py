@@ -23,7 +23,7 @@ import torch
 
 from . import inputs, tensormap, workspace
 from .arch import arch_for_capability, runs_on
-from .dispatch import choose_variant, num_splits
+from .dispatch import choose_variant, covers, num_splits
 from .launch import KernelLaunch, Loaded, kernel_launch, launch, load
 from .params import tail
 from .spec import Problem, Variant
@@ -58,18 +58,25 @@ class _Prepared:
 
 @functools.lru_cache(maxsize=4096)
 def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str, lse: bool,
-             batch: int, seqlen_q: int, kv_capacity: int, device: int,
+             batch: int, seqlen_q: int, kv_capacity: int, table_capacity: int, device: int,
              variant: Variant | None) -> _Prepared:
     """Problem, variant (given or dispatched), loaded kernels, split and grids of a shape, planned
-    for requests of up to kv_capacity keys: memoized on plain values, since a serving step
-    repeats the same shapes and each piece costs host time."""
+    for requests of up to kv_capacity keys (of the table_capacity the block table addresses):
+    memoized on plain values, since a serving step repeats the same shapes and each piece costs
+    host time."""
     problem = Problem(heads=heads, dl=dl, dr=dr, dtype=dtype, page_size=page_size, mask=mask, lse=lse)
     device_arch, sm_count = device_info(device)
     if variant is None:
         variant = choose_variant(problem, seqlen_q, batch, kv_capacity, device_arch, device_name(device))
+        if not covers(variant, table_capacity):   # a request may run past max_seqlen_k's bound
+            variant = choose_variant(problem, seqlen_q, batch, table_capacity, device_arch, device_name(device))
     elif not runs_on(variant.arch, device_arch):
         raise inputs.InputError(f"variant.arch: got {variant.arch!r}, expected a target that runs "
                                 f"on this {device_arch} device (e.g. {device_arch!r})")
+    elif not covers(variant, table_capacity):
+        raise inputs.InputError(f"variant: got {variant.name!r}, a P exchange over {variant.kv_split} tiles of "
+                                f"{variant.block_n} keys, expected a block_table that addresses at most "
+                                f"{int(variant.kv_split) * variant.block_n} keys (it addresses {table_capacity})")
     loaded = load(problem, variant, device)
     splits = num_splits(variant, heads, batch, seqlen_q, kv_capacity, sm_count, loaded.blocks_per_sm)
     plan = loaded.plan
@@ -136,7 +143,7 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     capacity = shapes.max_pages * shapes.page_size
     prep = _prepare(H, dl, shapes.head_dim - dl, shapes.dtype, shapes.page_size, mask,
-                    return_lse, B, S, capacity if bound is None else min(capacity, bound), device, variant)
+                    return_lse, B, S, capacity if bound is None else min(capacity, bound), capacity, device, variant)
     if out is not None:
         inputs.check_out(out, q, shapes)
     out_size = (B, S, H, dl)

@@ -105,6 +105,12 @@ class Variant:
         pairs as in the seesaw, with a column softmax whose running max moves only when a score
         passes it by more than 8 (log2 units). cp.async loads (or TMA with `tma`), 64-key tiles,
         8 warps, two stages; shared memory is all of sm_90a's 227 KB for 72 rows. Named `_tr`.
+    p_exchange: a cluster split on sm_90a for short requests, whose row group's keys fit one
+        64-key tile per block of the cluster (the block table's capacity at most kv_split * 64
+        keys): each block scores its tile, and the blocks then exchange their P (16-bit, 8 KB a
+        tile) and row maxima through distributed shared memory instead of partial output rows;
+        each block adds every tile's P V for its share of the value dims and writes them out.
+        64-key tiles, 8 warps, one stage, no part16 (nothing partial is written). Named `_px`.
     """
 
     family: Family = "flash"
@@ -121,6 +127,7 @@ class Variant:
     tma: bool = False
     seesaw: bool = False
     transposed: bool = False
+    p_exchange: bool = False
 
     @property
     def name(self) -> str:
@@ -168,7 +175,7 @@ class Variant:
 
 # Boolean knobs and their tags, in the name's order.
 KNOB_TAGS = (("mma_pv", "pvm"), ("cluster", "cl"), ("part16", "p16"), ("tma", "tma"), ("seesaw", "ss"),
-             ("transposed", "tr"))
+             ("transposed", "tr"), ("p_exchange", "px"))
 
 
 def naive(arch: str = "sm_90", warps: int = 4) -> Variant:

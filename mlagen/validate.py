@@ -188,6 +188,8 @@ def _check_common(v: Variant) -> None:
              "False, or True for the mma family (on sm_90a, with tma)")
     _require(v.transposed is False or (v.transposed is True and v.family == "mma"), "variant.transposed",
              v.transposed, "False, or True for the mma family (on sm_90a)")
+    _require(v.p_exchange is False or (v.p_exchange is True and v.family == "mma"), "variant.p_exchange",
+             v.p_exchange, "False, or True for the mma family (on sm_90a, with cluster)")
 
 
 def _smem_fits(arch: Arch, smem: int, what: str) -> None:

@@ -175,6 +175,64 @@ def test_cluster_split_matches_reference(shape, size, schedule, part16):
     assert_matches(out, lse_out, case)
 
 
+def _exchange_tiles(heads: int) -> list[tuple[int, int]]:
+    """(head_tile, q_tile) of the P exchange's tiles for `heads`: 49 to 64 rows."""
+    return [(h, q) for h in range(1, heads + 1) if heads % h == 0 for q in range(1, 65) if 49 <= h * q <= 64]
+
+
+def _exchange_case(data, size: int, dtype: torch.dtype = torch.bfloat16):
+    """A case whose block table addresses at most size * 64 keys (make_case adds a spare page
+    column to the table): ragged, empty and NaN-tailed requests, every mask, pages of 1-64."""
+    heads = data.draw(st.sampled_from(HEADS))
+    page = data.draw(st.sampled_from(PAGES))
+    seqlen_q = data.draw(st.integers(1, 64))
+    longest = (size * 64 // page - 1) * page      # the most keys a request may hold
+    assume(longest >= seqlen_q)
+    batch = data.draw(st.integers(1, 4))
+    prefixes = data.draw(st.lists(st.integers(0, longest - seqlen_q), min_size=batch, max_size=batch))
+    empty = data.draw(st.lists(st.booleans(), min_size=batch, max_size=batch)) if data.draw(st.booleans()) else None
+    case = make_case(batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=prefixes, page_size=page,
+                     mask=data.draw(st.sampled_from(MASKS)), empty=empty, dtype=dtype,
+                     per_request_tree=data.draw(st.booleans()), seed=data.draw(st.integers(0, 2**31 - 1)))
+    head_tile, q_tile = data.draw(st.sampled_from(_exchange_tiles(heads)))
+    return case, Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=1,
+                         arch="sm_90a", kv_split=size, cluster=True, p_exchange=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the P exchange runs on wgmma in clusters: a compute capability 9.0 GPU (sm_90a)")
+@given(data=st.data(), size=st.sampled_from([2, 3, 4, 5, 6, 8]), lse=st.booleans(),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_p_exchange_matches_reference(data, size, lse, dtype):
+    """The P exchange on every cluster size that fits: requests that fill every block's tile or
+    leave blocks without one (their slots are not sent), empty requests, q tiles that overhang S,
+    pages of 1 to 64, every mask, bf16 and fp16."""
+    case, variant = _exchange_case(data, size, dtype)
+    out, lse_out = _run(case, variant, lse)
+    assert_matches(out, lse_out, case)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the P exchange runs on wgmma in clusters: a compute capability 9.0 GPU (sm_90a)")
+def test_p_exchange_is_bitwise_repeatable_and_refuses_a_wide_table():
+    """The blocks of a cluster hand P over by bulk copies counted on each receiver's mbarrier,
+    after a cluster barrier that says every receiver stopped reading Q: a missing order would
+    move the output between launches of the same inputs. A block table wider than the cluster's
+    tiles is refused before any launch, naming the variant and the keys."""
+    variant = parse_variant("mma_ht64_qt1_bn64_w8_st1_sp5_cl_px_sm90a")
+    case = make_case(batch=3, seqlen_q=9, heads=64, prefixes=[247, 0, 120], page_size=16, mask="tree",
+                     empty=[False, True, False], per_request_tree=True, seed=3)
+    first, first_lse = _run(case, variant, True)
+    assert_matches(first, first_lse, case)
+    for _ in range(200):
+        out, lse = _run(case, variant, True)
+        assert torch.equal(out, first) and torch.equal(lse, first_lse)
+    wide = make_case(batch=1, seqlen_q=9, heads=64, prefixes=[100], page_size=64, mask="causal", seed=4,
+                     table_pages=6)
+    with pytest.raises(mlagen.InputError, match="variant.*at most 320 keys.*384"):
+        _run(wide, variant, False)
+
+
 @pytest.mark.parametrize("kv_split", [40, "balanced"])
 def test_part16_costs_at_most_a_rounding(kv_split):
     """16-bit partial rows against fp32 ones on the same inputs: 40 splits (two rounds of the
