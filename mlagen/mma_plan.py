@@ -106,8 +106,10 @@ SEESAW_BARRIERS = 6
 
 
 # The P exchange (Variant.p_exchange, templates/mma_exchange.cu.j2): a block's slot holds its
-# tile's P (64 rows x 64 keys, 16-bit) and each row's max and sum (fp32), as one bulk copy.
-EXCHANGE_SLOT = 64 * 128 + 2 * 64 * 4
+# tile's P (64 rows x 64 keys, 16-bit, 1024-byte aligned for wgmma) and the rows' sums; the rows'
+# maxima go first, in slots of 64 floats.
+EXCHANGE_SLOT = 9 * 1024
+EXCHANGE_MAX_SLOT = 64 * 4
 
 
 def exchange_units(p: Problem, cluster: int) -> int:
@@ -119,7 +121,7 @@ def exchange_units(p: Problem, cluster: int) -> int:
 def exchange_layout(p: Problem, v: Variant) -> MmaLayout | str:
     """The P exchange's layout, or what it needs: Q (its buffer later holds the cluster's
     slots), the block's own tile, the value slices of the other tiles for its column blocks, the
-    row max / sum parts, the tree-mask rows and one mbarrier."""
+    cluster's row maxima, the row max / sum parts, the tree-mask rows and two mbarriers."""
     rows = v.q_tile * v.head_tile
     if v.arch != "sm_90a":
         return f"arch sm_90a for p_exchange (wgmma, bulk copies between a cluster's blocks), got {v.arch}"
@@ -137,8 +139,7 @@ def exchange_layout(p: Problem, v: Variant) -> MmaLayout | str:
     k = int(v.kv_split)
     tile = 64 * p.head_dim * 2
     slices = exchange_units(p, k) * (k - 1) * KV_COLUMN_BLOCK
-    slots = -(-max(tile, k * EXCHANGE_SLOT) // 1024) * 1024      # Q's buffer, later the slots
-    smem = slots + tile + slices + 4 * 64 * 4 + 64 * 8 + 16
+    smem = max(tile, k * EXCHANGE_SLOT) + tile + slices + k * EXCHANGE_MAX_SLOT + 4 * 64 * 4 + 64 * 8 + 16
     return MmaLayout(m_pad=64, wmq=4, wnq=2, rows_w=16, keys_w=32, dims_w=64, p_stride=64,
                      smem_bytes=smem, wgmma=True, pv_wgmma=True)
 
