@@ -21,7 +21,7 @@ from .arch import specializations
 from .mma_plan import TRANSPOSED_ROWS
 from .spec import DTYPES, MASKS, Problem, Variant, naive
 from .testing import Case, make_case, mismatch, poison_allocator, poisoned_out
-from .validate import MAX_SEQLEN_Q, SpecError, is_valid, validate
+from .validate import MAX_CLUSTER, MAX_SEQLEN_Q, SpecError, is_valid, validate
 from .workload import TORCH_DTYPES
 
 # Prefix ceilings a shape draws its requests' prefixes under: empty caches, a tile, a few
@@ -79,6 +79,13 @@ class Shape:
     dtype: str
     max_seqlen_k: int | None = None     # the op's host bound on the lengths; may be below them
     table_pages: int = 0                # block table width, when wider than the lengths need
+
+    @property
+    def kv_capacity(self) -> int:
+        """Keys the case's block table addresses (`make_case`: a spare page column past the
+        longest request, or table_pages wide)."""
+        longest = max((0 if e else p + self.seqlen_q) for p, e in zip(self.prefixes, self.empty, strict=True))
+        return max(1, -(-longest // self.page_size) + 1, self.table_pages) * self.page_size
 
     @property
     def problem(self) -> Problem:
@@ -143,8 +150,9 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
     """A random variant that the DSL accepts for the shape's problem, for `arch` or a target its
     devices also run (sm_90a on sm_90), the same for the same shape (its seed) and arch; None if `tries` draws
     found none. A third of the draws on sm_90a start from the 64-row, 8-warp, 64-key wgmma tile
-    that its knobs (TMA loads, the seesaw, the cluster split) need, and a sixth are transposed
-    tiles (16 to 72 rows; TMA loads too where a page holds whole 64-key tiles)."""
+    that its knobs (TMA loads, the seesaw, the cluster split, and where the block table holds at
+    most 8 tiles the P exchange) need, and a sixth are transposed tiles (16 to 72 rows; TMA loads
+    too where a page holds whole 64-key tiles)."""
     rng = random.Random(f"variant {shape.seed}")
     archs = (arch, *specializations(arch))
     divisors = [d for d in range(1, shape.heads + 1) if shape.heads % d == 0]
@@ -167,6 +175,10 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
                         part16=rng.random() < 0.5, tma=rng.random() < 0.5)
             v = v.with_(seesaw=v.tma and rng.random() < 0.5, cluster=isinstance(v.kv_split, int) and rng.random() < 0.3,
                         mma_pv=rng.random() < 0.2)
+            tiles = -(-shape.kv_capacity // 64)
+            if tiles <= MAX_CLUSTER and rng.random() < 0.3:   # the P exchange: a tile a block of the cluster
+                v = v.with_(kv_split=max(2, tiles, rng.randint(2, MAX_CLUSTER)), cluster=True, p_exchange=True,
+                            stages=1, part16=False, tma=False, seesaw=False, mma_pv=False)
         else:
             v = Variant(family=family, head_tile=rng.choice(divisors), q_tile=rng.randint(1, 16),
                         block_n=rng.choice([32, 64, 128]), warps=rng.choice([2, 4, 8, 16]), stages=rng.randint(1, 3),

@@ -121,7 +121,8 @@ def exchange_units(p: Problem, cluster: int) -> int:
 def exchange_layout(p: Problem, v: Variant) -> MmaLayout | str:
     """The P exchange's layout, or what it needs: Q (its buffer later holds the cluster's
     slots), the block's own tile, the value slices of the other tiles for its column blocks, the
-    cluster's row maxima, the row max / sum parts, the tree-mask rows and two mbarriers."""
+    cluster's row maxima, the row max / sum parts, the tree-mask rows and mbarriers (the maxima's,
+    one a slot)."""
     rows = v.q_tile * v.head_tile
     if v.arch != "sm_90a":
         return f"arch sm_90a for p_exchange (wgmma, bulk copies between a cluster's blocks), got {v.arch}"
@@ -139,7 +140,8 @@ def exchange_layout(p: Problem, v: Variant) -> MmaLayout | str:
     k = int(v.kv_split)
     tile = 64 * p.head_dim * 2
     slices = exchange_units(p, k) * (k - 1) * KV_COLUMN_BLOCK
-    smem = max(tile, k * EXCHANGE_SLOT) + tile + slices + k * EXCHANGE_MAX_SLOT + 4 * 64 * 4 + 64 * 8 + 16
+    smem = (max(tile, k * EXCHANGE_SLOT) + tile + slices + k * EXCHANGE_MAX_SLOT + 4 * 64 * 4 + 64 * 8
+            + 8 + k * 8)
     return MmaLayout(m_pad=64, wmq=4, wnq=2, rows_w=16, keys_w=32, dims_w=64, p_stride=64,
                      smem_bytes=smem, wgmma=True, pv_wgmma=True)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 
 from .spec import Problem, Variant, naive
-from .validate import is_valid
+from .validate import MAX_CLUSTER, is_valid
 
 BLOCK_NS = (32, 64)
 WARPS = (8, 4, 16)
@@ -71,18 +71,32 @@ def structures(problem: Problem, seqlen_q: int, arch: str, family: str,
 def split_variants(problem: Problem, variant: Variant, kv_capacity: int, skip: int) -> list[Variant]:
     """`variant` with each fixed split that leaves every split at least one KV tile, except
     `skip` (the split its adaptive rule already picks); for the mma family also the balanced
-    split and the cluster splits of CLUSTER_SIZES that `problem` and the arch allow."""
+    split, the cluster splits of CLUSTER_SIZES that `problem` and the arch allow, and the P
+    exchange where the block table holds few enough tiles (`exchange_variants`)."""
     tiles = max(1, -(-kv_capacity // variant.block_n))
     fixed = [variant.with_(kv_split=s) for s in SPLITS if s <= tiles and s != skip]
     if variant.family != "mma":
         return fixed
     clusters = [variant.with_(kv_split=s, cluster=True) for s in CLUSTER_SIZES if s <= tiles]
-    return fixed + [variant.with_(kv_split="balanced")] + [c for c in clusters if is_valid(problem, c)]
+    return (fixed + [variant.with_(kv_split="balanced")] + [c for c in clusters if is_valid(problem, c)]
+            + exchange_variants(problem, variant, kv_capacity))
+
+
+def exchange_variants(problem: Problem, variant: Variant, kv_capacity: int) -> list[Variant]:
+    """`variant`'s tile as a P exchange (`Variant.p_exchange`) over the smallest cluster that
+    gives every KV tile of the block table a block of its own, where one fits; else none."""
+    tiles = max(1, -(-kv_capacity // 64))
+    for size in range(max(2, tiles), MAX_CLUSTER + 1):
+        v = variant.with_(kv_split=size, cluster=True, p_exchange=True, block_n=64, warps=8, stages=1,
+                          mma_pv=False, part16=False, tma=False, seesaw=False)
+        if is_valid(problem, v):
+            return [v]
+    return []
 
 
 def structure_of(v: Variant) -> Variant:
     """`v` as a structure: its adaptive-split, knob-free form (what `structures` lists)."""
-    return v.with_(kv_split="adaptive", cluster=False, part16=False, tma=False, seesaw=False)
+    return v.with_(kv_split="adaptive", cluster=False, part16=False, tma=False, seesaw=False, p_exchange=False)
 
 
 def twin_variants(problem: Problem, variants: list[Variant]) -> list[Variant]:
