@@ -31,7 +31,8 @@ CROSSING = dict(batch=6, seqlen_q=9, heads=8, prefixes=[2000, 0, 900, 3500, 5, 1
                 empty=[False, True, False, False, False, False])
 # Short requests, a block table of at most 320 keys, for the P exchange (`_px`) only: it refuses
 # wider tables. Requests that fill every block's tile and one that leaves blocks without one.
-SHORT = dict(batch=3, seqlen_q=9, heads=64, prefixes=[247, 0, 120], page_size=16, mask="tree", empty=[False, True, False])
+SHORT = dict(batch=3, seqlen_q=9, heads=64, prefixes=[247, 0, 120], page_size=16, mask="tree",
+             empty=[False, True, False])
 
 
 def main() -> None:
@@ -73,7 +74,8 @@ def main() -> None:
         variants = [v for v in variants if (part in (v.name if v else "dispatched")) == keep]
         exchange = [v for v in exchange if (part in v.name) == keep]
     balanced = [v for v in variants if v is not None and v.kv_split == "balanced"]
-    runs = [(c, variants) for c in CASES] + [(CROSSING, balanced), (SHORT, exchange), (SHORT | {"mask": "causal"}, exchange)]
+    runs = ([(c, variants) for c in CASES] + [(CROSSING, balanced), (SHORT, exchange)]
+            + [(SHORT | {"mask": "causal"}, exchange)])
     for i, (shape, case_variants) in enumerate(runs):
         case = make_case(seed=i, **shape)
         for v in case_variants:

@@ -56,6 +56,27 @@ class _Prepared:
     tma_rows: int = 0                             # rows of the kernel's TMA boxes (tma variants), else 0
 
 
+def pick_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, table_capacity: int, arch: str,
+                 gpu: str, variant: Variant | None) -> Variant:
+    """The variant a call runs: `variant` when given (checked against the device's `arch` and
+    the block table), else the dispatcher's choice for requests of up to kv_capacity keys. A
+    request may hold more keys than that bound (max_seqlen_k's), up to the table_capacity the
+    block table addresses, so a choice that cannot run them (a P exchange whose cluster holds
+    fewer tiles) gives way to the choice for the whole table."""
+    if variant is None:
+        variant = choose_variant(problem, seqlen_q, batch, kv_capacity, arch, gpu)
+        return variant if covers(variant, table_capacity) else \
+            choose_variant(problem, seqlen_q, batch, table_capacity, arch, gpu)
+    if not runs_on(variant.arch, arch):
+        raise inputs.InputError(f"variant.arch: got {variant.arch!r}, expected a target that runs "
+                                f"on this {arch} device (e.g. {arch!r})")
+    if not covers(variant, table_capacity):
+        raise inputs.InputError(f"variant: got {variant.name!r}, a P exchange over {variant.kv_split} tiles of "
+                                f"{variant.block_n} keys, expected a block_table that addresses at most "
+                                f"{int(variant.kv_split) * variant.block_n} keys (it addresses {table_capacity})")
+    return variant
+
+
 @functools.lru_cache(maxsize=4096)
 def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str, lse: bool,
              batch: int, seqlen_q: int, kv_capacity: int, table_capacity: int, device: int,
@@ -66,17 +87,8 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
     host time."""
     problem = Problem(heads=heads, dl=dl, dr=dr, dtype=dtype, page_size=page_size, mask=mask, lse=lse)
     device_arch, sm_count = device_info(device)
-    if variant is None:
-        variant = choose_variant(problem, seqlen_q, batch, kv_capacity, device_arch, device_name(device))
-        if not covers(variant, table_capacity):   # a request may run past max_seqlen_k's bound
-            variant = choose_variant(problem, seqlen_q, batch, table_capacity, device_arch, device_name(device))
-    elif not runs_on(variant.arch, device_arch):
-        raise inputs.InputError(f"variant.arch: got {variant.arch!r}, expected a target that runs "
-                                f"on this {device_arch} device (e.g. {device_arch!r})")
-    elif not covers(variant, table_capacity):
-        raise inputs.InputError(f"variant: got {variant.name!r}, a P exchange over {variant.kv_split} tiles of "
-                                f"{variant.block_n} keys, expected a block_table that addresses at most "
-                                f"{int(variant.kv_split) * variant.block_n} keys (it addresses {table_capacity})")
+    variant = pick_variant(problem, seqlen_q, batch, kv_capacity, table_capacity, device_arch, device_name(device),
+                           variant)
     loaded = load(problem, variant, device)
     splits = num_splits(variant, heads, batch, seqlen_q, kv_capacity, sm_count, loaded.blocks_per_sm)
     plan = loaded.plan

@@ -84,7 +84,8 @@ def planner(monkeypatch):
     plan is made for (`runtime._prepare`'s kv_capacity), then stops before any launch."""
     capacities = []
 
-    def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, table_capacity, device, variant):
+    def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, table_capacity, device,
+                variant):
         capacities.append(kv_capacity)
         raise _Planned
 

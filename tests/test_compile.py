@@ -154,6 +154,24 @@ def test_transposed_variants_compile_with_asynchronous_wgmmas(dtype, mask, heads
     assert "C751" not in log and "serialized" not in log and "injected" not in log, log
 
 
+@pytest.mark.parametrize("dtype,mask,lse", [("bf16", "causal", True), ("fp16", "tree", False), ("bf16", "none", False)])
+@pytest.mark.parametrize("heads,head_tile,q_tile,size", [(64, 64, 1, 5), (64, 32, 2, 8), (8, 8, 7, 2), (16, 16, 4, 3),
+                                                         (128, 64, 1, 4)])
+def test_p_exchange_variants_compile_without_spills_or_serialized_wgmmas(dtype, mask, lse, heads, head_tile, q_tile,
+                                                                         size):
+    """The P exchange at every cluster size that fits, on 49- to 64-row tiles: bulk copies
+    between the blocks' shared memory, the value product from shared memory on m64n64, no
+    spills, and ptxas neither serializes nor waits around its wgmmas."""
+    v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=1, arch="sm_90a",
+                kv_split=size, cluster=True, p_exchange=True)
+    built = build(Problem(heads=heads, dtype=dtype, mask=mask, lse=lse), v)
+    assert "cp.async.bulk.shared::cluster.shared::cta" in built.source and "m64n64k16" in built.source
+    for name, r in built.module.resources.items():
+        assert (r.stack_frame, r.spill_stores) == (0, 0), f"{name}: {r}"
+    log = built.module.log
+    assert "C751" not in log and "serialized" not in log and "injected" not in log, log
+
+
 def test_sources_are_self_contained():
     plan = validate(Problem(mask="tree"), Variant())
     includes = re.findall(r'#include\s*[<"]([^>"]+)[>"]', render(plan))

@@ -470,3 +470,53 @@ def test_tuner_times_a_batch_as_the_dispatcher_runs_it():
     assert all(v.kv_split == "balanced" for v in many if v.family == "mma")
     assert [v for v in many if v.family != "mma"] == [v for v in cands if v.family != "mma"]
     assert len(many) == len(set(many)) and many[0] == dispatch.balanced_for_batch(p, cands[0], 8)
+
+
+EXCHANGE = "mma_ht64_qt1_bn64_w8_st1_sp5_cl_px_sm90a"
+
+
+def test_split_variants_offer_the_p_exchange_where_the_table_holds_few_tiles():
+    """The P exchange gives each KV tile a block of the cluster: the smallest size that fits
+    the block table's tiles (6 and 7 do not fit shared memory, so 8 takes 6-8 tiles), none past
+    8 tiles or before sm_90a."""
+    p = Problem(heads=64)
+    v = parse_variant("mma_ht32_qt2_bn64_w8_st2_spa_p16_sm90a")
+
+    def exchange(capacity: int, variant: Variant = v) -> list[str]:
+        return [w.name for w in split_variants(p, variant, capacity, skip=0) if w.p_exchange]
+
+    assert exchange(320) == ["mma_ht32_qt2_bn64_w8_st1_sp5_cl_px_sm90a"]       # one stage, no part16
+    assert exchange(100) == ["mma_ht32_qt2_bn64_w8_st1_sp2_cl_px_sm90a"]
+    assert exchange(384) == exchange(512) == ["mma_ht32_qt2_bn64_w8_st1_sp8_cl_px_sm90a"]
+    assert exchange(513) == [] and exchange(320, v.with_(arch="sm_90", part16=False)) == []
+
+
+def test_a_p_exchange_entry_is_passed_over_where_the_table_holds_more_keys():
+    """A bucket spans a factor of two of capacities: its P exchange over 5 tiles serves 320
+    keys, not 352 (the bucket's untuned pick answers), nor a neighbour's 640."""
+    p = Problem(heads=64)
+    _save({tables.bucket_key(p, 9, 1, 320): {"variant": EXCHANGE, "us": 9.4}})
+    assert tables.bucket_key(p, 9, 1, 320) == tables.bucket_key(p, 9, 1, 352)
+    assert dispatch.choose_variant(p, 9, 1, 320, "sm_90", GPU).name == EXCHANGE
+    for capacity in (352, 640):
+        assert dispatch.choose_variant(p, 9, 1, capacity, "sm_90", GPU) == dispatch.untuned_variant(
+            p, 9, 1, capacity, "sm_90")
+
+
+def test_a_call_picks_a_variant_that_runs_every_key_the_block_table_holds():
+    """max_seqlen_k plans for fewer keys than the table holds; a P exchange planned so gives way
+    to the pick for the whole table, and a named one is refused, naming what it holds."""
+    from mlagen.inputs import InputError
+    from mlagen.runtime import pick_variant
+
+    p = Problem(heads=64)
+    _save({tables.bucket_key(p, 9, 1, 320): {"variant": EXCHANGE, "us": 9.4}})
+    assert pick_variant(p, 9, 1, 320, 320, "sm_90", GPU, None).name == EXCHANGE
+    assert pick_variant(p, 9, 1, 320, 4096, "sm_90", GPU, None) == dispatch.choose_variant(p, 9, 1, 4096, "sm_90", GPU)
+    named = parse_variant(EXCHANGE)
+    assert pick_variant(p, 9, 1, 4096, 320, "sm_90", GPU, named) == named
+    with pytest.raises(InputError, match=r"variant: got .*_px_sm90a', a P exchange over 5 tiles of 64 keys, expected "
+                                         r"a block_table that addresses at most 320 keys \(it addresses 4096\)"):
+        pick_variant(p, 9, 1, 320, 4096, "sm_90", GPU, named)
+    with pytest.raises(InputError, match="variant.arch"):
+        pick_variant(p, 9, 1, 320, 320, "sm_80", GPU, named)

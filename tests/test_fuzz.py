@@ -55,7 +55,7 @@ def test_a_random_variant_is_valid_for_its_shape_and_reaches_every_knob():
     assert hopper == [draw_variant(s, "sm_90") for s in shapes]
     assert all(v is not None and is_valid(s.problem, v) for s, v in zip(shapes, hopper, strict=True))
     assert {v.family for v in hopper} == {"naive", "flash", "mma"} and {v.arch for v in hopper} == {"sm_90", "sm_90a"}
-    for knob in ("tma", "seesaw", "cluster", "part16", "mma_pv", "transposed"):
+    for knob in ("tma", "seesaw", "cluster", "part16", "mma_pv", "transposed", "p_exchange"):
         assert any(getattr(v, knob) for v in hopper), knob
     assert any(v.transposed and v.tma for v in hopper)
     assert any(v.kv_split == "balanced" for v in hopper) and any(v.kv_split == "adaptive" for v in hopper)

@@ -51,7 +51,8 @@ def fake_gpu(monkeypatch):
     driver, prepared = Driver(), []
     kernel = launch.KernelLaunch(args=MAIN, name="main_k")
 
-    def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, table_capacity, device, variant):
+    def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, table_capacity, device,
+                variant):
         prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, device, variant))
         rows, value_bytes = 2 * batch * seqlen_q * heads, 2 if variant and variant.part16 else 4
         return runtime._Prepared(loaded=None, kernel=kernel, splits=2, merge_blocks=3,

@@ -150,6 +150,24 @@ def test_seesaw_kernel_runs_each_tile_once_on_whole_tile_wgmmas():
     assert (ops["HGMMA"], ops["UTMALDG"], ops["LDGSTS"]) == (2 * (36 + 8), 36, 18)
 
 
+@pytest.mark.parametrize("size", [2, 5, 8])
+def test_p_exchange_moves_p_by_bulk_copies_after_one_cluster_barrier(size):
+    """The P exchange: the scores' 36 m64n32 steps, 4 m64n64 value steps a tile of the cluster
+    (P and V from shared memory), two unrolled sends a peer (the maxima, then the slot) as bulk
+    copies between the blocks' shared memory, and one cluster barrier, whose release (the only
+    GPU-scope fence) comes before the first copy is issued. No split counter, no merge."""
+    _needs_nvdisasm()
+    b = build(Problem(heads=64, lse=True), parse_variant(f"mma_ht64_qt1_bn64_w8_st1_sp{size}_cl_px_sm90a"))
+    text = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a")
+    steps = re.findall(r"\bHGMMA\.(64x32x16|64x64x16)\.F32\.BF16\b", text)
+    assert (steps.count("64x32x16"), steps.count("64x64x16")) == (36, 4 * size)
+    ops = sass.opcodes(text)
+    assert (ops["UBLKCP"], ops["UCGABAR_ARV"], ops["UCGABAR_WAIT"], ops["ATOMG"]) == (2 * size, 1, 1, 0)
+    lines = text.splitlines()
+    fences = [i for i, line in enumerate(lines) if "MEMBAR.ALL.GPU" in line]
+    assert len(fences) == 1 and fences[0] < next(i for i, line in enumerate(lines) if "LDGSTS" in line)
+
+
 # Instructions that touch global memory (loads, copies, stores, atomics, generic accesses).
 GLOBAL_ACCESS = re.compile(r"\b(LDG|LDGSTS|STG|ATOMG|RED|LD|ST)\b")
 

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from mlagen.arch import ARCHS
 from mlagen.spec import Problem, Variant, kernel_name, naive, parse_variant
-from mlagen.validate import SpecError, validate
+from mlagen.validate import SpecError, is_valid, validate
 
 variants = st.builds(
     Variant,
@@ -24,6 +24,7 @@ variants = st.builds(
     tma=st.booleans(),
     seesaw=st.booleans(),
     transposed=st.booleans(),
+    p_exchange=st.booleans(),
 )
 
 
@@ -59,8 +60,11 @@ def test_bad_names_say_what_was_expected(bad):
         parse_variant(bad)
 
 
-# a valid transposed tile for H=8 S=9, which the cases below break one rule of
+# a valid transposed tile for H=8 S=9, and a valid P exchange for H=64, which the cases below
+# break one rule of
 TRANSPOSED = Variant(family="mma", head_tile=8, q_tile=9, block_n=64, arch="sm_90a", transposed=True)
+EXCHANGE = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1, arch="sm_90a", kv_split=5,
+                   cluster=True, p_exchange=True)
 
 
 @pytest.mark.parametrize("problem,variant,field", [
@@ -105,6 +109,13 @@ TRANSPOSED = Variant(family="mma", head_tile=8, q_tile=9, block_n=64, arch="sm_9
     (Problem(heads=8, dr=32), TRANSPOSED, "variant"),                                 # P^T needs Dr=64
     (Problem(heads=8), TRANSPOSED.with_(tma=True, seesaw=True), "variant"),           # its own schedule
     (Problem(heads=8, page_size=16), TRANSPOSED.with_(tma=True), "variant.tma"),      # a tile is one page's run
+    (Problem(), Variant(p_exchange=True), "variant.p_exchange"),                      # flash family
+    (Problem(), EXCHANGE.with_(arch="sm_90"), "variant"),                             # no wgmma
+    (Problem(), EXCHANGE.with_(cluster=False), "variant"),                            # the exchange is a cluster's
+    (Problem(), EXCHANGE.with_(head_tile=32), "variant"),                             # 32 rows
+    (Problem(), EXCHANGE.with_(stages=2), "variant"),                                 # one tile a block
+    (Problem(), EXCHANGE.with_(part16=True), "variant"),                              # nothing partial
+    (Problem(), EXCHANGE.with_(kv_split=6), "variant"),                               # 10 value slices: no room
 ])
 def test_validation_names_field_value_and_limit(problem, variant, field):
     with pytest.raises(SpecError) as info:
@@ -178,3 +189,11 @@ def test_cluster_split_is_a_kernel_of_its_own_without_workspace():
     assert validate(Problem(heads=64), small.with_(part16=True)).smem_bytes > 0
     with pytest.raises(SpecError, match="staged output rows"):
         validate(Problem(heads=64), small)
+
+
+def test_p_exchange_fits_sizes_two_to_five_and_eight():
+    """Its shared memory: Q (later the slots), the tile, and (k - 1) x ceil(8 / k) value slices
+    of 8 KB; sizes 6 and 7 need 10 and 12 slices, past sm_90a's 227 KB."""
+    fits = {k: is_valid(Problem(), EXCHANGE.with_(kv_split=k)) for k in range(2, 9)}
+    assert fits == {2: True, 3: True, 4: True, 5: True, 6: False, 7: False, 8: True}
+    assert validate(Problem(), EXCHANGE).smem_bytes == 9 * 8192 * 2 + 8 * 8192 + 5 * 256 + 1024 + 512 + 8 + 5 * 8

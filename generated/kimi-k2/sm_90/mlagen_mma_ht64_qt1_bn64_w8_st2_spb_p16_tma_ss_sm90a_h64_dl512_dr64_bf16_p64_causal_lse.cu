@@ -632,6 +632,8 @@ __device__ __forceinline__ int swz(int r, int c) {
   return (c >> 3) * (NROWS * 64) + r * 64 + (((c ^ r) & 7) << 3);
 }
 
+// Four 8x8 16-bit matrices from shared memory, lane l giving row l % 8 of matrix l / 8 (with
+// .trans, each matrix transposed): a whole m16k16 mma.sync A piece, or two n8k16 B pieces.
 __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned* r) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 { %0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
