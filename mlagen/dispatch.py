@@ -86,7 +86,8 @@ def flash_heuristic(problem: Problem, seqlen_q: int, arch: str) -> Variant:
 
 @functools.lru_cache(maxsize=4096)
 def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str) -> Variant:
-    """The pick for a shape no table covers: the heuristic's tile (`heuristic_variant`), on the
+    """The pick for a shape no table covers: on a Hopper, a short launch that fits one wave as a
+    P exchange (`exchange_tile`); else the heuristic's tile (`heuristic_variant`), on the
     seesaw schedule with TMA loads when it is an sm_90a mma tile with SEESAW_TILES_PER_SM or more
     KV tiles of work per SM (and the seesaw fits it: 64 rows, a page size TMA can box). Where a
     request's rows fit one transposed tile (`transposed_tile`) that tile runs instead, from the
@@ -97,6 +98,9 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
     per row group (29 splits at 131072 keys, H=64 S=9). On the H200 that ran 12-13% slower than
     one wave (280 against 250 µs; 283 against 250 at H=128 with 65536 keys). At one wave the two
     splits tie (65536 keys, H=64: 142.3 against 144.4 µs; benchmarks/NOTES.md, session 12)."""
+    exchange = exchange_tile(problem, seqlen_q, batch, kv_capacity, arch)
+    if exchange is not None:
+        return exchange
     v = heuristic_variant(problem, seqlen_q, arch)
     transposed = transposed_tile(problem, seqlen_q, arch)
     if transposed is not None and batch * -(-kv_capacity // transposed.block_n) >= SEESAW_TILES_PER_SM * HOPPER_SMS:
@@ -108,6 +112,24 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
         return v
     seesaw = v.with_(tma=True, seesaw=True, kv_split="balanced")
     return seesaw if is_valid(problem, seesaw) else v
+
+
+def exchange_tile(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str) -> Variant | None:
+    """The heuristic's sm_90a tile as a P exchange (`Variant.p_exchange`: a cluster with one KV
+    tile a block, `space.exchange_variants`) where the block table holds at most 8 tiles and
+    the launch's blocks, row groups x requests x cluster size, fit one wave of a 132-SM Hopper;
+    None elsewhere. H200, S=9 H=64 with 256 keys (5 tiles, 45 blocks): 9.4 µs against the
+    split's 10.6-10.8; S=33 (165 blocks, two waves): 18.2 against 15.0 (benchmarks/NOTES.md,
+    session 17)."""
+    from .space import exchange_variants
+
+    v = heuristic_mma(problem, seqlen_q, arch)
+    if v is None or v.arch != "sm_90a":
+        return None
+    found = exchange_variants(problem, v, kv_capacity)
+    if not found or batch * _row_groups(found[0], problem.heads, seqlen_q) * int(found[0].kv_split) > HOPPER_SMS:
+        return None
+    return found[0]
 
 
 def transposed_tile(problem: Problem, seqlen_q: int, arch: str) -> Variant | None:
