@@ -11,7 +11,8 @@
    the scalar flash family; put as many query rows (positions x heads) in a block as the
    family's register budget holds, so each KV tile is loaded for as many rows as possible
    (`mma_plan.heuristic_mma`, `flash_heuristic`); on sm_90a, a launch with many KV tiles of
-   work per SM runs that tile on the seesaw schedule with TMA loads (`untuned_variant`); then
+   work per SM runs that tile on the seesaw schedule with TMA loads, and a short one that fits
+   one wave as a P exchange (`untuned_variant`, `exchange_tile`); then
    split the key range by a small cost model of waves, tiles per block and the merge
    (`num_splits`).
 Then, whichever answered, a batch (B >= 2) on the mma family runs the chosen tile with the
@@ -27,7 +28,7 @@ from . import tables
 from .arch import runs_on
 from .mma_plan import TRANSPOSED_ROWS, heuristic_mma
 from .spec import Problem, Variant, naive, parse_variant
-from .validate import SpecError, is_valid, validate
+from .validate import MAX_CLUSTER, SpecError, is_valid, validate
 
 MAX_FLASH_ROWS = 64        # 8 warps x 8 rows: the scalar kernel's accumulator budget
 # The split-count model's costs, in KV-tile times of one block (~4 us on an H200 for the mma
@@ -123,8 +124,10 @@ def exchange_tile(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
     session 17)."""
     from .space import exchange_variants
 
-    v = heuristic_mma(problem, seqlen_q, arch)
-    if v is None or v.arch != "sm_90a":
+    if -(-kv_capacity // 64) > MAX_CLUSTER or not runs_on("sm_90a", arch):
+        return None
+    v = heuristic_variant(problem, seqlen_q, arch)
+    if v.arch != "sm_90a":
         return None
     found = exchange_variants(problem, v, kv_capacity)
     if not found or batch * _row_groups(found[0], problem.heads, seqlen_q) * int(found[0].kv_split) > HOPPER_SMS:

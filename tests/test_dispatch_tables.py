@@ -95,6 +95,27 @@ def test_without_table_dispatch_is_the_untuned_pick():
             assert dispatch.choose_variant(p, s, 1, cap, "sm_90", GPU) == untuned
 
 
+def test_untuned_short_one_wave_launches_run_the_p_exchange_on_sm90a():
+    """Without a table, the heuristic's sm_90a tile runs as a P exchange where the block table
+    holds at most 8 KV tiles and row groups x requests x cluster size fit one wave of 132 SMs
+    (H200, session 17: 0.58-0.97x the split's time on seven such shapes); not past either
+    bound, and not on other archs."""
+    p = Problem(heads=64)
+    base = dispatch.heuristic_variant(p, 9, "sm_90")
+    px = dispatch.untuned_variant(p, 9, 1, 320, "sm_90")
+    assert px == base.with_(kv_split=5, cluster=True, p_exchange=True, stages=1, part16=False)
+    assert dispatch.choose_variant(p, 9, 2, 320, "sm_90", "Other GPU") == px         # a batch keeps it
+    assert dispatch.untuned_variant(p, 9, 1, 100, "sm_90").kv_split == 2
+    assert dispatch.untuned_variant(p, 9, 1, 512, "sm_90").kv_split == 8            # 6-8 tiles: 8 (6, 7 do not fit)
+    assert not dispatch.untuned_variant(p, 9, 2, 512, "sm_90").p_exchange            # 2 x 9 x 8 = 144 blocks
+    assert not dispatch.untuned_variant(p, 9, 1, 513, "sm_90").p_exchange            # 9 tiles
+    assert not dispatch.untuned_variant(p, 9, 3, 320, "sm_90").p_exchange            # 3 x 9 x 5 = 135 blocks
+    assert dispatch.untuned_variant(p.with_(heads=16), 4, 26, 320, "sm_90").p_exchange   # 130 blocks
+    assert not dispatch.untuned_variant(p.with_(heads=16), 4, 27, 320, "sm_90").p_exchange
+    for arch in ("sm_80", "sm_89", "sm_120"):
+        assert not dispatch.untuned_variant(p, 9, 1, 320, arch).p_exchange
+
+
 def test_untuned_long_launches_run_the_seesaw_on_sm90a():
     """Without a table, an sm_90a mma tile goes on the seesaw schedule (TMA loads, balanced split) from
     SEESAW_TILES_PER_SM KV tiles of work per SM on; shorter launches, other archs and page sizes
@@ -316,13 +337,14 @@ def test_tune_times_knob_twins_of_the_fastest_last(monkeypatch):
 def test_tune_times_twins_of_the_fastest_structures_not_of_one_structures_splits(monkeypatch):
     """The heuristic's pick is part16 already and its fixed splits come close behind it; the
     stages after the structures still reach the second structure, whose part16 twin wins (as on
-    the H200's 256-key row: one stage fewer, 16-bit partials)."""
+    the H200's 256-key row before the P exchange: one stage fewer, 16-bit partials). 1024 keys:
+    too many tiles for the P exchange, which the untuned pick would be at 256."""
     from types import SimpleNamespace
 
-    row = Row(heads=64, batch=1, seqlen_q=9, prefix=256)
+    row = Row(heads=64, batch=1, seqlen_q=9, prefix=1024)
     problem = problem_for(row, 64, "causal", "bf16")
-    work = SimpleNamespace(row=row, problem=problem, kv_capacity=320)
-    cands = candidates(problem, 9, 1, 320, "sm_90", 20)
+    work = SimpleNamespace(row=row, problem=problem, kv_capacity=1088)
+    cands = candidates(problem, 9, 1, 1088, "sm_90", 20)
     pick = cands[0]
     one_stage = pick.with_(stages=1, part16=False)
     assert pick.part16 and one_stage in cands
