@@ -240,6 +240,25 @@ def test_block_trace_patch_compiles_for_the_split_kernels():
         assert all(not r.spills for r in module.resources.values())
 
 
+def test_exchange_trace_patch_compiles():
+    """benchmarks/trace_exchange.py stamps the P exchange's phases at landmarks of its template:
+    every landmark is still there once, and the patched kernel compiles without spills."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import trace_exchange
+
+    from mlagen.codegen import render
+    from mlagen.compiler import compile_source
+
+    plan = _built("mma_ht64_qt1_bn64_w8_st1_sp8_cl_px_sm90a").plan
+    source = trace_exchange.patch(render(plan))
+    assert source.count("TR(") == len(trace_exchange.PATCHES) + 1     # the macro's own definition
+    module = compile_source(source, plan.name, plan.arch.name)
+    assert all(not r.spills for r in module.resources.values())
+
+
 def test_seesaw_trace_patch_compiles():
     """benchmarks/trace_seesaw.py stamps each step of both warpgroups at landmarks of the seesaw
     loop: every landmark is still there once, and the patched kernel compiles without spills or
