@@ -92,8 +92,9 @@ def device_array(loaded, name: str, shape: tuple[int, ...]) -> cupy.ndarray:
     return cupy.ndarray(shape, dtype=cupy.uint64, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
-def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None) -> None:
-    loaded, call = patched_row(lambda plan, source: patch(source), heads, batch, seqlen_q, prefix, variant)
+def traced_blocks(loaded, call: Callable[[], None]) -> list[tuple[int, list[int]]]:
+    """One cold launch through `call` of the patched kernel `loaded`: (block, its SLOTS stamps)
+    for every block that stamped its start."""
     trace = device_array(loaded, "mlagen_trace", (MAX_BLOCKS, SLOTS))
     # Inputs out of the L2 by reading (not writing) a buffer twice its size: a write would leave
     # dirty lines whose write-back then competes with the traced launch's stores.
@@ -103,7 +104,12 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
     trace[:] = 0
     call()
     torch.cuda.synchronize()
-    rows = [(i, [int(x) for x in r]) for i, r in enumerate(trace.get()) if r[START]]
+    return [(i, [int(x) for x in r]) for i, r in enumerate(trace.get()) if r[START]]
+
+
+def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None) -> None:
+    loaded, call = patched_row(lambda plan, source: patch(source), heads, batch, seqlen_q, prefix, variant)
+    rows = traced_blocks(loaded, call)
     t0 = min(r[START] for _, r in rows)
 
     def us(r: list[int], k: int) -> float:

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import sys
 
-import torch
-from trace_blocks import HEADER, MAX_BLOCKS, SLOTS, device_array, patched_row
+from trace_blocks import HEADER, patched_row, traced_blocks
 
 START, P_DONE, LOADED, SCORED, MAXIMA_IN, LAST_P_IN, SLICES_IN, END = range(8)
 COLUMNS = (("loaded", LOADED), ("scored", SCORED), ("maxima in", MAXIMA_IN), ("slices in", SLICES_IN),
@@ -52,14 +51,7 @@ def patch(source: str) -> str:
 
 def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str) -> None:
     loaded, call = patched_row(lambda plan, source: patch(source), heads, batch, seqlen_q, prefix, variant)
-    trace = device_array(loaded, "mlagen_trace", (MAX_BLOCKS, SLOTS))
-    flush = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")    # inputs out of the L2, by reading
-    torch.cuda.synchronize()
-    flush.sum(dtype=torch.int64).item()
-    trace[:] = 0
-    call()
-    torch.cuda.synchronize()
-    rows = [(i, [int(x) for x in r]) for i, r in enumerate(trace.get()) if r[START]]
+    rows = traced_blocks(loaded, call)
     t0 = min(r[START] for _, r in rows)
     print(loaded.plan.name, "blocks", len(rows))
     print("block  start | " + " ".join(f"{name:>9}" for name, _ in COLUMNS) + "       end  (µs from the block's start)")
