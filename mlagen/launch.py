@@ -11,7 +11,9 @@ launch's blocks are scheduled while the kernel before it drains, and the kernels
 kernel's writes before reading anything (`pdl_prologue` in templates/common.cuh.j2). It is off
 by default: on the H200 it saved 0.6-1.5 µs on launches of a few KV tiles (256 keys: 12.3-12.9
 -> 11.3-11.4 µs) but cost 1-7% on long and batched rows and ~5 µs of host time per call
-(benchmarks/NOTES.md, v18).
+(benchmarks/NOTES.md, v18). P-exchange launches (`Variant.p_exchange`, at most 8 tiles) go
+that way by default while their stream is captured into a graph, where the host time does not
+count (`KernelLaunch.pdl_captured`).
 """
 
 from __future__ import annotations
@@ -89,18 +91,23 @@ def load(problem: Problem, variant: Variant, device_index: int) -> Loaded:
 class KernelLaunch:
     """The launch of one shape, as cuLaunchKernel's leading arguments (function, grid xyz,
     block xyz, dynamic shared memory), computed once so that a launch only adds the stream;
-    `pdl`: launch it as a programmatic dependent of the stream's previous kernel."""
+    `pdl`: launch it as a programmatic dependent of the stream's previous kernel; `pdl_captured`:
+    so only while the stream is captured into a graph (P-exchange launches: PDL took their
+    256-key row from 9.37 to 8.85 µs on the H200, and its ~5 µs of host time per launch does
+    not count in a graph; benchmarks/NOTES.md, session 17)."""
 
     args: tuple[int, ...]
     name: str
     pdl: bool = False
+    pdl_captured: bool = False    # as a programmatic dependent when the stream is being captured
 
 
 def kernel_launch(loaded: Loaded, grid: tuple[int, int, int]) -> KernelLaunch:
     """The kernel on `grid` (merge blocks included when split)."""
     plan = loaded.plan
+    dependent = plan.arch.capability >= PDL_MIN_CAPABILITY
     return KernelLaunch(args=(loaded.main.ptr, *grid, plan.threads, 1, 1, plan.smem_bytes), name=plan.main_kernel,
-                        pdl=PDL and plan.arch.capability >= PDL_MIN_CAPABILITY)
+                        pdl=PDL and dependent, pdl_captured=dependent and plan.variant.p_exchange)
 
 
 @functools.cache
@@ -169,13 +176,20 @@ def launch(kernel: KernelLaunch, stream: int, pointers: tuple[int, ...], rest: t
     """Pack the parameter block (see `mlagen.params.pack_into`) and launch the kernel on `stream`."""
     params = _params
     pack_into(params.block, 0, *pointers, *rest)
-    if kernel.pdl:
+    if kernel.pdl or (kernel.pdl_captured and _capturing(stream)):
         _launch_dependent(kernel, stream, params)
         return
     try:
         _launch_kernel()(*kernel.args, stream, params.address, 0)
     except RuntimeError as e:   # CuPy's CUDADriverError names the error, not the kernel
         raise RuntimeError(f"cuLaunchKernel of {kernel.name} failed: {e}") from e
+
+
+def _capturing(stream: int) -> bool:
+    """Whether `stream` is being captured into a CUDA graph (cudaStreamIsCapturing)."""
+    from cupy.cuda import runtime
+
+    return runtime.streamIsCapturing(stream) != 0
 
 
 def _launch_dependent(kernel: KernelLaunch, stream: int, params: _ParamsBuffer) -> None:

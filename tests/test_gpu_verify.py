@@ -422,13 +422,13 @@ def test_split_merge_across_calls_streams_and_graphs(kv_split):
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-@pytest.mark.parametrize("kv_split", [None, 5, "balanced"])
+@pytest.mark.parametrize("kv_split", [None, 5, "balanced", "exchange"])
 def test_back_to_back_launches_read_what_the_previous_one_wrote(kv_split, pdl, monkeypatch, request):
     """Each call's out is the next call's q (its first Dl dims, NaN before), so a launch that
     read its inputs before the previous kernel finished would read NaN: with programmatic
-    dependent launch (MLAGEN_PDL=1, sm_90+) the kernels must wait for it. Eagerly and inside a
-    CUDA graph; with a split the calls also share the workspace and the counters the previous
-    launch's merge blocks reset."""
+    dependent launch (MLAGEN_PDL=1, sm_90+; a P exchange's launches under graph capture always)
+    the kernels must wait for it. Eagerly and inside a CUDA graph; with a split the calls also
+    share the workspace and the counters the previous launch's merge blocks reset."""
     from mlagen import launch, runtime
 
     if pdl and torch.cuda.get_device_capability()[0] < 9:
@@ -437,9 +437,17 @@ def test_back_to_back_launches_read_what_the_previous_one_wrote(kv_split, pdl, m
     monkeypatch.setattr(runtime, "_calls", {})
     runtime._prepare.cache_clear()          # kernel launches carry the PDL choice
     request.addfinalizer(runtime._prepare.cache_clear)
-    variant = None if kv_split is None else Variant(family="mma", head_tile=16, q_tile=2, block_n=64, warps=8,
-                                                       stages=2, kv_split=kv_split, arch=_arch())
-    cases = [make_case(batch=2, seqlen_q=5, heads=16, prefixes=[2500, 300], page_size=64, mask="causal", seed=s)
+    if kv_split == "exchange":      # short requests, a P exchange over 8 tiles of 16 x 4 rows
+        if _arch() != "sm_90":
+            pytest.skip("the P exchange runs on sm_90a")
+        variant = Variant(family="mma", head_tile=16, q_tile=4, block_n=64, warps=8, stages=1, kv_split=8,
+                          cluster=True, p_exchange=True, arch="sm_90a")
+        prefixes = [400, 30]
+    else:
+        variant = None if kv_split is None else Variant(family="mma", head_tile=16, q_tile=2, block_n=64, warps=8,
+                                                           stages=2, kv_split=kv_split, arch=_arch())
+        prefixes = [2500, 300]
+    cases = [make_case(batch=2, seqlen_q=5, heads=16, prefixes=prefixes, page_size=64, mask="causal", seed=s)
              for s in (21, 22, 23)]
 
     def chain():

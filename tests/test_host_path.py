@@ -297,9 +297,10 @@ def test_empty_batch_launches_nothing(fake_gpu):
     assert out.shape == (0, S, H, DL) and not fake_gpu.driver.launches
 
 
-def _loaded(capability: int) -> types.SimpleNamespace:
+def _loaded(capability: int, p_exchange: bool = False) -> types.SimpleNamespace:
     plan = types.SimpleNamespace(threads=256, smem_bytes=100_000, main_kernel="main_k",
-                                 arch=types.SimpleNamespace(capability=capability))
+                                 arch=types.SimpleNamespace(capability=capability),
+                                 variant=types.SimpleNamespace(p_exchange=p_exchange))
     return types.SimpleNamespace(plan=plan, main=types.SimpleNamespace(ptr=0x7F00))
 
 
@@ -310,6 +311,25 @@ def test_kernel_launch_holds_the_launch_arguments(monkeypatch):
     monkeypatch.setattr(launch, "PDL", True)                       # MLAGEN_PDL=1
     assert launch.kernel_launch(_loaded(90), (8, 2, B + 4)).pdl
     assert not launch.kernel_launch(_loaded(80), (8, 2, B + 4)).pdl   # no griddepcontrol before sm_90
+    monkeypatch.setattr(launch, "PDL", False)
+    assert launch.kernel_launch(_loaded(90, p_exchange=True), (8, 2, B + 4)).pdl_captured
+    assert not launch.kernel_launch(_loaded(90), (8, 2, B + 4)).pdl_captured
+
+
+def test_p_exchange_launches_are_dependent_only_under_capture(monkeypatch):
+    """A P-exchange launch goes through cuLaunchKernelEx with the PDL attribute while its stream
+    is captured (no host cost counts in a graph) and through plain cuLaunchKernel otherwise."""
+    ex, plain = DriverEx(), Driver()
+    monkeypatch.setattr(launch, "_launch_kernel_ex", lambda: ex)
+    monkeypatch.setattr(launch, "_launch_kernel", lambda: plain)
+    capturing = {0x5EAB: True, 0x1234: False}
+    monkeypatch.setattr(launch, "_capturing", lambda stream: capturing[stream])
+    kernel = launch.KernelLaunch(args=MAIN, name="main_k", pdl_captured=True)
+    rest = tail(dict.fromkeys(TAIL_NAMES, 1))
+    launch.launch(kernel, 0x5EAB, (16,) + (0,) * (len(POINTER_NAMES) - 1), rest)
+    launch.launch(kernel, 0x1234, (32,) + (0,) * (len(POINTER_NAMES) - 1), rest)
+    assert [d["stream"] for d in ex.launches] == [0x5EAB] and ex.launches[0]["attrs"] == [(6, 1)]
+    assert len(plain.launches) == 1
 
 
 class DriverEx:
