@@ -13,7 +13,7 @@ by default: on the H200 it saved 0.6-1.5 µs on launches of a few KV tiles (256 
 -> 11.3-11.4 µs) but cost 1-7% on long and batched rows and ~5 µs of host time per call
 (benchmarks/NOTES.md, v18). P-exchange launches (`Variant.p_exchange`, at most 8 tiles) go
 that way by default while their stream is captured into a graph, where the host time does not
-count (`KernelLaunch.pdl_captured`).
+count (`KernelLaunch.pdl_captured`); MLAGEN_PDL=0 launches every kernel plainly.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .build import build
-from .params import PARAMS_SIZE, pack_into
+from .params import DEPENDENT_OFFSET, PARAMS_SIZE, pack_into
 from .spec import Problem, Variant
 from .validate import KernelPlan
 
 DEFAULT_SMEM_LIMIT = 48 * 1024   # above this a kernel must opt in to more dynamic shared memory
 PDL_MIN_CAPABILITY = 90          # griddepcontrol, and the launch attribute, need sm_90
-PDL: bool = os.environ.get("MLAGEN_PDL", "") not in ("", "0")
+PDL: bool = os.environ.get("MLAGEN_PDL", "") not in ("", "0")     # every sm_90+ launch
+PDL_NEVER: bool = os.environ.get("MLAGEN_PDL", "") == "0"           # not even captured P exchanges
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
@@ -107,7 +108,7 @@ def kernel_launch(loaded: Loaded, grid: tuple[int, int, int]) -> KernelLaunch:
     plan = loaded.plan
     dependent = plan.arch.capability >= PDL_MIN_CAPABILITY
     return KernelLaunch(args=(loaded.main.ptr, *grid, plan.threads, 1, 1, plan.smem_bytes), name=plan.main_kernel,
-                        pdl=PDL and dependent, pdl_captured=dependent and plan.variant.p_exchange)
+                        pdl=PDL and dependent, pdl_captured=dependent and plan.variant.p_exchange and not PDL_NEVER)
 
 
 @functools.cache
@@ -170,6 +171,7 @@ class _ParamsBuffer(threading.local):
 
 
 _params = _ParamsBuffer()
+_DEPENDENT = struct.Struct("<i")
 
 
 def launch(kernel: KernelLaunch, stream: int, pointers: tuple[int, ...], rest: tuple[int | float, ...]) -> None:
@@ -177,6 +179,7 @@ def launch(kernel: KernelLaunch, stream: int, pointers: tuple[int, ...], rest: t
     params = _params
     pack_into(params.block, 0, *pointers, *rest)
     if kernel.pdl or (kernel.pdl_captured and _capturing(stream)):
+        _DEPENDENT.pack_into(params.block, DEPENDENT_OFFSET, 1)
         _launch_dependent(kernel, stream, params)
         return
     try:

@@ -46,7 +46,7 @@ _ASSIGN: dict[str, str] = {
     "out_stride_b": "out_stride_b", "out_stride_s": "out_stride_s", "out_stride_h": "out_stride_h",
     "batch": "batch", "seqlen_q": "seqlen_q", "max_pages": "max_pages", "num_pages": "num_pages",
     "num_splits": "num_splits", "merge_blocks": "split ? merge_blocks(batch, seqlen_q) : 0",
-    "scale_log2": f"softmax_scale * {_LOG2E}", "pad": "0",
+    "scale_log2": f"softmax_scale * {_LOG2E}", "dependent": "kProgrammaticLaunch && programmatic ? 1 : 0",
 }
 
 

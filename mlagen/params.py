@@ -51,7 +51,8 @@ FIELDS: tuple[Field, ...] = (
     Field("num_splits", "int", "i", "key-range splits; 1 writes out directly, no merge blocks"),
     Field("merge_blocks", "int", "i", "merge blocks per row group (num_splits > 1), in z slabs >= batch"),
     Field("scale_log2", "float", "f", "softmax_scale * log2(e)"),
-    Field("pad", "int", "i", "unused, 0: keeps the block a multiple of 8 bytes"),
+    Field("dependent", "int", "i", "1: launched as a programmatic dependent (the P exchange then prefetches "
+          "before its griddepcontrol.wait), 0: plainly; also keeps the block a multiple of 8 bytes"),
 )
 
 _FORMAT = "<" + "".join(f.fmt for f in FIELDS)
@@ -74,6 +75,9 @@ def tail(values: dict[str, int | float]) -> tuple[int | float, ...]:
         raise KeyError(f"parameter block is missing {sorted(missing)}")
     return tuple(values[name] for name in TAIL_NAMES)
 
+
+# Byte offset of `dependent`, which `launch` sets on the packed block of a dependent launch.
+DEPENDENT_OFFSET = struct.calcsize("<" + "".join(f.fmt for f in FIELDS[:FIELD_NAMES.index("dependent")]))
 
 # pack_into(buffer, 0, *pointers, *rest): the struct into `buffer` (PARAMS_SIZE writable
 # bytes), `pointers` (ints, 0 for none) in POINTER_NAMES order, then `rest` as `tail` returns

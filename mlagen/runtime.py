@@ -175,7 +175,7 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
             "mask_stride_b": shapes.mask_strides[0], "mask_stride_q": shapes.mask_strides[1],
             "out_stride_b": out_strides[0], "out_stride_s": out_strides[1], "out_stride_h": out_strides[2],
             "batch": B, "seqlen_q": S, "max_pages": shapes.max_pages, "num_pages": shapes.num_pages,
-            "num_splits": prep.splits, "merge_blocks": prep.merge_blocks, "scale_log2": scale * LOG2E, "pad": 0,
+            "num_splits": prep.splits, "merge_blocks": prep.merge_blocks, "scale_log2": scale * LOG2E, "dependent": 0,
         }))
     if key is not None:
         if len(_calls) >= _MAX_CALLS:

@@ -164,7 +164,7 @@ def test_launch_gets_pointers_strides_and_sizes(fake_gpu):
     assert (f["bt_stride_b"], f["mask_stride_b"], f["mask_stride_q"]) == (2, S * S, S)
     assert (f["out_stride_b"], f["out_stride_s"], f["out_stride_h"]) == out.stride()[:3]
     assert (f["batch"], f["seqlen_q"], f["max_pages"], f["num_pages"], f["num_splits"]) == (B, S, 2, PAGES, 2)
-    assert (f["merge_blocks"], f["pad"]) == (3, 0)
+    assert (f["merge_blocks"], f["dependent"]) == (3, 0)   # a plain launch
     assert f["scale_log2"] == pytest.approx(0.5 * runtime.LOG2E)
 
 
@@ -314,6 +314,8 @@ def test_kernel_launch_holds_the_launch_arguments(monkeypatch):
     monkeypatch.setattr(launch, "PDL", False)
     assert launch.kernel_launch(_loaded(90, p_exchange=True), (8, 2, B + 4)).pdl_captured
     assert not launch.kernel_launch(_loaded(90), (8, 2, B + 4)).pdl_captured
+    monkeypatch.setattr(launch, "PDL_NEVER", True)                 # MLAGEN_PDL=0
+    assert not launch.kernel_launch(_loaded(90, p_exchange=True), (8, 2, B + 4)).pdl_captured
 
 
 def test_p_exchange_launches_are_dependent_only_under_capture(monkeypatch):
@@ -325,11 +327,14 @@ def test_p_exchange_launches_are_dependent_only_under_capture(monkeypatch):
     capturing = {0x5EAB: True, 0x1234: False}
     monkeypatch.setattr(launch, "_capturing", lambda stream: capturing[stream])
     kernel = launch.KernelLaunch(args=MAIN, name="main_k", pdl_captured=True)
-    rest = tail(dict.fromkeys(TAIL_NAMES, 1))
+    rest = tail(dict.fromkeys(TAIL_NAMES, 1) | {"dependent": 0})
     launch.launch(kernel, 0x5EAB, (16,) + (0,) * (len(POINTER_NAMES) - 1), rest)
     launch.launch(kernel, 0x1234, (32,) + (0,) * (len(POINTER_NAMES) - 1), rest)
     assert [d["stream"] for d in ex.launches] == [0x5EAB] and ex.launches[0]["attrs"] == [(6, 1)]
     assert len(plain.launches) == 1
+    # The kernel learns which it was: its speculative prefetches only pay as a dependent.
+    assert fields(ex.launches[0]["params"])["dependent"] == 1 and fields(plain.launches[0][1])["dependent"] == 0
+    assert fields(ex.launches[0]["params"])["q"] == 16 and fields(plain.launches[0][1])["q"] == 32
 
 
 class DriverEx:

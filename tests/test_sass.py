@@ -187,6 +187,20 @@ def test_kernels_wait_for_the_previous_grid_before_any_global_access(name):
     assert first(re.compile(r"\bPREEXIT\b")) < first(re.compile(r"\bACQBULK\b")) < first(GLOBAL_ACCESS)
 
 
+def test_p_exchange_only_prefetches_before_the_previous_grid_is_done():
+    """The P exchange prefetches its Q rows and KV tile into L2 between PREEXIT and ACQBULK. The
+    length and page ids it reads for that may be stale, so they must bypass L1 (LDG.STRONG.GPU,
+    no line left to hit after the wait), and nothing before the wait may copy into shared memory
+    or write global memory."""
+    _needs_nvdisasm()
+    lines = _main_sass("mma_ht64_qt1_bn64_w8_st1_sp5_cl_px_sm90a").splitlines()
+    wait = next(i for i, line in enumerate(lines) if re.search(r"\bACQBULK\b", line))
+    before = [line for line in lines[:wait] if GLOBAL_ACCESS.search(line) or "CCTL" in line]
+    assert any("CCTL.E.PF2" in line for line in before)
+    assert all("CCTL.E.PF2" in line or "LDG.E.STRONG.GPU" in line for line in before), before
+    assert any(re.search(r"\bLDG\.E\b(?!\.STRONG)", line) for line in lines[wait:])   # read again after it
+
+
 def test_kernels_for_older_archs_have_no_dependent_launch_control():
     _needs_nvdisasm()
     text = _main_sass("naive_w4_sm80")

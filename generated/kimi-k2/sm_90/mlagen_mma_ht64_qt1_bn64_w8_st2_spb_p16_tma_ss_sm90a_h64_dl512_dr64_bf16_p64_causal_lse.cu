@@ -77,7 +77,7 @@ struct __align__(8) VerifyParams {
   int num_splits;  // key-range splits; 1 writes out directly, no merge blocks
   int merge_blocks;  // merge blocks per row group (num_splits > 1), in z slabs >= batch
   float scale_log2;  // softmax_scale * log2(e)
-  int pad;  // unused, 0: keeps the block a multiple of 8 bytes
+  int dependent;  // 1: launched as a programmatic dependent (the P exchange then prefetches before its griddepcontrol.wait), 0: plainly; also keeps the block a multiple of 8 bytes
 };
 
 namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
