@@ -479,6 +479,59 @@ def test_back_to_back_launches_read_what_the_previous_one_wrote(kv_split, pdl, m
         check(results)
 
 
+_LATE_WRITE = r"""
+extern "C" __global__ void late_write(int* table, const int* table_src, int table_n,
+                                      int* lengths, const int* lengths_src, int lengths_n, long long spin) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // the dependent may start now
+  const long long t0 = clock64();
+  while (clock64() - t0 < spin) {}
+  for (int i = threadIdx.x; i < table_n; i += blockDim.x) table[i] = table_src[i];
+  for (int i = threadIdx.x; i < lengths_n; i += blockDim.x) lengths[i] = lengths_src[i];
+}
+"""
+
+
+@pytest.mark.parametrize("page_size", [64, 16])
+def test_p_exchange_reads_its_inputs_again_after_the_previous_grid(page_size, monkeypatch, request):
+    """A P exchange launched as a programmatic dependent reads its length and page ids before
+    griddepcontrol.wait, to prefetch its tile into L2. Here the kernel before it lets it start
+    at once, spins ~50 µs, and only then writes the block table (each request's pages rolled by
+    one, so the stale first page is a NaN page) and the lengths (request 0 longer, request 1
+    shorter than the stale values). The output must be the new inputs' attention: nothing read
+    before the wait may decide what is computed."""
+    import cupy
+
+    from mlagen import launch, runtime
+
+    if _arch() != "sm_90":
+        pytest.skip("the P exchange runs on sm_90a")
+    monkeypatch.setattr(launch, "PDL", True)
+    monkeypatch.setattr(runtime, "_calls", {})
+    runtime._prepare.cache_clear()
+    request.addfinalizer(runtime._prepare.cache_clear)
+    variant = Variant(family="mma", head_tile=16, q_tile=4, block_n=64, warps=8, stages=1, kv_split=8,
+                      cluster=True, p_exchange=True, arch="sm_90a")
+    case = make_case(batch=2, seqlen_q=5, heads=16, prefixes=[400, 30], page_size=page_size, mask="causal", seed=31)
+    table, lengths = case.block_table.clone(), case.cache_seqlens.clone()
+    stale_table = torch.roll(case.block_table, 1, dims=1).contiguous()
+    stale_lengths = torch.tensor([200, 300], dtype=torch.int32, device="cuda")
+    writer = cupy.RawKernel(_LATE_WRITE, "late_write")
+    kwargs = case.kwargs()
+    for _ in range(3):
+        case.block_table.copy_(stale_table)
+        case.cache_seqlens.copy_(stale_lengths)
+        out = poisoned_out(case)
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            writer((1,), (128,), (cupy.from_dlpack(case.block_table), cupy.from_dlpack(table),
+                                  cupy.int32(table.numel()), cupy.from_dlpack(case.cache_seqlens),
+                                  cupy.from_dlpack(lengths), cupy.int32(lengths.numel()), cupy.int64(100_000)))
+        _, lse = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                         variant=variant, return_lse=True, out=out, **kwargs)
+        torch.cuda.synchronize()
+        assert torch.equal(case.block_table, table) and torch.equal(case.cache_seqlens, lengths)
+        assert_matches(out, lse, case)
+
+
 def test_runs_on_the_current_stream():
     case = make_case(batch=2, seqlen_q=4, heads=16, prefixes=[5000, 100], page_size=16, mask="tree",
                      seed=7)
