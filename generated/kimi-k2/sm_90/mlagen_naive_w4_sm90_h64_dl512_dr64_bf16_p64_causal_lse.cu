@@ -79,11 +79,16 @@ __device__ __forceinline__ void pdl_prologue() {
                "griddepcontrol.wait;\n" ::: "memory");
 }
 
+// Keys block_table can address: every key below has an entry in a request's row.
+__device__ __forceinline__ long long key_capacity(const VerifyParams& p) {
+  return (long long)p.max_pages * PAGE;
+}
+
 // Keys of request b that may be read: the stored length, clamped to what block_table can
 // address, so a bad length never makes a kernel read outside the cache it was given.
 __device__ __forceinline__ int request_keys(const VerifyParams& p, int b) {
   const int n = p.seqlens[b];
-  const long long cap = (long long)p.max_pages * PAGE;
+  const long long cap = key_capacity(p);
   return n < 0 ? 0 : (n > cap ? (int)cap : n);
 }
 
