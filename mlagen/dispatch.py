@@ -29,7 +29,7 @@ from .arch import runs_on
 from .mma_plan import TRANSPOSED_ROWS, heuristic_mma
 from .space import exchange_variants
 from .spec import Problem, Variant, naive, parse_variant
-from .validate import MAX_CLUSTER, SpecError, is_valid, validate
+from .validate import SpecError, is_valid, validate
 
 MAX_FLASH_ROWS = 64        # 8 warps x 8 rows: the scalar kernel's accumulator budget
 # The split-count model's costs, in KV-tile times of one block (~4 us on an H200 for the mma
@@ -123,7 +123,7 @@ def exchange_tile(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
     None elsewhere. H200, S=9 H=64 with 256 keys (5 tiles, 45 blocks): 9.4 µs against the
     split's 10.6-10.8; S=33 (165 blocks, two waves): 18.2 against 15.0 (benchmarks/NOTES.md,
     session 17)."""
-    if -(-kv_capacity // 64) > MAX_CLUSTER or not runs_on("sm_90a", arch):
+    if not runs_on("sm_90a", arch):
         return None
     v = heuristic_variant(problem, seqlen_q, arch)
     if v.arch != "sm_90a":
