@@ -154,8 +154,9 @@ def test_seesaw_kernel_runs_each_tile_once_on_whole_tile_wgmmas():
 def test_p_exchange_moves_p_by_bulk_copies_after_one_cluster_barrier(size):
     """The P exchange: the scores' 36 m64n32 steps, 4 m64n64 value steps a tile of the cluster
     (P and V from shared memory), two unrolled sends a peer (the maxima, then the slot) as bulk
-    copies between the blocks' shared memory, and one cluster barrier, whose release (the only
-    GPU-scope fence) comes before the first copy is issued. No split counter, no merge."""
+    copies between the blocks' shared memory, and one cluster barrier, whose arrival and release
+    (the only GPU-scope fence) come before the wait for the previous grid, where nothing is in
+    flight. No split counter, no merge."""
     _needs_nvdisasm()
     b = build(Problem(heads=64, lse=True), parse_variant(f"mma_ht64_qt1_bn64_w8_st1_sp{size}_cl_px_sm90a"))
     text = sass.disassemble(b.module.cubin, b.plan.main_kernel, "sm_90a")
@@ -164,8 +165,11 @@ def test_p_exchange_moves_p_by_bulk_copies_after_one_cluster_barrier(size):
     ops = sass.opcodes(text)
     assert (ops["UBLKCP"], ops["UCGABAR_ARV"], ops["UCGABAR_WAIT"], ops["ATOMG"]) == (2 * size, 1, 1, 0)
     lines = text.splitlines()
+    def first(op: str) -> int:
+        return next(i for i, line in enumerate(lines) if op in line)
+
     fences = [i for i, line in enumerate(lines) if "MEMBAR.ALL.GPU" in line]
-    assert len(fences) == 1 and fences[0] < next(i for i, line in enumerate(lines) if "LDGSTS" in line)
+    assert len(fences) == 1 and fences[0] < first("UCGABAR_ARV") < first("ACQBULK") < first("LDGSTS")
 
 
 # Instructions that touch global memory (loads, copies, stores, atomics, generic accesses).
