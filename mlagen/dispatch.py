@@ -46,6 +46,13 @@ MAX_SPLITS = 128
 # more than it hides). The heuristic's own pick was 1.2 to 1.55x the best on those long rows.
 SEESAW_TILES_PER_SM = 12
 HOPPER_SMS = 132
+# Captured into a CUDA graph, an sm_90+ launch of at most this many KV tiles of work per SM goes
+# as a programmatic dependent (`dependent_in_graphs`). H200, graph replay, same machine, every
+# launch a dependent (MLAGEN_PDL=1) against plain (benchmarks/NOTES.md, session 19): 0.6-0.9 µs
+# less from 1 to 18 tiles per SM (S=9 at 1024 to 16384 keys, S=33 at 256 to 4096), no change
+# at 31-35 (H=16 B=64 S=4, H=8 B=16 S=9, H=64 B=8 S=9 at 4096 keys), 0.7-6.6% more from 62
+# on (65536 keys and up, H=64 B=64 S=2, H=64 B=128 S=1, H=128 B=32 S=4).
+PDL_TILES_PER_SM = 24
 
 
 def _row_groups(variant: Variant, heads: int, seqlen_q: int) -> int:
@@ -134,6 +141,17 @@ def exchange_tile(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
     return found[0]
 
 
+def dependent_in_graphs(variant: Variant, heads: int, seqlen_q: int, batch: int, kv_capacity: int,
+                        sm_count: int) -> bool:
+    """Whether a launch of `variant` for this shape goes as a programmatic dependent of the
+    kernel before it while its stream is captured into a CUDA graph: launches of at most
+    PDL_TILES_PER_SM KV tiles of work (row groups x requests x tiles) per SM, P exchanges
+    included. Its blocks are then scheduled while that kernel drains, which hides the launch
+    and tail of a short kernel; on long and batched launches it cost up to 7% on the H200."""
+    tiles = _row_groups(variant, heads, seqlen_q) * batch * -(-kv_capacity // variant.block_n)
+    return tiles <= PDL_TILES_PER_SM * sm_count
+
+
 def transposed_tile(problem: Problem, seqlen_q: int, arch: str) -> Variant | None:
     """The transposed tile that holds all H*S rows of a request in one row group (16 to 72 rows,
     other than 64), balanced split with 16-bit partial rows, for a device of target `arch` that
@@ -174,7 +192,14 @@ def _tuned_keys(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int) -
 
 def tuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
                   gpu: str, family: str | None = None) -> Variant | None:
-    """The tuned table's pick (within `family` if given) for this shape, or None."""
+    """The tuned table's pick (within `family` if given) for this shape, or None.
+
+    A P exchange entry (`Variant.p_exchange`) whose cluster holds fewer keys than the block
+    table addresses says the P exchange wins a length step shorter: it gives way to the
+    P exchange sized for these keys (`exchange_tile`) where one fits, rather than to a longer
+    neighbour's split. H200, S=9 H=64 with 512 keys, where the table has entries at 256 (the
+    P exchange on 5 blocks) and 1024 (a split): 10.3 µs on 8 blocks against the split's 12.55
+    (benchmarks/NOTES.md, v44b)."""
     entries = tables.entries_for(gpu, arch)
     if not entries:
         return None
@@ -187,9 +212,14 @@ def tuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
             continue
         try:
             v = parse_variant(name)
-            if runs_on(v.arch, arch) and covers(v, kv_capacity):
-                validate(problem, v)
-                return v
+            if not runs_on(v.arch, arch):
+                continue
+            if not covers(v, kv_capacity):
+                v = exchange_tile(problem, seqlen_q, batch, kv_capacity, arch)
+                if v is None or (family is not None and v.family != family):
+                    continue
+            validate(problem, v)
+            return v
         except (ValueError, SpecError):
             continue
     return None

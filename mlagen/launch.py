@@ -9,11 +9,11 @@ MLAGEN_PDL=1 (read when a shape is first prepared) launches sm_90+ kernels with 
 dependent launch instead (cuLaunchKernelEx through ctypes, which CuPy does not bind): a
 launch's blocks are scheduled while the kernel before it drains, and the kernels wait for that
 kernel's writes before reading anything (`pdl_prologue` in templates/common.cuh.j2). It is off
-by default: on the H200 it saved 0.6-1.5 µs on launches of a few KV tiles (256 keys: 12.3-12.9
--> 11.3-11.4 µs) but cost 1-7% on long and batched rows and ~5 µs of host time per call
-(benchmarks/NOTES.md, v18). P-exchange launches (`Variant.p_exchange`, at most 8 tiles) go
-that way by default while their stream is captured into a graph, where the host time does not
-count (`KernelLaunch.pdl_captured`); MLAGEN_PDL=0 launches every kernel plainly.
+by default for eager calls, which pay ~5 µs of host time per call for it (benchmarks/NOTES.md,
+v18). Short launches (`dispatch.dependent_in_graphs`: P exchanges, S=9 up to 16384 keys on the
+H200) go that way by default while their stream is captured into a graph, where the host time
+does not count (`KernelLaunch.pdl_captured`); long and batched ones, which it slowed by up to
+7%, launch plainly. MLAGEN_PDL=0 launches every kernel plainly.
 """
 
 from __future__ import annotations
@@ -93,9 +93,10 @@ class KernelLaunch:
     """The launch of one shape, as cuLaunchKernel's leading arguments (function, grid xyz,
     block xyz, dynamic shared memory), computed once so that a launch only adds the stream;
     `pdl`: launch it as a programmatic dependent of the stream's previous kernel; `pdl_captured`:
-    so only while the stream is captured into a graph (P-exchange launches: PDL took their
-    256-key row from 9.37 to 8.85 µs on the H200, and its ~5 µs of host time per launch does
-    not count in a graph; benchmarks/NOTES.md, session 17)."""
+    so only while the stream is captured into a graph (short launches: PDL took the 256-key row
+    on the P exchange from 9.37 to 8.85 µs on the H200 and 1024 keys on the split from 14.6 to
+    13.9, and its ~5 µs of host time per launch does not count in a graph; benchmarks/NOTES.md,
+    sessions 17 and 19)."""
 
     args: tuple[int, ...]
     name: str
@@ -103,12 +104,13 @@ class KernelLaunch:
     pdl_captured: bool = False    # as a programmatic dependent when the stream is being captured
 
 
-def kernel_launch(loaded: Loaded, grid: tuple[int, int, int]) -> KernelLaunch:
-    """The kernel on `grid` (merge blocks included when split)."""
+def kernel_launch(loaded: Loaded, grid: tuple[int, int, int], in_graphs: bool = False) -> KernelLaunch:
+    """The kernel on `grid` (merge blocks included when split); `in_graphs`: a launch short
+    enough to go as a programmatic dependent whenever its stream is captured."""
     plan = loaded.plan
     dependent = plan.arch.capability >= PDL_MIN_CAPABILITY
     return KernelLaunch(args=(loaded.main.ptr, *grid, plan.threads, 1, 1, plan.smem_bytes), name=plan.main_kernel,
-                        pdl=PDL and dependent, pdl_captured=dependent and plan.variant.p_exchange and not PDL_NEVER)
+                        pdl=PDL and dependent, pdl_captured=dependent and in_graphs and not PDL_NEVER)
 
 
 @functools.cache

@@ -23,7 +23,7 @@ import torch
 
 from . import inputs, tensormap, workspace
 from .arch import arch_for_capability, runs_on
-from .dispatch import choose_variant, covers, num_splits
+from .dispatch import choose_variant, covers, dependent_in_graphs, num_splits
 from .launch import KernelLaunch, Loaded, kernel_launch, launch, load
 from .params import tail
 from .spec import Problem, Variant
@@ -95,7 +95,8 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
     split = plan.split_launch(splits)
     layout = workspace.Layout.of(plan.partial_rows(batch, seqlen_q, splits), dl * plan.part_elem_bytes,
                                  plan.row_groups(batch, seqlen_q)) if split else None
-    return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, plan.grid(batch, seqlen_q, splits)),
+    in_graphs = dependent_in_graphs(variant, heads, seqlen_q, batch, kv_capacity, sm_count)
+    return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, plan.grid(batch, seqlen_q, splits), in_graphs),
                      splits=splits, layout=layout, merge_blocks=plan.merge_blocks(batch, seqlen_q) if split else 0,
                      tma_rows=variant.block_n if variant.tma else 0)
 

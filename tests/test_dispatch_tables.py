@@ -116,6 +116,28 @@ def test_untuned_short_one_wave_launches_run_the_p_exchange_on_sm90a():
         assert not dispatch.untuned_variant(p, 9, 1, 320, arch).p_exchange
 
 
+def test_short_launches_go_as_programmatic_dependents_in_graphs():
+    """Up to 24 KV tiles of work per SM (row groups x requests x tiles): the bench's short rows
+    (S=9 at 256 to 16384 keys, S=33 at 256 to 4096), not its long or batched ones."""
+    split = parse_variant("mma_ht32_qt2_bn64_w8_st2_spa_p16_sm90a")       # 10 row groups at S=9
+    seesaw = parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a")  # 9 at S=9, 33 at S=33
+
+    def dependent(v: Variant, h: int, s: int, b: int, keys: int) -> bool:
+        return dispatch.dependent_in_graphs(v, h, s, b, keys, 132)
+
+    assert dependent(parse_variant(EXCHANGE), 64, 9, 1, 320)
+    assert dependent(split, 64, 9, 1, 1024) and dependent(split, 64, 9, 1, 4096)
+    assert dependent(seesaw, 64, 9, 1, 16384)                  # 2304 tiles: 17.5 a SM
+    assert dependent(seesaw, 64, 33, 1, 4096)                  # 2112: 16
+    assert dependent(seesaw, 64, 9, 1, 64 * 352)               # 3168: 24
+    assert not dependent(seesaw, 64, 9, 1, 64 * 353)
+    assert not dependent(seesaw, 64, 9, 1, 65536)              # 9216: 70
+    assert not dependent(seesaw, 64, 1, 128, 4096)             # 8192: 62
+    assert not dependent(parse_variant("mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_sm90a"), 16, 4, 64, 4096)  # 31
+    assert not dependent(seesaw, 64, 9, 8, 4096)               # 4608: 35
+    assert dispatch.dependent_in_graphs(seesaw, 64, 9, 1, 16384, 264)   # a larger device takes more
+
+
 def test_untuned_long_launches_run_the_seesaw_on_sm90a():
     """Without a table, an sm_90a mma tile goes on the seesaw schedule (TMA loads, balanced split) from
     SEESAW_TILES_PER_SM KV tiles of work per SM on; shorter launches, other archs and page sizes
@@ -523,6 +545,24 @@ def test_a_p_exchange_entry_is_passed_over_where_the_table_holds_more_keys():
     for capacity in (352, 640):
         assert dispatch.choose_variant(p, 9, 1, capacity, "sm_90", GPU) == dispatch.untuned_variant(
             p, 9, 1, capacity, "sm_90")
+
+
+def test_a_p_exchange_entry_a_length_shorter_hands_over_to_the_p_exchange_for_these_keys():
+    """512 keys, between a 256-key bucket that runs the P exchange on 5 blocks and a 1024-key
+    bucket that runs a split: the P exchange sized for 8 tiles answers, where it fits one wave
+    (H200: 10.3 µs against the split's 12.55); past one wave the split does."""
+    p = Problem(heads=64)
+    split = "mma_ht32_qt2_bn64_w8_st2_spa_p16_sm90a"
+    _save({tables.bucket_key(p, 9, 1, 256): {"variant": EXCHANGE, "us": 7.7},
+           tables.bucket_key(p, 9, 1, 1024): {"variant": split, "us": 14.7},
+           tables.bucket_key(p, 9, 2, 256): {"variant": EXCHANGE, "us": 8.7},
+           tables.bucket_key(p, 9, 2, 1024): {"variant": split, "us": 15.0}})
+    eight = dispatch.choose_variant(p, 9, 1, 512, "sm_90", GPU)
+    assert eight.name == EXCHANGE.replace("_sp5_", "_sp8_")
+    assert dispatch.choose_variant(p, 9, 1, 1024, "sm_90", GPU).name == split
+    # B=2: 2 requests x 9 row groups x 8 blocks = 144 blocks, past one wave of 132 SMs
+    batched = dispatch.balanced_for_batch(p, parse_variant(split), 2)
+    assert dispatch.choose_variant(p, 9, 2, 512, "sm_90", GPU) == batched
 
 
 def test_a_call_picks_a_variant_that_runs_every_key_the_block_table_holds():

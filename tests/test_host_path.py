@@ -297,10 +297,9 @@ def test_empty_batch_launches_nothing(fake_gpu):
     assert out.shape == (0, S, H, DL) and not fake_gpu.driver.launches
 
 
-def _loaded(capability: int, p_exchange: bool = False) -> types.SimpleNamespace:
+def _loaded(capability: int) -> types.SimpleNamespace:
     plan = types.SimpleNamespace(threads=256, smem_bytes=100_000, main_kernel="main_k",
-                                 arch=types.SimpleNamespace(capability=capability),
-                                 variant=types.SimpleNamespace(p_exchange=p_exchange))
+                                 arch=types.SimpleNamespace(capability=capability))
     return types.SimpleNamespace(plan=plan, main=types.SimpleNamespace(ptr=0x7F00))
 
 
@@ -312,15 +311,17 @@ def test_kernel_launch_holds_the_launch_arguments(monkeypatch):
     assert launch.kernel_launch(_loaded(90), (8, 2, B + 4)).pdl
     assert not launch.kernel_launch(_loaded(80), (8, 2, B + 4)).pdl   # no griddepcontrol before sm_90
     monkeypatch.setattr(launch, "PDL", False)
-    assert launch.kernel_launch(_loaded(90, p_exchange=True), (8, 2, B + 4)).pdl_captured
+    assert launch.kernel_launch(_loaded(90), (8, 2, B + 4), in_graphs=True).pdl_captured
     assert not launch.kernel_launch(_loaded(90), (8, 2, B + 4)).pdl_captured
+    assert not launch.kernel_launch(_loaded(80), (8, 2, B + 4), in_graphs=True).pdl_captured
     monkeypatch.setattr(launch, "PDL_NEVER", True)                 # MLAGEN_PDL=0
-    assert not launch.kernel_launch(_loaded(90, p_exchange=True), (8, 2, B + 4)).pdl_captured
+    assert not launch.kernel_launch(_loaded(90), (8, 2, B + 4), in_graphs=True).pdl_captured
 
 
-def test_p_exchange_launches_are_dependent_only_under_capture(monkeypatch):
-    """A P-exchange launch goes through cuLaunchKernelEx with the PDL attribute while its stream
-    is captured (no host cost counts in a graph) and through plain cuLaunchKernel otherwise."""
+def test_short_launches_are_dependent_only_under_capture(monkeypatch):
+    """A short launch (`pdl_captured`) goes through cuLaunchKernelEx with the PDL attribute while
+    its stream is captured (no host cost counts in a graph) and through plain cuLaunchKernel
+    otherwise."""
     ex, plain = DriverEx(), Driver()
     monkeypatch.setattr(launch, "_launch_kernel_ex", lambda: ex)
     monkeypatch.setattr(launch, "_launch_kernel", lambda: plain)
