@@ -491,26 +491,29 @@ extern "C" __global__ void late_write(int* table, const int* table_src, int tabl
 """
 
 
-@pytest.mark.parametrize("page_size", [64, 16])
-def test_p_exchange_reads_its_inputs_again_after_the_previous_grid(page_size, monkeypatch, request):
-    """A P exchange launched as a programmatic dependent reads its length and page ids before
-    griddepcontrol.wait, to prefetch its tile into L2. Here the kernel before it lets it start
-    at once, spins ~50 µs, and only then writes the block table (each request's pages rolled by
-    one, so the stale first page is a NaN page) and the lengths (request 0 longer, request 1
-    shorter than the stale values). The output must be the new inputs' attention: nothing read
-    before the wait may decide what is computed."""
+@pytest.mark.parametrize("name, page_size", [
+    ("mma_ht16_qt4_bn64_w8_st1_sp8_cl_px_sm90a", 64), ("mma_ht16_qt4_bn64_w8_st1_sp8_cl_px_sm90a", 16),
+    ("mma_ht16_qt4_bn64_w8_st2_sp3_sm90a", 16), ("mma_ht16_qt4_bn64_w8_st2_sp2_cl_p16_sm90a", 64),
+    ("mma_ht16_qt4_bn64_w8_st2_spa_p16_tma_ss_sm90a", 64), ("mma_ht16_qt4_bn32_w8_st2_spa_sm90", 16)])
+def test_prefetching_kernels_read_their_inputs_again_after_the_previous_grid(name, page_size, monkeypatch,
+                                                                              request):
+    """The P exchange and the fixed or adaptive splits, launched as programmatic dependents,
+    read their length and page ids before griddepcontrol.wait, to prefetch into L2. Here the
+    kernel before them lets them start at once, spins ~50 µs, and only then writes the block
+    table (each request's pages rolled by one, so the stale first page is a NaN page) and the
+    lengths (request 0 longer, request 1 shorter than the stale values). The output must be the
+    new inputs' attention: nothing read before the wait may decide what is computed."""
     import cupy
 
     from mlagen import launch, runtime
 
     if _arch() != "sm_90":
-        pytest.skip("the P exchange runs on sm_90a")
+        pytest.skip("prefetching before the wait needs sm_90 (the P exchange, sm_90a)")
     monkeypatch.setattr(launch, "PDL", True)
     monkeypatch.setattr(runtime, "_calls", {})
     runtime._prepare.cache_clear()
     request.addfinalizer(runtime._prepare.cache_clear)
-    variant = Variant(family="mma", head_tile=16, q_tile=4, block_n=64, warps=8, stages=1, kv_split=8,
-                      cluster=True, p_exchange=True, arch="sm_90a")
+    variant = parse_variant(name)
     case = make_case(batch=2, seqlen_q=5, heads=16, prefixes=[400, 30], page_size=page_size, mask="causal", seed=31)
     table, lengths = case.block_table.clone(), case.cache_seqlens.clone()
     stale_table = torch.roll(case.block_table, 1, dims=1).contiguous()

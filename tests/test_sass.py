@@ -176,10 +176,12 @@ def test_p_exchange_moves_p_by_bulk_copies_after_one_cluster_barrier(size):
 GLOBAL_ACCESS = re.compile(r"\b(LDG|LDGSTS|STG|ATOMG|RED|LD|ST)\b")
 
 
-@pytest.mark.parametrize("name", [WGMMA, "mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", "mma_ht8_qt3_bn32_w4_st2_spa_sm90",
+@pytest.mark.parametrize("name", ["mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a",
+                                  "mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a",
                                   "flash_ht8_qt8_bn32_w8_st2_spa_sm90", "naive_w4_sm90", "naive_w4_sm120"])
 def test_kernels_wait_for_the_previous_grid_before_any_global_access(name):
-    """Programmatic dependent launch: sm_90+ kernels let the next grid be scheduled (PREEXIT,
+    """Programmatic dependent launch: sm_90+ kernels that do not prefetch (balanced splits, the
+    transposed tile, the scalar families) let the next grid be scheduled (PREEXIT,
     griddepcontrol.launch_dependents) and wait for the previous grid (ACQBULK,
     griddepcontrol.wait) before their first global access; a later wait would let a launch
     read inputs the kernel before it is still writing."""
@@ -191,14 +193,18 @@ def test_kernels_wait_for_the_previous_grid_before_any_global_access(name):
     assert first(re.compile(r"\bPREEXIT\b")) < first(re.compile(r"\bACQBULK\b")) < first(GLOBAL_ACCESS)
 
 
-def test_p_exchange_only_prefetches_before_the_previous_grid_is_done():
-    """The P exchange prefetches its Q rows and KV tile into L2 between PREEXIT and ACQBULK. The
-    length and page ids it reads for that may be stale, so they must bypass L1 (LDG.STRONG.GPU,
-    no line left to hit after the wait), and nothing before the wait may copy into shared memory
-    or write global memory."""
+@pytest.mark.parametrize("name", ["mma_ht64_qt1_bn64_w8_st1_sp5_cl_px_sm90a", WGMMA,
+                                  "mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", "mma_ht8_qt3_bn32_w4_st2_spa_sm90",
+                                  "mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a"])
+def test_kernels_only_prefetch_before_the_previous_grid_is_done(name):
+    """The P exchange and the mma kernels of a fixed or adaptive split prefetch their Q rows and
+    first KV tile into L2 between PREEXIT and ACQBULK. The length and page ids they read for
+    that may be stale, so they must bypass L1 (LDG.STRONG.GPU, no line left to hit after the
+    wait), and nothing before the wait may copy into shared memory or write global memory."""
     _needs_nvdisasm()
-    lines = _main_sass("mma_ht64_qt1_bn64_w8_st1_sp5_cl_px_sm90a").splitlines()
+    lines = _main_sass(name).splitlines()
     wait = next(i for i, line in enumerate(lines) if re.search(r"\bACQBULK\b", line))
+    assert next(i for i, line in enumerate(lines) if re.search(r"\bPREEXIT\b", line)) < wait
     before = [line for line in lines[:wait] if GLOBAL_ACCESS.search(line) or "CCTL" in line]
     assert any("CCTL.E.PF2" in line for line in before)
     assert all("CCTL.E.PF2" in line or "LDG.E.STRONG.GPU" in line for line in before), before
