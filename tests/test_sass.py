@@ -177,11 +177,12 @@ GLOBAL_ACCESS = re.compile(r"\b(LDG|LDGSTS|STG|ATOMG|RED|LD|ST)\b")
 
 
 @pytest.mark.parametrize("name", ["mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a",
+                                  "mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a",
                                   "mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a",
                                   "flash_ht8_qt8_bn32_w8_st2_spa_sm90", "naive_w4_sm90", "naive_w4_sm120"])
 def test_kernels_wait_for_the_previous_grid_before_any_global_access(name):
     """Programmatic dependent launch: sm_90+ kernels that do not prefetch (balanced splits, the
-    transposed tile, the scalar families) let the next grid be scheduled (PREEXIT,
+    seesaw, the transposed tile, the scalar families) let the next grid be scheduled (PREEXIT,
     griddepcontrol.launch_dependents) and wait for the previous grid (ACQBULK,
     griddepcontrol.wait) before their first global access; a later wait would let a launch
     read inputs the kernel before it is still writing."""
@@ -195,9 +196,9 @@ def test_kernels_wait_for_the_previous_grid_before_any_global_access(name):
 
 @pytest.mark.parametrize("name", ["mma_ht64_qt1_bn64_w8_st1_sp5_cl_px_sm90a", WGMMA,
                                   "mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", "mma_ht8_qt3_bn32_w4_st2_spa_sm90",
-                                  "mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a"])
+                                  "mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_sm90a"])
 def test_kernels_only_prefetch_before_the_previous_grid_is_done(name):
-    """The P exchange and the mma kernels of a fixed or adaptive split prefetch their Q rows and
+    """The P exchange and the lockstep mma kernels of a fixed or adaptive split prefetch their Q rows and
     first KV tile into L2 between PREEXIT and ACQBULK. The length and page ids they read for
     that may be stale, so they must bypass L1 (LDG.STRONG.GPU, no line left to hit after the
     wait), and nothing before the wait may copy into shared memory or write global memory."""
