@@ -85,6 +85,21 @@ __device__ __forceinline__ void pdl_prologue() {
                "griddepcontrol.wait;\n" ::: "memory");
 }
 
+// pdl_prologue in two steps, for kernels that prefetch between them while the previous grid
+// drains (only when launched as a dependent: VerifyParams.dependent).
+__device__ __forceinline__ void pdl_trigger() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void pdl_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+// Pulls the 128-byte line holding `src` into L2; no thread waits for it. (A per-thread hint:
+// the bulk prefetch takes a uniform address, so ptxas loops over a warp's lanes for it.)
+__device__ __forceinline__ void prefetch_l2(const void* src) {
+  asm volatile("prefetch.global.L2 [%0];\n" :: "l"(src));
+}
+
 // Keys block_table can address: every key below has an entry in a request's row.
 __device__ __forceinline__ long long key_capacity(const VerifyParams& p) {
   return (long long)p.max_pages * PAGE;
@@ -576,6 +591,35 @@ struct RowLoad {
     for (int blk = 0; blk < CH / 8; ++blk) copy(tile, blk);
   }
 };
+
+// Launched as a programmatic dependent (p.dependent), while the previous grid drains: this
+// block's Q rows and first KV tile into L2, four threads a row. The length and page ids read
+// here may be stale, as the previous grid may still write them: they only choose what to
+// prefetch (bounded by the cache, read past L1 so that no stale line stays there), and the
+// segment reads them again after the wait. (A balanced split's ranges need every request's
+// length: its blocks do not guess. The seesaw, whose first tiles thread 0 issues as TMA boxes
+// right after the wait, lost 0.6-1.0 µs with it on the H200: NOTES v45.)
+__device__ __forceinline__ void prefetch_inputs(const VerifyParams& p) {
+  const int b = blockIdx.z, x = blockIdx.x, S = p.seqlen_q;
+  if (b >= merge_z0(p)) return;                     // a merge block reads partials only
+  const int h0 = (x % HEAD_TILES) * HT, q0 = (x / HEAD_TILES) * QT;
+  const int seen = __ldcg(p.seqlens + b);
+  const int n = seen < 0 ? 0 : (seen > key_capacity(p) ? (int)key_capacity(p) : seen);
+  int kb_begin, kb_end;
+  split_blocks(key_limit(n, S, q0 + QT < S ? q0 + QT : S), BN, blockIdx.y, p.num_splits, &kb_begin, &kb_end);
+  constexpr int LINES = D * (int)sizeof(elem_t) / 128;
+  for (int r = threadIdx.x / 4; r < (ROWS > BN ? ROWS : BN); r += THREADS / 4) {
+    const int i = q0 + r / HT, j = kb_begin * BN + r;
+    const elem_t* q = r < ROWS && i < S
+        ? p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)(h0 + r % HT) * p.q_stride_h : nullptr;
+    const elem_t* k = r < BN && kb_begin < kb_end && j < n
+        ? kv_row_in(p, __ldcg(p.block_table + (long long)b * p.bt_stride_b + j / PAGE), j) : nullptr;
+    for (int c = threadIdx.x % 4; c < LINES; c += 4) {
+      if (q) prefetch_l2(reinterpret_cast<const char*>(q) + c * 128);
+      if (k) prefetch_l2(reinterpret_cast<const char*>(k) + c * 128);
+    }
+  }
+}
 }  // namespace mlagen_mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse
 
 // grid: (ceil(S/QT) * H/HT, num_splits, B + merge slabs when num_splits > 1); block: 128 threads;
@@ -583,7 +627,9 @@ struct RowLoad {
 extern "C" __global__ void __launch_bounds__(128, 1)
 mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
   using namespace mlagen_mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse;
-  pdl_prologue();
+  pdl_trigger();
+  if (p.dependent) prefetch_inputs(p);
+  pdl_wait();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
   elem_t* sKV = sQ + M_PAD * D;                                           // (STAGES, BN, D) swizzled

@@ -79,6 +79,21 @@ __device__ __forceinline__ void pdl_prologue() {
                "griddepcontrol.wait;\n" ::: "memory");
 }
 
+// pdl_prologue in two steps, for kernels that prefetch between them while the previous grid
+// drains (only when launched as a dependent: VerifyParams.dependent).
+__device__ __forceinline__ void pdl_trigger() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void pdl_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+// Pulls the 128-byte line holding `src` into L2; no thread waits for it. (A per-thread hint:
+// the bulk prefetch takes a uniform address, so ptxas loops over a warp's lanes for it.)
+__device__ __forceinline__ void prefetch_l2(const void* src) {
+  asm volatile("prefetch.global.L2 [%0];\n" :: "l"(src));
+}
+
 // Keys block_table can address: every key below has an entry in a request's row.
 __device__ __forceinline__ long long key_capacity(const VerifyParams& p) {
   return (long long)p.max_pages * PAGE;
