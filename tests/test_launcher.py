@@ -12,7 +12,7 @@ import pytest
 
 from mlagen.arch import nvcc_arch_flags
 from mlagen.codegen import render
-from mlagen.dispatch import num_splits
+from mlagen.dispatch import dependent_in_graphs, num_splits
 from mlagen.launcher import _c_expr, emit_launcher, header_name, namespace, render_launcher
 from mlagen.params import FIELDS
 from mlagen.spec import Problem, Variant, naive
@@ -109,8 +109,9 @@ def test_host_helpers_match_python(tmp_path):
             lines.append(
                 f"  {{ const int n = {ns}::default_num_splits({B}, {S}, {pages}, {sms}, {occ});"
                 f" const dim3 g = {ns}::grid({B}, {S}, n);"
-                f' std::printf("%d %u %u %u %zu %zu\\n", n, g.x, g.y, g.z,'
-                f" {ns}::workspace_bytes({B}, {S}, n), {ns}::counters_bytes({B}, {S}, n)); }}")
+                f' std::printf("%d %u %u %u %zu %zu %d\\n", n, g.x, g.y, g.z,'
+                f" {ns}::workspace_bytes({B}, {S}, n), {ns}::counters_bytes({B}, {S}, n),"
+                f" (int){ns}::default_programmatic({B}, {S}, {pages}, {sms})); }}")
     lines.append("  return 0;\n}")
     (tmp_path / "helpers.cpp").write_text("\n".join(lines) + "\n")
     _compile(["-std=c++17", "-o", "helpers", "helpers.cpp"], tmp_path)
@@ -121,7 +122,9 @@ def test_host_helpers_match_python(tmp_path):
             n = num_splits(p.variant, p.problem.heads, B, S, pages * p.problem.page_size, sms, occ)
             ws = p.partial_rows(B, S, n) * (p.problem.dl * (2 if p.variant.part16 else 4) + 2 * 4)
             counters = 4 * p.row_groups(B, S) if p.split_launch(n) else 0
-            want = [n, *p.grid(B, S, n), ws, counters]
+            programmatic = p.arch.capability >= 90 and dependent_in_graphs(
+                p.variant, p.problem.heads, S, B, pages * p.problem.page_size, sms)
+            want = [n, *p.grid(B, S, n), ws, counters, int(programmatic)]
             assert [int(x) for x in got[k].split()] == want, (p.variant.name, B, S, pages, sms, occ)
             k += 1
 
