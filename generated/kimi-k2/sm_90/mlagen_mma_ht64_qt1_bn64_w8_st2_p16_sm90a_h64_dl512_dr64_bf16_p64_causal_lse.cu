@@ -107,6 +107,18 @@ __device__ __forceinline__ void prefetch_l2(const void* src) {
   asm volatile("prefetch.global.L2 [%0];\n" :: "l"(src));
 }
 
+// A quarter of a Q row and of a KV row (D elements each; nullptr: none) into L2: thread
+// `quarter` (0-3) of the row's four takes every fourth 128-byte line.
+__device__ __forceinline__ void prefetch_row_quarters(const elem_t* q_row, const elem_t* k_row, int quarter) {
+  const char* q = reinterpret_cast<const char*>(q_row);
+  const char* k = reinterpret_cast<const char*>(k_row);
+#pragma unroll
+  for (int c = quarter; c < CH / 8; c += 4) {
+    if (q) prefetch_l2(q + c * 128);
+    if (k) prefetch_l2(k + c * 128);
+  }
+}
+
 // Keys block_table can address: every key below has an entry in a request's row.
 __device__ __forceinline__ long long key_capacity(const VerifyParams& p) {
   return (long long)p.max_pages * PAGE;
@@ -684,17 +696,13 @@ __device__ __forceinline__ void prefetch_inputs(const VerifyParams& p) {
   const int n = seen < 0 ? 0 : (seen > key_capacity(p) ? (int)key_capacity(p) : seen);
   int kb_begin, kb_end;
   split_blocks(key_limit(n, S, q0 + QT < S ? q0 + QT : S), BN, blockIdx.y, p.num_splits, &kb_begin, &kb_end);
-  constexpr int LINES = D * (int)sizeof(elem_t) / 128;
   for (int r = threadIdx.x / 4; r < (ROWS > BN ? ROWS : BN); r += THREADS / 4) {
     const int i = q0 + r / HT, j = kb_begin * BN + r;
     const elem_t* q = r < ROWS && i < S
         ? p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)(h0 + r % HT) * p.q_stride_h : nullptr;
     const elem_t* k = r < BN && kb_begin < kb_end && j < n
         ? kv_row_in(p, __ldcg(p.block_table + (long long)b * p.bt_stride_b + j / PAGE), j) : nullptr;
-    for (int c = threadIdx.x % 4; c < LINES; c += 4) {
-      if (q) prefetch_l2(reinterpret_cast<const char*>(q) + c * 128);
-      if (k) prefetch_l2(reinterpret_cast<const char*>(k) + c * 128);
-    }
+    prefetch_row_quarters(q, k, threadIdx.x % 4);
   }
 }
 }  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse

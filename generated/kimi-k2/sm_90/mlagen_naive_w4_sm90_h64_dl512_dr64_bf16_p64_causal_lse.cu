@@ -94,6 +94,18 @@ __device__ __forceinline__ void prefetch_l2(const void* src) {
   asm volatile("prefetch.global.L2 [%0];\n" :: "l"(src));
 }
 
+// A quarter of a Q row and of a KV row (D elements each; nullptr: none) into L2: thread
+// `quarter` (0-3) of the row's four takes every fourth 128-byte line.
+__device__ __forceinline__ void prefetch_row_quarters(const elem_t* q_row, const elem_t* k_row, int quarter) {
+  const char* q = reinterpret_cast<const char*>(q_row);
+  const char* k = reinterpret_cast<const char*>(k_row);
+#pragma unroll
+  for (int c = quarter; c < CH / 8; c += 4) {
+    if (q) prefetch_l2(q + c * 128);
+    if (k) prefetch_l2(k + c * 128);
+  }
+}
+
 // Keys block_table can address: every key below has an entry in a request's row.
 __device__ __forceinline__ long long key_capacity(const VerifyParams& p) {
   return (long long)p.max_pages * PAGE;
