@@ -11,6 +11,7 @@ tile with synccheck and a bitwise-repeatability test instead (tests/test_gpu_ver
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -18,7 +19,7 @@ import torch
 import mlagen
 from mlagen.runtime import device_info
 from mlagen.spec import Variant, naive
-from mlagen.testing import assert_matches, make_case
+from mlagen.testing import assert_matches, make_case, pinned_balanced_ranges
 
 CASES = [
     dict(batch=3, seqlen_q=5, heads=16, prefixes=[300, 0, 1000], page_size=16, mask="tree", empty=[False, True, False]),
@@ -74,18 +75,22 @@ def main() -> None:
         variants = [v for v in variants if (part in (v.name if v else "dispatched")) == keep]
         exchange = [v for v in exchange if (part in v.name) == keep]
     balanced = [v for v in variants if v is not None and v.kv_split == "balanced"]
-    runs = ([(c, variants) for c in CASES] + [(CROSSING, balanced), (SHORT, exchange)]
-            + [(SHORT | {"mask": "causal"}, exchange)])
-    for i, (shape, case_variants) in enumerate(runs):
+    # (case, variants, balanced ranges pinned or None): CROSSING runs the balanced work list's
+    # aligned layout with one range per resident slot on a 132-SM H200, and its packed layout
+    # (ranges crossing requests) with 6 ranges.
+    runs = ([(c, variants, None) for c in CASES] + [(CROSSING, balanced, None), (CROSSING, balanced, 6)]
+            + [(SHORT, exchange, None), (SHORT | {"mask": "causal"}, exchange, None)])
+    for i, (shape, case_variants, ranges) in enumerate(runs):
         case = make_case(seed=i, **shape)
-        for v in case_variants:
-            if v is not None and (shape["heads"] % v.head_tile or (v.tma and shape["page_size"] % v.block_n)):
-                continue
-            out, lse = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
-                                               variant=v, return_lse=True, **case.kwargs())
-            torch.cuda.synchronize()
-            assert_matches(out, lse, case)
-            print(f"case {i} {v.name if v else 'dispatched'}: ok", flush=True)
+        with pinned_balanced_ranges(ranges) if ranges else contextlib.nullcontext():
+            for v in case_variants:
+                if v is not None and (shape["heads"] % v.head_tile or (v.tma and shape["page_size"] % v.block_n)):
+                    continue
+                out, lse = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                                   variant=v, return_lse=True, **case.kwargs())
+                torch.cuda.synchronize()
+                assert_matches(out, lse, case)
+                print(f"case {i} {v.name if v else 'dispatched'}: ok", flush=True)
 
 
 if __name__ == "__main__":

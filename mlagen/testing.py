@@ -9,6 +9,8 @@ what a kernel must write.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -161,3 +163,24 @@ def assert_matches(out: torch.Tensor, lse: torch.Tensor | None, case: Case, tol:
     """`mismatch` as an assertion."""
     problem = mismatch(out, lse, case, tol)
     assert problem is None, problem
+
+
+@contextmanager
+def pinned_balanced_ranges(ranges: int) -> Iterator[None]:
+    """Within it, balanced-split launches get `ranges` ranges (their num_splits) instead of one per
+    resident slot, so a check picks the work list's layout (templates/merge.cuh.j2: aligned or
+    packed) on any GPU. The runtime's memoized launch plans are dropped on entry and exit."""
+    from . import runtime
+
+    planned = runtime.num_splits
+
+    def splits(variant, *args):
+        return ranges if variant.kv_split == "balanced" else planned(variant, *args)
+
+    runtime._prepare.cache_clear()
+    runtime.num_splits = splits
+    try:
+        yield
+    finally:
+        runtime.num_splits = planned
+        runtime._prepare.cache_clear()

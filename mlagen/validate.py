@@ -36,6 +36,13 @@ class SpecError(ValueError):
 # a request then streams fewer tiles. Session 12's traces of the seesaw put a segment boundary
 # at 4.8 µs (H=64 B=32 S=9, 2.6 tiles) to 7.1 µs (H=16 B=64 S=4, memory-bound: 2.9 tiles).
 SEGMENT_TILES = 3
+# The balanced split lays its ranges out request-aligned (each range within one request, so each
+# block starts one segment) when a range then holds no more tiles than a packed range holds
+# positions, or this many more when every request then takes one range, which leaves no partial
+# rows and no merge (templates/merge.cuh.j2, "work list"). On the H200 (benchmarks/NOTES.md, v46),
+# one more tile than packed: H=64 B=64 S=2 at 8192 keys 3% faster aligned (one range a request),
+# H=8 B=16 S=9 at 16384 keys 2% slower (eight ranges a request either way).
+UNSPLIT_SLACK_TILES = 1
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,12 @@ class KernelPlan:
     def segment_tiles(self) -> int:
         """A balanced split's cost of a segment, in KV tiles (SEGMENT_TILES)."""
         return SEGMENT_TILES
+
+    @property
+    def unsplit_slack_tiles(self) -> int:
+        """How many more tiles a balanced split's aligned range may hold than a packed one when no
+        request is then split (UNSPLIT_SLACK_TILES)."""
+        return UNSPLIT_SLACK_TILES
 
     @property
     def part_elem_bytes(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from balanced_worklist import aligned_ranges, packed_list, work_list
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,7 +14,7 @@ from mlagen.presets import PRESETS
 from mlagen.space import split_variants, structures, tile_shapes, twin_variants
 from mlagen.spec import FAMILIES, Problem, Variant, naive, parse_variant
 from mlagen.tune import candidates
-from mlagen.validate import validate
+from mlagen.validate import SEGMENT_TILES, UNSPLIT_SLACK_TILES, validate
 from mlagen.workload import problem_for
 
 GPU = "Test GPU 9000"   # no shipped table has this name
@@ -417,12 +418,14 @@ def test_tune_ranks_the_fastest_by_the_median_of_their_timings(monkeypatch):
        sm_count=st.integers(1, 200), shape=st.sampled_from([(64, 1), (32, 2), (16, 4), (8, 8)]))
 def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, capacity_tiles, sm_count, shape):
     """The balanced split, worked through as the kernel does it from ragged lengths (templates/
-    merge.cuh.j2's work list and merge block, mma.cu.j2's range loop): every request's KV tile
-    goes to exactly one range (run by that range's block of every row group), the ranges that
-    meet a request fill the consecutive workspace slots its merge reads, no slot of the launch
-    repeats or passes the workspace, a request without keys is left to its merge (0 splits),
-    a range's tiles and the segment costs of the requests it starts fit its length, the split
-    blocks fit the resident slots, and the grid has a merge block per group part."""
+    merge.cuh.j2's work list and merge block, mma_ops.cuh.j2's range loop; tests/balanced_worklist.py
+    is its twin): every request's KV tile goes to exactly one range (run by that range's block of
+    every row group), the ranges that meet a request fill the consecutive workspace slots its merge
+    reads, no slot of the launch repeats or passes the workspace, a request without keys is left
+    to its merge (0 splits), a range's tiles and the segment costs of the requests it starts fit
+    its length, an aligned range meets one request and holds no more tiles than a packed range
+    holds positions (the fewest that fit), or a request's whole, a slack more, when none is
+    split, the split blocks fit the resident slots, and the grid has a merge block per group part."""
     heads, block_n = 64, 64
     v = Variant(family="mma", head_tile=shape[0], q_tile=shape[1], block_n=block_n, warps=8,
                 kv_split="balanced", arch="sm_90")
@@ -433,52 +436,69 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
     assert parts * groups <= max(sm_count, groups)       # one wave, unless one group per SM is already more
     lengths = data.draw(st.lists(st.integers(0, capacity_tiles * block_n), min_size=batch, max_size=batch))
     tiles = [-(-n // block_n) for n in lengths]
-    cost = plan.segment_tiles
-    spans = [cost + t if t else 0 for t in tiles]        # a request's positions: its segment's cost, its tiles
-    starts = [sum(spans[:b]) for b in range(batch)]      # P_b
-    total = sum(spans)
-    per = -(-total // parts)
-
-    def request_splits(b: int) -> tuple[int, int]:       # the kernel's: (first range, ranges)
-        at = starts[b] + cost
-        first = at // per if tiles[b] else 0
-        return first, (at + tiles[b] - 1) // per - first + 1 if tiles[b] else 0
+    wl = work_list(tiles, parts, plan.segment_tiles, plan.unsplit_slack_tiles)
+    packed = packed_list(tiles, parts, plan.segment_tiles)
+    assert wl.aligned or wl == packed
+    if wl.aligned:                                       # the fewest tiles a range that fit, or one range a request
+        assert wl.aligned <= packed.per or wl.aligned == max(tiles) <= packed.per + plan.unsplit_slack_tiles
+        assert aligned_ranges(tiles, wl.aligned) <= parts and (
+            wl.aligned == 1 or aligned_ranges(tiles, wl.aligned - 1) > parts)
 
     owner: dict[tuple[int, int], int] = {}
     slots_of: dict[int, set[int]] = {b: set() for b in range(batch)}
     for y in range(parts):
-        u0, u1 = y * per, min(y * per + per, total)
+        u0, u1 = y * wl.per, min(y * wl.per + wl.per, wl.total)
         if u0 >= u1:
             continue
-        b = next(b for b in range(batch) if spans[b] and starts[b] <= u0 < starts[b] + spans[b])   # request_at
-        start, run, segments = starts[b], 0, 0
+        b = wl.request_at(u0)
+        assert b < batch
+        start, run, segments = wl.start(b), 0, 0
         while start < u1:
-            at = start + cost
-            first, splits = request_splits(b)
-            if tiles[b] and at < u1:
+            first, splits = wl.splits(b)
+            share = wl.range_tiles(b, u0, u1)
+            if share:
                 assert first <= y < first + splits
                 slots_of[b].add(y + b)
-                for t in range(max(u0, at) - at, min(u1, at + tiles[b]) - at):
+                for t in share:
                     assert (b, t) not in owner
                     owner[(b, t)] = y
                     run += 1
                 segments += 1
             else:
                 assert not first <= y < first + splits   # its merge counts no split of this range
-            start += spans[b]
+            start += wl.span(b)
             b += 1
-        assert run + cost * (segments - 1) <= per         # every segment after the first starts inside it
+        assert run + wl.cost * (segments - 1) <= wl.per  # every segment after the first starts inside it
+        assert not wl.aligned or (segments == 1 and run <= wl.aligned)
     assert len(owner) == sum(tiles)
     used = [slot for b in range(batch) for slot in slots_of[b]]
     slots = plan.partial_rows(batch, seqlen_q, parts) // (seqlen_q * heads)   # what the workspace holds
     assert len(used) == len(set(used)) and all(0 <= slot < slots for slot in used)
     for b in range(batch):
-        first, splits = request_splits(b)
+        first, splits = wl.splits(b)
         assert slots_of[b] == set(range(first + b, first + b + splits))   # what its merge reads
         assert (splits == 0) == (tiles[b] == 0)          # no keys: its merge writes zeros, lse -inf
     grid = plan.grid(batch, seqlen_q, parts)
     assert grid[:2] == (groups, parts) and plan.split_launch(parts)
     assert (grid[2] - 1) * groups * parts >= batch * groups * plan.merge_blocks(batch, seqlen_q)
+
+
+@pytest.mark.parametrize("tiles,ranges,aligned,splits", [
+    ([65] * 64, 132, 33, [2] * 64),          # H=16 B=64 S=4, 4096 keys, on 132 SMs: two blocks a request
+    ([257] * 16, 128, 33, [8] * 16),         # H=8 B=16 S=9 on 128 ranges: as packed, and aligned
+    ([257] * 16, 132, 0, None),              # H=8 B=16 S=9, 16384 keys: aligned would hold 33 tiles, packed 32
+    ([65] * 128, 132, 65, [1] * 128),        # H=64 B=128 S=1: every request on one block, no merge
+    ([129] * 64, 66, 129, [1] * 64),         # H=64 B=64 S=2, 8192 keys: one tile past packed, but no merge
+    ([65] * 32, 14, 0, None),                # H=64 B=32 S=9 (9 row groups): more requests than ranges
+    ([260, 2, 3, 1] * 8, 132, 0, None),      # short requests would each hold a range nearly empty
+])
+def test_balanced_split_layout_of_uniform_and_ragged_batches(tiles, ranges, aligned, splits):
+    wl = work_list(tiles, ranges, SEGMENT_TILES, UNSPLIT_SLACK_TILES)
+    assert wl.aligned == aligned
+    if splits:
+        assert [wl.splits(b)[1] for b in range(len(tiles))] == splits
+        shares = {len(wl.range_tiles(0, u, u + wl.per)) for u in range(0, wl.span(0), wl.per)}
+        assert max(shares) - min(shares) <= 1    # a request's ranges share its tiles evenly
 
 
 def test_batches_take_the_balanced_split_of_the_chosen_tile():

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import mlagen
 from mlagen.spec import Variant, naive, parse_variant
-from mlagen.testing import assert_matches, make_case, poison_allocator, poisoned_out, rel_error
+from mlagen.testing import assert_matches, make_case, pinned_balanced_ranges, poison_allocator, poisoned_out, rel_error
 from mlagen.validate import SpecError, is_valid, validate
 
 pytestmark = pytest.mark.gpu
@@ -154,11 +154,38 @@ def test_transposed_tile_is_bitwise_repeatable(name, page_size):
     request into the next must agree to the bit (and with the reference)."""
     case = make_case(batch=6, seqlen_q=9, heads=8, prefixes=[2000, 0, 900, 3500, 5, 1400], page_size=page_size,
                      mask="tree", empty=[False, True, False, False, False, False], seed=11)
-    first, first_lse = _run(case, parse_variant(name), True)
-    assert_matches(first, first_lse, case)
-    for _ in range(200):
+    with pinned_balanced_ranges(6):     # the packed layout (tests/balanced_worklist.py): ranges cross requests
+        first, first_lse = _run(case, parse_variant(name), True)
+        assert_matches(first, first_lse, case)
+        for _ in range(200):
+            out, lse = _run(case, parse_variant(name), True)
+            assert torch.equal(out, first) and torch.equal(lse, first_lse)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the balanced variants here are sm_90a (compute capability 9.0)")
+@pytest.mark.parametrize("name", ["mma_ht16_qt4_bn64_w8_st2_spb_sm90a", "mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_sm90a",
+                                  "mma_ht16_qt4_bn64_w8_st2_spb_p16_tr_sm90a"])
+@pytest.mark.parametrize("ranges,aligned", [(16, 8), (5, 0)], ids=["aligned", "packed"])
+def test_balanced_split_layouts_match_reference(name, ranges, aligned):
+    """Both layouts of the balanced work list (templates/merge.cuh.j2) on the lockstep, seesaw and
+    transposed kernels, with the launch's ranges pinned so that the lengths below take the one
+    asked for (tests/balanced_worklist.py says which): aligned, every range inside one request,
+    its tiles shared evenly; packed, ranges crossing from one request into the next. Ragged,
+    tree-masked requests, one without keys; run twice, bitwise the same."""
+    from balanced_worklist import work_list
+
+    from mlagen.validate import SEGMENT_TILES, UNSPLIT_SLACK_TILES
+
+    case = make_case(batch=5, seqlen_q=4, heads=16, prefixes=[3000, 700, 0, 2500, 1300], page_size=64, mask="tree",
+                     empty=[False, False, True, False, False], seed=5)
+    tiles = [-(-int(n) // 64) for n in case.cache_seqlens.tolist()]
+    assert work_list(tiles, ranges, SEGMENT_TILES, UNSPLIT_SLACK_TILES).aligned == aligned
+    with pinned_balanced_ranges(ranges):
         out, lse = _run(case, parse_variant(name), True)
-        assert torch.equal(out, first) and torch.equal(lse, first_lse)
+        assert_matches(out, lse, case)
+        again, again_lse = _run(case, parse_variant(name), True)
+    assert torch.equal(out, again) and torch.equal(lse, again_lse)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),

@@ -394,40 +394,72 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
   }
 }
 
-// The balanced split's work list: request b owns positions [P_b, P_b + C + T_b) of it, T_b its
-// keys in BN-key tiles (from cache_seqlens, on the device, so a ragged batch is balanced by the
-// keys it holds) after C = SEGMENT_TILES positions that stand for the fixed cost of a segment
-// (a block starting the request: its Q, first tiles and epilogue), and split blocks (x, y) of
-// every row group x own range y, [y*W, (y+1)*W), of gridDim.y equal ranges: the tiles whose
-// positions fall in it. So a range that starts a request streams fewer tiles, and the blocks
-// end together. All row groups of a request stream its keys in step (L2 serves all but the
-// first read of a tile). Range y's partial of request b goes to workspace slot y + b: one
-// request's slots are consecutive and the next request's come after them (its first range is
-// at least this one's last), so a launch needs at most gridDim.y + B - 1 slots
-// (mlagen.dispatch.balanced_split sizes the workspace so). Each warp computes what it needs
-// from the lengths alone: no shared memory, no barrier.
+// The balanced split's work list: request b owns positions [P_b, P_b + span_b) of it, and split
+// blocks (x, y) of every row group x own range y, [y*W, (y+1)*W), of gridDim.y equal ranges. Its
+// KV tiles T_b come from cache_seqlens, on the device, so a ragged batch is balanced by the keys it
+// holds. Each warp computes what it needs from the lengths alone: no shared memory, no barrier.
+// Two ways to lay the list out, both fixed by the lengths, so every block agrees:
+// - packed: span_b = C + T_b, C = SEGMENT_TILES positions standing for the fixed cost of a block
+//   starting the request (its Q, first tiles and epilogue), then its tiles. A range may span
+//   requests, a range that starts one streams fewer tiles, and the blocks end together.
+// - aligned: every range holds tiles of one request only. With M the fewest tiles a range may
+//   hold such that the requests' ceil(T_b / M) ranges fit the grid, span_b = ceil(T_b / M) * W,
+//   W = C + M, and request b's ranges share its tiles evenly. Each block then starts one
+//   segment: one Q and one partial row per row, where packed ranges that cross a request pay
+//   two. Taken when M is at most the packed W, or at most UNSPLIT_SLACK_TILES more when every
+//   request then takes one range (mlagen/validate.py says what the H200 measured); a ragged batch
+//   whose short requests would each hold a range nearly empty stays packed.
+// All row groups of a request stream its keys in step (L2 serves all but the first read of a
+// tile). Range y's partial of request b goes to workspace slot y + b: one request's slots are
+// consecutive and the next request's come after them (its first range is at least this one's
+// last), so a launch needs at most gridDim.y + B - 1 slots (mlagen.dispatch.balanced_split
+// sizes the workspace so).
 __device__ __forceinline__ int warp_sum_int(int x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
+// The warp's sum, read from lane 0: the same value in every lane, but ptxas then knows it is
+// uniform, so the branches on it (the layout's, the search's) are not divergent: without it the
+// balanced kernels lost their uniform-register tile loops and spilled.
+__device__ __forceinline__ int warp_sum_uniform(int x) {
+  return __shfl_sync(0xffffffffu, warp_sum_int(x), 0);
+}
 __device__ __forceinline__ int request_tiles(const VerifyParams& p, int b) {
   return (request_keys(p, b) + 64 - 1) / 64;
 }
 constexpr int SEGMENT_TILES = 3;
-// A request's positions in the work list: none without keys.
-__device__ __forceinline__ int request_span(const VerifyParams& p, int b) {
-  const int t = request_tiles(p, b);
-  return t > 0 ? SEGMENT_TILES + t : 0;
+constexpr int UNSPLIT_SLACK_TILES = 1;
+
+struct WorkList {
+  int total;   // the list's length in positions
+  int per;     // a range's length, W (0 when the list is empty)
+  int tiles;   // aligned: the most tiles a range holds, M; packed: 0
+};
+
+// Ranges the aligned layout gives the requests when a range holds at most m tiles (every lane).
+__device__ __forceinline__ int aligned_ranges(const VerifyParams& p, int m, int lane) {
+  int n = 0;
+#pragma unroll 1
+  for (int b = lane; b < p.batch; b += 32) n += (int)(((unsigned)request_tiles(p, b) + m - 1) / (unsigned)m);
+  return warp_sum_uniform(n);
 }
 
-// The request whose positions hold list position u (P_b <= u < P_b + C + T_b) and its P_b, or
+// Request b's positions in the work list: none without keys.
+__device__ __forceinline__ int request_span(const VerifyParams& p, const WorkList& wl, int b) {
+  const int t = request_tiles(p, b);
+  if (t == 0) return 0;
+  return wl.tiles ? (t + wl.tiles - 1) / wl.tiles * wl.per : SEGMENT_TILES + t;
+}
+
+// The request whose positions hold list position u (P_b <= u < P_b + span_b) and its P_b, or
 // (B, the list's length) when u is past the list. Every lane gets the answer; one request per
 // lane at a time.
-__device__ __forceinline__ void request_at(const VerifyParams& p, int u, int lane, int* b_at, int* start) {
+__device__ __forceinline__ void request_at(const VerifyParams& p, const WorkList& wl, int u, int lane, int* b_at,
+                                           int* start) {
   int base = 0;
   for (int b0 = 0; b0 < p.batch; b0 += 32) {
-    const int t = b0 + lane < p.batch ? request_span(p, b0 + lane) : 0;
+    const int t = b0 + lane < p.batch ? request_span(p, wl, b0 + lane) : 0;
     int upto = t;                                         // inclusive scan over the lanes
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -447,21 +479,77 @@ __device__ __forceinline__ void request_at(const VerifyParams& p, int u, int lan
   *start = base;
 }
 
-// The list's length, and one range's (0 when the list is empty).
-__device__ __forceinline__ void balanced_ranges(const VerifyParams& p, int lane, int* total, int* per) {
-  int end;
-  request_at(p, 0x7fffffff, lane, &end, total);
-  *per = (*total + gridDim.y - 1) / gridDim.y;
+__device__ __forceinline__ int warp_max_uniform(int x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return __shfl_sync(0xffffffffu, x, 0);
 }
 
-// The ranges that meet request b's tiles, whose positions start at start + C: the first, and how
-// many (its row groups' splits; 0 for a request without keys). A range that meets only its first
-// C positions runs none of it.
-__device__ __forceinline__ void request_splits(const VerifyParams& p, int b, int start, int per, int* first,
-                                               int* count) {
-  const int t = request_tiles(p, b), t0 = start + SEGMENT_TILES;
-  *first = t > 0 ? t0 / per : 0;
-  *count = t > 0 ? (t0 + t - 1) / per - *first + 1 : 0;
+// The launch's work list (every lane): aligned when its ranges hold no more tiles than packed
+// ones hold positions, or UNSPLIT_SLACK_TILES more when every request then takes one range (no
+// partial rows, no merge); packed otherwise.
+__device__ __forceinline__ WorkList balanced_ranges(const VerifyParams& p, int lane) {
+  const int ranges = gridDim.y;
+  int tiles = 0, busy = 0, longest = 0;                   // all requests' tiles, requests with keys, most tiles
+#pragma unroll 1
+  for (int b = lane; b < p.batch; b += 32) {
+    const int t = request_tiles(p, b);
+    tiles += t;
+    busy += t > 0;
+    longest = max(longest, t);
+  }
+  tiles = warp_sum_uniform(tiles);
+  busy = warp_sum_uniform(busy);
+  longest = warp_max_uniform(longest);
+  const int total = tiles + SEGMENT_TILES * busy, per = (total + ranges - 1) / ranges;
+  const WorkList packed = {total, per, 0};
+  if (tiles == 0 || busy > ranges) return packed;
+  int m = longest;                                        // one range a request: fits, as busy <= ranges
+  if (aligned_ranges(p, per, lane) <= ranges) {
+    int lo = (tiles + ranges - 1) / ranges, hi = per;     // ranges * M >= tiles: no fewer than lo
+    while (lo < hi) {                                     // the fewest that fit; hi always does
+      const int mid = (lo + hi) / 2;
+      if (aligned_ranges(p, mid, lane) <= ranges) hi = mid; else lo = mid + 1;
+    }
+    m = hi;
+  } else if (longest > per + UNSPLIT_SLACK_TILES) {
+    return packed;
+  }
+  return {aligned_ranges(p, m, lane) * (SEGMENT_TILES + m), SEGMENT_TILES + m, m};
+}
+
+// The ranges that meet request b's tiles, its positions starting at `start`: the first, and how
+// many (its row groups' splits; 0 for a request without keys). A packed range that meets only
+// the request's first C positions runs none of it.
+__device__ __forceinline__ void request_splits(const VerifyParams& p, const WorkList& wl, int b, int start,
+                                               int* first, int* count) {
+  const int t = request_tiles(p, b);
+  if (t == 0) {
+    *first = *count = 0;
+  } else if (wl.tiles) {
+    *first = start / wl.per;
+    *count = (t + wl.tiles - 1) / wl.tiles;
+  } else {
+    const int t0 = start + SEGMENT_TILES;
+    *first = t0 / wl.per;
+    *count = (t0 + t - 1) / wl.per - *first + 1;
+  }
+}
+
+// Tiles [*t0, *t1) of request b (t tiles, positions from `start`) that range [u0, u1) runs;
+// empty when the range does not meet them.
+__device__ __forceinline__ void range_tiles(const WorkList& wl, int t, int start, int u0, int u1, int* t0, int* t1) {
+  if (t == 0) {
+    *t0 = *t1 = 0;
+  } else if (wl.tiles) {                                 // range j of the request's k: an even share
+    const int k = (t + wl.tiles - 1) / wl.tiles, j = (u0 - start) / wl.per;
+    *t0 = j * t / k;
+    *t1 = (j + 1) * t / k;
+  } else {
+    const int at = start + SEGMENT_TILES;
+    *t0 = (u0 > at ? u0 : at) - at;
+    *t1 = (u1 < at + t ? u1 : at + t) - at;
+  }
 }
 
 // Row (b, i, h): m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l
@@ -539,10 +627,10 @@ __device__ void merge_block(const VerifyParams& p) {
   const int part = (int)(f / groups), g = (int)(f % groups);
   const int x = g % gx, b = g / gx;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int total, range_tiles, start = 0, first, splits;
-  balanced_ranges(p, lane, &total, &range_tiles);
-  for (int k = lane; k < b; k += 32) start += request_span(p, k);
-  request_splits(p, b, warp_sum_int(start), range_tiles, &first, &splits);
+  const WorkList wl = balanced_ranges(p, lane);
+  int start = 0, first, splits;
+  for (int k = lane; k < b; k += 32) start += request_span(p, wl, k);
+  request_splits(p, wl, b, warp_sum_int(start), &first, &splits);
   if (splits == 1) return;                              // its one split block wrote it directly
   const int slot0 = first + b;                          // its ranges' workspace slots (the work list above)
   const int h0 = (x % 1) * 64;
@@ -1257,19 +1345,18 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   // uniform registers (v13's first balanced kernel did not: every wgmma descriptor was rebuilt
   // per instruction and a tile took 17% longer; benchmarks/NOTES.md).
   auto uniform = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
-  int total, per, b = 0, start = 0;
-  balanced_ranges(p, lane, &total, &per);
-  const int u0 = uniform(blockIdx.y * per), u1 = uniform(u0 + per < total ? u0 + per : total);
-  if (u0 < u1) request_at(p, u0, lane, &b, &start);
+  const WorkList wl = balanced_ranges(p, lane);
+  int b = 0, start = 0;
+  const int u0 = uniform(blockIdx.y * wl.per), u1 = uniform(u0 + wl.per < wl.total ? u0 + wl.per : wl.total);
+  if (u0 < u1) request_at(p, wl, u0, lane, &b, &start);
   for (b = uniform(b), start = uniform(start); u0 < u1 && start < u1; ++b) {   // the requests this range meets
-    int first, splits;
-    request_splits(p, b, start, per, &first, &splits);
-    const int tiles = uniform(request_tiles(p, b)), at = start + SEGMENT_TILES;   // its tiles: [at, at + tiles)
-    if (tiles > 0 && at < u1) {                           // the range meets its tiles (request_splits counts so)
+    int first, splits, t0, t1;
+    request_splits(p, wl, b, start, &first, &splits);
+    range_tiles(wl, uniform(request_tiles(p, b)), start, u0, u1, &t0, &t1);
+    if (t0 < t1) {                                        // the range meets its tiles (request_splits counts so)
       __syncthreads();                                    // the previous request's shared reads are done
-      segment(b, blockIdx.x, uniform((u0 > at ? u0 : at) - at), uniform((u1 < at + tiles ? u1 : at + tiles) - at),
-              uniform(blockIdx.y + b), splits == 1, uniform(splits));
+      segment(b, blockIdx.x, uniform(t0), uniform(t1), uniform(blockIdx.y + b), splits == 1, uniform(splits));
     }
-    start += uniform(request_span(p, b));
+    start += uniform(request_span(p, wl, b));
   }
 }
