@@ -4,8 +4,10 @@ blocks also when their cluster has staged its rows), or when its wait for the sp
 when it is done (merge blocks).
 
 Stamps (globaltimer at a block's start and end, clock64 between) are patched into the rendered
-source of this run only, at landmarks of templates/mma.cu.j2 and merge.cuh.j2 (non-balanced
-split) or of the cluster split's epilogue; a landmark that moved fails loudly. On the GPU machine:
+source of this run only, at landmarks of templates/mma.cu.j2 and merge.cuh.j2 or of the cluster
+split's epilogue (the seesaw's tile loop has no tile-0 landmark: that column shows nan); a
+landmark that moved fails loudly. The last lines give the split and merge blocks' start,
+stamps and end as min/median/max over the launch. On the GPU machine:
 
     python3 benchmarks/trace_blocks.py 64 1 9 256 [variant name; default: the dispatcher's]
 
@@ -53,11 +55,17 @@ CLUSTER_PATCHES = PATCHES[2:4] + [   # no merge blocks, no counter: the cluster 
 ]
 
 
+SEESAW_MARK = "s < 4 ? 1 : 128"   # the seesaw's mbarrier set-up (templates/mma.cu.j2)
+
+
 def patch(source: str) -> str:
     start = source.index("const int wmq = warp % WMQ")
     start = source.index("\n", start) + 1
     source = source[:start] + f"  TR({START}); TR(1);\n" + source[start:]
+    seesaw = SEESAW_MARK in source
     for landmark, replacement in CLUSTER_PATCHES if "cluster_sync();" in source else PATCHES:
+        if seesaw and landmark == PATCHES[2][0]:
+            continue                    # the seesaw's tile loop has no such barrier: tile 0 shows as nan
         if landmark not in source:
             raise SystemExit(f"landmark not found (the template changed): {landmark!r}")
         source = source.replace(landmark, replacement, 1)
@@ -133,6 +141,17 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
         print(text)
     span = max((r[END] - t0) / 1e3 for _, r in rows)
     print(f"launch span (first block start to last block end): {span:.2f} µs")
+    for kind, stamps in (("split", (LOOP_END, DONE)), ("merge", (MERGE_WAIT, DONE))):
+        mine = [r for _, r in rows if bool(r[MERGE_WAIT]) == (kind == "merge") and (r[END] - r[START]) >= 300]
+        if not mine:
+            continue
+        cells = []
+        for name, at in (("start", [(r[START] - t0) / 1e3 for r in mine]),
+                         *((f"stamp {k}", [(r[START] - t0) / 1e3 + us(r, k) for r in mine]) for k in stamps),
+                         ("end", [(r[END] - t0) / 1e3 for r in mine])):
+            q = np.nanpercentile(at, [0, 50, 100])
+            cells.append(f"{name} {q[0]:.1f}/{q[1]:.1f}/{q[2]:.1f}")
+        print(f"{kind} blocks ({len(mine)}), µs after the first start, min/median/max: " + ", ".join(cells))
 
 
 if __name__ == "__main__":
