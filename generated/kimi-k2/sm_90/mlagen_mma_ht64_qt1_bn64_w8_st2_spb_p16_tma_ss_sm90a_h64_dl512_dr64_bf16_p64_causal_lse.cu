@@ -425,6 +425,11 @@ __device__ __forceinline__ int warp_sum_int(int x) {
 __device__ __forceinline__ int warp_sum_uniform(int x) {
   return __shfl_sync(0xffffffffu, warp_sum_int(x), 0);
 }
+__device__ __forceinline__ int warp_max_uniform(int x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return __shfl_sync(0xffffffffu, x, 0);
+}
 __device__ __forceinline__ int request_tiles(const VerifyParams& p, int b) {
   return (request_keys(p, b) + 64 - 1) / 64;
 }
@@ -477,12 +482,6 @@ __device__ __forceinline__ void request_at(const VerifyParams& p, const WorkList
   }
   *b_at = p.batch;
   *start = base;
-}
-
-__device__ __forceinline__ int warp_max_uniform(int x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return __shfl_sync(0xffffffffu, x, 0);
 }
 
 // The launch's work list (every lane): aligned when its ranges hold no more tiles than packed
