@@ -174,7 +174,7 @@ def pinned_balanced_ranges(ranges: int) -> Iterator[None]:
 
     planned = runtime.num_splits
 
-    def splits(variant, *args):
+    def splits(variant, *args) -> int:
         return ranges if variant.kv_split == "balanced" else planned(variant, *args)
 
     runtime._prepare.cache_clear()

@@ -70,8 +70,7 @@ def work_list(tiles: list[int], ranges: int, cost: int, unsplit_slack: int) -> W
     """balanced_ranges: aligned when its ranges hold no more tiles than packed ones hold positions,
     or `unsplit_slack` more when every request then takes one range; packed otherwise."""
     packed = packed_list(tiles, ranges, cost)
-    busy = sum(t > 0 for t in tiles)
-    if sum(tiles) == 0 or busy > ranges:
+    if sum(tiles) == 0 or sum(t > 0 for t in tiles) > ranges:
         return packed
     m = max(tiles)
     if aligned_ranges(tiles, packed.per) <= ranges:

@@ -439,7 +439,7 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
     wl = work_list(tiles, parts, plan.segment_tiles, plan.unsplit_slack_tiles)
     packed = packed_list(tiles, parts, plan.segment_tiles)
     assert wl.aligned or wl == packed
-    if wl.aligned:                                       # the fewest tiles a range that fit, or one range a request
+    if wl.aligned:                                       # the fewest tiles a range may hold, or a request's whole
         assert wl.aligned <= packed.per or wl.aligned == max(tiles) <= packed.per + plan.unsplit_slack_tiles
         assert aligned_ranges(tiles, wl.aligned) <= parts and (
             wl.aligned == 1 or aligned_ranges(tiles, wl.aligned - 1) > parts)
