@@ -30,6 +30,8 @@ CASES = [
 # with several tiles on both sides; for the balanced variants only (racecheck is slow on it).
 CROSSING = dict(batch=6, seqlen_q=9, heads=8, prefixes=[2000, 0, 900, 3500, 5, 1400], page_size=64, mask="causal",
                 empty=[False, True, False, False, False, False])
+# Requests of equal length, as the bench's batched rows have them.
+EQUAL = dict(batch=6, seqlen_q=9, heads=8, prefixes=[1500] * 6, page_size=64, mask="causal")
 # Short requests, a block table of at most 320 keys, for the P exchange (`_px`) only: it refuses
 # wider tables. Requests that fill every block's tile and one that leaves blocks without one.
 SHORT = dict(batch=3, seqlen_q=9, heads=64, prefixes=[247, 0, 120], page_size=16, mask="tree",
@@ -75,10 +77,11 @@ def main() -> None:
         variants = [v for v in variants if (part in (v.name if v else "dispatched")) == keep]
         exchange = [v for v in exchange if (part in v.name) == keep]
     balanced = [v for v in variants if v is not None and v.kv_split == "balanced"]
-    # (case, variants, balanced ranges pinned or None): CROSSING runs the balanced work list's
-    # aligned layout with one range per resident slot on a 132-SM H200, and its packed layout
-    # (ranges crossing requests) with 6 ranges.
+    # (case, variants, balanced ranges pinned or None): CROSSING and EQUAL run the balanced work
+    # list's aligned layout with one range per resident slot on a 132-SM H200, and its packed
+    # layout (ranges crossing requests) with 6 and 5 ranges.
     runs = ([(c, variants, None) for c in CASES] + [(CROSSING, balanced, None), (CROSSING, balanced, 6)]
+            + [(EQUAL, balanced, None), (EQUAL, balanced, 5)]
             + [(SHORT, exchange, None), (SHORT | {"mask": "causal"}, exchange, None)])
     for i, (shape, case_variants, ranges) in enumerate(runs):
         case = make_case(seed=i, **shape)

@@ -16,6 +16,7 @@ Clock64 deltas are shown in µs at 1.98 GHz (the H200's boost clock under load).
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 
@@ -39,7 +40,7 @@ HEADER = (f"__device__ unsigned long long mlagen_trace[{MAX_BLOCKS * SLOTS}];\n"
           f"#define TR(k) do {{ if (threadIdx.x == 0) mlagen_trace[TR_ID * {SLOTS} + (k)] = "
           f"(k) == {START} || (k) == {END} ? tr_gt() : clock64(); }} while (0)\n")
 PATCHES = [   # (landmark, replacement): the first occurrence of each
-    ("merge_block(p);\n    return;", f"merge_block(p); TR({DONE}); TR({END});\n    return;"),
+    (re.compile(r"(merge_block\(p(?:, wl)?\);)\n    return;"), rf"\1 TR({DONE}); TR({END});\n    return;"),
     ("__syncthreads();   // the partials thread 0 acquired",
      f"TR({MERGE_WAIT}); __syncthreads();   // the partials thread 0 acquired"),
     ("__syncthreads();                                      // tile kb landed; tile kb-1 fully used",
@@ -66,9 +67,13 @@ def patch(source: str) -> str:
     for landmark, replacement in CLUSTER_PATCHES if "cluster_sync();" in source else PATCHES:
         if seesaw and landmark == PATCHES[2][0]:
             continue                    # the seesaw's tile loop has no such barrier: tile 0 shows as nan
-        if landmark not in source:
+        if isinstance(landmark, re.Pattern):     # the merge call, whose arguments differ by split
+            source, found = landmark.subn(replacement, source, count=1)
+        else:
+            found = landmark in source
+            source = source.replace(landmark, replacement, 1)
+        if not found:
             raise SystemExit(f"landmark not found (the template changed): {landmark!r}")
-        source = source.replace(landmark, replacement, 1)
     return HEADER + source
 
 

@@ -166,19 +166,23 @@ def test_transposed_tile_is_bitwise_repeatable(name, page_size):
                     reason="the balanced variants here are sm_90a (compute capability 9.0)")
 @pytest.mark.parametrize("name", ["mma_ht16_qt4_bn64_w8_st2_spb_sm90a", "mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_sm90a",
                                   "mma_ht16_qt4_bn64_w8_st2_spb_p16_tr_sm90a"])
-@pytest.mark.parametrize("ranges,aligned", [(16, 8), (5, 0)], ids=["aligned", "packed"])
-def test_balanced_split_layouts_match_reference(name, ranges, aligned):
+@pytest.mark.parametrize("prefixes,ranges,aligned", [
+    ([3000, 700, 0, 2500, 1300], 16, 8), ([3000, 700, 0, 2500, 1300], 5, 0),
+    ([1500] * 5, 16, 8), ([1500] * 5, 7, 0),
+], ids=["ragged-aligned", "ragged-packed", "equal-aligned", "equal-packed"])
+def test_balanced_split_layouts_match_reference(name, prefixes, ranges, aligned):
     """Both layouts of the balanced work list (templates/merge.cuh.j2) on the lockstep, seesaw and
     transposed kernels, with the launch's ranges pinned so that the lengths below take the one
     asked for (tests/balanced_worklist.py says which): aligned, every range inside one request,
-    its tiles shared evenly; packed, ranges crossing from one request into the next. Ragged,
-    tree-masked requests, one without keys; run twice, bitwise the same."""
+    its tiles shared evenly; packed, ranges crossing from one request into the next. Ragged
+    requests (one without keys), and requests of equal length as the bench's rows have them.
+    Tree-masked; run twice, bitwise the same."""
     from balanced_worklist import work_list
 
     from mlagen.validate import SEGMENT_TILES, UNSPLIT_SLACK_TILES
 
-    case = make_case(batch=5, seqlen_q=4, heads=16, prefixes=[3000, 700, 0, 2500, 1300], page_size=64, mask="tree",
-                     empty=[False, False, True, False, False], seed=5)
+    empty = [p == 0 for p in prefixes]
+    case = make_case(batch=5, seqlen_q=4, heads=16, prefixes=prefixes, page_size=64, mask="tree", empty=empty, seed=5)
     tiles = [-(-int(n) // 64) for n in case.cache_seqlens.tolist()]
     assert work_list(tiles, ranges, SEGMENT_TILES, UNSPLIT_SLACK_TILES).aligned == aligned
     with pinned_balanced_ranges(ranges):

@@ -414,22 +414,12 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 // consecutive and the next request's come after them (its first range is at least this one's
 // last), so a launch needs at most gridDim.y + B - 1 slots (mlagen.dispatch.balanced_split
 // sizes the workspace so).
-__device__ __forceinline__ int warp_sum_int(int x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-// The warp's sum, read from lane 0: the same value in every lane, but ptxas then knows it is
-// uniform, so the branches on it (the layout's, the search's) are not divergent: without it the
-// balanced kernels lost their uniform-register tile loops and spilled.
-__device__ __forceinline__ int warp_sum_uniform(int x) {
-  return __shfl_sync(0xffffffffu, warp_sum_int(x), 0);
-}
-__device__ __forceinline__ int warp_max_uniform(int x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return __shfl_sync(0xffffffffu, x, 0);
-}
+// Warp sums and maxima on the reduction unit (redux.sync, sm_80+): one instruction, where a
+// butterfly took five shuffles, and its result lands in a uniform register, so ptxas sees the
+// branches on it (the layout's, the search's) as not divergent. (With plain butterfly sums the
+// balanced kernels lost their uniform-register tile loops and spilled: NOTES v46.)
+__device__ __forceinline__ int warp_sum_uniform(int x) { return __reduce_add_sync(0xffffffffu, x); }
+__device__ __forceinline__ int warp_max_uniform(int x) { return __reduce_max_sync(0xffffffffu, x); }
 __device__ __forceinline__ int request_tiles(const VerifyParams& p, int b) {
   return (request_keys(p, b) + 64 - 1) / 64;
 }
@@ -463,6 +453,7 @@ __device__ __forceinline__ int request_span(const VerifyParams& p, const WorkLis
 __device__ __forceinline__ void request_at(const VerifyParams& p, const WorkList& wl, int u, int lane, int* b_at,
                                            int* start) {
   int base = 0;
+#pragma unroll 1
   for (int b0 = 0; b0 < p.batch; b0 += 32) {
     const int t = b0 + lane < p.batch ? request_span(p, wl, b0 + lane) : 0;
     int upto = t;                                         // inclusive scan over the lanes
@@ -484,7 +475,9 @@ __device__ __forceinline__ void request_at(const VerifyParams& p, const WorkList
   *start = base;
 }
 
-// The launch's work list (every lane): aligned when its ranges hold no more tiles than packed
+// The launch's work list (every lane; a kernel computes it once, before its split and merge blocks
+// part ways, since each inlined copy costs the tile loop instruction-cache misses: NOTES v47):
+// aligned when its ranges hold no more tiles than packed
 // ones hold positions, or UNSPLIT_SLACK_TILES more when every request then takes one range (no
 // partial rows, no merge); packed otherwise.
 __device__ __forceinline__ WorkList balanced_ranges(const VerifyParams& p, int lane) {
@@ -615,10 +608,10 @@ __device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, 
   if (WRITE_LSE && lane == 0) p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
 }
 
-// A merge block (blockIdx.z >= merge_z0(p)). Merge blocks are numbered x fastest, then y, then z
+// A merge block (blockIdx.z >= merge_z0(p)), given the work list. Merge blocks are numbered x fastest, then y, then z
 // slab; number f merges part f / groups of row group f % groups (request g / request_groups,
 // tile g % request_groups).
-__device__ void merge_block(const VerifyParams& p) {
+__device__ void merge_block(const VerifyParams& p, const WorkList& wl) {
   const int gx = request_groups(p);
   const long long groups = (long long)gx * p.batch;
   const long long f = ((long long)(blockIdx.z - merge_z0(p)) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
@@ -626,10 +619,10 @@ __device__ void merge_block(const VerifyParams& p) {
   const int part = (int)(f / groups), g = (int)(f % groups);
   const int x = g % gx, b = g / gx;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const WorkList wl = balanced_ranges(p, lane);
   int start = 0, first, splits;
+#pragma unroll 1
   for (int k = lane; k < b; k += 32) start += request_span(p, wl, k);
-  request_splits(p, wl, b, warp_sum_int(start), &first, &splits);
+  request_splits(p, wl, b, warp_sum_uniform(start), &first, &splits);
   if (splits == 1) return;                              // its one split block wrote it directly
   const int slot0 = first + b;                          // its ranges' workspace slots (the work list above)
   const int h0 = (x % 1) * 64;
@@ -951,8 +944,9 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates
   // wnq through a lane-0 broadcast: the same value, but ptxas then knows it is warp-uniform.
   const int wmq = warp % WMQ, wnq = __shfl_sync(0xffffffffu, warp / WMQ, 0);   // wgmma: wnq is the warpgroup
+  const WorkList wl = balanced_ranges(p, lane);         // once, for the merge and the split blocks alike
   if (blockIdx.z >= merge_z0(p)) {  // a merge block (split launches only)
-    merge_block(p);
+    merge_block(p, wl);
     return;
   }
   // One mbarrier per KV stage; tiles_done counts this block's tiles over its segments, so tile
@@ -1344,8 +1338,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   // uniform registers (v13's first balanced kernel did not: every wgmma descriptor was rebuilt
   // per instruction and a tile took 17% longer; benchmarks/NOTES.md).
   auto uniform = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
-  const WorkList wl = balanced_ranges(p, lane);
-  int b = 0, start = 0;
+  int b = 0, start = 0;                                   // wl: the kernel's work list
   const int u0 = uniform(blockIdx.y * wl.per), u1 = uniform(u0 + wl.per < wl.total ? u0 + wl.per : wl.total);
   if (u0 < u1) request_at(p, wl, u0, lane, &b, &start);
   for (b = uniform(b), start = uniform(start); u0 < u1 && start < u1; ++b) {   // the requests this range meets
