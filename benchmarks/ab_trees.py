@@ -1,0 +1,63 @@
+"""A/B of template trees in one process: the same inputs, the cells timed in turn, round after round.
+
+Memory-bound rows move by 2-4% from one process to the next, since each process's buffers land on
+different physical pages; within one process two kernels compare to within ~1% (session 21:
+benchmarks/NOTES.md, "v47"). A tree is a directory holding a `templates/` folder, such as a
+checkout of another commit (`git archive REV templates | tar -x -C DIR`) or a copy with one edit.
+Every cell renders, compiles and loads its kernel from its tree's templates (the disk cache keys
+the source, so each tree's kernels compile once); the Python package is this one's.
+
+    python3 benchmarks/ab_trees.py ROUNDS main=.,new=/tmp/new \\
+        '16,64,4,4096=main/mma_ht16_qt4_bn64_w8_st2_sp2_p16_tma_ss_sm90a|main/dispatch|new/dispatch' \\
+        '8,16,9,16384=main/dispatch|new/dispatch'
+
+Prints each cell's µs per round (CUDA graph replay, the bench's inputs, rotated past the L2) and
+its best.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from mlagen import codegen, launch, runtime
+from mlagen.grids import parse_row
+from mlagen.spec import parse_variant
+from mlagen.timing import l2_bytes, measure
+from mlagen.workload import make_workload, mlagen_call
+
+
+def use_templates(tree: Path) -> None:
+    """Render from `tree`/templates from now on, dropping every kernel rendered, loaded or planned."""
+    codegen._SOURCE_TREE_TEMPLATES = tree.resolve() / "templates"
+    codegen._environment.cache_clear()
+    codegen.render.cache_clear()
+    launch._loaded.clear()
+    runtime._prepare.cache_clear()
+    runtime._calls.clear()
+
+
+def main(rounds: int, trees: dict[str, Path], rows: list[str]) -> None:
+    for spec in rows:
+        row_text, cells_text = spec.split("=", 1)
+        work = make_workload(parse_row(row_text), 64, "causal", "bf16", l2_bytes(torch.cuda.current_device()))
+        cells = [tuple(cell.split("/", 1)) for cell in cells_text.split("|")]
+        times: dict[tuple[str, str], list[float]] = {cell: [] for cell in cells}
+        for _ in range(rounds):
+            for tree, variant in cells:
+                use_templates(trees[tree])
+                call = mlagen_call(work, None if variant == "dispatch" else parse_variant(variant))
+                times[(tree, variant)].append(measure(call, work.sets).us)
+        for (tree, variant), us in times.items():
+            print(f"{row_text:16s} {tree + '/' + variant:64s} " + " ".join(f"{t:8.2f}" for t in us)
+                  + f"   best {min(us):8.2f}", flush=True)
+        del work
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 4:
+        raise SystemExit(__doc__)
+    main(int(sys.argv[1]), {k: Path(v) for k, v in (t.split("=", 1) for t in sys.argv[2].split(","))}, sys.argv[3:])
