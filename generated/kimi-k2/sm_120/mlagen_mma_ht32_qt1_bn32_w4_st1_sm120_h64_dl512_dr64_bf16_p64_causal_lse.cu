@@ -438,9 +438,9 @@ __device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, 
   if (WRITE_LSE && lane == 0) p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
 }
 
-// A merge block (blockIdx.z >= merge_z0(p)). Merge blocks are numbered x fastest, then y, then z
-// slab; number f merges part f / groups of row group f % groups (request g / request_groups,
-// tile g % request_groups).
+// A merge block (blockIdx.z >= merge_z0(p); a balanced split passes it the kernel's work list).
+// Merge blocks are numbered x fastest, then y, then z slab; number f merges part f / groups of row
+// group f % groups (request g / request_groups, tile g % request_groups).
 __device__ void merge_block(const VerifyParams& p) {
   const int gx = request_groups(p);
   const long long groups = (long long)gx * p.batch;

@@ -475,11 +475,11 @@ __device__ __forceinline__ void request_at(const VerifyParams& p, const WorkList
   *start = base;
 }
 
-// The launch's work list (every lane; a kernel computes it once, before its split and merge blocks
-// part ways, since each inlined copy costs the tile loop instruction-cache misses: NOTES v47):
-// aligned when its ranges hold no more tiles than packed
-// ones hold positions, or UNSPLIT_SLACK_TILES more when every request then takes one range (no
-// partial rows, no merge); packed otherwise.
+// The launch's work list (every lane): aligned when its ranges hold no more tiles than packed ones
+// hold positions, or UNSPLIT_SLACK_TILES more when every request then takes one range (no partial
+// rows, no merge); packed otherwise. A kernel computes it once, before its split and merge blocks
+// part ways: a second inlined copy ahead of the seesaw's tile loop pushed that loop further past
+// the kernel's first 64 KB, where its warps stalled on instruction fetch (NOTES v47).
 __device__ __forceinline__ WorkList balanced_ranges(const VerifyParams& p, int lane) {
   const int ranges = gridDim.y;
   int tiles = 0, busy = 0, longest = 0;                   // all requests' tiles, requests with keys, most tiles
@@ -608,9 +608,9 @@ __device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, 
   if (WRITE_LSE && lane == 0) p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
 }
 
-// A merge block (blockIdx.z >= merge_z0(p)), given the work list. Merge blocks are numbered x fastest, then y, then z
-// slab; number f merges part f / groups of row group f % groups (request g / request_groups,
-// tile g % request_groups).
+// A merge block (blockIdx.z >= merge_z0(p); a balanced split passes it the kernel's work list).
+// Merge blocks are numbered x fastest, then y, then z slab; number f merges part f / groups of row
+// group f % groups (request g / request_groups, tile g % request_groups).
 __device__ void merge_block(const VerifyParams& p, const WorkList& wl) {
   const int gx = request_groups(p);
   const long long groups = (long long)gx * p.batch;
