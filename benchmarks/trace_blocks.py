@@ -40,7 +40,7 @@ HEADER = (f"__device__ unsigned long long mlagen_trace[{MAX_BLOCKS * SLOTS}];\n"
           f"#define TR(k) do {{ if (threadIdx.x == 0) mlagen_trace[TR_ID * {SLOTS} + (k)] = "
           f"(k) == {START} || (k) == {END} ? tr_gt() : clock64(); }} while (0)\n")
 PATCHES = [   # (landmark, replacement): the first occurrence of each
-    (re.compile(r"(merge_block\(p(?:, wl)?\);)\n    return;"), rf"\1 TR({DONE}); TR({END});\n    return;"),
+    (re.compile(r"(merge_block\(p(?:, wl)?\);)"), rf"{{ \1 TR({DONE}); TR({END}); }}"),   # the merge call
     ("__syncthreads();   // the partials thread 0 acquired",
      f"TR({MERGE_WAIT}); __syncthreads();   // the partials thread 0 acquired"),
     ("__syncthreads();                                      // tile kb landed; tile kb-1 fully used",

@@ -78,3 +78,23 @@ def disassemble(cubin: bytes, kernel: str, arch: str) -> str:
 def opcodes(sass: str) -> collections.Counter:
     """Static instruction count per opcode (the part before the first dot: HGMMA, LDGSTS, ...)."""
     return collections.Counter(m.group(1) for m in map(_OPCODE.search, sass.splitlines()) if m)
+
+
+_LINE = re.compile(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*)")
+_TARGET = re.compile(r"0x([0-9a-f]+)")
+
+
+def instructions(sass: str) -> list[tuple[int, str, str]]:
+    """(byte offset, opcode with its modifiers, operands) of each instruction of `disassemble`'s text."""
+    return [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_LINE.search, sass.splitlines()) if m]
+
+
+def tile_loop(sass: str) -> tuple[int, int] | None:
+    """[start, end) in bytes of the kernel's tile loop: the narrowest backward branch whose range
+    holds nine tenths of its matrix instructions (HGMMA, or HMMA on mma.sync); None without one."""
+    code = instructions(sass)
+    matrix = [a for a, op, _ in code if op.startswith(("HGMMA", "HMMA"))]
+    loops = [(int(t.group(1), 16), a + 16) for a, op, rest in code if op.startswith("BRA")
+             if (t := _TARGET.search(rest)) and int(t.group(1), 16) < a]
+    held = [(lo, hi) for lo, hi in loops if matrix and 10 * sum(lo <= m < hi for m in matrix) >= 9 * len(matrix)]
+    return min(held, key=lambda r: r[1] - r[0], default=None)

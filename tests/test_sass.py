@@ -218,6 +218,30 @@ def test_kernels_for_older_archs_have_no_dependent_launch_control():
     assert "ACQBULK" not in text and "PREEXIT" not in text
 
 
+def test_tile_loop_is_the_narrowest_loop_around_the_matrix_instructions():
+    text = """/*0000*/ MOV R1, c[0x0][0x28] ;
+/*0010*/ HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+/*0020*/ HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;
+/*0030*/ @P0 BRA 0x10 ;
+/*0040*/ HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;
+/*0050*/ BRA 0x0 ;
+/*0060*/ EXIT ;
+"""
+    assert [op for _, op, _ in sass.instructions(text)][:2] == ["MOV", "HGMMA.64x64x16.F32.BF16"]
+    assert sass.tile_loop(text) == (0x0, 0x60)   # the inner loop holds two of three: not nine tenths
+    inner_only = text.replace("/*0040*/ HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;", "/*0040*/ NOP ;")
+    assert sass.tile_loop(inner_only) == (0x10, 0x40)
+    assert sass.tile_loop("/*0000*/ EXIT ;\n") is None
+
+
+def test_seesaw_tile_loop_is_found_in_real_sass():
+    """benchmarks/hot_loop.py's reading of a compiled kernel: the balanced seesaw's pair loop
+    (~40 KB, holding the HGMMAs), not a wider loop around it."""
+    _needs_nvdisasm()
+    start, end = sass.tile_loop(_main_sass("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a"))
+    assert 30 * 1024 < end - start < 50 * 1024
+
+
 def test_mma_sync_kernel_has_no_wgmma():
     _needs_nvdisasm()
     counts = sass.opcodes(_main_sass("mma_ht8_qt3_bn32_w4_st2_spa_sm90"))
