@@ -218,6 +218,20 @@ def test_kernels_for_older_archs_have_no_dependent_launch_control():
     assert "ACQBULK" not in text and "PREEXIT" not in text
 
 
+@pytest.mark.parametrize("name,heads", [("mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_sm90a", 16),
+                                        ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 64),
+                                        ("mma_ht64_qt1_bn64_w8_st2_spb_tma_ss_sm90a", 64),
+                                        ("mma_ht32_qt2_bn64_w8_st2_spb_tma_ss_sm90a", 128)])
+def test_balanced_seesaw_tile_loop_lies_in_the_kernels_first_64_kb(name, heads):
+    """The balanced seesaw kernels' merge blocks run their code after the tile loop, so ptxas lays
+    it out there: with their code placed before it, the loop ended 4-10 KB past the kernel's first
+    64 KB, and the H200 stalled on instruction fetch there (benchmarks/NOTES.md, v47 and v48)."""
+    _needs_nvdisasm()
+    b = build(Problem(heads=heads), parse_variant(name))
+    start, end = sass.tile_loop(sass.disassemble(b.module.cubin, b.plan.main_kernel, b.plan.arch.name))
+    assert end - start > 30 * 1024 and end <= 64 * 1024   # the seesaw's pair loop, inside 64 KB
+
+
 def test_tile_loop_is_the_narrowest_loop_around_the_matrix_instructions():
     text = """/*0000*/ MOV R1, c[0x0][0x28] ;
 /*0010*/ HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;

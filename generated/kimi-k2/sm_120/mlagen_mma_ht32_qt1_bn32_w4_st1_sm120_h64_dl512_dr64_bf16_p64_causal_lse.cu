@@ -650,7 +650,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates
   // wnq through a lane-0 broadcast: the same value, but ptxas then knows it is warp-uniform.
   const int wmq = warp % WMQ, wnq = __shfl_sync(0xffffffffu, warp / WMQ, 0);   // wgmma: wnq is the warpgroup
-  if (blockIdx.z >= merge_z0(p)) {  // a merge block (split launches only)
+  if (blockIdx.z >= merge_z0(p)) {  // a merge block (split launches only; the balanced seesaw's merge at the end)
     merge_block(p);
     return;
   }

@@ -945,10 +945,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   // wnq through a lane-0 broadcast: the same value, but ptxas then knows it is warp-uniform.
   const int wmq = warp % WMQ, wnq = __shfl_sync(0xffffffffu, warp / WMQ, 0);   // wgmma: wnq is the warpgroup
   const WorkList wl = balanced_ranges(p, lane);         // once, for the merge and the split blocks alike
-  if (blockIdx.z >= merge_z0(p)) {  // a merge block (split launches only)
-    merge_block(p, wl);
-    return;
-  }
   // One mbarrier per KV stage; tiles_done counts this block's tiles over its segments, so tile
   // k (in that count) uses stage k % STAGES and completes phase k / STAGES % 2 of its mbarrier.
   unsigned long long* sFull = sBits + 64;                                 // (6,) after the tree-mask rows
@@ -1338,8 +1334,15 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   // uniform registers (v13's first balanced kernel did not: every wgmma descriptor was rebuilt
   // per instruction and a tile took 17% longer; benchmarks/NOTES.md).
   auto uniform = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
+  // Merge blocks run an empty range, then merge after the loop. Reached only through the loop's
+  // exit, their code is laid out after the tile loop: with it in a branch at the top, ptxas put
+  // it before, and the seesaw's tile loop ended past the kernel's first 64 KB, where the
+  // warps stalled on instruction fetch three times as often (benchmarks/NOTES.md, v47 and v48).
+  // (The lockstep kernels' loops are short, 13 KB; the mma.sync ones have no registers to spare.)
+  const bool merging = blockIdx.z >= merge_z0(p);
   int b = 0, start = 0;                                   // wl: the kernel's work list
-  const int u0 = uniform(blockIdx.y * wl.per), u1 = uniform(u0 + wl.per < wl.total ? u0 + wl.per : wl.total);
+  const int u0 = uniform(blockIdx.y * wl.per);
+  const int u1 = merging ? u0 : uniform(u0 + wl.per < wl.total ? u0 + wl.per : wl.total);
   if (u0 < u1) request_at(p, wl, u0, lane, &b, &start);
   for (b = uniform(b), start = uniform(start); u0 < u1 && start < u1; ++b) {   // the requests this range meets
     int first, splits, t0, t1;
@@ -1351,4 +1354,5 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
     }
     start += uniform(request_span(p, wl, b));
   }
+  if (merging) merge_block(p, wl);
 }

@@ -1,0 +1,86 @@
+"""Graph replay with the SMs' instruction caches cold: each call behind a kernel that runs
+~256 KB of straight-line code on every SM, timed as (that kernel + the call) - that kernel.
+
+`mlagen bench` replays the same kernel back to back, so from the second call on its code sits
+in every SM's instruction caches. In a model the attention kernel runs between other layers'
+kernels, which evict it. Session 22 saw a layout change (v48, benchmarks/NOTES.md) cut Nsight
+Compute's stalls on instruction fetch by half and a single launch by 3-5%, and leave graph
+replay flat: this times the regime the change is for. The trees and cells are ab_trees.py's:
+
+    python3 benchmarks/cold_code.py ROUNDS main=.,new=/tmp/new \\
+        '16,64,4,4096=main/mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_sm90a|new/dispatch'
+
+Prints each cell's warm (plain replay) and cold µs per round, and the flush kernel's own µs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import cupy
+import torch
+from ab_trees import use_templates
+
+from mlagen.grids import parse_row
+from mlagen.spec import parse_variant
+from mlagen.timing import l2_bytes, measure
+from mlagen.workload import make_workload, mlagen_call
+
+CHAINS, STEPS = 4, 2048          # ~15K instructions, ~240 KB of SASS (FFMAs and the MOVs of their constants)
+
+
+def flush_kernel() -> cupy.RawKernel:
+    """A kernel whose body is CHAINS x STEPS multiply-adds with distinct constants, so neither
+    a loop nor folding can shrink it; its result is stored so none of it is dead. Launched as
+    one 128-thread block per SM: one warp per scheduler."""
+    body = []
+    for s in range(STEPS):
+        for c in range(CHAINS):
+            body.append(f"x{c} = fmaf(x{c}, {1.0 + (s * CHAINS + c + 1) * 1e-7:.9f}f, "
+                        f"{(s * CHAINS + c + 1) * 1e-9:.12f}f);")
+    decl = " ".join(f"float x{c} = seed + {c};" for c in range(CHAINS))
+    total = " + ".join(f"x{c}" for c in range(CHAINS))
+    source = (f'extern "C" __global__ void icache_flush(float* out, float seed) {{\n {decl}\n '
+              + "\n ".join(body) + f"\n if ({total} == 12345.0f) out[threadIdx.x] = {total};\n}}\n")
+    return cupy.RawKernel(source, "icache_flush")
+
+
+def main(rounds: int, trees: dict[str, Path], rows: list[str]) -> None:
+    flush = flush_kernel()
+    sink = cupy.zeros(1024, dtype=cupy.float32)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def evict() -> None:
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        flush((sms,), (128,), (sink, cupy.float32(1.0)), stream=stream)
+
+    for spec in rows:
+        row_text, cells_text = spec.split("=", 1)
+        work = make_workload(parse_row(row_text), 64, "causal", "bf16", l2_bytes(torch.cuda.current_device()))
+        cells = [tuple(cell.split("/", 1)) for cell in cells_text.split("|")]
+        warm: dict[tuple[str, str], list[float]] = {cell: [] for cell in cells}
+        cold: dict[tuple[str, str], list[float]] = {cell: [] for cell in cells}
+        alone: list[float] = []
+        for _ in range(rounds):
+            alone.append(measure(lambda s: evict(), work.sets).us)
+            for tree, variant in cells:
+                use_templates(trees[tree])
+                call = mlagen_call(work, None if variant == "dispatch" else parse_variant(variant))
+                warm[(tree, variant)].append(measure(call, work.sets).us)
+                cold[(tree, variant)].append(measure(lambda s, call=call: (evict(), call(s)), work.sets).us
+                                             - alone[-1])
+        print(f"{row_text:16s} {'flush kernel alone':64s} " + " ".join(f"{t:8.2f}" for t in alone), flush=True)
+        for cell in cells:
+            name = cell[0] + "/" + cell[1]
+            for label, us in (("warm", warm[cell]), ("cold", cold[cell])):
+                print(f"{row_text:16s} {name:64s} {label} " + " ".join(f"{t:8.2f}" for t in us)
+                      + f"   best {min(us):8.2f}", flush=True)
+        del work
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 4:
+        raise SystemExit(__doc__)
+    main(int(sys.argv[1]), {k: Path(v) for k, v in (t.split("=", 1) for t in sys.argv[2].split(","))}, sys.argv[3:])
