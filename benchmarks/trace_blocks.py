@@ -1,7 +1,8 @@
 """Per-block timeline of one launch of an mma kernel: when each block starts, when its first KV
-tile has landed, when its tile loop ends and when it is done (split blocks; a cluster split's
-blocks also when their cluster has staged its rows), or when its wait for the splits ends and
-when it is done (merge blocks).
+tile has landed, when it has the balanced split's work list, when it enters its first segment
+(its work found: the range lookups come before), when its tile loop ends and when it is done (split blocks;
+a cluster split's blocks also when their cluster has staged its rows), or when it enters the
+merge, when its wait for the splits ends and when it is done (merge blocks).
 
 Stamps (globaltimer at a block's start and end, clock64 between) are patched into the rendered
 source of this run only, at landmarks of templates/mma.cu.j2 and merge.cuh.j2 or of the cluster
@@ -31,16 +32,20 @@ from mlagen.spec import parse_variant
 from mlagen.testing import make_case
 from mlagen.validate import KernelPlan
 
-SLOTS, MAX_BLOCKS, GHZ = 8, 8192, 1.98
-START, TILE0, LOOP_END, MERGE_WAIT, DONE, CLUSTER_MET, END = 0, 2, 3, 4, 5, 6, 7   # slot 1: clock64 at start
+SLOTS, MAX_BLOCKS, GHZ = 10, 8192, 1.98
+START, TILE0, LOOP_END, MERGE_WAIT, DONE, CLUSTER_MET, END, ENTRY, WORK_LIST = 0, 2, 3, 4, 5, 6, 7, 8, 9   # 1: clock64
 HEADER = (f"__device__ unsigned long long mlagen_trace[{MAX_BLOCKS * SLOTS}];\n"
           "__device__ __forceinline__ unsigned long long tr_gt() {\n"
           "  unsigned long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"
           "#define TR_ID ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)\n"
           f"#define TR(k) do {{ if (threadIdx.x == 0) mlagen_trace[TR_ID * {SLOTS} + (k)] = "
-          f"(k) == {START} || (k) == {END} ? tr_gt() : clock64(); }} while (0)\n")
+          f"(k) == {START} || (k) == {END} ? tr_gt() : clock64(); }} while (0)\n"
+          f"#define TR_FIRST(k) do {{ if (threadIdx.x == 0 && !mlagen_trace[TR_ID * {SLOTS} + (k)]) "
+          f"mlagen_trace[TR_ID * {SLOTS} + (k)] = clock64(); }} while (0)\n")
 PATCHES = [   # (landmark, replacement): the first occurrence of each
-    (re.compile(r"(merge_block\(p(?:, wl)?\);)"), rf"{{ \1 TR({DONE}); TR({END}); }}"),   # the merge call
+    (re.compile(r"(merge_block\(p(?:, wl)?\);)"), rf"{{ TR({ENTRY}); \1 TR({DONE}); TR({END}); }}"),   # the merge call
+    ("  auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {\n",
+     f"  auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {{ TR_FIRST({ENTRY});\n"),
     ("__syncthreads();   // the partials thread 0 acquired",
      f"TR({MERGE_WAIT}); __syncthreads();   // the partials thread 0 acquired"),
     ("__syncthreads();                                      // tile kb landed; tile kb-1 fully used",
@@ -49,13 +54,18 @@ PATCHES = [   # (landmark, replacement): the first occurrence of each
     ("    if (!direct) count_split_done(p, b, x, splits);",
      f"    if (!direct) count_split_done(p, b, x, splits);\n    TR({DONE}); TR({END});"),
 ]
-CLUSTER_PATCHES = PATCHES[2:4] + [   # no merge blocks, no counter: the cluster barriers instead
+CLUSTER_PATCHES = [PATCHES[1], *PATCHES[3:5]] + [   # no merge blocks, no counter: the cluster barriers instead
     ("      cluster_sync();\n      constexpr int CR",
      f"      cluster_sync(); TR({CLUSTER_MET});\n      constexpr int CR"),
     ("      cluster_sync();\n    } else {", f"      cluster_sync(); TR({DONE}); TR({END});\n    }} else {{"),
 ]
 
 
+# Stamped where the kernel has one: a balanced split's work list computed (every block).
+OPTIONAL_PATCHES = [
+    ("  const WorkList wl = balanced_ranges(p, lane);",
+     f"  const WorkList wl = balanced_ranges(p, lane); TR({WORK_LIST});"),
+]
 SEESAW_MARK = "s < 4 ? 1 : 128"   # the seesaw's mbarrier set-up (templates/mma.cu.j2)
 
 
@@ -65,7 +75,7 @@ def patch(source: str) -> str:
     source = source[:start] + f"  TR({START}); TR(1);\n" + source[start:]
     seesaw = SEESAW_MARK in source
     for landmark, replacement in CLUSTER_PATCHES if "cluster_sync();" in source else PATCHES:
-        if seesaw and landmark == PATCHES[2][0]:
+        if seesaw and landmark == PATCHES[3][0]:
             continue                    # the seesaw's tile loop has no such barrier: tile 0 shows as nan
         if isinstance(landmark, re.Pattern):     # the merge call, whose arguments differ by split
             source, found = landmark.subn(replacement, source, count=1)
@@ -74,6 +84,8 @@ def patch(source: str) -> str:
             source = source.replace(landmark, replacement, 1)
         if not found:
             raise SystemExit(f"landmark not found (the template changed): {landmark!r}")
+    for landmark, replacement in OPTIONAL_PATCHES:
+        source = source.replace(landmark, replacement, 1)
     return HEADER + source
 
 
@@ -129,7 +141,8 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
         return (r[k] - r[1]) / (GHZ * 1e3) if r[k] else float("nan")
 
     print(loaded.plan.name, "blocks", len(rows))
-    print("kind  block  start  wall | split: tile 0 landed, loop end, [cluster staged,] done | merge: wait over, done"
+    print("kind  block  start  wall | split: entry, tile 0 landed, loop end, [cluster staged,] done | merge: entry, "
+          "wait over, done"
           "  (µs; start and wall from globaltimer, the rest from block start)")
     lines = []
     for i, r in rows:
@@ -138,15 +151,16 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
             continue                    # a spare merge-slab block: exits at once
         merge = bool(r[MERGE_WAIT])
         met = f" {us(r, CLUSTER_MET):6.2f}" if r[CLUSTER_MET] else ""
-        phases = (f"{'':24}| {us(r, MERGE_WAIT):6.2f} {us(r, DONE):6.2f}" if merge else
-                  f"{us(r, TILE0):6.2f} {us(r, LOOP_END):6.2f}{met} {us(r, DONE):6.2f}  |")
+        phases = (f"{'':31}| {us(r, ENTRY):6.2f} {us(r, MERGE_WAIT):6.2f} {us(r, DONE):6.2f}" if merge else
+                  f"{us(r, ENTRY):6.2f} {us(r, TILE0):6.2f} {us(r, LOOP_END):6.2f}{met} {us(r, DONE):6.2f}  |")
         lines.append((merge, (r[START] - t0) / 1e3, f"{'merge' if merge else 'split'} {i:5d} "
                                                      f"{(r[START] - t0) / 1e3:6.2f} {wall:5.2f} | {phases}"))
     for *_, text in sorted(lines):
         print(text)
     span = max((r[END] - t0) / 1e3 for _, r in rows)
     print(f"launch span (first block start to last block end): {span:.2f} µs")
-    for kind, stamps in (("split", (LOOP_END, DONE)), ("merge", (MERGE_WAIT, DONE))):
+    for kind, stamps in (("split", (WORK_LIST, ENTRY, LOOP_END, DONE)),
+                         ("merge", (WORK_LIST, ENTRY, MERGE_WAIT, DONE))):
         mine = [r for _, r in rows if bool(r[MERGE_WAIT]) == (kind == "merge") and (r[END] - r[START]) >= 300]
         if not mine:
             continue

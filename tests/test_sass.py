@@ -295,12 +295,13 @@ def test_block_trace_patch_compiles_for_the_split_kernels():
     from mlagen.codegen import render
     from mlagen.compiler import compile_source
 
-    for name, stamps in (("mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a", 10), ("mma_ht32_qt2_bn64_w8_st2_spa_sm90a", 10),
+    for name, stamps in (("mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a", 11), ("mma_ht32_qt2_bn64_w8_st2_spa_sm90a", 11),
                          ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 8),
-                         ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 9)):   # the seesaw: no tile-0 stamp
+                         ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 11)):   # the seesaw: no tile-0 stamp
         plan = _built(name).plan
         source = trace_blocks.patch(render(plan))
         assert source.count("TR(") == stamps
+        assert source.count("TR_FIRST(") == 2          # its definition, and the segment's entry
         module = compile_source(source, plan.name, plan.arch.name)
         assert all(not r.spills for r in module.resources.values())
 
