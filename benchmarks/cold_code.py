@@ -1,5 +1,5 @@
 """Graph replay with the SMs' instruction caches cold: each call behind a kernel that runs
-~256 KB of straight-line code on every SM, timed as (that kernel + the call) - that kernel.
+~240 KB of straight-line code on every SM, timed as (that kernel + the call) - that kernel.
 
 `mlagen bench` replays the same kernel back to back, so from the second call on its code sits
 in every SM's instruction caches. In a model the attention kernel runs between other layers'

@@ -127,18 +127,14 @@ def traced_blocks(loaded, call: Callable[[], None], warm: bool = False) -> list[
     an untraced launch on the same inputs, as each call of a graph replay follows the last."""
     trace = device_array(loaded, "mlagen_trace", (MAX_BLOCKS, SLOTS))
     if warm:
-        call()
+        call()                          # the launch before, untraced
+    else:
+        # Inputs out of the L2 by reading (not writing) a buffer twice its size: a write would
+        # leave dirty lines whose write-back then competes with the traced launch's stores.
+        flush = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
-        trace[:] = 0
-        cupy.cuda.Device().synchronize()
-        call()
-        torch.cuda.synchronize()
-        return [(i, [int(x) for x in r]) for i, r in enumerate(trace.get()) if r[START]]
-    # Inputs out of the L2 by reading (not writing) a buffer twice its size: a write would leave
-    # dirty lines whose write-back then competes with the traced launch's stores.
-    flush = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+        flush.sum(dtype=torch.int64).item()
     torch.cuda.synchronize()
-    flush.sum(dtype=torch.int64).item()
     trace[:] = 0
     call()
     torch.cuda.synchronize()
