@@ -18,6 +18,7 @@ its best.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from mlagen import codegen, launch, runtime
 from mlagen.grids import parse_row
 from mlagen.spec import parse_variant
 from mlagen.timing import l2_bytes, measure
-from mlagen.workload import make_workload, mlagen_call
+from mlagen.workload import InputSet, Workload, make_workload, mlagen_call
 
 
 def use_templates(tree: Path) -> None:
@@ -39,25 +40,47 @@ def use_templates(tree: Path) -> None:
     runtime._calls.clear()
 
 
+Cell = tuple[str, str]   # (tree label, variant name or "dispatch")
+
+
+def row_cells(spec: str) -> tuple[str, Workload, list[Cell]]:
+    """'H,B,S,prefix=tree/variant|...': the row's text, its workload (the bench's) and its cells."""
+    row_text, cells_text = spec.split("=", 1)
+    work = make_workload(parse_row(row_text), 64, "causal", "bf16", l2_bytes(torch.cuda.current_device()))
+    return row_text, work, [tuple(cell.split("/", 1)) for cell in cells_text.split("|")]
+
+
+def cell_call(work: Workload, trees: dict[str, Path], cell: Cell) -> Callable[[InputSet], object]:
+    """The cell's call on `work`, rendered from its tree's templates."""
+    tree, variant = cell
+    use_templates(trees[tree])
+    return mlagen_call(work, None if variant == "dispatch" else parse_variant(variant))
+
+
+def print_times(row_text: str, name: str, us: list[float], label: str = "") -> None:
+    print(f"{row_text:16s} {name:64s} {label}" + " ".join(f"{t:8.2f}" for t in us)
+          + f"   best {min(us):8.2f}", flush=True)
+
+
+def parse_args(argv: list[str]) -> tuple[int, dict[str, Path], list[str]]:
+    """ROUNDS LABEL=DIR,... ROW=CELLS...; the usage (the calling script's docstring) otherwise."""
+    if len(argv) < 4:
+        raise SystemExit(sys.modules["__main__"].__doc__)
+    return int(argv[1]), {k: Path(v) for k, v in (t.split("=", 1) for t in argv[2].split(","))}, argv[3:]
+
+
 def main(rounds: int, trees: dict[str, Path], rows: list[str]) -> None:
     for spec in rows:
-        row_text, cells_text = spec.split("=", 1)
-        work = make_workload(parse_row(row_text), 64, "causal", "bf16", l2_bytes(torch.cuda.current_device()))
-        cells = [tuple(cell.split("/", 1)) for cell in cells_text.split("|")]
-        times: dict[tuple[str, str], list[float]] = {cell: [] for cell in cells}
+        row_text, work, cells = row_cells(spec)
+        times: dict[Cell, list[float]] = {cell: [] for cell in cells}
         for _ in range(rounds):
-            for tree, variant in cells:
-                use_templates(trees[tree])
-                call = mlagen_call(work, None if variant == "dispatch" else parse_variant(variant))
-                times[(tree, variant)].append(measure(call, work.sets).us)
+            for cell in cells:
+                times[cell].append(measure(cell_call(work, trees, cell), work.sets).us)
         for (tree, variant), us in times.items():
-            print(f"{row_text:16s} {tree + '/' + variant:64s} " + " ".join(f"{t:8.2f}" for t in us)
-                  + f"   best {min(us):8.2f}", flush=True)
+            print_times(row_text, tree + "/" + variant, us)
         del work
         torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 4:
-        raise SystemExit(__doc__)
-    main(int(sys.argv[1]), {k: Path(v) for k, v in (t.split("=", 1) for t in sys.argv[2].split(","))}, sys.argv[3:])
+    main(*parse_args(sys.argv))

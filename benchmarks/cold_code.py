@@ -20,12 +20,9 @@ from pathlib import Path
 
 import cupy
 import torch
-from ab_trees import use_templates
+from ab_trees import Cell, cell_call, parse_args, print_times, row_cells
 
-from mlagen.grids import parse_row
-from mlagen.spec import parse_variant
-from mlagen.timing import l2_bytes, measure
-from mlagen.workload import make_workload, mlagen_call
+from mlagen.timing import measure
 
 CHAINS, STEPS = 4, 2048          # ~15K instructions, ~240 KB of SASS (FFMAs and the MOVs of their constants)
 
@@ -52,35 +49,27 @@ def main(rounds: int, trees: dict[str, Path], rows: list[str]) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def evict() -> None:
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())   # the capture stream too
         flush((sms,), (128,), (sink, cupy.float32(1.0)), stream=stream)
 
     for spec in rows:
-        row_text, cells_text = spec.split("=", 1)
-        work = make_workload(parse_row(row_text), 64, "causal", "bf16", l2_bytes(torch.cuda.current_device()))
-        cells = [tuple(cell.split("/", 1)) for cell in cells_text.split("|")]
-        warm: dict[tuple[str, str], list[float]] = {cell: [] for cell in cells}
-        cold: dict[tuple[str, str], list[float]] = {cell: [] for cell in cells}
+        row_text, work, cells = row_cells(spec)
+        warm: dict[Cell, list[float]] = {cell: [] for cell in cells}
+        cold: dict[Cell, list[float]] = {cell: [] for cell in cells}
         alone: list[float] = []
         for _ in range(rounds):
             alone.append(measure(lambda s: evict(), work.sets).us)
-            for tree, variant in cells:
-                use_templates(trees[tree])
-                call = mlagen_call(work, None if variant == "dispatch" else parse_variant(variant))
-                warm[(tree, variant)].append(measure(call, work.sets).us)
-                cold[(tree, variant)].append(measure(lambda s, call=call: (evict(), call(s)), work.sets).us
-                                             - alone[-1])
+            for cell in cells:
+                call = cell_call(work, trees, cell)
+                warm[cell].append(measure(call, work.sets).us)
+                cold[cell].append(measure(lambda s, call=call: (evict(), call(s)), work.sets).us - alone[-1])
         print(f"{row_text:16s} {'flush kernel alone':64s} " + " ".join(f"{t:8.2f}" for t in alone), flush=True)
         for cell in cells:
-            name = cell[0] + "/" + cell[1]
-            for label, us in (("warm", warm[cell]), ("cold", cold[cell])):
-                print(f"{row_text:16s} {name:64s} {label} " + " ".join(f"{t:8.2f}" for t in us)
-                      + f"   best {min(us):8.2f}", flush=True)
+            print_times(row_text, cell[0] + "/" + cell[1], warm[cell], "warm ")
+            print_times(row_text, cell[0] + "/" + cell[1], cold[cell], "cold ")
         del work
         torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 4:
-        raise SystemExit(__doc__)
-    main(int(sys.argv[1]), {k: Path(v) for k, v in (t.split("=", 1) for t in sys.argv[2].split(","))}, sys.argv[3:])
+    main(*parse_args(sys.argv))
