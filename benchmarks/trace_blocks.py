@@ -65,9 +65,8 @@ CLUSTER_PATCHES = [PATCHES[1], *PATCHES[3:5]] + [   # no merge blocks, no counte
 
 
 # Stamped where the kernel has one: a balanced split's work list computed (every block).
-OPTIONAL_PATCHES = [
-    ("  const WorkList wl = balanced_ranges(p, lane);",
-     f"  const WorkList wl = balanced_ranges(p, lane); TR({WORK_LIST});"),
+OPTIONAL_PATCHES = [   # (v50 passes the lanes' tiles too)
+    (re.compile(r"(  const WorkList wl = balanced_ranges\(p, (?:lt, )?lane\);)"), rf"\1 TR({WORK_LIST});"),
 ]
 SEESAW_MARK = "s < 4 ? 1 : 128"   # the seesaw's mbarrier set-up (templates/mma.cu.j2)
 
@@ -88,7 +87,7 @@ def patch(source: str) -> str:
         if not found:
             raise SystemExit(f"landmark not found (the template changed): {landmark!r}")
     for landmark, replacement in OPTIONAL_PATCHES:
-        source = source.replace(landmark, replacement, 1)
+        source = landmark.sub(replacement, source, count=1)
     return HEADER + source
 
 

@@ -49,9 +49,11 @@ class WorkList:
         t, start = self.tiles[b], self.start(b)
         if t == 0:
             return range(0)
-        if self.aligned:
+        if self.aligned:                    # range j of k: t // k tiles, one more while j < t % k
             k, j = _ceil(t, self.aligned), (u0 - start) // self.per
-            return range(j * t // k, (j + 1) * t // k)
+            q, r = divmod(t, k)
+            t0 = j * q + min(j, r)
+            return range(t0, t0 + q + (j < r))
         at = start + self.cost
         return range(max(u0, at) - at, min(u1, at + t) - at)
 

@@ -420,11 +420,40 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 // balanced kernels lost their uniform-register tile loops and spilled: NOTES v46.)
 __device__ __forceinline__ int warp_sum_uniform(int x) { return __reduce_add_sync(0xffffffffu, x); }
 __device__ __forceinline__ int warp_max_uniform(int x) { return __reduce_max_sync(0xffffffffu, x); }
+// Unsigned throughout: a signed division by a run-time value took ~25 dependent instructions,
+// an unsigned one ~15, and ~7 once its divisor's reciprocal is hoisted (NOTES v50).
+__device__ __forceinline__ int ceil_div(int a, int d) { return (int)(((unsigned)a + d - 1) / (unsigned)d); }
 __device__ __forceinline__ int request_tiles(const VerifyParams& p, int b) {
-  return (request_keys(p, b) + 64 - 1) / 64;
+  return ceil_div(request_keys(p, b), 64);
 }
 constexpr int SEGMENT_TILES = 3;
 constexpr int UNSPLIT_SLACK_TILES = 1;
+
+// The tiles of a lane's requests, lane + 32k for k < LANE_REQUESTS (0 past the batch), read once
+// with their loads in flight together: the work list's passes and lookups then run on registers,
+// where each pass re-read the lengths one request at a time (NOTES v50: the prologue was a chain
+// of ~800 dependent instructions a warp). Requests past 32 * LANE_REQUESTS are read again.
+constexpr int LANE_REQUESTS = 4;
+struct LaneRequests {
+  int v[LANE_REQUESTS];   // a value of request lane + 32k
+};
+
+__device__ __forceinline__ LaneRequests lane_tiles(const VerifyParams& p, int lane) {
+  LaneRequests lt;
+#pragma unroll
+  for (int k = 0; k < LANE_REQUESTS; ++k) lt.v[k] = lane + 32 * k < p.batch ? request_tiles(p, lane + 32 * k) : 0;
+  return lt;
+}
+
+// f(b, tiles of b) for each of this lane's requests b (and for the register slots past the batch,
+// with 0 tiles).
+template <class F>
+__device__ __forceinline__ void for_lane_requests(const VerifyParams& p, const LaneRequests& lt, int lane, F f) {
+#pragma unroll
+  for (int k = 0; k < LANE_REQUESTS; ++k) f(lane + 32 * k, lt.v[k]);
+#pragma unroll 1
+  for (int b = lane + 32 * LANE_REQUESTS; b < p.batch; b += 32) f(b, request_tiles(p, b));
+}
 
 struct WorkList {
   int total;   // the list's length in positions
@@ -433,45 +462,86 @@ struct WorkList {
 };
 
 // Ranges the aligned layout gives the requests when a range holds at most m tiles (every lane).
-__device__ __forceinline__ int aligned_ranges(const VerifyParams& p, int m, int lane) {
+__device__ __forceinline__ int aligned_ranges(const VerifyParams& p, const LaneRequests& lt, int m, int lane) {
   int n = 0;
-#pragma unroll 1
-  for (int b = lane; b < p.batch; b += 32) n += (int)(((unsigned)request_tiles(p, b) + m - 1) / (unsigned)m);
+  for_lane_requests(p, lt, lane, [&](int, int t) { n += ceil_div(t, m); });
   return warp_sum_uniform(n);
 }
 
-// Request b's positions in the work list: none without keys.
-__device__ __forceinline__ int request_span(const VerifyParams& p, const WorkList& wl, int b) {
-  const int t = request_tiles(p, b);
-  if (t == 0) return 0;
-  return wl.tiles ? (t + wl.tiles - 1) / wl.tiles * wl.per : SEGMENT_TILES + t;
+// Positions in the work list of a request with t tiles: none without keys.
+__device__ __forceinline__ int request_span(const WorkList& wl, int t) {
+  return wl.tiles ? ceil_div(t, wl.tiles) * wl.per : t + (t > 0 ? SEGMENT_TILES : 0);
 }
 
-// The request whose positions hold list position u (P_b <= u < P_b + span_b) and its P_b, or
-// (B, the list's length) when u is past the list. Every lane gets the answer; one request per
-// lane at a time.
-__device__ __forceinline__ void request_at(const VerifyParams& p, const WorkList& wl, int u, int lane, int* b_at,
-                                           int* start) {
-  int base = 0;
-#pragma unroll 1
-  for (int b0 = 0; b0 < p.batch; b0 += 32) {
-    const int t = b0 + lane < p.batch ? request_span(p, wl, b0 + lane) : 0;
-    int upto = t;                                         // inclusive scan over the lanes
+// The spans of a lane's register requests, the layout's branch taken once: per request, ptxas
+// branched on it and computed the divisor's reciprocal again, four times in a row.
+__device__ __forceinline__ LaneRequests lane_spans(const WorkList& wl, const LaneRequests& lt) {
+  LaneRequests s;
+  if (wl.tiles) {
 #pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, upto, d);
-      if (lane >= d) upto += v;
+    for (int k = 0; k < LANE_REQUESTS; ++k) s.v[k] = ceil_div(lt.v[k], wl.tiles) * wl.per;
+  } else {
+#pragma unroll
+    for (int k = 0; k < LANE_REQUESTS; ++k) s.v[k] = lt.v[k] + (lt.v[k] > 0 ? SEGMENT_TILES : 0);
+  }
+  return s;
+}
+
+// The inclusive scan of the spans s of requests b0 + lane: when list position u lies in one of
+// them, that request's (b, P_b, tiles) go to every lane and it returns true; otherwise `base`
+// (P_b0) moves past them.
+__device__ __forceinline__ bool find_in_chunk(int s, int t, int b0, int u, int lane, int* base, int* b_at,
+                                              int* start, int* tiles) {
+  int upto = s;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, upto, d);
+    if (lane >= d) upto += v;
+  }
+  const unsigned past = __ballot_sync(0xffffffffu, s > 0 && *base + upto > u);
+  if (!past) {
+    *base += __shfl_sync(0xffffffffu, upto, 31);
+    return false;
+  }
+  const int j = __ffs(past) - 1;
+  *b_at = b0 + j;
+  *start = *base + __shfl_sync(0xffffffffu, upto - s, j);
+  *tiles = __shfl_sync(0xffffffffu, t, j);
+  return true;
+}
+
+// The request whose positions hold list position u (P_b <= u < P_b + span_b), its P_b and its
+// tiles, or (B, the list's length, 0) when u is past the list. Every lane gets the answer. The
+// register chunks' sums go out together, and only the chunk that holds u is scanned.
+__device__ __forceinline__ void request_at(const VerifyParams& p, const WorkList& wl, const LaneRequests& lt,
+                                           int u, int lane, int* b_at, int* start, int* tiles) {
+  const LaneRequests s = lane_spans(wl, lt);
+  int sums[LANE_REQUESTS];
+#pragma unroll
+  for (int k = 0; k < LANE_REQUESTS; ++k) sums[k] = warp_sum_uniform(s.v[k]);
+  int base = 0, chunk = LANE_REQUESTS, s_at = 0, t_at = 0;
+#pragma unroll
+  for (int k = 0; k < LANE_REQUESTS; ++k) {
+    if (chunk < LANE_REQUESTS) continue;
+    if (base + sums[k] > u) {
+      chunk = k;
+      s_at = s.v[k];
+      t_at = lt.v[k];
+    } else {
+      base += sums[k];
     }
-    const unsigned past = __ballot_sync(0xffffffffu, t > 0 && base + upto > u);
-    if (past) {
-      const int j = __ffs(past) - 1;
-      *b_at = b0 + j;
-      *start = base + __shfl_sync(0xffffffffu, upto - t, j);
-      return;
-    }
-    base += __shfl_sync(0xffffffffu, upto, 31);
   }
   *b_at = p.batch;
+  *tiles = 0;
+  if (chunk < LANE_REQUESTS) {
+    find_in_chunk(s_at, t_at, 32 * chunk, u, lane, &base, b_at, start, tiles);
+    return;
+  }
+#pragma unroll 1
+  for (int b0 = 32 * LANE_REQUESTS; b0 < p.batch; b0 += 32) {
+    const int t = b0 + lane < p.batch ? request_tiles(p, b0 + lane) : 0;
+    if (find_in_chunk(request_span(wl, t), t, b0, u, lane, &base, b_at, start, tiles)) return;
+  }
   *start = base;
 }
 
@@ -480,63 +550,68 @@ __device__ __forceinline__ void request_at(const VerifyParams& p, const WorkList
 // rows, no merge); packed otherwise. A kernel computes it once, before its split and merge blocks
 // part ways: a second inlined copy ahead of the seesaw's tile loop pushed that loop further past
 // the kernel's first 64 KB, where its warps stalled on instruction fetch (NOTES v47).
-__device__ __forceinline__ WorkList balanced_ranges(const VerifyParams& p, int lane) {
+__device__ __forceinline__ WorkList balanced_ranges(const VerifyParams& p, const LaneRequests& lt, int lane) {
   const int ranges = gridDim.y;
   int tiles = 0, busy = 0, longest = 0;                   // all requests' tiles, requests with keys, most tiles
-#pragma unroll 1
-  for (int b = lane; b < p.batch; b += 32) {
-    const int t = request_tiles(p, b);
+  for_lane_requests(p, lt, lane, [&](int, int t) {
     tiles += t;
     busy += t > 0;
     longest = max(longest, t);
-  }
+  });
   tiles = warp_sum_uniform(tiles);
   busy = warp_sum_uniform(busy);
   longest = warp_max_uniform(longest);
-  const int total = tiles + SEGMENT_TILES * busy, per = (total + ranges - 1) / ranges;
+  const int total = tiles + SEGMENT_TILES * busy, per = ceil_div(total, ranges);
   const WorkList packed = {total, per, 0};
   if (tiles == 0 || busy > ranges) return packed;
-  int m = longest;                                        // one range a request: fits, as busy <= ranges
-  if (aligned_ranges(p, per, lane) <= ranges) {
-    int lo = (tiles + ranges - 1) / ranges, hi = per;     // ranges * M >= tiles: no fewer than lo
+  int m = longest, used = busy;                           // one range a request: fits, as busy <= ranges
+  const int at_per = aligned_ranges(p, lt, per, lane);
+  if (at_per <= ranges) {
+    int lo = ceil_div(tiles, ranges), hi = per;           // ranges * M >= tiles: no fewer than lo
+    used = at_per;                                        // the ranges that hi takes
     while (lo < hi) {                                     // the fewest that fit; hi always does
-      const int mid = (lo + hi) / 2;
-      if (aligned_ranges(p, mid, lane) <= ranges) hi = mid; else lo = mid + 1;
+      const int mid = (lo + hi) / 2, n = aligned_ranges(p, lt, mid, lane);
+      if (n <= ranges) {
+        hi = mid;
+        used = n;
+      } else {
+        lo = mid + 1;
+      }
     }
     m = hi;
   } else if (longest > per + UNSPLIT_SLACK_TILES) {
     return packed;
   }
-  return {aligned_ranges(p, m, lane) * (SEGMENT_TILES + m), SEGMENT_TILES + m, m};
+  return {used * (SEGMENT_TILES + m), SEGMENT_TILES + m, m};
 }
 
-// The ranges that meet request b's tiles, its positions starting at `start`: the first, and how
+// The ranges that meet a request of t tiles whose positions start at `start`: the first, and how
 // many (its row groups' splits; 0 for a request without keys). A packed range that meets only
 // the request's first C positions runs none of it.
-__device__ __forceinline__ void request_splits(const VerifyParams& p, const WorkList& wl, int b, int start,
-                                               int* first, int* count) {
-  const int t = request_tiles(p, b);
+__device__ __forceinline__ void request_splits(const WorkList& wl, int t, int start, int* first, int* count) {
   if (t == 0) {
     *first = *count = 0;
   } else if (wl.tiles) {
-    *first = start / wl.per;
-    *count = (t + wl.tiles - 1) / wl.tiles;
+    *first = (int)((unsigned)start / (unsigned)wl.per);
+    *count = ceil_div(t, wl.tiles);
   } else {
     const int t0 = start + SEGMENT_TILES;
-    *first = t0 / wl.per;
-    *count = (t0 + t - 1) / wl.per - *first + 1;
+    *first = (int)((unsigned)t0 / (unsigned)wl.per);
+    *count = (int)((unsigned)(t0 + t - 1) / (unsigned)wl.per) - *first + 1;
   }
 }
 
-// Tiles [*t0, *t1) of request b (t tiles, positions from `start`) that range [u0, u1) runs;
-// empty when the range does not meet them.
+// Tiles [*t0, *t1) of a request (t tiles, positions from `start`) that range [u0, u1) runs; empty
+// when the range does not meet them. An aligned request's k ranges share its tiles evenly: range j
+// takes t / k, and one more while j < t % k (no product j * t that could pass 2^31).
 __device__ __forceinline__ void range_tiles(const WorkList& wl, int t, int start, int u0, int u1, int* t0, int* t1) {
   if (t == 0) {
     *t0 = *t1 = 0;
-  } else if (wl.tiles) {                                 // range j of the request's k: an even share
-    const int k = (t + wl.tiles - 1) / wl.tiles, j = (u0 - start) / wl.per;
-    *t0 = j * t / k;
-    *t1 = (j + 1) * t / k;
+  } else if (wl.tiles) {
+    const unsigned k = ceil_div(t, wl.tiles), j = (unsigned)(u0 - start) / (unsigned)wl.per;
+    const unsigned q = (unsigned)t / k, r = (unsigned)t - q * k;
+    *t0 = (int)(j * q + min(j, r));
+    *t1 = *t0 + (int)q + (j < r);
   } else {
     const int at = start + SEGMENT_TILES;
     *t0 = (u0 > at ? u0 : at) - at;
@@ -619,10 +694,17 @@ __device__ void merge_block(const VerifyParams& p, const WorkList& wl) {
   const int part = (int)(f / groups), g = (int)(f % groups);
   const int x = g % gx, b = g / gx;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int start = 0, first, splits;
+  // Its request's positions start after the spans of the requests before it: one warp sum. The
+  // lengths are read here again, not kept from the work list's pass: in the seesaw this runs
+  // after the tile loop, which has no registers to hold them.
+  const int t = request_tiles(p, b);
+  const LaneRequests s = lane_spans(wl, lane_tiles(p, lane));
+  int before = 0, first, splits;
+#pragma unroll
+  for (int k = 0; k < LANE_REQUESTS; ++k) before += lane + 32 * k < b ? s.v[k] : 0;
 #pragma unroll 1
-  for (int k = lane; k < b; k += 32) start += request_span(p, wl, k);
-  request_splits(p, wl, b, warp_sum_uniform(start), &first, &splits);
+  for (int k = lane + 32 * LANE_REQUESTS; k < b; k += 32) before += request_span(wl, request_tiles(p, k));
+  request_splits(wl, t, warp_sum_uniform(before), &first, &splits);
   if (splits == 1) return;                              // its one split block wrote it directly
   const int slot0 = first + b;                          // its ranges' workspace slots (the work list above)
   const int h0 = (x % 1) * 64;
@@ -944,7 +1026,8 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates
   // wnq through a lane-0 broadcast: the same value, but ptxas then knows it is warp-uniform.
   const int wmq = warp % WMQ, wnq = __shfl_sync(0xffffffffu, warp / WMQ, 0);   // wgmma: wnq is the warpgroup
-  const WorkList wl = balanced_ranges(p, lane);         // once, for the merge and the split blocks alike
+  const LaneRequests lt = lane_tiles(p, lane);             // the requests' tiles, for the work list and the range's lookup
+  const WorkList wl = balanced_ranges(p, lt, lane);     // once, for the merge and the split blocks alike
   // One mbarrier per KV stage; tiles_done counts this block's tiles over its segments, so tile
   // k (in that count) uses stage k % STAGES and completes phase k / STAGES % 2 of its mbarrier.
   unsigned long long* sFull = sBits + 64;                                 // (6,) after the tree-mask rows
@@ -1340,19 +1423,22 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   // warps stalled on instruction fetch three times as often (benchmarks/NOTES.md, v47 and v48).
   // (The lockstep kernels' loops are short, 13 KB; the mma.sync ones have no registers to spare.)
   const bool merging = blockIdx.z >= merge_z0(p);
-  int b = 0, start = 0;                                   // wl: the kernel's work list
+  // (b, start, tiles): a request this range meets, its first position, its tiles. wl and lt: the
+  // kernel's work list and its lanes' tiles; after the first request the loop reads the lengths.
+  int b = p.batch, start = 0, tiles = 0;
   const int u0 = uniform(blockIdx.y * wl.per);
   const int u1 = merging ? u0 : uniform(u0 + wl.per < wl.total ? u0 + wl.per : wl.total);
-  if (u0 < u1) request_at(p, wl, u0, lane, &b, &start);
-  for (b = uniform(b), start = uniform(start); u0 < u1 && start < u1; ++b) {   // the requests this range meets
+  if (u0 < u1) request_at(p, wl, lt, u0, lane, &b, &start, &tiles);
+  for (b = uniform(b), start = uniform(start), tiles = uniform(tiles); u0 < u1 && start < u1;
+       tiles = ++b < p.batch ? uniform(request_tiles(p, b)) : 0) {   // the requests this range meets
     int first, splits, t0, t1;
-    request_splits(p, wl, b, start, &first, &splits);
-    range_tiles(wl, uniform(request_tiles(p, b)), start, u0, u1, &t0, &t1);
+    request_splits(wl, tiles, start, &first, &splits);
+    range_tiles(wl, tiles, start, u0, u1, &t0, &t1);
     if (t0 < t1) {                                        // the range meets its tiles (request_splits counts so)
       __syncthreads();                                    // the previous request's shared reads are done
       segment(b, blockIdx.x, uniform(t0), uniform(t1), uniform(blockIdx.y + b), splits == 1, uniform(splits));
     }
-    start += uniform(request_span(p, wl, b));
+    start += uniform(request_span(wl, tiles));
   }
   if (merging) merge_block(p, wl);
 }
