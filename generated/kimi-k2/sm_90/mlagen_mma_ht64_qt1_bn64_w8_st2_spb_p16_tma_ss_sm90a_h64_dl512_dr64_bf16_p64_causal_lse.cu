@@ -533,7 +533,7 @@ __device__ __forceinline__ void request_at(const VerifyParams& p, const WorkList
   }
   *b_at = p.batch;
   *tiles = 0;
-  if (chunk < LANE_REQUESTS) {
+  if (chunk < LANE_REQUESTS) {                            // its sum took the count past u: u lies in it
     find_in_chunk(s_at, t_at, 32 * chunk, u, lane, &base, b_at, start, tiles);
     return;
   }
