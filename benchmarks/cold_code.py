@@ -63,7 +63,7 @@ def main(rounds: int, trees: dict[str, Path], rows: list[str]) -> None:
                 call = cell_call(work, trees, cell)
                 warm[cell].append(measure(call, work.sets).us)
                 cold[cell].append(measure(lambda s, call=call: (evict(), call(s)), work.sets).us - alone[-1])
-        print(f"{row_text:16s} {'flush kernel alone':64s} " + " ".join(f"{t:8.2f}" for t in alone), flush=True)
+        print_times(row_text, "flush kernel alone", alone)
         for cell in cells:
             print_times(row_text, cell[0] + "/" + cell[1], warm[cell], "warm ")
             print_times(row_text, cell[0] + "/" + cell[1], cold[cell], "cold ")
