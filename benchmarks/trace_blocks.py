@@ -54,8 +54,8 @@ PATCHES = [   # (landmark, replacement): the first occurrence of each
     ("__syncthreads();                                      // tile kb landed; tile kb-1 fully used",
      f"__syncthreads(); if (kb == kb_begin) TR({TILE0});"),
     ("    // ---- epilogue: row sums", f"    TR({LOOP_END});\n    // ---- epilogue: row sums"),
-    ("    if (!direct) count_split_done(p, b, x, splits);",
-     f"    if (!direct) count_split_done(p, b, x, splits);\n    TR({DONE}); TR({END});"),
+    (re.compile(r"(    if \(!direct(?: && !in_pair)?\) count_split_done\([^\n]*;)"),   # (v52: a pair ends later)
+     rf"\1\n    TR({DONE}); TR({END});"),
 ]
 CLUSTER_PATCHES = [PATCHES[1], *PATCHES[3:5]] + [   # no merge blocks, no counter: the cluster barriers instead
     ("      cluster_sync();\n      constexpr int CR",
@@ -64,9 +64,12 @@ CLUSTER_PATCHES = [PATCHES[1], *PATCHES[3:5]] + [   # no merge blocks, no counte
 ]
 
 
-# Stamped where the kernel has one: a balanced split's work list computed (every block).
+# Stamped where the kernel has one: a balanced split's work list computed (every block), a pair's
+# merge done.
 OPTIONAL_PATCHES = [   # (v50 passes the lanes' tiles too)
     (re.compile(r"(  const WorkList wl = balanced_ranges\(p, (?:lt, )?lane\);)"), rf"\1 TR({WORK_LIST});"),
+    # a pair's merge after the range (v52): its block ends there, not at its count
+    (re.compile(r"(    end_pair<[^;]*;)"), rf"\1 TR({DONE}); TR({END});"),
 ]
 SEESAW_MARK = "s < 4 ? 1 : 128"   # the seesaw's mbarrier set-up (templates/mma.cu.j2)
 
@@ -79,7 +82,7 @@ def patch(source: str) -> str:
     for landmark, replacement in CLUSTER_PATCHES if "cluster_sync();" in source else PATCHES:
         if seesaw and landmark == PATCHES[3][0]:
             continue                    # the seesaw's tile loop has no such barrier: tile 0 shows as nan
-        if isinstance(landmark, re.Pattern):     # the merge call, whose arguments differ by split
+        if isinstance(landmark, re.Pattern):     # text that differs by split or kernel
             source, found = landmark.subn(replacement, source, count=1)
         else:
             found = landmark in source

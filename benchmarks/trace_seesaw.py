@@ -21,6 +21,7 @@ which is also stamped at each pair's start) and converts the clock64 deltas to Â
 
 from __future__ import annotations
 
+import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -41,15 +42,15 @@ class Schedule:
     """Where one paired schedule's stamps go. A step is ((warpgroup, event), landmark, label):
     stamped after the landmark by the first thread of that warpgroup, or of both when the
     warpgroup is None (code the two run alike: the stamp then reads `me`); each warpgroup's
-    steps, in the order listed, are its pair's sequence. A boundary step is (k, landmark,
-    label, stamp before it?), by thread 0 into the segment's last pair. A pair's stamps are
-    `events` slots: warpgroup w's event e at stride * w + e, the global timer at `global_slot`,
+    steps, in the order listed, are its pair's sequence. A boundary step is (k, landmark (text or
+    a pattern), label, stamp before it?), by thread 0 into the segment's last pair. A pair's
+    stamps are `events` slots: warpgroup w's event e at stride * w + e, the global timer at `global_slot`,
     boundary step k at boundary_slot + k. `pair` is the block's pair index so far (C), and
     `last_pair` that of the last pair before a segment's boundary; `extra` inserts code at
     landmarks (landmark, code, before it?), e.g. a pair counter."""
 
     steps: tuple[tuple[tuple[int | None, int], str, str], ...]
-    boundary: tuple[tuple[int, str, str, bool], ...]
+    boundary: tuple[tuple[int, str | re.Pattern, str, bool], ...]
     stride: int
     global_slot: int
     boundary_slot: int
@@ -80,11 +81,15 @@ class Schedule:
         )
 
 
-# Boundary steps 2 and 3 of both templates: a split segment ends through merge.cuh.j2's
-# count_split_done, after its rows are stored.
+# The seesaw's boundary step 1: the barrier after its rows are staged, before they are ended (or,
+# in a 16-bit kernel's pair, kept for after the range). Steps 2 and 3 of both templates: a split
+# segment ends through merge.cuh.j2's count_split_done, after its rows are stored.
+STAGED = re.compile(r"      __syncthreads\(\);\n      "
+                    r"(?:for \(int row = warp; row < ROWS; row \+= WARPS\) \{|if \(in_pair\))")
+COUNT = re.compile(r"    if \(!direct(?: && !in_pair)?\) count_split_done\(")
 RELEASE = (
-    (2, "    if (!direct) count_split_done(p, b, x, splits);\n", "rows stored (issued)", True),
-    (3, "    if (!direct) count_split_done(p, b, x, splits);\n", "released (fence, count)", False),
+    (2, COUNT, "rows stored (issued)", True),
+    (3, COUNT, "released (fence, count)", False),
 )
 
 # The seesaw (templates/mma_seesaw.cuh.j2): each warpgroup's own code, all of it.
@@ -114,7 +119,7 @@ SEESAW = Schedule(
     boundary=(
         (0, "    cp_async_commit();\n    cp_async_wait<0>();\n    __syncthreads();\n", "epilogue begun (synced)",
          False),
-        (1, "      __syncthreads();\n      for (int row = warp; row < ROWS; row += WARPS) {\n", "rows staged", True),
+        (1, STAGED, "rows staged", True),
         *RELEASE,
         (4, "    __syncthreads();                                        // Q and the tree-mask rows\n",
          "next segment: Q landed", False),
@@ -171,13 +176,15 @@ def schedule_of(variant: Variant) -> Schedule | None:
     return SEESAW if variant.seesaw else TRANSPOSED if variant.transposed else None
 
 
-def _insert(source: str, landmark: str, code: str, before: bool) -> str:
-    if source.count(landmark) != 1:
+def _insert(source: str, landmark: str | re.Pattern, code: str, before: bool) -> str:
+    """`code` inserted at `landmark` (text, or a pattern matching once), or after the line it ends in."""
+    pattern = landmark if isinstance(landmark, re.Pattern) else re.compile(re.escape(landmark))
+    found = list(pattern.finditer(source))
+    if len(found) != 1:
         raise SystemExit(f"landmark not found once (the template changed): {landmark!r}")
-    at = source.index(landmark)
+    at, end = found[0].start(), found[0].end()
     if not before:
-        end = at + len(landmark)
-        at = end if landmark.endswith("\n") else source.index("\n", end - 1) + 1
+        at = end if source[end - 1] == "\n" else source.index("\n", end - 1) + 1
     return source[:at] + code + source[at:]
 
 

@@ -101,7 +101,7 @@ def _wgmma_variant(heads: int, schedule: str = "wgmma", kv_split: int | str = "a
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="wgmma needs a compute capability 9.0 GPU (sm_90a)")
 @given(shape=shapes(max_work=4e9), schedule=st.sampled_from(list(SCHEDULES)),
-       kv_split=st.sampled_from(["adaptive", 1, 3, 16, "balanced"]), part16=st.booleans(), tma=st.booleans(),
+       kv_split=st.sampled_from(["adaptive", 1, 2, 3, 16, "balanced"]), part16=st.booleans(), tma=st.booleans(),
        seesaw=st.booleans())
 def test_wgmma_schedules_match_reference(shape, schedule, kv_split, part16, tma, seesaw):
     lse = shape.pop("lse")
@@ -168,14 +168,17 @@ def test_transposed_tile_is_bitwise_repeatable(name, page_size):
                                   "mma_ht16_qt4_bn64_w8_st2_spb_p16_tr_sm90a"])
 @pytest.mark.parametrize("prefixes,ranges,aligned", [
     ([3000, 700, 0, 2500, 1300], 16, 8), ([3000, 700, 0, 2500, 1300], 5, 0),
-    ([1500] * 5, 16, 8), ([1500] * 5, 7, 0),
-], ids=["ragged-aligned", "ragged-packed", "equal-aligned", "equal-packed"])
+    ([1500] * 5, 16, 8), ([1500] * 5, 7, 0), ([1500] * 5, 10, 12), ([3000, 700, 0, 2500, 1300], 12, 11),
+], ids=["ragged-aligned", "ragged-packed", "equal-aligned", "equal-packed", "equal-pairs", "ragged-mixed"])
 def test_balanced_split_layouts_match_reference(name, prefixes, ranges, aligned):
     """Both layouts of the balanced work list (templates/merge.cuh.j2) on the lockstep, seesaw and
     transposed kernels, with the launch's ranges pinned so that the lengths below take the one
     asked for (tests/balanced_worklist.py says which): aligned, every range inside one request,
     its tiles shared evenly; packed, ranges crossing from one request into the next. Ragged
     requests (one without keys), and requests of equal length as the bench's rows have them.
+    Aligned requests split in two (every one in "equal-pairs", one among 1, 4 and 5 splits in
+    "ragged-mixed") end through the pair merge on the 16-bit lockstep and seesaw kernels; packed
+    ones through the merge blocks.
     Tree-masked; run twice, bitwise the same."""
     from balanced_worklist import work_list
 
@@ -406,12 +409,13 @@ def test_tma_descriptor_under_capture_and_across_streams():
         assert_matches(out, lse, case)
 
 
-@pytest.mark.parametrize("kv_split", [5, "balanced"])
+@pytest.mark.parametrize("kv_split", [5, "balanced", "pair"])
 def test_split_merge_across_calls_streams_and_graphs(kv_split):
-    """The merge blocks' counters: left at zero by every launch (repeat calls), per stream
-    (concurrent streams), and per graph (two graphs replayed at once on two streams)."""
-    split = Variant(family="mma", head_tile=16, q_tile=2, block_n=64, warps=8, stages=2, kv_split=kv_split,
-                    arch=_arch())
+    """The merge's counters: left at zero by every launch (repeat calls), per stream (concurrent
+    streams), and per graph (two graphs replayed at once on two streams). "pair": a split of two
+    with 16-bit partials, whose second block merges (its tickets and its reset of the counter)."""
+    split = Variant(family="mma", head_tile=16, q_tile=2, block_n=64, warps=8, stages=2,
+                    kv_split=2 if kv_split == "pair" else kv_split, part16=kv_split == "pair", arch=_arch())
     cases = [make_case(batch=3, seqlen_q=5, heads=16, prefixes=[3000, 700, 0], page_size=64,
                        mask="tree", empty=[False, False, True], seed=s) for s in (11, 12)]
 
@@ -453,13 +457,14 @@ def test_split_merge_across_calls_streams_and_graphs(kv_split):
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-@pytest.mark.parametrize("kv_split", [None, 5, "balanced", "exchange"])
+@pytest.mark.parametrize("kv_split", [None, 5, "balanced", "pair", "exchange"])
 def test_back_to_back_launches_read_what_the_previous_one_wrote(kv_split, pdl, monkeypatch, request):
     """Each call's out is the next call's q (its first Dl dims, NaN before), so a launch that
     read its inputs before the previous kernel finished would read NaN: with programmatic
     dependent launch (MLAGEN_PDL=1, sm_90+; a P exchange's launches under graph capture always)
     the kernels must wait for it. Eagerly and inside a CUDA graph; with a split the calls also
-    share the workspace and the counters the previous launch's merge blocks reset."""
+    share the workspace and the counters that the previous launch's merge blocks (or a pair's
+    second block) reset."""
     from mlagen import launch, runtime
 
     if pdl and torch.cuda.get_device_capability()[0] < 9:
@@ -475,8 +480,9 @@ def test_back_to_back_launches_read_what_the_previous_one_wrote(kv_split, pdl, m
                           cluster=True, p_exchange=True, arch="sm_90a")
         prefixes = [400, 30]
     else:
-        variant = None if kv_split is None else Variant(family="mma", head_tile=16, q_tile=2, block_n=64, warps=8,
-                                                           stages=2, kv_split=kv_split, arch=_arch())
+        variant = None if kv_split is None else Variant(
+            family="mma", head_tile=16, q_tile=2, block_n=64, warps=8, stages=2,
+            kv_split=2 if kv_split == "pair" else kv_split, part16=kv_split == "pair", arch=_arch())
         prefixes = [2500, 300]
     cases = [make_case(batch=2, seqlen_q=5, heads=16, prefixes=prefixes, page_size=64, mask="causal", seed=s)
              for s in (21, 22, 23)]

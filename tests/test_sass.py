@@ -116,12 +116,14 @@ def test_cluster_split_combines_in_shared_memory():
 
 def test_part16_rows_move_in_16_byte_pieces():
     """part16: the epilogue stages each row as 16-bit values and copies it out in 16-byte
-    stores (no 8-byte fp32 pieces); the cluster combine reads half the bytes of an fp32 one
-    through the window and stores 8 output values at a time."""
+    stores (no 8-byte fp32 pieces), and the merges read partial rows in 16-byte loads; the
+    cluster combine reads half the bytes of an fp32 one through the window and stores 8 output
+    values at a time."""
     _needs_nvdisasm()
     text = _main_sass("mma_ht64_qt1_bn64_w8_st2_spa_p16_sm90a")
     assert re.search(r"\bSTG\.E\.128\b", text) and not re.search(r"\bSTS\.64\b", text)
-    assert len(re.findall(r"\bLDG\.E\.128\.STRONG\.GPU\b", text)) == 24    # the merge: 6 + 6 rows of 2 loads a lane
+    # the merge blocks: 6 + 6 rows of 2 loads a lane; a pair's merge: 4 rows (PAIR_BATCH) of 2
+    assert len(re.findall(r"\bLDG\.E\.128\.STRONG\.GPU\b", text)) == 24 + 8
     fp32 = _main_sass("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a")
     half = _main_sass("mma_ht64_qt1_bn64_w8_st2_sp4_cl_p16_sm90a")
     assert 2 * half.count("LD.E.128") == fp32.count("LD.E.128")
@@ -297,7 +299,8 @@ def test_block_trace_patch_compiles_for_the_split_kernels():
 
     for name, stamps in (("mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a", 11), ("mma_ht32_qt2_bn64_w8_st2_spa_sm90a", 11),
                          ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 8),
-                         ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 11)):   # the seesaw: no tile-0 stamp
+                         ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 13)):   # the seesaw: no tile-0 stamp;
+        # 16-bit rows: a pair's merge done (2 more)
         plan = _built(name).plan
         source = trace_blocks.patch(render(plan))
         assert source.count("TR(") == stamps

@@ -360,18 +360,40 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
   return v;
 }
 
+// A row group split in two (a fixed split of 2, or a balanced request over two aligned ranges)
+// needs no merge block when its partials are 16-bit staged rows: after its range (one segment),
+// each of its blocks takes a ticket from the group's counter; the first writes its partial rows
+// and counts them done, and the second, its rows still staged in shared memory, waits for that
+// count and merges the first's rows with its own straight into the output (end_pair). The
+// second writes no partial, and the row group's end waits for no merge block to start on an SM
+// the split blocks free (NOTES v52). A group of three or more splits still goes through the
+// merge blocks: one block merging them all would read every partial through one SM. (The
+// transposed kernel has no pair path: its rows split in more than two.)
+constexpr bool PAIR_MERGE = false;
+
 // A split block of row group (b, x), after every finish_row of that group: counts itself done
 // for the group's merge blocks, which wait for `splits` counts.
 // One release by the counting thread: the barrier orders every thread's partial stores before
 // its fence, and a gpu-scope release covers what is ordered before it (the pattern of a grid
 // barrier). A __threadfence() in every thread was a sequentially consistent fence per warp
 // (MEMBAR.SC.GPU + ERRBAR), the costliest kind, at the end of every split block.
-__device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, int x, int splits) {
+__device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, int x, int splits, bool pair = false) {
   __syncthreads();
   if (threadIdx.x == 0) {
     asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-    atomicInc(group_counter(p, b, x), splits + p.merge_blocks - 1);
+    if (pair)
+      atomicAdd(group_counter(p, b, x), 1u);              // the pair's third count (end_pair)
+    else
+      atomicInc(group_counter(p, b, x), splits + p.merge_blocks - 1);
   }
+}
+
+// Whether a row group of `splits` splits ends as a pair. Only where each split block runs one
+// segment (a fixed split; the balanced split's aligned layout): a packed range's block that ended
+// one request as the second of its pair would merge before its next request's segment, on its
+// range's path (NOTES v52: 64/32/9/4096 3% slower), where a merge block does that off it.
+__device__ __forceinline__ bool pair_merge(int splits) {
+  return PAIR_MERGE && splits == 2;
 }
 
 // Row (b, i, h): m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l
@@ -450,6 +472,7 @@ __device__ void merge_block(const VerifyParams& p) {
   const int x = g % gx, b = g / gx;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int splits = p.num_splits, slot0 = 0;
+  if (pair_merge(splits)) return;                       // the pair's second block merges it
   const int h0 = (x % 1) * 64;
   const int q0 = (x / 1) * 1;
   unsigned* counter = group_counter(p, b, x);
@@ -498,6 +521,7 @@ constexpr int HEAD_TILES = H / HT;
 // store from registers.
 constexpr int STAGE_STRIDE = DL + 8;
 constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * (int)sizeof(part_t) <= (M_PAD + STAGES * BN) * D * (int)sizeof(elem_t);
+static_assert(!PART16 || STAGE_EPILOGUE, "16-bit rows always fit the buffers: their epilogue stages them");
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
 static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
@@ -654,6 +678,12 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
     merge_block(p);
     return;
   }
+  auto row_sum = [&](int row) {                          // a row's sum, once the epilogue met its parts
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
+    return l;
+  };
   // One row group's share of the work: row group x of request b, over its KV tiles [t0, t1) (a
   // balanced split's range; otherwise split `split`'s share of the group's keys), ending as
   // workspace slot `split` of the group's `splits`, or written out directly when `direct`.
@@ -866,12 +896,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
         if (t == 0) sPart[wnq * M_PAD + wmq * ROWS_W + mt * 16 + g + 8 * half] = l;
       }
     __syncthreads();
-    auto row_sum = [&](int row) {
-      float l = 0.f;
-#pragma unroll
-      for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
-      return l;
-    };
     if (STAGE_EPILOGUE) {
       // The output rows go to shared memory over Q and the KV stages, then each warp ends whole
       // rows in 16-byte stores.

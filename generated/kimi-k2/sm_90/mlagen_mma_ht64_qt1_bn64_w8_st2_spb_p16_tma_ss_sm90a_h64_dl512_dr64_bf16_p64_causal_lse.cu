@@ -348,6 +348,18 @@ __device__ __forceinline__ void finish_staged_row(const VerifyParams& p, int spl
   }
 }
 
+// finish_staged_row for every row of a row group (query q0 on, head h0 on) staged at sStage +
+// r * stride, its max in sM[r] and sum row_sum(r): warp w ends rows w, w + WARPS, ...
+template <int ROWS, int HT, int WARPS, class RowSum>
+__device__ __forceinline__ void finish_staged_rows(const VerifyParams& p, int split, bool direct, int b, int q0,
+                                                   int h0, const elem_t* sStage, int stride, const float* sM,
+                                                   RowSum row_sum, int warp, int lane) {
+  for (int row = warp; row < ROWS; row += WARPS) {
+    const int i = q0 + row / HT, h = h0 + row % HT;
+    if (i < p.seqlen_q) finish_staged_row(p, split, direct, b, i, h, sStage + row * stride, sM[row], row_sum(row), lane);
+  }
+}
+
 // With num_splits > 1 the grid's z slabs 0..B-1 hold the split blocks (x: row group of request z,
 // y: split) and the slabs after them the merge blocks: one launch, no combine kernel. A split
 // block counts itself done in its row group's counter after writing its partials; each of the
@@ -380,17 +392,31 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
   return v;
 }
 
+// A row group split in two (a fixed split of 2, or a balanced request over two aligned ranges)
+// needs no merge block when its partials are 16-bit staged rows: after its range (one segment),
+// each of its blocks takes a ticket from the group's counter; the first writes its partial rows
+// and counts them done, and the second, its rows still staged in shared memory, waits for that
+// count and merges the first's rows with its own straight into the output (end_pair). The
+// second writes no partial, and the row group's end waits for no merge block to start on an SM
+// the split blocks free (NOTES v52). A group of three or more splits still goes through the
+// merge blocks: one block merging them all would read every partial through one SM. (The
+// transposed kernel has no pair path: its rows split in more than two.)
+constexpr bool PAIR_MERGE = true;
+
 // A split block of row group (b, x), after every finish_row of that group: counts itself done
 // for the group's merge blocks, which wait for `splits` counts.
 // One release by the counting thread: the barrier orders every thread's partial stores before
 // its fence, and a gpu-scope release covers what is ordered before it (the pattern of a grid
 // barrier). A __threadfence() in every thread was a sequentially consistent fence per warp
 // (MEMBAR.SC.GPU + ERRBAR), the costliest kind, at the end of every split block.
-__device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, int x, int splits) {
+__device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, int x, int splits, bool pair = false) {
   __syncthreads();
   if (threadIdx.x == 0) {
     asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-    atomicInc(group_counter(p, b, x), splits + p.merge_blocks - 1);
+    if (pair)
+      atomicAdd(group_counter(p, b, x), 1u);              // the pair's third count (end_pair)
+    else
+      atomicInc(group_counter(p, b, x), splits + p.merge_blocks - 1);
   }
 }
 
@@ -619,6 +645,85 @@ __device__ __forceinline__ void range_tiles(const WorkList& wl, int t, int start
   }
 }
 
+// Whether a row group of `splits` splits ends as a pair. Only where each split block runs one
+// segment (a fixed split; the balanced split's aligned layout): a packed range's block that ended
+// one request as the second of its pair would merge before its next request's segment, on its
+// range's path (NOTES v52: 64/32/9/4096 3% slower), where a merge block does that off it.
+__device__ __forceinline__ bool pair_merge(int splits, const WorkList& wl) {
+  return PAIR_MERGE && splits == 2 && wl.tiles != 0;
+}
+
+// A pair's block, after its range (its rows still staged: sStage + r * stride, final values in
+// elem_t; m in sM, l from row_sum; `smem_flag` a free shared word). Thread 0 takes the group's
+// ticket (counts 0 -> 1 -> 2) and hands it over in shared memory. The first block writes its
+// partial rows to workspace slot `own` and counts them (-> 3). The second waits for that count,
+// leaves the counter at zero for the next launch, and writes the output rows from the first
+// block's partial rows (slot `other`) and its own. Rows go to warps and 16-byte pieces to lanes
+// as in finish_staged_row, and a warp's loads of PAIR_BATCH rows go out before any is used: one
+// L2 round trip a batch. (A warp's 8 rows at once took 80 registers: the balanced seesaw spilled
+// when it merged inside its range loop.)
+constexpr int PAIR_BATCH = 4;
+template <int ROWS, int HT, int WARPS, class RowSum>
+__device__ __forceinline__ void end_pair(const VerifyParams& p, int b, int x, int own, int other, int q0, int h0,
+                                         const elem_t* sStage, int stride, const float* sM, RowSum row_sum,
+                                         unsigned* smem_flag, int warp, int lane) {
+  unsigned* counter = group_counter(p, b, x);
+  if (threadIdx.x == 0) *smem_flag = atomicAdd(counter, 1u);
+  __syncthreads();
+  if (*smem_flag == 0u) {                               // the first: its rows go to its slot
+    finish_staged_rows<ROWS, HT, WARPS>(p, own, false, b, q0, h0, sStage, stride, sM, row_sum, warp, lane);
+    count_split_done(p, b, x, 2, true);
+    return;
+  }
+  if (threadIdx.x == 0) {
+    while (load_acquire(counter) < 3u) __nanosleep(32);   // two tickets and the first's rows
+    *counter = 0u;                                      // nothing else counts on it in this launch
+  }
+  __syncthreads();   // the rows thread 0 acquired are visible to the whole block
+  constexpr int V = (DL / 8 + 31) / 32;                 // 16-byte pieces a lane
+  constexpr int RW = (ROWS + WARPS - 1) / WARPS;         // rows a warp
+  constexpr int BATCH = RW < PAIR_BATCH ? RW : PAIR_BATCH;
+#pragma unroll 1
+  for (int j0 = 0; j0 < RW; j0 += BATCH) {
+    float2 ml[BATCH];
+    uint4 x1[BATCH][V];
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) {
+      const int row = warp + WARPS * (j0 + j), i = q0 + row / HT, h = h0 + row % HT;
+      if (row >= ROWS || i >= p.seqlen_q) continue;
+      ml[j] = __ldcg(&p.part_ml[part_row(p, other, b, i, h)]);
+      const uint4* src = reinterpret_cast<const uint4*>(partial_row(p, other, b, i, h));
+#pragma unroll
+      for (int v = 0; v < V; ++v)
+        if (lane + 32 * v < DL / 8) x1[j][v] = __ldcg(src + lane + 32 * v);
+    }
+#pragma unroll
+    for (int j = 0; j < BATCH; ++j) {
+      const int row = warp + WARPS * (j0 + j), i = q0 + row / HT, h = h0 + row % HT;
+      if (row >= ROWS || i >= p.seqlen_q) continue;
+      // weights l_k 2^(m_k - m) of the two normalized rows; a row without keys weighs 0, by select
+      const float l0 = row_sum(row), m0 = sM[row], l1 = ml[j].y, m1 = ml[j].x;
+      const float m = fmaxf(l0 > 0.f ? m0 : -INFINITY, l1 > 0.f ? m1 : -INFINITY);
+      const float w0 = l0 > 0.f ? l0 * exp2f(m0 - m) : 0.f, w1 = l1 > 0.f ? l1 * exp2f(m1 - m) : 0.f;
+      const float l = w0 + w1, a0 = l > 0.f ? w0 / l : 0.f, a1 = l > 0.f ? w1 / l : 0.f;
+      const uint4* mine = reinterpret_cast<const uint4*>(sStage + row * stride);
+      uint4* dst = reinterpret_cast<uint4*>(out_row(p, b, i, h));
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const int c = lane + 32 * v;
+        if (c >= DL / 8) break;
+        float f0[8], f1[8];
+        unpack8(mine[c], f0);
+        unpack8(x1[j][v], f1);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f0[e] = (a0 != 0.f ? a0 * f0[e] : 0.f) + (a1 != 0.f ? a1 * f1[e] : 0.f);
+        dst[c] = pack8(f0);
+      }
+      if (WRITE_LSE && lane == 0) p.lse[((long long)b * H + h) * p.seqlen_q + i] = row_lse(m, l);
+    }
+  }
+}
+
 // Row (b, i, h): m = max_k m_k;  l = sum_k l_k 2^(m_k - m);  out = sum_k acc_k 2^(m_k - m) / l
 // (a part16 row holds acc_k / l_k: its weight is l_k 2^(m_k - m)).
 // One warp; partials are read from L2 (other SMs wrote them), so latency decides this on short
@@ -705,7 +810,7 @@ __device__ void merge_block(const VerifyParams& p, const WorkList& wl) {
 #pragma unroll 1
   for (int k = lane + 32 * LANE_REQUESTS; k < b; k += 32) before += request_span(wl, request_tiles(p, k));
   request_splits(wl, t, warp_sum_uniform(before), &first, &splits);
-  if (splits == 1) return;                              // its one split block wrote it directly
+  if (splits == 1 || pair_merge(splits, wl)) return;    // its split blocks wrote it (one, or a pair)
   const int slot0 = first + b;                          // its ranges' workspace slots (the work list above)
   const int h0 = (x % 1) * 64;
   const int q0 = (x / 1) * 1;
@@ -809,6 +914,7 @@ constexpr int HEAD_TILES = H / HT;
 // store from registers.
 constexpr int STAGE_STRIDE = DL + 8;
 constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * (int)sizeof(part_t) <= (M_PAD + STAGES * BN) * D * (int)sizeof(elem_t);
+static_assert(!PART16 || STAGE_EPILOGUE, "16-bit rows always fit the buffers: their epilogue stages them");
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
 static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
@@ -1038,6 +1144,17 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   }
   __syncthreads();
   int tiles_done = 0;
+  auto row_sum = [&](int row) {                          // a row's sum, once the epilogue met its parts
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
+    return l;
+  };
+  // A pair's block ends it after its range (end_pair): 2 b + 1 when its range is request b's
+  // first, 2 b when its second; -1 otherwise. (Its row group is blockIdx.x.) The ticket, and the
+  // block-wide answer it needs, wait until then: inside the range loop a barrier reduction or a
+  // shared read of it cost the tile loop its convergence or its uniform registers (NOTES v52).
+  int pair_at = -1;
   // One row group's share of the work: row group x of request b, over its KV tiles [t0, t1) (a
   // balanced split's range; otherwise split `split`'s share of the group's keys), ending as
   // workspace slot `split` of the group's `splits`, or written out directly when `direct`.
@@ -1344,6 +1461,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
     tiles_done += 2 * pairs;
 
     // ---- epilogue: row sums meet in shared memory; write out/lse or the split's partial ----
+    const bool in_pair = !direct && pair_merge(splits, wl);   // (uniform)
     // The commit puts Q's copies in a group when no tile ran (an empty split with one stage
     // commits nothing before this): the wait must cover them, the epilogue reuses their buffer.
     cp_async_commit();
@@ -1359,12 +1477,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
         if (t == 0) sPart[wnq * M_PAD + wmq * ROWS_W + mt * 16 + g + 8 * half] = l;
       }
     __syncthreads();
-    auto row_sum = [&](int row) {
-      float l = 0.f;
-#pragma unroll
-      for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
-      return l;
-    };
     if (STAGE_EPILOGUE) {
       // The output rows go to shared memory over Q and the KV stages, then each warp ends whole
       // rows in 16-byte stores.
@@ -1386,12 +1498,10 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
           }
         }
       __syncthreads();
-      for (int row = warp; row < ROWS; row += WARPS) {
-        const int i = q0 + row / HT, h = h0 + row % HT;
-        if (i >= S) continue;
-        const float l = row_sum(row);
-        finish_staged_row(p, split, direct, b, i, h, sStage + row * STAGE_STRIDE, sM[row], l, lane);
-      }
+      if (in_pair)                                        // it ends after its range, rows staged
+        pair_at = 2 * b + (t0 == 0);
+      else
+        finish_staged_rows<ROWS, HT, WARPS>(p, split, direct, b, q0, h0, sStage, STAGE_STRIDE, sM, row_sum, warp, lane);
     } else {
 #pragma unroll
       for (int mt = 0; mt < MT_O; ++mt)
@@ -1409,7 +1519,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
           }
         }
     }
-    if (!direct) count_split_done(p, b, x, splits);
+    if (!direct && !in_pair) count_split_done(p, b, x, splits);
   };
 
 // Every value of the range goes through a lane-0 broadcast: the same values, but ptxas then
@@ -1441,4 +1551,12 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
     start += uniform(request_span(wl, tiles));
   }
   if (merging) merge_block(p, wl);
+  if (pair_at >= 0) {                                     // its rows are still staged: its range ran one segment
+    // its slot and the other block's: a fixed split's two; a balanced request's ranges have
+    // consecutive slots, y + b
+    const int b = pair_at / 2, own = blockIdx.y + b, other = own + (pair_at % 2 ? 1 : -1);
+    end_pair<ROWS, HT, WARPS>(p, b, blockIdx.x, own, other, (blockIdx.x / HEAD_TILES) * QT,
+                              (blockIdx.x % HEAD_TILES) * HT, reinterpret_cast<const elem_t*>(smem_raw), STAGE_STRIDE,
+                              sM, row_sum, reinterpret_cast<unsigned*>(sP), warp, lane);   // (sP: free now)
+  }
 }
