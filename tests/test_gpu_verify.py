@@ -177,8 +177,8 @@ def test_balanced_split_layouts_match_reference(name, prefixes, ranges, aligned)
     its tiles shared evenly; packed, ranges crossing from one request into the next. Ragged
     requests (one without keys), and requests of equal length as the bench's rows have them.
     Aligned requests split in two (every one in "equal-pairs", one among 1, 4 and 5 splits in
-    "ragged-mixed") end through the pair merge on the 16-bit lockstep and seesaw kernels; packed
-    ones through the merge blocks.
+    "ragged-mixed") end through the pair merge on the 16-bit seesaw kernel; packed ones, and
+    those of the other two kernels, through the merge blocks.
     Tree-masked; run twice, bitwise the same."""
     from balanced_worklist import work_list
 
