@@ -10,12 +10,15 @@ split's epilogue (the seesaw's tile loop has no tile-0 landmark: that column sho
 landmark that moved fails loudly. The last lines give the split and merge blocks' start,
 stamps and end as min/median/max over the launch. On the GPU machine:
 
-    python3 benchmarks/trace_blocks.py 64 1 9 256 [variant name; default: the dispatcher's] [--warm]
+    python3 benchmarks/trace_blocks.py 64 1 9 256 [variant name; default: the dispatcher's] [--warm] [--gt]
 
 The launch traced is cold (its code and inputs out of the caches, as in a model between other
 layers' kernels), or with --warm right after an untraced one (as in the bench's graph replay).
 
-Clock64 deltas are shown in µs at 1.98 GHz (the H200's boost clock under load).
+Clock64 deltas are shown in µs at 1.98 GHz (the H200's boost clock under load); with --gt every
+stamp comes from globaltimer instead (32 ns steps), which needs no clock rate. The summary lines
+name the stamps by slot: 2 tile 0 landed, 3 loop end, 4 merge wait over, 5 done, 8 entry,
+9 work list, 10 rows staged, 11 partial stores issued.
 """
 
 from __future__ import annotations
@@ -35,16 +38,28 @@ from mlagen.spec import parse_variant
 from mlagen.testing import make_case
 from mlagen.validate import KernelPlan
 
-SLOTS, MAX_BLOCKS, GHZ = 10, 8192, 1.98
+SLOTS, MAX_BLOCKS, GHZ = 12, 8192, 1.98
 START, TILE0, LOOP_END, MERGE_WAIT, DONE, CLUSTER_MET, END, ENTRY, WORK_LIST = 0, 2, 3, 4, 5, 6, 7, 8, 9   # 1: clock64
-HEADER = (f"__device__ unsigned long long mlagen_trace[{MAX_BLOCKS * SLOTS}];\n"
-          "__device__ __forceinline__ unsigned long long tr_gt() {\n"
-          "  unsigned long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"
-          "#define TR_ID ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)\n"
-          f"#define TR(k) do {{ if (threadIdx.x == 0) mlagen_trace[TR_ID * {SLOTS} + (k)] = "
-          f"(k) == {START} || (k) == {END} ? tr_gt() : clock64(); }} while (0)\n"
-          f"#define TR_FIRST(k) do {{ if (threadIdx.x == 0 && !mlagen_trace[TR_ID * {SLOTS} + (k)]) "
-          f"mlagen_trace[TR_ID * {SLOTS} + (k)] = clock64(); }} while (0)\n")
+STAGED, WRITTEN = 10, 11   # a split block's rows staged, its partial stores issued (before its count)
+# --gt: every stamp from globaltimer (32 ns steps on the H200), so the phases need no clock rate:
+# clock64 runs at the SM clock, which under graph replay is not always the 1.98 GHz boost.
+GT = "--gt" in sys.argv
+
+
+def header(globaltimer_only: bool = False) -> str:
+    """The trace buffer and the TR macros: starts and ends from globaltimer, the stamps between
+    from clock64 unless `globaltimer_only`."""
+    stamp = "tr_gt()" if globaltimer_only else f"(k) == {START} || (k) == {END} ? tr_gt() : clock64()"
+    return (f"__device__ unsigned long long mlagen_trace[{MAX_BLOCKS * SLOTS}];\n"
+            "__device__ __forceinline__ unsigned long long tr_gt() {\n"
+            "  unsigned long long t; asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(t)); return t; }\n"
+            "#define TR_ID ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)\n"
+            f"#define TR(k) do {{ if (threadIdx.x == 0) mlagen_trace[TR_ID * {SLOTS} + (k)] = {stamp}; }} while (0)\n"
+            f"#define TR_FIRST(k) do {{ if (threadIdx.x == 0 && !mlagen_trace[TR_ID * {SLOTS} + (k)]) "
+            f"mlagen_trace[TR_ID * {SLOTS} + (k)] = {'tr_gt()' if globaltimer_only else 'clock64()'}; }} while (0)\n")
+
+
+HEADER = header(GT)
 PATCHES = [   # (landmark, replacement): the first occurrence of each
     (re.compile(r"(merge_block\(p(?:, wl)?\);)"), rf"{{ TR({ENTRY}); \1 TR({DONE}); TR({END}); }}"),   # the merge call
     ("  auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {\n",
@@ -70,6 +85,9 @@ OPTIONAL_PATCHES = [   # (v50 passes the lanes' tiles too)
     (re.compile(r"(  const WorkList wl = balanced_ranges\(p, (?:lt, )?lane\);)"), rf"\1 TR({WORK_LIST});"),
     # a pair's merge after the range (v52): its block ends there, not at its count
     (re.compile(r"(    end_pair<[^;]*;)"), rf"\1 TR({DONE}); TR({END});"),
+    # a part16 split's staged rows: after the barrier that staged them, around their stores
+    (re.compile(r"(finish_staged_rows<ROWS, HT, WARPS>\(p, split, direct[^;]*;)"),
+     rf"{{ TR({STAGED}); \1 TR({WRITTEN}); }}"),
 ]
 SEESAW_MARK = "s < 4 ? 1 : 128"   # the seesaw's mbarrier set-up (templates/mma.cu.j2)
 
@@ -149,7 +167,9 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
     t0 = min(r[START] for _, r in rows)
 
     def us(r: list[int], k: int) -> float:
-        return (r[k] - r[1]) / (GHZ * 1e3) if r[k] else float("nan")
+        if not r[k]:
+            return float("nan")
+        return (r[k] - r[START]) / 1e3 if GT else (r[k] - r[1]) / (GHZ * 1e3)
 
     print(loaded.plan.name, "blocks", len(rows))
     print("kind  block  start  wall | split: entry, tile 0 landed, loop end, [cluster staged,] done | merge: entry, "
@@ -170,7 +190,7 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
         print(text)
     span = max((r[END] - t0) / 1e3 for _, r in rows)
     print(f"launch span (first block start to last block end): {span:.2f} µs")
-    for kind, stamps in (("split", (WORK_LIST, ENTRY, LOOP_END, DONE)),
+    for kind, stamps in (("split", (WORK_LIST, ENTRY, TILE0, LOOP_END, STAGED, WRITTEN, DONE)),
                          ("merge", (WORK_LIST, ENTRY, MERGE_WAIT, DONE))):
         mine = [r for _, r in rows if bool(r[MERGE_WAIT]) == (kind == "merge") and (r[END] - r[START]) >= 300]
         if not mine:
@@ -185,5 +205,5 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--warm"]
+    args = [a for a in sys.argv[1:] if a not in ("--warm", "--gt")]
     main(*(int(a) for a in args[:4]), *args[4:5], warm="--warm" in sys.argv)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from trace_blocks import HEADER, patched_row, traced_blocks
+from trace_blocks import header, patched_row, traced_blocks
 
 START, P_DONE, LOADED, SCORED, MAXIMA_IN, LAST_P_IN, SLICES_IN, END = range(8)
 COLUMNS = (("loaded", LOADED), ("scored", SCORED), ("maxima in", MAXIMA_IN), ("slices in", SLICES_IN),
@@ -44,9 +44,7 @@ def patch(source: str) -> str:
         if landmark not in source:
             raise SystemExit(f"landmark not found (the template changed): {landmark!r}")
         source = source.replace(landmark, replacement, 1)
-    header = HEADER.replace(f"(k) == {START} || (k) == {END} ? tr_gt() : clock64()", "tr_gt()")
-    assert header != HEADER, "trace_blocks.HEADER changed: stamp with globaltimer here"
-    return header + source
+    return header(globaltimer_only=True) + source
 
 
 def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str) -> None:

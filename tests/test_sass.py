@@ -298,9 +298,10 @@ def test_block_trace_patch_compiles_for_the_split_kernels():
     from mlagen.compiler import compile_source
 
     for name, stamps in (("mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a", 11), ("mma_ht32_qt2_bn64_w8_st2_spa_sm90a", 11),
+                         ("mma_ht32_qt2_bn64_w8_st2_spa_p16_sm90a", 15),   # rows staged and written, a pair
                          ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 8),
-                         ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 13)):   # the seesaw: no tile-0 stamp;
-        # 16-bit rows: a pair's merge done (2 more)
+                         ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 15)):   # the seesaw: no tile-0 stamp;
+        # 16-bit rows: a pair's merge done, rows staged and written (4 more)
         plan = _built(name).plan
         source = trace_blocks.patch(render(plan))
         assert source.count("TR(") == stamps
