@@ -29,7 +29,7 @@ from .arch import runs_on
 from .mma_plan import TRANSPOSED_ROWS, heuristic_mma
 from .space import exchange_variants
 from .spec import Problem, Variant, naive, parse_variant
-from .validate import SpecError, is_valid, validate
+from .validate import SEGMENT_TILES, SpecError, is_valid, validate
 
 MAX_FLASH_ROWS = 64        # 8 warps x 8 rows: the scalar kernel's accumulator budget
 # The split-count model's costs, in KV-tile times of one block (~4 us on an H200 for the mma
@@ -53,6 +53,10 @@ HOPPER_SMS = 132
 # at 31-35 (H=16 B=64 S=4, H=8 B=16 S=9, H=64 B=8 S=9 at 4096 keys), 0.7-6.6% more from 62
 # on (65536 keys and up, H=64 B=64 S=2, H=64 B=128 S=1, H=128 B=32 S=4).
 PDL_TILES_PER_SM = 24
+# The balanced split's work list counts positions in int32 on the device (templates/merge.cuh.j2):
+# every request's KV tiles and SEGMENT_TILES more, and per range (fewer than 2^16) a few more, so
+# its requests' tiles must leave that margin below 2^31 (`balanced_list_fits`).
+BALANCED_LIST_POSITIONS = 2**31 - 2**20
 
 
 def _row_groups(variant: Variant, heads: int, seqlen_q: int) -> int:
@@ -253,6 +257,12 @@ def balanced_for_batch(problem: Problem, variant: Variant, batch: int) -> Varian
         return variant
     balanced = variant.with_(kv_split="balanced", cluster=False)   # a cluster's split is capacity-sized too
     return balanced if is_valid(problem, balanced) else variant
+
+
+def balanced_list_fits(variant: Variant, batch: int, kv_capacity: int) -> bool:
+    """Whether a balanced split's work list can count `batch` requests of up to `kv_capacity`
+    keys each (BALANCED_LIST_POSITIONS): false only past ~2^37 keys over the batch."""
+    return batch * (-(-kv_capacity // variant.block_n) + SEGMENT_TILES) <= BALANCED_LIST_POSITIONS
 
 
 def family_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,

@@ -23,7 +23,14 @@ import torch
 
 from . import inputs, tensormap, workspace
 from .arch import arch_for_capability, runs_on
-from .dispatch import choose_variant, covers, dependent_in_graphs, num_splits
+from .dispatch import (
+    BALANCED_LIST_POSITIONS,
+    balanced_list_fits,
+    choose_variant,
+    covers,
+    dependent_in_graphs,
+    num_splits,
+)
 from .launch import KernelLaunch, Loaded, kernel_launch, launch, load
 from .params import tail
 from .spec import Problem, Variant
@@ -62,11 +69,16 @@ def pick_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, 
     the block table), else the dispatcher's choice for requests of up to kv_capacity keys. A
     request may hold more keys than that bound (max_seqlen_k's), up to the table_capacity the
     block table addresses, so a choice that cannot run them (a P exchange whose cluster holds
-    fewer tiles) gives way to the choice for the whole table."""
+    fewer tiles) gives way to the choice for the whole table. A balanced split whose work list
+    could not count the table's tiles over the batch (`dispatch.balanced_list_fits`, past ~2^37
+    keys) runs its tile with the adaptive split when dispatched, and is refused when given."""
     if variant is None:
         variant = choose_variant(problem, seqlen_q, batch, kv_capacity, arch, gpu)
-        return variant if covers(variant, table_capacity) else \
-            choose_variant(problem, seqlen_q, batch, table_capacity, arch, gpu)
+        if not covers(variant, table_capacity):
+            variant = choose_variant(problem, seqlen_q, batch, table_capacity, arch, gpu)
+        if variant.kv_split == "balanced" and not balanced_list_fits(variant, batch, table_capacity):
+            variant = variant.with_(kv_split="adaptive")
+        return variant
     if not runs_on(variant.arch, arch):
         raise inputs.InputError(f"variant.arch: got {variant.arch!r}, expected a target that runs "
                                 f"on this {arch} device (e.g. {arch!r})")
@@ -74,6 +86,12 @@ def pick_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, 
         raise inputs.InputError(f"variant: got {variant.name!r}, a P exchange over {variant.kv_split} tiles of "
                                 f"{variant.block_n} keys, expected a block_table that addresses at most "
                                 f"{int(variant.kv_split) * variant.block_n} keys (it addresses {table_capacity})")
+    if variant.kv_split == "balanced" and not balanced_list_fits(variant, batch, table_capacity):
+        raise inputs.InputError(f"variant: got {variant.name!r}, a balanced split, whose work list counts at most "
+                                f"{BALANCED_LIST_POSITIONS} KV tiles of {variant.block_n} keys over the batch; "
+                                f"the block table addresses {table_capacity} keys for each of {batch} requests "
+                                f"(expected a fixed or adaptive split, e.g. "
+                                f"{variant.with_(kv_split='adaptive').name!r})")
     return variant
 
 

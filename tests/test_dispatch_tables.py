@@ -602,3 +602,25 @@ def test_a_call_picks_a_variant_that_runs_every_key_the_block_table_holds():
         pick_variant(p, 9, 1, 320, 4096, "sm_90", GPU, named)
     with pytest.raises(InputError, match="variant.arch"):
         pick_variant(p, 9, 1, 320, 320, "sm_80", GPU, named)
+
+
+def test_a_balanced_split_whose_work_list_cannot_count_the_table_gives_way_or_is_refused():
+    """The balanced split counts the batch's KV tiles in int32 on the device; past that (~2^37
+    keys over the batch) a call runs the dispatched tile with the adaptive split, and a named
+    balanced variant is refused before any launch, naming the split to use instead."""
+    from mlagen.inputs import InputError
+    from mlagen.runtime import pick_variant
+
+    p = Problem(heads=64)
+    spb = parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a")
+    edge = (dispatch.BALANCED_LIST_POSITIONS // 2 - dispatch.SEGMENT_TILES) * 64   # two requests fill the list
+    assert dispatch.balanced_list_fits(spb, 2, edge) and not dispatch.balanced_list_fits(spb, 2, edge + 1)
+    chosen = dispatch.choose_variant(p, 9, 2, 4096, "sm_90", GPU)
+    assert chosen.kv_split == "balanced"
+    assert pick_variant(p, 9, 2, 4096, edge, "sm_90", GPU, None) == chosen
+    assert pick_variant(p, 9, 2, 4096, edge + 1, "sm_90", GPU, None) == chosen.with_(kv_split="adaptive")
+    assert pick_variant(p, 9, 2, 4096, edge, "sm_90", GPU, spb) == spb
+    with pytest.raises(InputError, match=r"variant: got 'mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a', a "
+                                         r"balanced split, .* for each of 2 requests \(expected a fixed or adaptive "
+                                         r"split, e\.g\. 'mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a'\)"):
+        pick_variant(p, 9, 2, 4096, edge + 1, "sm_90", GPU, spb)

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from mlagen import dispatch
 from mlagen.arch import nvcc_arch_flags
 from mlagen.codegen import render
 from mlagen.dispatch import dependent_in_graphs, num_splits
 from mlagen.launcher import _c_expr, emit_launcher, header_name, namespace, render_launcher
 from mlagen.params import FIELDS
 from mlagen.spec import Problem, Variant, naive
-from mlagen.validate import validate
+from mlagen.validate import SEGMENT_TILES, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 NVCC = shutil.which("nvcc")
@@ -175,6 +176,16 @@ def test_tma_header_encodes_the_runtimes_tensor_map():
     assert "bool programmatic = false, const void* kv_map = nullptr)" in plain
 
 
+def test_header_refuses_a_balanced_launch_past_its_work_list():
+    """The header's launch refuses, as the runtime does, a balanced launch whose block table could
+    take the device's int work list past dispatch.BALANCED_LIST_POSITIONS."""
+    text = render_launcher(TMA_PLAN)
+    assert f"constexpr long long kBalancedListPositions = {dispatch.BALANCED_LIST_POSITIONS};" in text
+    assert "constexpr int kBlockN = 64;" in text and f"constexpr int kSegmentTiles = {SEGMENT_TILES};" in text
+    assert ("if (kBalanced && (long long)batch * (((long long)max_pages * kPageSize + kBlockN - 1) / kBlockN + "
+            "kSegmentTiles)") in text
+
+
 @needs_nvcc
 def test_tma_arguments_are_refused_before_any_cuda_call(tmp_path):
     """make_kv_map and launch refuse a missing or misaligned tensor map, cache or stride with
@@ -189,7 +200,10 @@ def test_tma_arguments_are_refused_before_any_cuda_call(tmp_path):
              f"{ns}::make_kv_map(kv, {32 * D}, {D}, 4, map)",               # pages overlap
              f"{ns}::make_kv_map(kv, {64 * D}, {D}, 0, map)",
              f"{ns}::launch(kv, 8, 8, 8, kv, {64 * D}, {D}, 4, (const int*)kv, 8, 1, (const int*)kv, nullptr, 0, 0, "
-             "kv, 8, 8, 8, (float*)kv, 1, 1, 1.f, 1, kv, (unsigned*)kv, 0, false, nullptr)"]
+             "kv, 8, 8, 8, (float*)kv, 1, 1, 1.f, 1, kv, (unsigned*)kv, 0, false, nullptr)",
+             # a valid map, but 2 requests of 2^31 tiles: past what the balanced work list counts
+             f"{ns}::launch(kv, 8, 8, 8, kv, {64 * D}, {D}, 4, (const int*)kv, 8, 2147483647, (const int*)kv, nullptr, "
+             "0, 0, kv, 8, 8, 8, (float*)kv, 2, 1, 1.f, 1, kv, (unsigned*)kv, 0, false, map)"]
     lines = ["#include <cstdio>", f'#include "{emit_launcher(TMA_PLAN, tmp_path).name}"',
              f'extern "C" void {TMA_PLAN.main_kernel}(mlagen::VerifyParams) {{}}   // never launched here',
              "int main() {",
