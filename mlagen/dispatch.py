@@ -291,6 +291,12 @@ def reset() -> None:
 
 
 @functools.lru_cache(maxsize=8192)
+def split_unit(variant: Variant) -> int:
+    """KV tiles a fixed or adaptive split hands out together (templates/common.cuh.j2's
+    split_blocks): a pair for the seesaw, whose warpgroups take a tile each, else one."""
+    return 2 if variant.seesaw else 1
+
+
 def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capacity: int,
                sm_count: int, blocks_per_sm: int = 1) -> int:
     """Splits of the key range for one launch; `kv_capacity` bounds every request's length.
@@ -299,8 +305,11 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
     blocks run at once) times the tiles each block streams, plus the merge when there is more
     than one split (about a tile, and partials that grow with the split count). A
     ragged last wave is paid in full, so e.g. 9 row blocks on 132 SMs take 29 splits (261
-    blocks, two full waves) rather than 30 (270 blocks, three waves). Measured by `mlagen bench`;
-    a tuned table's fixed split overrides it.
+    blocks, two full waves) rather than 30 (270 blocks, three waves). A seesaw block runs its
+    tiles in pairs, and the kernel hands a split its tiles in whole pairs, so its tiles are
+    counted so too: 65 tiles over 14 splits are 6 a block and three empty splits, which 11
+    splits run with fewer partials (H200, S=9 at 4096 keys: 20.4 µs against 21.0, NOTES
+    session 25). Measured by `mlagen bench`; a tuned table's fixed split overrides it.
     """
     if variant.family == "naive":
         return 1
@@ -311,11 +320,13 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
     blocks = batch * _row_groups(variant, heads, seqlen_q)
     per_wave = max(1, sm_count * blocks_per_sm)
     tiles = max(1, -(-kv_capacity // variant.block_n))
+    unit = split_unit(variant)
     best, best_cost = 1, float("inf")
     for splits in range(1, min(MAX_SPLITS, tiles) + 1):
         waves = -(-blocks * splits // per_wave)
         partials = SPLIT_TILES_PER_ROW * batch * seqlen_q * heads * splits
-        cost = waves * -(-tiles // splits) + (MERGE_TILES + partials if splits > 1 else 0)
+        per_block = -(-tiles // (splits * unit)) * unit
+        cost = waves * per_block + (MERGE_TILES + partials if splits > 1 else 0)
         if cost < best_cost - 1e-9:
             best, best_cost = splits, cost
     return best

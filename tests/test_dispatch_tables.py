@@ -244,6 +244,19 @@ def test_num_splits_bounds():
     assert dispatch.num_splits(naive(), 64, 1, 9, 65600, 132) == 1
 
 
+def test_num_splits_counts_the_seesaws_tiles_in_pairs():
+    """The seesaw's split hands out whole pairs of tiles: 65-66 tiles over 9 row groups take 11
+    splits of 6 tiles (14 would leave three of them empty, writing partials for nothing); the
+    lockstep kernel, a tile at a time, takes 13-14 of 5."""
+    lockstep = parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_p16_sm90a")
+    seesaw = parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a")
+    assert dispatch.split_unit(seesaw) == 2 and dispatch.split_unit(lockstep) == 1
+    assert [dispatch.num_splits(seesaw, 64, 1, 9, cap, 132) for cap in (4160, 4224)] == [11, 11]
+    assert [dispatch.num_splits(lockstep, 64, 1, 9, cap, 132) for cap in (4160, 4224)] == [13, 14]
+    # S=33, 17 tiles over 33 row groups (at most 4 splits a wave): 3 splits of three pairs
+    assert dispatch.num_splits(seesaw, 64, 1, 33, 1088, 132) == 3
+
+
 def test_space_candidates_validate_and_are_bounded():
     p = Problem(heads=64)
     for fam in FAMILIES:

@@ -37,13 +37,15 @@ PLANS = [
                                                   cluster=True, arch="sm_90a")),
     validate(Problem(heads=16, dtype="fp16"), Variant(family="mma", head_tile=16, q_tile=4, block_n=64, warps=8,
                                                       arch="sm_90a", part16=True)),
+    validate(Problem(heads=64), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=2,
+                                        arch="sm_90a", part16=True, tma=True, seesaw=True)),   # adaptive, pairs
     TMA_PLAN,
     validate(Problem(heads=16, dtype="fp16", page_size=128), Variant(family="mma", head_tile=16, q_tile=4, block_n=64,
                                                                      warps=8, arch="sm_90a", tma=True)),
 ]
 # (batch, seqlen_q, max_pages, sm_count, blocks_per_sm)
 SHAPES = [(1, 1, 1, 132, 1), (1, 9, 64, 132, 2), (3, 33, 5, 188, 1), (64, 4, 300, 78, 3), (2, 64, 2048, 132, 1),
-          (1, 9, 1024, 132, 1)]
+          (1, 9, 1024, 132, 1), (1, 9, 66, 132, 1)]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.variant.name)
