@@ -290,13 +290,13 @@ def reset() -> None:
     choose_variant.cache_clear()
 
 
-@functools.lru_cache(maxsize=8192)
 def split_unit(variant: Variant) -> int:
     """KV tiles a fixed or adaptive split hands out together (templates/common.cuh.j2's
     split_blocks): a pair for the seesaw, whose warpgroups take a tile each, else one."""
     return 2 if variant.seesaw else 1
 
 
+@functools.lru_cache(maxsize=8192)
 def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capacity: int,
                sm_count: int, blocks_per_sm: int = 1) -> int:
     """Splits of the key range for one launch; `kv_capacity` bounds every request's length.
