@@ -184,8 +184,9 @@ def test_header_refuses_a_balanced_launch_past_its_work_list():
     text = render_launcher(TMA_PLAN)
     assert f"constexpr long long kBalancedListPositions = {dispatch.BALANCED_LIST_POSITIONS};" in text
     assert "constexpr int kBlockN = 64;" in text and f"constexpr int kSegmentTiles = {SEGMENT_TILES};" in text
-    assert ("if (kBalanced && (long long)batch * (((long long)max_pages * kPageSize + kBlockN - 1) / kBlockN + "
-            "kSegmentTiles)") in text
+    assert ("if (kBalanced && (long long)batch * (table_tiles(max_pages) + kSegmentTiles) > "
+            "kBalancedListPositions)") in text
+    assert "return ((long long)max_pages * kPageSize + kBlockN - 1) / kBlockN;" in text
 
 
 @needs_nvcc
