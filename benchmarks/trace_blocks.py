@@ -43,7 +43,6 @@ START, TILE0, LOOP_END, MERGE_WAIT, DONE, CLUSTER_MET, END, ENTRY, WORK_LIST = 0
 STAGED, WRITTEN = 10, 11   # a split block's rows staged, its partial stores issued (before its count)
 # --gt: every stamp from globaltimer (32 ns steps on the H200), so the phases need no clock rate:
 # clock64 runs at the SM clock, which under graph replay is not always the 1.98 GHz boost.
-GT = "--gt" in sys.argv
 
 
 def header(globaltimer_only: bool = False) -> str:
@@ -59,15 +58,15 @@ def header(globaltimer_only: bool = False) -> str:
             f"mlagen_trace[TR_ID * {SLOTS} + (k)] = {'tr_gt()' if globaltimer_only else 'clock64()'}; }} while (0)\n")
 
 
-HEADER = header(GT)
 PATCHES = [   # (landmark, replacement): the first occurrence of each
     (re.compile(r"(merge_block\(p(?:, wl)?\);)"), rf"{{ TR({ENTRY}); \1 TR({DONE}); TR({END}); }}"),   # the merge call
     ("  auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {\n",
      f"  auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {{ TR_FIRST({ENTRY});\n"),
     ("__syncthreads();   // the partials thread 0 acquired",
      f"TR({MERGE_WAIT}); __syncthreads();   // the partials thread 0 acquired"),
-    ("__syncthreads();                                      // tile kb landed; tile kb-1 fully used",
-     f"__syncthreads(); if (kb == kb_begin) TR({TILE0});"),
+    # tile kb landed: the cp.async loop's barrier (its comment dropped), or the TMA loop's wait
+    (re.compile(r"(__syncthreads\(\);)\s+// tile kb landed; tile kb-1 fully used|(mbar_wait\(full\(kb\), [^;\n]*;)"),
+     lambda m: f"{m.group(1) or m.group(2)} if (kb == kb_begin) TR({TILE0});"),
     ("    // ---- epilogue: row sums", f"    TR({LOOP_END});\n    // ---- epilogue: row sums"),
     (re.compile(r"(    if \(!direct(?: && !in_pair)?\) count_split_done\([^\n]*;)"),   # (v52: a pair ends later)
      rf"\1\n    TR({DONE}); TR({END});"),
@@ -92,7 +91,8 @@ OPTIONAL_PATCHES = [   # (v50 passes the lanes' tiles too)
 SEESAW_MARK = "s < 4 ? 1 : 128"   # the seesaw's mbarrier set-up (templates/mma.cu.j2)
 
 
-def patch(source: str) -> str:
+def patch(source: str, globaltimer_only: bool = False) -> str:
+    """The rendered `source` with the trace buffer and stamps at its landmarks (`header`)."""
     start = source.index("const int wmq = warp % WMQ")
     start = source.index("\n", start) + 1
     source = source[:start] + f"  TR({START}); TR(1);\n" + source[start:]
@@ -109,7 +109,7 @@ def patch(source: str) -> str:
             raise SystemExit(f"landmark not found (the template changed): {landmark!r}")
     for landmark, replacement in OPTIONAL_PATCHES:
         source = landmark.sub(replacement, source, count=1)
-    return HEADER + source
+    return header(globaltimer_only) + source
 
 
 def patched_row(patch: Callable[[KernelPlan, str], str], heads: int, batch: int, seqlen_q: int, prefix: int,
@@ -161,15 +161,16 @@ def traced_blocks(loaded, call: Callable[[], None], warm: bool = False) -> list[
     return [(i, [int(x) for x in r]) for i, r in enumerate(trace.get()) if r[START]]
 
 
-def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None, warm: bool = False) -> None:
-    loaded, call = patched_row(lambda plan, source: patch(source), heads, batch, seqlen_q, prefix, variant)
+def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None, warm: bool = False,
+         gt: bool = False) -> None:
+    loaded, call = patched_row(lambda plan, source: patch(source, gt), heads, batch, seqlen_q, prefix, variant)
     rows = traced_blocks(loaded, call, warm)
     t0 = min(r[START] for _, r in rows)
 
     def us(r: list[int], k: int) -> float:
         if not r[k]:
             return float("nan")
-        return (r[k] - r[START]) / 1e3 if GT else (r[k] - r[1]) / (GHZ * 1e3)
+        return (r[k] - r[START]) / 1e3 if gt else (r[k] - r[1]) / (GHZ * 1e3)
 
     print(loaded.plan.name, "blocks", len(rows))
     print("kind  block  start  wall | split: entry, tile 0 landed, loop end, [cluster staged,] done | merge: entry, "
@@ -206,4 +207,4 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a not in ("--warm", "--gt")]
-    main(*(int(a) for a in args[:4]), *args[4:5], warm="--warm" in sys.argv)
+    main(*(int(a) for a in args[:4]), *args[4:5], warm="--warm" in sys.argv, gt="--gt" in sys.argv)

@@ -286,8 +286,8 @@ def test_show_without_nvdisasm_says_how_to_get_it(monkeypatch, tmp_path):
 
 def test_block_trace_patch_compiles_for_the_split_kernels():
     """benchmarks/trace_blocks.py patches stamps in at template landmarks: every landmark is still
-    there (the seesaw's tile loop has no tile-0 barrier to stamp), and the patched sm_90a kernels
-    compile without spills."""
+    there (the seesaw's tile loop has no tile-0 barrier to stamp; the TMA loop's is its wait), and
+    the patched sm_90a kernels compile without spills, with every stamp from globaltimer too."""
     import sys
     from pathlib import Path
 
@@ -299,6 +299,7 @@ def test_block_trace_patch_compiles_for_the_split_kernels():
 
     for name, stamps in (("mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a", 11), ("mma_ht32_qt2_bn64_w8_st2_spa_sm90a", 11),
                          ("mma_ht32_qt2_bn64_w8_st2_spa_p16_sm90a", 15),   # rows staged and written, a pair
+                         ("mma_ht32_qt2_bn64_w8_st2_spa_p16_tma_sm90a", 15),
                          ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 8),
                          ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 15)):   # the seesaw: no tile-0 stamp;
         # 16-bit rows: a pair's merge done, rows staged and written (4 more)
@@ -308,6 +309,9 @@ def test_block_trace_patch_compiles_for_the_split_kernels():
         assert source.count("TR_FIRST(") == 2          # its definition, and the segment's entry
         module = compile_source(source, plan.name, plan.arch.name)
         assert all(not r.spills for r in module.resources.values())
+    timed = trace_blocks.patch(render(plan), globaltimer_only=True)
+    assert "clock64()" not in timed and timed.count("TR(") == stamps
+    compile_source(timed, plan.name, plan.arch.name)
 
 
 def test_exchange_trace_patch_compiles():
