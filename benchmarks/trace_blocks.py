@@ -18,7 +18,7 @@ layers' kernels), or with --warm right after an untraced one (as in the bench's 
 Clock64 deltas are shown in µs at 1.98 GHz (the H200's boost clock under load); with --gt every
 stamp comes from globaltimer instead (32 ns steps), which needs no clock rate. The summary lines
 name the stamps by slot: 2 tile 0 landed, 3 loop end, 4 merge wait over, 5 done, 8 entry,
-9 work list, 10 rows staged, 11 partial stores issued.
+9 work list, 10 rows staged, 11 partial stores issued, 12 Q landed (TMA kernels).
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ from mlagen.spec import parse_variant
 from mlagen.testing import make_case
 from mlagen.validate import KernelPlan
 
-SLOTS, MAX_BLOCKS, GHZ = 12, 8192, 1.98
+SLOTS, MAX_BLOCKS, GHZ = 13, 8192, 1.98
 START, TILE0, LOOP_END, MERGE_WAIT, DONE, CLUSTER_MET, END, ENTRY, WORK_LIST = 0, 2, 3, 4, 5, 6, 7, 8, 9   # 1: clock64
 STAGED, WRITTEN = 10, 11   # a split block's rows staged, its partial stores issued (before its count)
+Q_LANDED = 12              # a TMA kernel's Q rows landed (its cp.async group), in its first segment
 # --gt: every stamp from globaltimer (32 ns steps on the H200), so the phases need no clock rate:
 # clock64 runs at the SM clock, which under graph replay is not always the 1.98 GHz boost.
 
@@ -87,6 +88,8 @@ OPTIONAL_PATCHES = [   # (v50 passes the lanes' tiles too)
     # a part16 split's staged rows: after the barrier that staged them, around their stores
     (re.compile(r"(finish_staged_rows<ROWS, HT, WARPS>\(p, split, direct[^;]*;)"),
      rf"{{ TR({STAGED}); \1 TR({WRITTEN}); }}"),
+    # a TMA kernel's wait for Q's copies (the lockstep loop's first tile, or before the seesaw's loop)
+    (re.compile(r"(cp_async_wait<0>\(\);)(\s+// Q's copies)"), rf"\1 TR_FIRST({Q_LANDED});\2"),
 ]
 SEESAW_MARK = "s < 4 ? 1 : 128"   # the seesaw's mbarrier set-up (templates/mma.cu.j2)
 
@@ -191,7 +194,7 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
         print(text)
     span = max((r[END] - t0) / 1e3 for _, r in rows)
     print(f"launch span (first block start to last block end): {span:.2f} µs")
-    for kind, stamps in (("split", (WORK_LIST, ENTRY, TILE0, LOOP_END, STAGED, WRITTEN, DONE)),
+    for kind, stamps in (("split", (WORK_LIST, ENTRY, Q_LANDED, TILE0, LOOP_END, STAGED, WRITTEN, DONE)),
                          ("merge", (WORK_LIST, ENTRY, MERGE_WAIT, DONE))):
         mine = [r for _, r in rows if bool(r[MERGE_WAIT]) == (kind == "merge") and (r[END] - r[START]) >= 300]
         if not mine:
