@@ -29,7 +29,7 @@ from .arch import runs_on
 from .mma_plan import TRANSPOSED_ROWS, heuristic_mma
 from .space import exchange_variants
 from .spec import Problem, Variant, naive, parse_variant
-from .validate import SEGMENT_TILES, SpecError, is_valid, validate
+from .validate import SEGMENT_TILES, SpecError, is_valid, split_unit, validate
 
 MAX_FLASH_ROWS = 64        # 8 warps x 8 rows: the scalar kernel's accumulator budget
 # The split-count model's costs, in KV-tile times of one block (~4 us on an H200 for the mma
@@ -288,12 +288,6 @@ def reset() -> None:
     """Forget memoized choices and tables (after a tune wrote a new table)."""
     tables.reset()
     choose_variant.cache_clear()
-
-
-def split_unit(variant: Variant) -> int:
-    """KV tiles a fixed or adaptive split hands out together (templates/common.cuh.j2's
-    split_blocks): a pair for the seesaw, whose warpgroups take a tile each, else one."""
-    return 2 if variant.seesaw else 1
 
 
 @functools.lru_cache(maxsize=8192)

@@ -113,10 +113,21 @@ class KernelPlan:
         return SEGMENT_TILES
 
     @property
-    def unsplit_slack_tiles(self) -> int:
-        """How many more tiles a balanced split's aligned range may hold than a packed one when no
-        request is then split (UNSPLIT_SLACK_TILES)."""
-        return UNSPLIT_SLACK_TILES
+    def split_unit(self) -> int:
+        """KV tiles the kernel hands a split, or a balanced range, together (`split_unit`)."""
+        return split_unit(self.variant)
+
+    @property
+    def segment_units(self) -> int:
+        """A balanced split's cost of a segment in its work list's units (`split_unit` tiles):
+        SEGMENT_TILES, rounded up."""
+        return -(-SEGMENT_TILES // self.split_unit)
+
+    @property
+    def unsplit_slack_units(self) -> int:
+        """How many more units a balanced split's aligned range may hold than a packed one when no
+        request is then split (UNSPLIT_SLACK_TILES, rounded up)."""
+        return -(-UNSPLIT_SLACK_TILES // self.split_unit)
 
     @property
     def part_elem_bytes(self) -> int:
@@ -157,6 +168,13 @@ class KernelPlan:
         if self.variant.cluster:
             return (x, "num_splits", "B")
         return (x, "num_splits", "num_splits > 1 ? B + (B * merge_blocks + num_splits - 1) / num_splits : B")
+
+
+def split_unit(variant: Variant) -> int:
+    """KV tiles a split gets together (templates/common.cuh.j2's split_blocks; the balanced
+    split's work list counts in them too): a pair for the seesaw, whose warpgroups take a tile
+    each, else one. A seesaw range of an odd count of tiles runs a padding tile, half a pair."""
+    return 2 if variant.seesaw else 1
 
 
 def _require(ok: bool, field: str, value: object, expected: str) -> None:

@@ -428,8 +428,8 @@ def test_tune_ranks_the_fastest_by_the_median_of_their_timings(monkeypatch):
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), batch=st.integers(1, 40), seqlen_q=st.integers(1, 40), capacity_tiles=st.integers(1, 300),
-       sm_count=st.integers(1, 200), shape=st.sampled_from([(64, 1), (32, 2), (16, 4), (8, 8)]))
-def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, capacity_tiles, sm_count, shape):
+       sm_count=st.integers(1, 200), shape=st.sampled_from([(64, 1), (32, 2), (16, 4), (8, 8)]), seesaw=st.booleans())
+def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, capacity_tiles, sm_count, shape, seesaw):
     """The balanced split, worked through as the kernel does it from ragged lengths (templates/
     merge.cuh.j2's work list and merge block, mma_ops.cuh.j2's range loop; tests/balanced_worklist.py
     is its twin): every request's KV tile goes to exactly one range (run by that range's block of
@@ -438,22 +438,24 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
     to its merge (0 splits), a range's tiles and the segment costs of the requests it starts fit
     its length, an aligned range meets one request and holds no more tiles than a packed range
     holds positions (the fewest that fit), or a request's whole, a slack more, when none is
-    split, the split blocks fit the resident slots, and the grid has a merge block per group part."""
+    split, the split blocks fit the resident slots, and the grid has a merge block per group part.
+    The seesaw's list counts pairs of tiles (`KernelPlan.split_unit`), and its segment cost in pairs."""
     heads, block_n = 64, 64
-    v = Variant(family="mma", head_tile=shape[0], q_tile=shape[1], block_n=block_n, warps=8,
-                kv_split="balanced", arch="sm_90")
+    v = Variant(family="mma", head_tile=shape[0], q_tile=shape[1], block_n=block_n, warps=8, stages=2,
+                kv_split="balanced", arch="sm_90a" if seesaw else "sm_90", tma=seesaw, seesaw=seesaw)
     parts = dispatch.balanced_parts(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count)
     assert dispatch.num_splits(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count) == parts
     plan = validate(Problem(heads=heads), v)
     groups = -(-seqlen_q // v.q_tile) * (heads // v.head_tile)
     assert parts * groups <= max(sm_count, groups)       # one wave, unless one group per SM is already more
     lengths = data.draw(st.lists(st.integers(0, capacity_tiles * block_n), min_size=batch, max_size=batch))
-    tiles = [-(-n // block_n) for n in lengths]
-    wl = work_list(tiles, parts, plan.segment_tiles, plan.unsplit_slack_tiles)
-    packed = packed_list(tiles, parts, plan.segment_tiles)
+    assert plan.split_unit == (2 if seesaw else 1) and plan.segment_units * plan.split_unit >= SEGMENT_TILES
+    tiles = [-(-n // (block_n * plan.split_unit)) for n in lengths]     # the list's units
+    wl = work_list(tiles, parts, plan.segment_units, plan.unsplit_slack_units)
+    packed = packed_list(tiles, parts, plan.segment_units)
     assert wl.aligned or wl == packed
     if wl.aligned:                                       # the fewest tiles a range may hold, or a request's whole
-        assert wl.aligned <= packed.per or wl.aligned == max(tiles) <= packed.per + plan.unsplit_slack_tiles
+        assert wl.aligned <= packed.per or wl.aligned == max(tiles) <= packed.per + plan.unsplit_slack_units
         assert aligned_ranges(tiles, wl.aligned) <= parts and (
             wl.aligned == 1 or aligned_ranges(tiles, wl.aligned - 1) > parts)
 

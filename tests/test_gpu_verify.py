@@ -11,7 +11,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import mlagen
-from mlagen.spec import Variant, naive, parse_variant
+from mlagen.spec import Problem, Variant, naive, parse_variant
 from mlagen.testing import assert_matches, make_case, pinned_balanced_ranges, poison_allocator, poisoned_out, rel_error
 from mlagen.validate import SpecError, is_valid, validate
 
@@ -166,9 +166,10 @@ def test_transposed_tile_is_bitwise_repeatable(name, page_size):
                     reason="the balanced variants here are sm_90a (compute capability 9.0)")
 @pytest.mark.parametrize("name", ["mma_ht16_qt4_bn64_w8_st2_spb_sm90a", "mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_sm90a",
                                   "mma_ht16_qt4_bn64_w8_st2_spb_p16_tr_sm90a"])
-@pytest.mark.parametrize("prefixes,ranges,aligned", [
-    ([3000, 700, 0, 2500, 1300], 16, 8), ([3000, 700, 0, 2500, 1300], 5, 0),
-    ([1500] * 5, 16, 8), ([1500] * 5, 7, 0), ([1500] * 5, 10, 12), ([3000, 700, 0, 2500, 1300], 12, 11),
+@pytest.mark.parametrize("prefixes,ranges,aligned", [   # aligned: (in tiles, in the seesaw's pairs)
+    ([3000, 700, 0, 2500, 1300], 16, (8, 4)), ([3000, 700, 0, 2500, 1300], 5, (0, 0)),
+    ([1500] * 5, 16, (8, 4)), ([1500] * 5, 7, (0, 0)), ([1500] * 5, 10, (12, 6)),
+    ([3000, 700, 0, 2500, 1300], 12, (11, 6)),
 ], ids=["ragged-aligned", "ragged-packed", "equal-aligned", "equal-packed", "equal-pairs", "ragged-mixed"])
 def test_balanced_split_layouts_match_reference(name, prefixes, ranges, aligned):
     """Both layouts of the balanced work list (templates/merge.cuh.j2) on the lockstep, seesaw and
@@ -179,15 +180,16 @@ def test_balanced_split_layouts_match_reference(name, prefixes, ranges, aligned)
     Aligned requests split in two (every one in "equal-pairs", one among 1, 4 and 5 splits in
     "ragged-mixed") end through the pair merge on the 16-bit seesaw kernel; packed ones, and
     those of the other two kernels, through the merge blocks.
+    The seesaw's work list counts pairs of tiles: the same layouts, in its units.
     Tree-masked; run twice, bitwise the same."""
     from balanced_worklist import work_list
 
-    from mlagen.validate import SEGMENT_TILES, UNSPLIT_SLACK_TILES
-
     empty = [p == 0 for p in prefixes]
     case = make_case(batch=5, seqlen_q=4, heads=16, prefixes=prefixes, page_size=64, mask="tree", empty=empty, seed=5)
-    tiles = [-(-int(n) // 64) for n in case.cache_seqlens.tolist()]
-    assert work_list(tiles, ranges, SEGMENT_TILES, UNSPLIT_SLACK_TILES).aligned == aligned
+    plan = validate(Problem(heads=16), parse_variant(name))
+    units = [-(-int(n) // (64 * plan.split_unit)) for n in case.cache_seqlens.tolist()]
+    wl = work_list(units, ranges, plan.segment_units, plan.unsplit_slack_units)
+    assert wl.aligned == aligned[plan.split_unit - 1]
     with pinned_balanced_ranges(ranges):
         out, lse = _run(case, parse_variant(name), True)
         assert_matches(out, lse, case)

@@ -422,17 +422,17 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 
 // The balanced split's work list: request b owns positions [P_b, P_b + span_b) of it, and split
 // blocks (x, y) of every row group x own range y, [y*W, (y+1)*W), of gridDim.y equal ranges. Its
-// KV tiles T_b come from cache_seqlens, on the device, so a ragged batch is balanced by the keys it
-// holds. Each warp computes what it needs from the lengths alone: no shared memory, no barrier.
+// "tiles" T_b are work units (WORK_UNIT below) and come from cache_seqlens, on the device, so a
+// ragged batch is balanced by the keys it holds. Each warp computes what it needs from the lengths alone: no shared memory, no barrier.
 // Two ways to lay the list out, both fixed by the lengths, so every block agrees:
-// - packed: span_b = C + T_b, C = SEGMENT_TILES positions standing for the fixed cost of a block
+// - packed: span_b = C + T_b, C = SEGMENT_COST positions standing for the fixed cost of a block
 //   starting the request (its Q, first tiles and epilogue), then its tiles. A range may span
 //   requests, a range that starts one streams fewer tiles, and the blocks end together.
 // - aligned: every range holds tiles of one request only. With M the fewest tiles a range may
 //   hold such that the requests' ceil(T_b / M) ranges fit the grid, span_b = ceil(T_b / M) * W,
 //   W = C + M, and request b's ranges share its tiles evenly. Each block then starts one
 //   segment: one Q and one partial row per row, where packed ranges that cross a request pay
-//   two. Taken when M is at most the packed W, or at most UNSPLIT_SLACK_TILES more when every
+//   two. Taken when M is at most the packed W, or at most UNSPLIT_SLACK more when every
 //   request then takes one range (mlagen/validate.py says what the H200 measured); a ragged batch
 //   whose short requests would each hold a range nearly empty stays packed.
 // All row groups of a request stream its keys in step (L2 serves all but the first read of a
@@ -449,11 +449,17 @@ __device__ __forceinline__ int warp_max_uniform(int x) { return __reduce_max_syn
 // Unsigned throughout: a signed division by a run-time value took ~25 dependent instructions,
 // an unsigned one ~15, and ~7 once its divisor's reciprocal is hoisted (NOTES v50).
 __device__ __forceinline__ int ceil_div(int a, int d) { return (int)(((unsigned)a + d - 1) / (unsigned)d); }
-__device__ __forceinline__ int request_tiles(const VerifyParams& p, int b) {
-  return ceil_div(request_keys(p, b), 64);
+// The list counts work units of WORK_UNIT KV tiles (mlagen.validate.split_unit): a tile, or the
+// seesaw's pair, whose warpgroups take a tile each. Counted in tiles, a seesaw range of an odd
+// count ran a padding tile, and H=64 B=8 S=9's ranges ended up to 12 µs apart (NOTES session 26).
+// SEGMENT_COST and UNSPLIT_SLACK are validate's SEGMENT_TILES and UNSPLIT_SLACK_TILES in units.
+constexpr int WORK_UNIT = 2;
+constexpr int SEGMENT_COST = 2;
+constexpr int UNSPLIT_SLACK = 1;
+// A request's work units: its KV tiles, WORK_UNIT to a unit, rounded up.
+__device__ __forceinline__ int request_units(const VerifyParams& p, int b) {
+  return ceil_div(request_keys(p, b), 64 * WORK_UNIT);
 }
-constexpr int SEGMENT_TILES = 3;
-constexpr int UNSPLIT_SLACK_TILES = 1;
 
 // The tiles of a lane's requests, lane + 32k for k < LANE_REQUESTS (0 past the batch), read once
 // with their loads in flight together: the work list's passes and lookups then run on registers,
@@ -467,7 +473,7 @@ struct LaneRequests {
 __device__ __forceinline__ LaneRequests lane_tiles(const VerifyParams& p, int lane) {
   LaneRequests lt;
 #pragma unroll
-  for (int k = 0; k < LANE_REQUESTS; ++k) lt.v[k] = lane + 32 * k < p.batch ? request_tiles(p, lane + 32 * k) : 0;
+  for (int k = 0; k < LANE_REQUESTS; ++k) lt.v[k] = lane + 32 * k < p.batch ? request_units(p, lane + 32 * k) : 0;
   return lt;
 }
 
@@ -478,7 +484,7 @@ __device__ __forceinline__ void for_lane_requests(const VerifyParams& p, const L
 #pragma unroll
   for (int k = 0; k < LANE_REQUESTS; ++k) f(lane + 32 * k, lt.v[k]);
 #pragma unroll 1
-  for (int b = lane + 32 * LANE_REQUESTS; b < p.batch; b += 32) f(b, request_tiles(p, b));
+  for (int b = lane + 32 * LANE_REQUESTS; b < p.batch; b += 32) f(b, request_units(p, b));
 }
 
 struct WorkList {
@@ -496,7 +502,7 @@ __device__ __forceinline__ int aligned_ranges(const VerifyParams& p, const LaneR
 
 // Positions in the work list of a request with t tiles: none without keys.
 __device__ __forceinline__ int request_span(const WorkList& wl, int t) {
-  return wl.tiles ? ceil_div(t, wl.tiles) * wl.per : t + (t > 0 ? SEGMENT_TILES : 0);
+  return wl.tiles ? ceil_div(t, wl.tiles) * wl.per : t + (t > 0 ? SEGMENT_COST : 0);
 }
 
 // The spans of a lane's register requests, the layout's branch taken once: per request, ptxas
@@ -508,7 +514,7 @@ __device__ __forceinline__ LaneRequests lane_spans(const WorkList& wl, const Lan
     for (int k = 0; k < LANE_REQUESTS; ++k) s.v[k] = ceil_div(lt.v[k], wl.tiles) * wl.per;
   } else {
 #pragma unroll
-    for (int k = 0; k < LANE_REQUESTS; ++k) s.v[k] = lt.v[k] + (lt.v[k] > 0 ? SEGMENT_TILES : 0);
+    for (int k = 0; k < LANE_REQUESTS; ++k) s.v[k] = lt.v[k] + (lt.v[k] > 0 ? SEGMENT_COST : 0);
   }
   return s;
 }
@@ -565,14 +571,14 @@ __device__ __forceinline__ void request_at(const VerifyParams& p, const WorkList
   }
 #pragma unroll 1
   for (int b0 = 32 * LANE_REQUESTS; b0 < p.batch; b0 += 32) {
-    const int t = b0 + lane < p.batch ? request_tiles(p, b0 + lane) : 0;
+    const int t = b0 + lane < p.batch ? request_units(p, b0 + lane) : 0;
     if (find_in_chunk(request_span(wl, t), t, b0, u, lane, &base, b_at, start, tiles)) return;
   }
   *start = base;
 }
 
 // The launch's work list (every lane): aligned when its ranges hold no more tiles than packed ones
-// hold positions, or UNSPLIT_SLACK_TILES more when every request then takes one range (no partial
+// hold positions, or UNSPLIT_SLACK more when every request then takes one range (no partial
 // rows, no merge); packed otherwise. A kernel computes it once, before its split and merge blocks
 // part ways: a second inlined copy ahead of the seesaw's tile loop pushed that loop further past
 // the kernel's first 64 KB, where its warps stalled on instruction fetch (NOTES v47).
@@ -587,7 +593,7 @@ __device__ __forceinline__ WorkList balanced_ranges(const VerifyParams& p, const
   tiles = warp_sum_uniform(tiles);
   busy = warp_sum_uniform(busy);
   longest = warp_max_uniform(longest);
-  const int total = tiles + SEGMENT_TILES * busy, per = ceil_div(total, ranges);
+  const int total = tiles + SEGMENT_COST * busy, per = ceil_div(total, ranges);
   const WorkList packed = {total, per, 0};
   if (tiles == 0 || busy > ranges) return packed;
   int m = longest, used = busy;                           // one range a request: fits, as busy <= ranges
@@ -605,10 +611,10 @@ __device__ __forceinline__ WorkList balanced_ranges(const VerifyParams& p, const
       }
     }
     m = hi;
-  } else if (longest > per + UNSPLIT_SLACK_TILES) {
+  } else if (longest > per + UNSPLIT_SLACK) {
     return packed;
   }
-  return {used * (SEGMENT_TILES + m), SEGMENT_TILES + m, m};
+  return {used * (SEGMENT_COST + m), SEGMENT_COST + m, m};
 }
 
 // The ranges that meet a request of t tiles whose positions start at `start`: the first, and how
@@ -621,7 +627,7 @@ __device__ __forceinline__ void request_splits(const WorkList& wl, int t, int st
     *first = (int)((unsigned)start / (unsigned)wl.per);
     *count = ceil_div(t, wl.tiles);
   } else {
-    const int t0 = start + SEGMENT_TILES;
+    const int t0 = start + SEGMENT_COST;
     *first = (int)((unsigned)t0 / (unsigned)wl.per);
     *count = (int)((unsigned)(t0 + t - 1) / (unsigned)wl.per) - *first + 1;
   }
@@ -639,7 +645,7 @@ __device__ __forceinline__ void range_tiles(const WorkList& wl, int t, int start
     *t0 = (int)(j * q + min(j, r));
     *t1 = *t0 + (int)q + (j < r);
   } else {
-    const int at = start + SEGMENT_TILES;
+    const int at = start + SEGMENT_COST;
     *t0 = (u0 > at ? u0 : at) - at;
     *t1 = (u1 < at + t ? u1 : at + t) - at;
   }
@@ -802,13 +808,13 @@ __device__ void merge_block(const VerifyParams& p, const WorkList& wl) {
   // Its request's positions start after the spans of the requests before it: one warp sum. The
   // lengths are read here again, not kept from the work list's pass: in the seesaw this runs
   // after the tile loop, which has no registers to hold them.
-  const int t = request_tiles(p, b);
+  const int t = request_units(p, b);
   const LaneRequests s = lane_spans(wl, lane_tiles(p, lane));
   int before = 0, first, splits;
 #pragma unroll
   for (int k = 0; k < LANE_REQUESTS; ++k) before += lane + 32 * k < b ? s.v[k] : 0;
 #pragma unroll 1
-  for (int k = lane + 32 * LANE_REQUESTS; k < b; k += 32) before += request_span(wl, request_tiles(p, k));
+  for (int k = lane + 32 * LANE_REQUESTS; k < b; k += 32) before += request_span(wl, request_units(p, k));
   request_splits(wl, t, warp_sum_uniform(before), &first, &splits);
   if (splits == 1 || pair_merge(splits, wl)) return;    // its split blocks wrote it (one, or a pair)
   const int slot0 = first + b;                          // its ranges' workspace slots (the work list above)
@@ -1540,13 +1546,14 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   const int u1 = merging ? u0 : uniform(u0 + wl.per < wl.total ? u0 + wl.per : wl.total);
   if (u0 < u1) request_at(p, wl, lt, u0, lane, &b, &start, &tiles);
   for (b = uniform(b), start = uniform(start), tiles = uniform(tiles); u0 < u1 && start < u1;
-       tiles = ++b < p.batch ? uniform(request_tiles(p, b)) : 0) {   // the requests this range meets
+       tiles = ++b < p.batch ? uniform(request_units(p, b)) : 0) {   // the requests this range meets
     int first, splits, t0, t1;
     request_splits(wl, tiles, start, &first, &splits);
     range_tiles(wl, tiles, start, u0, u1, &t0, &t1);
     if (t0 < t1) {                                        // the range meets its tiles (request_splits counts so)
       __syncthreads();                                    // the previous request's shared reads are done
-      segment(b, blockIdx.x, uniform(t0), uniform(t1), uniform(blockIdx.y + b), splits == 1, uniform(splits));
+      segment(b, blockIdx.x, uniform(t0 * WORK_UNIT), uniform(t1 * WORK_UNIT), uniform(blockIdx.y + b), splits == 1,
+              uniform(splits));   // units to KV tiles: segment caps them at the request's
     }
     start += uniform(request_span(wl, tiles));
   }
