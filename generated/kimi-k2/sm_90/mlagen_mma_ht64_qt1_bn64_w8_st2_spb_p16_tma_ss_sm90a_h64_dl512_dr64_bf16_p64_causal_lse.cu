@@ -423,7 +423,8 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 // The balanced split's work list: request b owns positions [P_b, P_b + span_b) of it, and split
 // blocks (x, y) of every row group x own range y, [y*W, (y+1)*W), of gridDim.y equal ranges. Its
 // "tiles" T_b are work units (WORK_UNIT below) and come from cache_seqlens, on the device, so a
-// ragged batch is balanced by the keys it holds. Each warp computes what it needs from the lengths alone: no shared memory, no barrier.
+// ragged batch is balanced by the keys it holds. Each warp computes what it needs from the
+// lengths alone: no shared memory, no barrier.
 // Two ways to lay the list out, both fixed by the lengths, so every block agrees:
 // - packed: span_b = C + T_b, C = SEGMENT_COST positions standing for the fixed cost of a block
 //   starting the request (its Q, first tiles and epilogue), then its tiles. A range may span
@@ -451,7 +452,7 @@ __device__ __forceinline__ int warp_max_uniform(int x) { return __reduce_max_syn
 __device__ __forceinline__ int ceil_div(int a, int d) { return (int)(((unsigned)a + d - 1) / (unsigned)d); }
 // The list counts work units of WORK_UNIT KV tiles (mlagen.validate.split_unit): a tile, or the
 // seesaw's pair, whose warpgroups take a tile each. Counted in tiles, a seesaw range of an odd
-// count ran a padding tile, and H=64 B=8 S=9's ranges ended up to 12 µs apart (NOTES session 26).
+// count ran a padding tile, and H=64 B=8 S=9's ranges ended up to 12 µs apart (NOTES v53).
 // SEGMENT_COST and UNSPLIT_SLACK are validate's SEGMENT_TILES and UNSPLIT_SLACK_TILES in units.
 constexpr int WORK_UNIT = 2;
 constexpr int SEGMENT_COST = 2;
