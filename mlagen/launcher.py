@@ -95,7 +95,7 @@ def render_launcher(plan: KernelPlan) -> str:
         max_seqlen_q=MAX_SEQLEN_Q, merge_target=MERGE_TARGET_BLOCKS,
         merge_tiles=repr(dispatch.MERGE_TILES), split_tiles_per_row=repr(dispatch.SPLIT_TILES_PER_ROW),
         max_splits=dispatch.MAX_SPLITS, pdl_tiles_per_sm=dispatch.PDL_TILES_PER_SM,
-        balanced_list_positions=dispatch.BALANCED_LIST_POSITIONS, split_unit=dispatch.split_unit(plan.variant),
+        balanced_list_positions=dispatch.BALANCED_LIST_POSITIONS, split_unit=plan.split_unit,
         default_smem=DEFAULT_SMEM_LIMIT, kv_map_bytes=tensormap.MAP_BYTES, kv_box_dims=tensormap.BOX_DIMS,
     )
 
