@@ -172,9 +172,10 @@ class KernelPlan:
 
 def split_unit(variant: Variant) -> int:
     """KV tiles a split gets together (templates/common.cuh.j2's split_blocks; the balanced
-    split's work list counts in them too): a pair for the seesaw, whose warpgroups take a tile
-    each, else one. A seesaw range of an odd count of tiles runs a padding tile, half a pair."""
-    return 2 if variant.seesaw else 1
+    split's work list counts in them too): a pair for the seesaw and the transposed tile, whose
+    warpgroups take a tile each, else one. Their range of an odd count of tiles runs a padding
+    tile, half a pair."""
+    return 2 if variant.seesaw or variant.transposed else 1
 
 
 def _require(ok: bool, field: str, value: object, expected: str) -> None:

@@ -247,10 +247,12 @@ def test_num_splits_bounds():
 def test_num_splits_counts_the_seesaws_tiles_in_pairs():
     """The seesaw's split hands out whole pairs of tiles: 65-66 tiles over 9 row groups take 11
     splits of 6 tiles (14 would leave three of them empty, writing partials for nothing); the
-    lockstep kernel, a tile at a time, takes 13-14 of 5."""
+    lockstep kernel, a tile at a time, takes 13-14 of 5. The transposed tile's warpgroups take a
+    tile each too (its split_blocks<2>)."""
     lockstep = parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_p16_sm90a")
     seesaw = parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a")
-    assert dispatch.split_unit(seesaw) == 2 and dispatch.split_unit(lockstep) == 1
+    transposed = parse_variant("mma_ht8_qt9_bn64_w8_st2_spa_p16_tr_sm90a")
+    assert dispatch.split_unit(seesaw) == dispatch.split_unit(transposed) == 2 and dispatch.split_unit(lockstep) == 1
     assert [dispatch.num_splits(seesaw, 64, 1, 9, cap, 132) for cap in (4160, 4224)] == [11, 11]
     assert [dispatch.num_splits(lockstep, 64, 1, 9, cap, 132) for cap in (4160, 4224)] == [13, 14]
     # S=33, 17 tiles over 33 row groups (at most 4 splits a wave): 3 splits of three pairs
@@ -428,8 +430,9 @@ def test_tune_ranks_the_fastest_by_the_median_of_their_timings(monkeypatch):
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), batch=st.integers(1, 40), seqlen_q=st.integers(1, 40), capacity_tiles=st.integers(1, 300),
-       sm_count=st.integers(1, 200), shape=st.sampled_from([(64, 1), (32, 2), (16, 4), (8, 8)]), seesaw=st.booleans())
-def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, capacity_tiles, sm_count, shape, seesaw):
+       sm_count=st.integers(1, 200), shape=st.sampled_from([(64, 1), (32, 2), (16, 4), (8, 8)]),
+       kernel=st.sampled_from(["lockstep", "seesaw", "transposed"]))
+def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, capacity_tiles, sm_count, shape, kernel):
     """The balanced split, worked through as the kernel does it from ragged lengths (templates/
     merge.cuh.j2's work list and merge block, mma_ops.cuh.j2's range loop; tests/balanced_worklist.py
     is its twin): every request's KV tile goes to exactly one range (run by that range's block of
@@ -439,17 +442,20 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
     its length, an aligned range meets one request and holds no more tiles than a packed range
     holds positions (the fewest that fit), or a request's whole, a slack more, when none is
     split, the split blocks fit the resident slots, and the grid has a merge block per group part.
-    The seesaw's list counts pairs of tiles (`KernelPlan.split_unit`), and its segment cost in pairs."""
+    The seesaw's and the transposed tile's lists count pairs of tiles (`KernelPlan.split_unit`), and
+    their segment cost in pairs."""
     heads, block_n = 64, 64
+    paired = kernel != "lockstep"
     v = Variant(family="mma", head_tile=shape[0], q_tile=shape[1], block_n=block_n, warps=8, stages=2,
-                kv_split="balanced", arch="sm_90a" if seesaw else "sm_90", tma=seesaw, seesaw=seesaw)
+                kv_split="balanced", arch="sm_90a" if paired else "sm_90", tma=kernel == "seesaw",
+                seesaw=kernel == "seesaw", transposed=kernel == "transposed")
     parts = dispatch.balanced_parts(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count)
     assert dispatch.num_splits(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count) == parts
     plan = validate(Problem(heads=heads), v)
     groups = -(-seqlen_q // v.q_tile) * (heads // v.head_tile)
     assert parts * groups <= max(sm_count, groups)       # one wave, unless one group per SM is already more
     lengths = data.draw(st.lists(st.integers(0, capacity_tiles * block_n), min_size=batch, max_size=batch))
-    assert plan.split_unit == (2 if seesaw else 1) and plan.segment_units * plan.split_unit >= SEGMENT_TILES
+    assert plan.split_unit == (2 if paired else 1) and plan.segment_units * plan.split_unit >= SEGMENT_TILES
     tiles = [-(-n // (block_n * plan.split_unit)) for n in lengths]     # the list's units
     wl = work_list(tiles, parts, plan.segment_units, plan.unsplit_slack_units)
     packed = packed_list(tiles, parts, plan.segment_units)
