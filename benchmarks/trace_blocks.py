@@ -5,10 +5,11 @@ a cluster split's blocks also when their cluster has staged its rows), or when i
 merge, when its wait for the splits ends and when it is done (merge blocks).
 
 Stamps (globaltimer at a block's start and end, clock64 between) are patched into the rendered
-source of this run only, at landmarks of templates/mma.cu.j2 and merge.cuh.j2 or of the cluster
-split's epilogue (the seesaw's tile loop has no tile-0 landmark: that column shows nan); a
-landmark that moved fails loudly. The last lines give the split and merge blocks' start,
-stamps and end as min/median/max over the launch. On the GPU machine:
+source of this run only, at landmarks of templates/mma.cu.j2 (or mma_transposed.cu.j2) and
+merge.cuh.j2 or of the cluster split's epilogue (the seesaw's tile loop has no tile-0
+landmark: that column shows nan); a landmark that moved fails loudly. The last lines give the
+split and merge blocks' start, stamps and end as min/median/max over the launch. On the GPU
+machine:
 
     python3 benchmarks/trace_blocks.py 64 1 9 256 [variant name; default: the dispatcher's] [--warm] [--gt]
 
@@ -65,10 +66,12 @@ PATCHES = [   # (landmark, replacement): the first occurrence of each
      f"  auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {{ TR_FIRST({ENTRY});\n"),
     ("__syncthreads();   // the partials thread 0 acquired",
      f"TR({MERGE_WAIT}); __syncthreads();   // the partials thread 0 acquired"),
-    # tile kb landed: the cp.async loop's barrier (its comment dropped), or the TMA loop's wait
-    (re.compile(r"(__syncthreads\(\);)\s+// tile kb landed; tile kb-1 fully used|(mbar_wait\(full\(kb\), [^;\n]*;)"),
-     lambda m: f"{m.group(1) or m.group(2)} if (kb == kb_begin) TR({TILE0});"),
-    ("    // ---- epilogue: row sums", f"    TR({LOOP_END});\n    // ---- epilogue: row sums"),
+    # tile kb landed: the cp.async loop's barrier (its comment dropped), the TMA loop's wait, or
+    # the transposed tile's warpgroup barrier (thread 0's warpgroup: tile kb_begin)
+    (re.compile(r"(__syncthreads\(\);)\s+// tile kb landed; tile kb-1 fully used|(mbar_wait\(full\(kb\), [^;\n]*;)"
+                r"|(named_sync\(WG0 \+ me, 128\);)\s+// its rows have landed"),
+     lambda m: f"{m.group(1) or m.group(2) or m.group(3)} if (kb == kb_begin) TR({TILE0});"),
+    (re.compile(r"(    // ---- epilogue: (?:row|column) sums)"), rf"    TR({LOOP_END});\n\1"),
     (re.compile(r"(    if \(!direct(?: && !in_pair)?\) count_split_done\([^\n]*;)"),   # (v52: a pair ends later)
      rf"\1\n    TR({DONE}); TR({END});"),
 ]
@@ -88,6 +91,12 @@ OPTIONAL_PATCHES = [   # (v50 passes the lanes' tiles too)
     # a part16 split's staged rows: after the barrier that staged them, around their stores
     (re.compile(r"(finish_staged_rows<ROWS, HT, WARPS>\(p, split, direct[^;]*;)"),
      rf"{{ TR({STAGED}); \1 TR({WRITTEN}); }}"),
+    # the transposed tile's rows staged (the barrier before its row loop), and its partial stores
+    # issued (before its count)
+    (re.compile(r"(    __syncthreads\(\);)(\n    for \(int row = warp; row < N; row \+= THREADS / 32\) \{)"),
+     rf"\1 TR({STAGED});\2"),
+    (re.compile(r"(\n)(    if \(!direct\) count_split_done\(p, b, x, splits\);\n    TR)"),
+     rf"\1    TR({WRITTEN});\n\2"),
     # a TMA kernel's wait for Q's copies (the lockstep loop's first tile, or before the seesaw's loop)
     (re.compile(r"(cp_async_wait<0>\(\);)(\s+// Q's copies)"), rf"\1 TR_FIRST({Q_LANDED});\2"),
 ]
@@ -96,7 +105,7 @@ SEESAW_MARK = "s < 4 ? 1 : 128"   # the seesaw's mbarrier set-up (templates/mma.
 
 def patch(source: str, globaltimer_only: bool = False) -> str:
     """The rendered `source` with the trace buffer and stamps at its landmarks (`header`)."""
-    start = source.index("const int wmq = warp % WMQ")
+    start = source.index("const int wmq = warp % WMQ" if "const int wmq" in source else "const int me = __shfl_sync")
     start = source.index("\n", start) + 1
     source = source[:start] + f"  TR({START}); TR(1);\n" + source[start:]
     seesaw = SEESAW_MARK in source
