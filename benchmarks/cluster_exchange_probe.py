@@ -19,6 +19,10 @@ value dims. This probe runs that launch's skeleton with the compute replaced by 
   cluster window) and arrives on the peer's mbarrier; it then waits for the peer's 36 on its own,
   adds them, and tells the peer its slot is free again. A warpgroup's slot takes one tile at a
   time (18 KB a warpgroup: the design's shared memory has no room for two).
+- `half+xc`: the same stores laid out so that each store instruction of a warp writes 512
+  contiguous bytes.
+- `half+xb`: the warpgroup writes its half into a slot of its own block, and one thread sends it
+  to the peer with a bulk copy counted by the peer's mbarrier.
 
 Each tile is held for a spin of HOLD cycles (split in two around the exchange) standing for the
 scores, the softmax and P V. The loads are real (the tiles come from HBM, a different range per
@@ -29,7 +33,9 @@ and for `half+x` the exchange's latency per tile (send to receive, clock64 at 1.
     python3 benchmarks/cluster_exchange_probe.py [tiles=4096] [holds=0,2000,4000,6000]
 
 4096 tiles of 64 keys are 8/16/9/16k's; a hold of ~4000 cycles (2 µs) a tile is where today's
-transposed tile runs (a pair of ~5.4 µs, load ~2.3). Results go to $OUT/cluster_exchange_probe.txt.
+transposed tile runs (a pair of ~5.4 µs, load ~2.3). Results go to $OUT/cluster_exchange_probe.txt;
+session 27's are in benchmarks/h200-2026-11-30-s27/probe/ and NOTES.md ("Session 27": the exchange
+costs 1.4-2.4 µs a tile, more than the loads it saves).
 """
 
 from __future__ import annotations
