@@ -91,16 +91,19 @@ OPTIONAL_PATCHES = [   # (v50 passes the lanes' tiles too)
     # a part16 split's staged rows: after the barrier that staged them, around their stores
     (re.compile(r"(finish_staged_rows<ROWS, HT, WARPS>\(p, split, direct[^;]*;)"),
      rf"{{ TR({STAGED}); \1 TR({WRITTEN}); }}"),
-    # the transposed tile's rows staged (the barrier before its row loop), and its partial stores
-    # issued (before its count)
-    (re.compile(r"(    __syncthreads\(\);)(\n    for \(int row = warp; row < N; row \+= THREADS / 32\) \{)"),
-     rf"\1 TR({STAGED});\2"),
-    (re.compile(r"(\n)(    if \(!direct\) count_split_done\(p, b, x, splits\);\n    TR)"),
-     rf"\1    TR({WRITTEN});\n\2"),
     # a TMA kernel's wait for Q's copies (the lockstep loop's first tile, or before the seesaw's loop)
     (re.compile(r"(cp_async_wait<0>\(\);)(\s+// Q's copies)"), rf"\1 TR_FIRST({Q_LANDED});\2"),
 ]
+# The transposed tile's rows staged (the barrier before its row loop) and its partial stores
+# issued (before its count): its epilogue has no finish_staged_rows.
+TRANSPOSED_PATCHES = [
+    ("    __syncthreads();\n    for (int row = warp; row < N; row += THREADS / 32) {",
+     f"    __syncthreads(); TR({STAGED});\n    for (int row = warp; row < N; row += THREADS / 32) {{"),
+    ("\n    if (!direct) count_split_done(p, b, x, splits);\n",
+     f"\n    TR({WRITTEN});\n    if (!direct) count_split_done(p, b, x, splits);\n"),
+]
 SEESAW_MARK = "s < 4 ? 1 : 128"   # the seesaw's mbarrier set-up (templates/mma.cu.j2)
+TRANSPOSED_MARK = "// family mma, transposed tile"
 
 
 def patch(source: str, globaltimer_only: bool = False) -> str:
@@ -121,6 +124,11 @@ def patch(source: str, globaltimer_only: bool = False) -> str:
             raise SystemExit(f"landmark not found (the template changed): {landmark!r}")
     for landmark, replacement in OPTIONAL_PATCHES:
         source = landmark.sub(replacement, source, count=1)
+    if TRANSPOSED_MARK in source:
+        for landmark, replacement in TRANSPOSED_PATCHES:
+            if landmark not in source:
+                raise SystemExit(f"landmark not found (the template changed): {landmark!r}")
+            source = source.replace(landmark, replacement, 1)
     return header(globaltimer_only) + source
 
 
