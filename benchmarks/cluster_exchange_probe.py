@@ -48,6 +48,7 @@ import cupy as cp
 import numpy as np
 import torch
 from cupy.cuda import driver
+from transposed_probe import timed
 
 from mlagen.tensormap import encode
 
@@ -224,21 +225,6 @@ def exchange_sums(blocks: int, tiles: int, ranges: int) -> torch.Tensor:
             for i in range((t1 - t0 - wg + 1) // 2):
                 out[blk, 128 * wg:128 * wg + 128] += 4 * (9 * (i + wt) + 36)
     return out
-
-
-def timed(call, reps: int = 20) -> float:
-    """Median µs per call over 5 runs of `reps` back-to-back calls."""
-    call()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        e0.record()
-        for _ in range(reps):
-            call()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / reps)
-    return float(np.median(times))
 
 
 def main() -> None:

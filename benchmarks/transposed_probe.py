@@ -660,7 +660,7 @@ def source(heads: int, seqlen_q: int, schedule: str = "lockstep") -> str:
     return defines + head + f"constexpr int N0 = {n0};\n" + fns + pick + body
 
 
-def _timed(call, reps: int = 20) -> float:
+def timed(call, reps: int = 20) -> float:
     """Median µs per call over 5 runs of `reps` back-to-back calls."""
     call()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -730,7 +730,7 @@ def main() -> None:
 
     mlagen_call()
     report = [f"H={heads} B={batch} S={seqlen_q} prefix={prefix}, {n} rows, {splits} splits: mlagen dispatch "
-              f"{_timed(mlagen_call):.1f} µs (error {((out.double() - ref).norm() / ref.norm()).item():.1e})"]
+              f"{timed(mlagen_call):.1f} µs (error {((out.double() - ref).norm() / ref.norm()).item():.1e})"]
     part = torch.empty(batch, splits, n, 512, device=dev)
     stats = torch.empty(batch, splits, 2, n, device=dev)
     trace = torch.zeros(batch * splits, 2, 12, dtype=torch.int64, device=dev)
@@ -764,7 +764,7 @@ def main() -> None:
         w = torch.exp2(stats[:, :, 0].double() - stats[:, :, 0].double().amax(1, keepdim=True))   # [B, splits, n]
         got = ((part.double() * w[..., None]).sum(1) / (stats[:, :, 1].double() * w).sum(1)[..., None])
         err = ((got.view(batch, seqlen_q, heads, 512) - ref).norm() / ref.norm()).item()
-        report.append(f"probe, {schedule}: {_timed(launch):.1f} µs (split blocks only, "
+        report.append(f"probe, {schedule}: {timed(launch):.1f} µs (split blocks only, "
                       f"no merge), error {err:.1e}, registers {fn.num_regs}, local {fn.local_size_bytes} B, "
                       f"{smem} B shared\n{_phases(trace, schedule)}")
     text = "\n".join(report)
