@@ -202,14 +202,19 @@ SMEM = 4 * 36864 + 4 * 64 * 72 * 4 + 64
 GHZ = 1.98
 
 
-def kernel(mode: str) -> cp.RawKernel:
+def source(mode: str) -> str:
+    """The probe kernel's CUDA source for `mode` (a key of MODES)."""
     half, exchange = MODES[mode]
     # a thread's 16-byte pieces: contiguous (144 bytes a thread), or a warp's 32 pieces of each
     # store contiguous (`half+xc`: 512 bytes an instruction)
     stride, step = (16, 2048) if exchange >= 2 else (144, 16)
-    defines = (f"#define HALF {half}\n#define EXCHANGE {exchange}\n#define STRIDE {stride}\n#define Q_STEP {step}\n"
-               f"#define CLUSTER_DIMS {'__cluster_dims__(2, 1, 1)' if half else ''}\n")
-    fn = cp.RawModule(code=defines + SOURCE, options=("-arch=sm_90a", "-std=c++17"), jitify=False).get_function("probe")
+    return (f"#define HALF {half}\n#define EXCHANGE {exchange}\n#define STRIDE {stride}\n#define Q_STEP {step}\n"
+            f"#define CLUSTER_DIMS {'__cluster_dims__(2, 1, 1)' if half else ''}\n" + SOURCE)
+
+
+def kernel(mode: str) -> cp.RawKernel:
+    """The probe kernel for `mode`, compiled and loaded, with the shared memory it asks for."""
+    fn = cp.RawModule(code=source(mode), options=("-arch=sm_90a", "-std=c++17")).get_function("probe")
     fn.max_dynamic_shared_size_bytes = SMEM
     return fn
 

@@ -478,6 +478,26 @@ def test_transposed_probe_compiles_with_asynchronous_wgmmas(heads, seqlen_q, sch
         transposed_probe.source(16, 5, schedule)
 
 
+@pytest.mark.parametrize("mode", ["full", "half", "half+x", "half+xc", "half+xb"])
+def test_cluster_exchange_probe_compiles(mode):
+    """benchmarks/cluster_exchange_probe.py (NOTES, session 27): every mode's kernel compiles for
+    sm_90a without spills, the half modes as 2-block clusters, and the exchange compiled in for
+    the exchange modes only."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import cluster_exchange_probe
+
+    from mlagen.compiler import compile_source
+
+    source = cluster_exchange_probe.source(mode)
+    module = compile_source(source, f"xprobe_{mode.replace('+', '_')}", "sm_90a")
+    assert all(not r.spills for r in module.resources.values()), module.resources
+    assert ("__cluster_dims__(2, 1, 1)" in source) == mode.startswith("half")
+    assert ("#define EXCHANGE 0" not in source) == ("+x" in mode)
+
+
 @pytest.mark.parametrize("name,heads", [("mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", 8),
                                         ("mma_ht8_qt9_bn64_w8_st2_spb_tr_sm90a", 8),
                                         ("mma_ht8_qt5_bn64_w8_st2_sp3_p16_tr_sm90a", 8),
