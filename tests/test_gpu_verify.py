@@ -11,6 +11,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import mlagen
+from mlagen import workspace
 from mlagen.spec import Problem, Variant, naive, parse_variant
 from mlagen.testing import assert_matches, make_case, pinned_balanced_ranges, poison_allocator, poisoned_out, rel_error
 from mlagen.validate import SpecError, is_valid, validate
@@ -429,6 +430,10 @@ def test_split_merge_across_calls_streams_and_graphs(kv_split):
         out, lse = run(cases[0])
         torch.cuda.synchronize()
         assert_matches(out, lse, cases[0])
+    # The same case again would read the same partials even where a counter was left off zero
+    # (its merge would start early): so the counters themselves must be back at zero.
+    counters = workspace._buffers[(torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)][1]
+    assert not counters.any(), counters.nonzero().flatten().tolist()
     streams = [torch.cuda.Stream() for _ in cases]
     for _ in range(3):                                     # two streams at once
         results = []
