@@ -5,7 +5,8 @@ round after round, on the bench's inputs (CUDA graph replay, rotated past the L2
     python3 benchmarks/ab_constant.py 5 MERGE_TARGET_BLOCKS=128,144 8,16,9,16384 8,16,9,8192
 
 NAME is a module-level int of mlagen/validate.py that the rendered kernels or the launch read
-(MERGE_TARGET_BLOCKS, SEGMENT_TILES, ...). Each value renders and compiles its own kernels, and
+(MERGE_TARGET_BLOCKS, SEGMENT_TILES, ...), or of mlagen/dispatch.py when written dispatch.NAME
+(dispatch.PDL_TILES_PER_SM). Each value renders and compiles its own kernels, and
 the dispatcher's memos are cleared between values. Prints each value's µs per round and its best.
 Session 27's runs are in benchmarks/h200-2026-11-30-s27/tail/.
 """
@@ -27,12 +28,14 @@ validate = importlib.import_module("mlagen.validate")   # the package exports a 
 
 
 def set_constant(name: str, value: int) -> None:
-    """mlagen.validate.`name` = value (and the copies modules imported), every memo dropped."""
-    if not isinstance(getattr(validate, name, None), int):
-        raise SystemExit(f"mlagen.validate.{name} is not an int constant")
-    setattr(validate, name, value)
-    for module in (dispatch, launcher):
-        if hasattr(module, name):
+    """mlagen.validate.`name` (or mlagen.dispatch's, as dispatch.NAME) = value, and the copies
+    modules imported, every memo dropped."""
+    owner, name = (dispatch, name.removeprefix("dispatch.")) if name.startswith("dispatch.") else (validate, name)
+    if not isinstance(getattr(owner, name, None), int):
+        raise SystemExit(f"{owner.__name__}.{name} is not an int constant")
+    old = getattr(owner, name)
+    for module in (validate, dispatch, launcher):
+        if module is owner or getattr(module, name, None) == old:
             setattr(module, name, value)
     for fn in vars(dispatch).values():
         if hasattr(fn, "cache_clear"):
