@@ -32,7 +32,8 @@ def patch(plan, src: str) -> str:
               "      const unsigned tq1 = clock();\n")
     src = sub(src, "// the init -> the TMA's complete_tx\n",
               "// the init -> the TMA's complete_tx\n      const unsigned tq2 = clock();\n")
-    src = sub(src, "      mbar_expect(stage_bar, 9 * KB);\n", "      mbar_expect(stage_bar, 9 * KB);\n      const unsigned tq3 = clock();\n")
+    src = sub(src, "      mbar_expect(stage_bar, 9 * KB);\n",
+              "      mbar_expect(stage_bar, 9 * KB);\n      const unsigned tq3 = clock();\n")
     src = sub(src, "p.kv_map, c * 64, (kb * BN) % PAGE, page, stage_bar);\n",
               "p.kv_map, c * 64, (kb * BN) % PAGE, page, stage_bar);\n      const unsigned tq4 = clock();\n")
     src = sub(src, "      page_next = kb + 2 < kb_end ? kv_page(p, b, (kb + 2) * BN) : 0;\n",
@@ -40,8 +41,9 @@ def patch(plan, src: str) -> str:
               "      const unsigned tq5 = clock();\n"
               "      tr_acc[0] += tq1 - tq0; tr_acc[1] += tq2 - tq1; tr_acc[2] += tq3 - tq2; tr_acc[3] += tq4 - tq3;"
               " tr_acc[4] += tq5 - tq4; tr_n++; tr_issued = tq4;\n")
-    src = sub(src, "      mbar_wait(stage_bar, 0);                              // a fresh mbarrier per load: phase 0\n",
-              "      mbar_wait(stage_bar, 0);                              // a fresh mbarrier per load: phase 0\n"
+    wait = "      mbar_wait(stage_bar, 0);                              // a fresh mbarrier per load: phase 0\n"
+    src = sub(src, wait,
+              wait +
               "      if (wt == 0 && tr_issued) { tr_acc[5] += clock() - tr_issued; tr_m++; tr_issued = 0; }\n")
     src = sub(src, "  if (merging) merge_block(p, wl);\n",
               "  if (wt == 0 && tr_n) {\n"
