@@ -1,4 +1,4 @@
-"""A/B of one of mlagen.validate's constants in one process: each value's launches timed in turn,
+"""A/B of one of mlagen.validate's or mlagen.dispatch's constants in one process: each value's launches timed in turn,
 round after round, on the bench's inputs (CUDA graph replay, rotated past the L2).
 
     python3 benchmarks/ab_constant.py ROUNDS NAME=V1,V2,... 'H,B,S,prefix' ...
