@@ -3,8 +3,8 @@
 Per row: each family's variant as the dispatcher would pick it within that family (tuned
 table, else the family default), the variants named with `--variant` (A/B columns), the
 dispatcher's own choice, torch eager, the floor from the ceilings measured in the same run, and
-FlashMLA's figure where DESIGN.md has the row. A cell that raises, or a named variant that is
-invalid for the row's problem, shows its error; the run goes on.
+FlashMLA's figure where the peer table (`mlagen.peers`) has the row. A cell that raises, or a
+named variant that is invalid for the row's problem, shows its error; the run goes on.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class RowResult:
 
     @property
     def dispatch_vs_flashmla(self) -> float | None:
-        """The dispatched time over FlashMLA's figure for this row (DESIGN.md's peer table)."""
+        """The dispatched time over FlashMLA's figure for this row (`peers.PEERS`)."""
         d = self.us(DISPATCH)
         return d / self.flashmla_us if d and self.flashmla_us else None
 

@@ -39,19 +39,19 @@ MERGE_TILES = 0.75
 SPLIT_TILES_PER_ROW = 3.4e-4
 MAX_SPLITS = 128
 # Without a table entry, an sm_90a tile runs the seesaw schedule (with TMA tile loads) from this
-# many KV tiles of work (row groups x requests x tiles) per SM of a 132-SM Hopper. In the H200
-# tune of v26 (benchmarks/h200-2026-11-29-v26/tune.log) the seesaw won every grid row from 16
-# tiles per SM on but one (H=16 B=64 S=4 at 31, where the lockstep kernel with TMA won; v23
-# measured the seesaw 3% behind it there), and lost at 4-5 (short rows: a pair's chain costs
-# more than it hides). The heuristic's own pick was 1.2 to 1.55x the best on those long rows.
+# many KV tiles of work (row groups x requests x tiles) per SM of a 132-SM Hopper. Tuned over the
+# bench grid on the H200, the seesaw wins every row from 16 tiles per SM on but one (H=16 B=64 S=4
+# at 31, where the lockstep kernel with TMA wins and the seesaw runs 3% behind it), and loses at
+# 4-5 (short rows: a pair's chain costs more than it hides). On those long rows the heuristic's
+# lockstep tile takes 1.2 to 1.55x the best time (docs/performance.md has the tune).
 SEESAW_TILES_PER_SM = 12
 HOPPER_SMS = 132
 # Captured into a CUDA graph, an sm_90+ launch of at most this many KV tiles of work per SM goes
 # as a programmatic dependent (`dependent_in_graphs`). H200, graph replay, same machine, every
-# launch a dependent (MLAGEN_PDL=1) against plain (benchmarks/NOTES.md, session 19): 0.6-0.9 µs
-# less from 1 to 18 tiles per SM (S=9 at 1024 to 16384 keys, S=33 at 256 to 4096), no change
-# at 31-35 (H=16 B=64 S=4, H=8 B=16 S=9, H=64 B=8 S=9 at 4096 keys), 0.7-6.6% more from 62
-# on (65536 keys and up, H=64 B=64 S=2, H=64 B=128 S=1, H=128 B=32 S=4).
+# launch a dependent (MLAGEN_PDL=1) against plain: 0.6-0.9 µs less from 1 to 18 tiles per SM
+# (S=9 at 1024 to 16384 keys, S=33 at 256 to 4096), no change at 31-35 (H=16 B=64 S=4, H=8 B=16
+# S=9, H=64 B=8 S=9 at 4096 keys), 0.7-6.6% more from 62 on (65536 keys and up, H=64 B=64 S=2,
+# H=64 B=128 S=1, H=128 B=32 S=4).
 PDL_TILES_PER_SM = 24
 # The balanced split's work list counts positions in int32 on the device (templates/merge.cuh.j2):
 # every request's KV tiles and SEGMENT_TILES more, and per range (fewer than 2^16) a few more, so
@@ -108,9 +108,9 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
 
     Such a launch takes the balanced split, a single request too: one range per SM, so one wave.
     For a single request the adaptive split's model goes to two or three waves from ~2000 tiles
-    per row group (29 splits at 131072 keys, H=64 S=9). On the H200 that ran 12-13% slower than
+    per row group (29 splits at 131072 keys, H=64 S=9). On the H200 that runs 12-13% slower than
     one wave (280 against 250 µs; 283 against 250 at H=128 with 65536 keys). At one wave the two
-    splits tie (65536 keys, H=64: 142.3 against 144.4 µs; benchmarks/NOTES.md, session 12)."""
+    splits tie (65536 keys, H=64: 142.3 against 144.4 µs)."""
     exchange = exchange_tile(problem, seqlen_q, batch, kv_capacity, arch)
     if exchange is not None:
         return exchange
@@ -132,8 +132,7 @@ def exchange_tile(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
     tile a block, `space.exchange_variants`) where the block table holds at most 8 tiles and
     the launch's blocks, row groups x requests x cluster size, fit one wave of a 132-SM Hopper;
     None elsewhere. H200, S=9 H=64 with 256 keys (5 tiles, 45 blocks): 9.4 µs against the
-    split's 10.6-10.8; S=33 (165 blocks, two waves): 18.2 against 15.0 (benchmarks/NOTES.md,
-    session 17)."""
+    split's 10.6-10.8; S=33 (165 blocks, two waves): 18.2 against 15.0."""
     if not runs_on("sm_90a", arch):
         return None
     v = heuristic_variant(problem, seqlen_q, arch)
@@ -151,7 +150,7 @@ def dependent_in_graphs(variant: Variant, heads: int, seqlen_q: int, batch: int,
     kernel before it while its stream is captured into a CUDA graph: launches of at most
     PDL_TILES_PER_SM KV tiles of work (row groups x requests x tiles) per SM, P exchanges
     included. Its blocks are then scheduled while that kernel drains, which hides the launch
-    and tail of a short kernel; on long and batched launches it cost up to 7% on the H200."""
+    and tail of a short kernel; on long and batched launches it costs up to 7% on the H200."""
     tiles = _row_groups(variant, heads, seqlen_q) * batch * -(-kv_capacity // variant.block_n)
     return tiles <= PDL_TILES_PER_SM * sm_count
 
@@ -163,14 +162,14 @@ def transposed_tile(problem: Problem, seqlen_q: int, arch: str) -> Variant | Non
 
     Such rows take a padded 64-row group on the other tiles (H=16 S=2: half of it padding) or two
     (H=8 S=9: 72 rows), and each group streams the request's keys. H200, graph replay, against
-    the dispatcher's seesaw or lockstep tile (benchmarks/NOTES.md, session 15): 0.70-0.84x at
-    32 rows (H=16 S=2, H=8 S=4) and 16 (H=16 S=1), 0.79-0.88x at 72 (H=8 S=9) from 4096 key tiles
-    of work, 0.97x at 2048, and 1.12-1.27x at 1024 and fewer: a block's fixed costs over too few
-    tiles. Hence the seesaw's threshold, counted over this tile's single row group.
+    the dispatcher's seesaw or lockstep tile: 0.70-0.84x at 32 rows (H=16 S=2, H=8 S=4) and 16
+    (H=16 S=1), 0.79-0.88x at 72 (H=8 S=9) from 4096 key tiles of work, 0.97x at 2048, and
+    1.12-1.27x at 1024 and fewer: a block's fixed costs over too few tiles. Hence the seesaw's
+    threshold, counted over this tile's single row group.
 
-    Its tiles load by cp.async: TMA loads (`tma`, pages of 64) ran 32- and 16-row tiles 2-5%
-    slower on the H200 and 72-row ones 3% faster or 2-4% slower from one timing to the next
-    (benchmarks/NOTES.md, session 16, v40), so they are left to the tuner."""
+    Its tiles load by cp.async: TMA loads (`tma`, pages of 64) run 32- and 16-row tiles 2-5%
+    slower on the H200, and 72-row ones anywhere from 3% faster to 4% slower from one timing to
+    the next, so they are left to the tuner."""
     rows = problem.heads * seqlen_q
     if rows not in TRANSPOSED_ROWS or rows % 64 == 0 or not runs_on("sm_90a", arch):
         return None
@@ -202,8 +201,7 @@ def tuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
     table addresses says the P exchange wins a length step shorter: it gives way to the
     P exchange sized for these keys (`exchange_tile`) where one fits, rather than to a longer
     neighbour's split. H200, S=9 H=64 with 512 keys, where the table has entries at 256 (the
-    P exchange on 5 blocks) and 1024 (a split): 10.3 µs on 8 blocks against the split's 12.55
-    (benchmarks/NOTES.md, v44b)."""
+    P exchange on 5 blocks) and 1024 (a split): 10.3 µs on 8 blocks against the split's 12.55."""
     entries = tables.entries_for(gpu, arch)
     if not entries:
         return None
@@ -249,8 +247,8 @@ def balanced_for_batch(problem: Problem, variant: Variant, batch: int) -> Varian
     idle while the longest requests finish. The balanced split's ranges follow the real lengths
     on the device. H200, ragged batches (log-uniform lengths up to the capacity, graph replay):
     0.35x the adaptive split's time at H=64 B=64 S=2, 0.50x at H=8 B=16 S=9, 0.53x at H=16 B=64
-    S=4, 0.64x at H=128 B=32 S=4, 0.83x at H=64 B=32 S=9; uniform batches paid 1-11% against the
-    adaptive split (H=64 B=128 S=1 at 4096 keys: 212 against 193 µs; benchmarks/NOTES.md). The
+    S=4, 0.64x at H=128 B=32 S=4, 0.83x at H=64 B=32 S=9; uniform batches pay 1-11% against the
+    adaptive split (H=64 B=128 S=1 at 4096 keys: 212 against 193 µs; docs/performance.md). The
     tuner times batches this way (`tune.as_dispatched`). Pass `variant=` to pin a split.
     """
     if batch < 2 or variant.family != "mma" or variant.kv_split == "balanced":
@@ -302,8 +300,8 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
     blocks, two full waves) rather than 30 (270 blocks, three waves). A seesaw block runs its
     tiles in pairs, and the kernel hands a split its tiles in whole pairs, so its tiles are
     counted so too: 65 tiles over 14 splits are 6 a block and three empty splits, which 11
-    splits run with fewer partials (H200, S=9 at 4096 keys: 20.4 µs against 21.0, NOTES
-    session 25). Measured by `mlagen bench`; a tuned table's fixed split overrides it.
+    splits run with fewer partials (H200, H=64 S=9 at 4096 keys: 20.4 µs against 21.0). Measured
+    by `mlagen bench`; a tuned table's fixed split overrides it.
     """
     if variant.family == "naive":
         return 1
@@ -337,7 +335,8 @@ def balanced_parts(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_c
     request, ranges), about one block per resident slot, and block (x, y) runs row group x of
     every request that range y meets. All row groups of a request stream the same keys at the
     same time, so each KV tile is read from memory once and from L2 by the others (a list over
-    all row groups put them out of phase and ran HBM-bound: benchmarks/NOTES.md, v13). A request
+    all row groups puts them out of phase, and with the KV past the L2 each row group reads it
+    from HBM: H=64 S=9 at 65536 keys 219 µs against 197 for the adaptive split). A request
     is split wherever a range ends; `KernelPlan.partial_rows` sizes the workspace for it, and
     templates/merge.cuh.j2 has the kernel's side. More ranges than the block table can hold
     tiles would only be empty.

@@ -2,7 +2,8 @@
 
 bytes: every request's KV read once, q read, out written; flops: both products,
 2*B*S*H*N*(Dl+Dr) for the scores plus 2*B*S*H*N*Dl for the values. The floor is the larger of
-bytes / copy bandwidth and flops / matrix rate (DESIGN.md, "Measuring").
+bytes / copy bandwidth and flops / matrix rate. On the H200: ~4.25 TB/s copy (read + write),
+~785 TFLOP/s bf16, as `mlagen bench` measures them.
 """
 
 from __future__ import annotations

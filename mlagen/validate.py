@@ -33,15 +33,15 @@ class SpecError(ValueError):
 
 # What the balanced split counts a segment as (a range's share of one request: its Q, its first
 # tiles landing, its epilogue) on top of the segment's KV tiles, in KV tiles: a range that starts
-# a request then streams fewer tiles. Session 12's traces of the seesaw put a segment boundary
+# a request then streams fewer tiles. Traces of the seesaw on the H200 put a segment boundary
 # at 4.8 µs (H=64 B=32 S=9, 2.6 tiles) to 7.1 µs (H=16 B=64 S=4, memory-bound: 2.9 tiles).
 SEGMENT_TILES = 3
 # The balanced split lays its ranges out request-aligned (each range within one request, so each
 # block starts one segment) when a range then holds no more tiles than a packed range holds
 # positions, or this many more when every request then takes one range, which leaves no partial
-# rows and no merge (templates/merge.cuh.j2, "work list"). On the H200 (benchmarks/NOTES.md, v46),
-# one more tile than packed: H=64 B=64 S=2 at 8192 keys 3% faster aligned (one range a request),
-# H=8 B=16 S=9 at 16384 keys 2% slower (eight ranges a request either way).
+# rows and no merge (templates/merge.cuh.j2, "work list"). On the H200, one more tile than
+# packed: H=64 B=64 S=2 at 8192 keys runs 3% faster aligned (one range a request), H=8 B=16 S=9
+# at 16384 keys 2% slower (eight ranges a request either way), hence the slack only there.
 UNSPLIT_SLACK_TILES = 1
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,20 +22,12 @@ from mlagen.timing import rotation_count
 from mlagen.validate import validate
 from mlagen.workload import draft_tree
 
-ROOT = Path(__file__).resolve().parent.parent
-H200 = Ceilings(copy_bytes_per_s=4.25e12, matmul_flops_per_s=785e12)   # DESIGN.md's figures
+H200 = Ceilings(copy_bytes_per_s=4.25e12, matmul_flops_per_s=785e12)   # the ceilings of PEERS' floor_us
 PVM = "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a"     # a named variant (--variant): valid for H=64 only
 runner = CliRunner()
 
 
-def _design_md() -> Path | None:
-    for p in (ROOT / "shared" / "DESIGN.md", ROOT.parent / "shared" / "DESIGN.md"):
-        if p.exists():
-            return p
-    return None
-
-
-def test_floor_matches_design_table():
+def test_floor_matches_peer_table():
     for p in PEERS:
         f = floor_us(p.heads, p.batch, p.seqlen_q, p.prefix + p.seqlen_q, H200)
         assert abs(f - p.floor_us) <= 0.05 + 0.005 * p.floor_us, (p.shape, f, p.floor_us)
@@ -57,25 +47,6 @@ def test_grids():
     assert [(r.heads, r.batch, r.seqlen_q, r.prefix) for r in SERVING] == [p.shape for p in PEERS]
     assert max(r.batch for r in SERVING) == 128 and {r.heads for r in SERVING} == {8, 16, 64, 128}
     assert peer(64, 1, 9, 65536).flashmla_us == 136.2 and peer(64, 1, 9, 7) is None
-
-
-def test_peers_match_design_md():
-    path = _design_md()
-    if path is None:
-        pytest.skip("DESIGN.md (shared/) is not in this checkout")
-    rows = []
-    for line in path.read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 8 and all(re.fullmatch(r"\d+", c) for c in cells[:4]):
-            rows.append(cells)
-    assert len(rows) == len(PEERS)
-    for cells, p in zip(rows, PEERS, strict=True):
-        assert tuple(map(int, cells[:4])) == p.shape
-        assert (float(cells[4]), float(cells[5]), float(cells[7])) == (p.floor_us, p.torch_eager_us, p.flashmla_us)
-        sglang = cells[6].split("/")
-        assert (p.sglang_causal_us is None) == (cells[6] == "—")
-        if p.sglang_causal_us is not None:
-            assert (float(sglang[0]), float(sglang[1])) == (p.sglang_causal_us, p.sglang_tree_us)
 
 
 def test_select_rows_dedupes_and_keeps_membership():

@@ -99,7 +99,7 @@ def test_without_table_dispatch_is_the_untuned_pick():
 def test_untuned_short_one_wave_launches_run_the_p_exchange_on_sm90a():
     """Without a table, the heuristic's sm_90a tile runs as a P exchange where the block table
     holds at most 8 KV tiles and row groups x requests x cluster size fit one wave of 132 SMs
-    (H200, session 17: 0.58-0.97x the split's time on seven such shapes); not past either
+    (H200: 0.58-0.97x the split's time on seven such shapes); not past either
     bound, and not on other archs."""
     p = Problem(heads=64)
     base = dispatch.heuristic_variant(p, 9, "sm_90")

@@ -366,9 +366,10 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
 // and counts them done, and the second, its rows still staged in shared memory, waits for that
 // count and merges the first's rows with its own straight into the output (end_pair). The
 // second writes no partial, and the row group's end waits for no merge block to start on an SM
-// the split blocks free (NOTES v52). A group of three or more splits still goes through the
-// merge blocks: one block merging them all would read every partial through one SM. (The
-// transposed kernel has no pair path: its rows split in more than two.)
+// the split blocks free (H200, H=16 B=64 S=4 at 4096 keys: 95.3 µs against 97.2 with a merge
+// block). A group of three or more splits goes through the merge blocks: one block merging them
+// all would read every partial through one SM. (The transposed kernel has no pair path: its rows
+// split in more than two.)
 constexpr bool PAIR_MERGE = false;
 
 // A split block of row group (b, x), after every finish_row of that group: counts itself done
@@ -391,7 +392,7 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 // Whether a row group of `splits` splits ends as a pair. Only where each split block runs one
 // segment (a fixed split; the balanced split's aligned layout): a packed range's block that ended
 // one request as the second of its pair would merge before its next request's segment, on its
-// range's path (NOTES v52: 64/32/9/4096 3% slower), where a merge block does that off it.
+// range's path (H=64 B=32 S=9 at 4096 keys: 3% slower), where a merge block does that off it.
 __device__ __forceinline__ bool pair_merge(int splits) {
   return PAIR_MERGE && splits == 2;
 }
@@ -634,7 +635,8 @@ struct RowLoad {
 // prefetch (bounded by the cache, read past L1 so that no stale line stays there), and the
 // segment reads them again after the wait. (A balanced split's ranges need every request's
 // length: its blocks do not guess. The seesaw, whose first tiles thread 0 issues as TMA boxes
-// right after the wait, lost 0.6-1.0 µs with it on the H200: NOTES v45.)
+// right after the wait, loses 0.5-1.0 µs with it on the H200: H=64 S=9 at 16384 keys, S=33 at
+// 4096.)
 __device__ __forceinline__ void prefetch_inputs(const VerifyParams& p) {
   const int b = blockIdx.z, x = blockIdx.x, S = p.seqlen_q;
   if (b >= merge_z0(p)) return;                     // a merge block reads partials only
@@ -705,7 +707,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       });
       ql.copy_all(smem_addr(sQ));
     }
-    // KV tiles load in order, each one in two steps a tile apart (v9-v10, benchmarks/NOTES.md):
+    // KV tiles load in order, each one in two steps a tile apart (docs/performance.md):
     // block-table ids are read (fetch_pages) a tile before the row lookups (prepare_kv), and
     // the lookups a tile before the copies, so no copy waits on a dependent global read.
     RowLoad<BN, THREADS> kv;                   // the prepared copies of the next tile to load

@@ -398,9 +398,10 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
 // and counts them done, and the second, its rows still staged in shared memory, waits for that
 // count and merges the first's rows with its own straight into the output (end_pair). The
 // second writes no partial, and the row group's end waits for no merge block to start on an SM
-// the split blocks free (NOTES v52). A group of three or more splits still goes through the
-// merge blocks: one block merging them all would read every partial through one SM. (The
-// transposed kernel has no pair path: its rows split in more than two.)
+// the split blocks free (H200, H=16 B=64 S=4 at 4096 keys: 95.3 µs against 97.2 with a merge
+// block). A group of three or more splits goes through the merge blocks: one block merging them
+// all would read every partial through one SM. (The transposed kernel has no pair path: its rows
+// split in more than two.)
 constexpr bool PAIR_MERGE = true;
 
 // A split block of row group (b, x), after every finish_row of that group: counts itself done
@@ -423,7 +424,7 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 // Whether a row group of `splits` splits ends as a pair. Only where each split block runs one
 // segment (a fixed split; the balanced split's aligned layout): a packed range's block that ended
 // one request as the second of its pair would merge before its next request's segment, on its
-// range's path (NOTES v52: 64/32/9/4096 3% slower), where a merge block does that off it.
+// range's path (H=64 B=32 S=9 at 4096 keys: 3% slower), where a merge block does that off it.
 __device__ __forceinline__ bool pair_merge(int splits) {
   return PAIR_MERGE && splits == 2;
 }
@@ -679,7 +680,8 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned
 }
 // o += P V for P = 64 rows x 16 keys (K-major, shared) and V = 16 keys x DL/2 dims read
 // N-major (transposed) from the KV tile: 64-dim column blocks BN*128 bytes apart (leading byte
-// offset), 8-key groups 1024 bytes apart (stride byte offset); measured, benchmarks/NOTES.md.
+// offset), 8-key groups 1024 bytes apart (stride byte offset), as probed on the H200 (the other
+// order gives garbage).
 // d (+)= A B, m64n256k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
 // shared memory, read N-major.
 // `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
@@ -794,7 +796,8 @@ struct RowLoad {
 // prefetch (bounded by the cache, read past L1 so that no stale line stays there), and the
 // segment reads them again after the wait. (A balanced split's ranges need every request's
 // length: its blocks do not guess. The seesaw, whose first tiles thread 0 issues as TMA boxes
-// right after the wait, lost 0.6-1.0 µs with it on the H200: NOTES v45.)
+// right after the wait, loses 0.5-1.0 µs with it on the H200: H=64 S=9 at 16384 keys, S=33 at
+// 4096.)
 __device__ __forceinline__ void prefetch_inputs(const VerifyParams& p) {
   const int b = blockIdx.z, x = blockIdx.x, S = p.seqlen_q;
   if (b >= merge_z0(p)) return;                     // a merge block reads partials only
@@ -847,7 +850,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
   // A pair's block ends it after its range (end_pair): 2 b + 1 when its range is request b's
   // first, 2 b when its second; -1 otherwise. (Its row group is blockIdx.x.) The ticket, and the
   // block-wide answer it needs, wait until then: inside the range loop a barrier reduction or a
-  // shared read of it cost the tile loop its convergence or its uniform registers (NOTES v52).
+  // shared read of it costs the tile loop its convergence or its uniform registers.
   int pair_at = -1;
   // One row group's share of the work: row group x of request b, over its KV tiles [t0, t1) (a
   // balanced split's range; otherwise split `split`'s share of the group's keys), ending as
@@ -870,7 +873,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
       });
       ql.copy_all(smem_addr(sQ));
     }
-    // KV tiles load in order, each one in two steps a tile apart (v9-v10, benchmarks/NOTES.md):
+    // KV tiles load in order, each one in two steps a tile apart (docs/performance.md):
     // block-table ids are read (fetch_pages) a tile before the row lookups (prepare_kv), and
     // the lookups a tile before the copies, so no copy waits on a dependent global read.
     RowLoad<BN, THREADS> kv;                   // the prepared copies of the next tile to load

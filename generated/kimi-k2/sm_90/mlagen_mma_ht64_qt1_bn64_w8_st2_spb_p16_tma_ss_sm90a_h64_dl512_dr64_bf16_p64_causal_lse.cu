@@ -398,9 +398,10 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
 // and counts them done, and the second, its rows still staged in shared memory, waits for that
 // count and merges the first's rows with its own straight into the output (end_pair). The
 // second writes no partial, and the row group's end waits for no merge block to start on an SM
-// the split blocks free (NOTES v52). A group of three or more splits still goes through the
-// merge blocks: one block merging them all would read every partial through one SM. (The
-// transposed kernel has no pair path: its rows split in more than two.)
+// the split blocks free (H200, H=16 B=64 S=4 at 4096 keys: 95.3 µs against 97.2 with a merge
+// block). A group of three or more splits goes through the merge blocks: one block merging them
+// all would read every partial through one SM. (The transposed kernel has no pair path: its rows
+// split in more than two.)
 constexpr bool PAIR_MERGE = true;
 
 // A split block of row group (b, x), after every finish_row of that group: counts itself done
@@ -439,20 +440,21 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 // All row groups of a request stream its keys in step (L2 serves all but the first read of a
 // tile). Range y's partial of request b goes to workspace slot y + b: one request's slots are
 // consecutive and the next request's come after them (its first range is at least this one's
-// last), so a launch needs at most gridDim.y + B - 1 slots (mlagen.dispatch.balanced_split
+// last), so a launch needs at most gridDim.y + B - 1 slots (mlagen.validate.KernelPlan.partial_rows
 // sizes the workspace so).
 // Warp sums and maxima on the reduction unit (redux.sync, sm_80+): one instruction, where a
 // butterfly took five shuffles, and its result lands in a uniform register, so ptxas sees the
 // branches on it (the layout's, the search's) as not divergent. (With plain butterfly sums the
-// balanced kernels lost their uniform-register tile loops and spilled: NOTES v46.)
+// balanced kernels lose their uniform-register tile loops and spill: the transposed kernel takes
+// ~2500 more SASS instructions and 260 spill stores against 44.)
 __device__ __forceinline__ int warp_sum_uniform(int x) { return __reduce_add_sync(0xffffffffu, x); }
 __device__ __forceinline__ int warp_max_uniform(int x) { return __reduce_max_sync(0xffffffffu, x); }
-// Unsigned throughout: a signed division by a run-time value took ~25 dependent instructions,
-// an unsigned one ~15, and ~7 once its divisor's reciprocal is hoisted (NOTES v50).
+// Unsigned throughout: a signed division by a run-time value takes ~25 dependent instructions,
+// an unsigned one ~15, and ~7 once its divisor's reciprocal is hoisted.
 __device__ __forceinline__ int ceil_div(int a, int d) { return (int)(((unsigned)a + d - 1) / (unsigned)d); }
 // The list counts work units of WORK_UNIT KV tiles (mlagen.validate.split_unit): a tile, or the
 // seesaw's pair, whose warpgroups take a tile each. Counted in tiles, a seesaw range of an odd
-// count ran a padding tile, and H=64 B=8 S=9's ranges ended up to 12 µs apart (NOTES v53).
+// count would run a padding tile, and H=64 B=8 S=9's ranges would end up to 12 µs apart.
 // SEGMENT_COST and UNSPLIT_SLACK are validate's SEGMENT_TILES and UNSPLIT_SLACK_TILES in units.
 constexpr int WORK_UNIT = 2;
 constexpr int SEGMENT_COST = 2;
@@ -464,8 +466,8 @@ __device__ __forceinline__ int request_units(const VerifyParams& p, int b) {
 
 // The tiles of a lane's requests, lane + 32k for k < LANE_REQUESTS (0 past the batch), read once
 // with their loads in flight together: the work list's passes and lookups then run on registers,
-// where each pass re-read the lengths one request at a time (NOTES v50: the prologue was a chain
-// of ~800 dependent instructions a warp). Requests past 32 * LANE_REQUESTS are read again.
+// where a pass that re-reads the lengths one request at a time makes the prologue a chain of
+// ~800 dependent instructions a warp. Requests past 32 * LANE_REQUESTS are read again.
 constexpr int LANE_REQUESTS = 4;
 struct LaneRequests {
   int v[LANE_REQUESTS];   // a value of request lane + 32k
@@ -581,8 +583,8 @@ __device__ __forceinline__ void request_at(const VerifyParams& p, const WorkList
 // The launch's work list (every lane): aligned when its ranges hold no more tiles than packed ones
 // hold positions, or UNSPLIT_SLACK more when every request then takes one range (no partial
 // rows, no merge); packed otherwise. A kernel computes it once, before its split and merge blocks
-// part ways: a second inlined copy ahead of the seesaw's tile loop pushed that loop further past
-// the kernel's first 64 KB, where its warps stalled on instruction fetch (NOTES v47).
+// part ways: a second inlined copy ahead of the seesaw's tile loop would push that loop further
+// past the kernel's first 64 KB, where its warps stall on instruction fetch (docs/performance.md).
 __device__ __forceinline__ WorkList balanced_ranges(const VerifyParams& p, const LaneRequests& lt, int lane) {
   const int ranges = gridDim.y;
   int tiles = 0, busy = 0, longest = 0;                   // all requests' tiles, requests with keys, most tiles
@@ -655,7 +657,7 @@ __device__ __forceinline__ void range_tiles(const WorkList& wl, int t, int start
 // Whether a row group of `splits` splits ends as a pair. Only where each split block runs one
 // segment (a fixed split; the balanced split's aligned layout): a packed range's block that ended
 // one request as the second of its pair would merge before its next request's segment, on its
-// range's path (NOTES v52: 64/32/9/4096 3% slower), where a merge block does that off it.
+// range's path (H=64 B=32 S=9 at 4096 keys: 3% slower), where a merge block does that off it.
 __device__ __forceinline__ bool pair_merge(int splits, const WorkList& wl) {
   return PAIR_MERGE && splits == 2 && wl.tiles != 0;
 }
@@ -974,7 +976,8 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned
 }
 // o += P V for P = 64 rows x 16 keys (K-major, shared) and V = 16 keys x DL/2 dims read
 // N-major (transposed) from the KV tile: 64-dim column blocks BN*128 bytes apart (leading byte
-// offset), 8-key groups 1024 bytes apart (stride byte offset); measured, benchmarks/NOTES.md.
+// offset), 8-key groups 1024 bytes apart (stride byte offset), as probed on the H200 (the other
+// order gives garbage).
 // d (+)= A B, m64n256k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
 // shared memory, read N-major.
 // `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
@@ -1160,7 +1163,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   // A pair's block ends it after its range (end_pair): 2 b + 1 when its range is request b's
   // first, 2 b when its second; -1 otherwise. (Its row group is blockIdx.x.) The ticket, and the
   // block-wide answer it needs, wait until then: inside the range loop a barrier reduction or a
-  // shared read of it cost the tile loop its convergence or its uniform registers (NOTES v52).
+  // shared read of it costs the tile loop its convergence or its uniform registers.
   int pair_at = -1;
   // One row group's share of the work: row group x of request b, over its KV tiles [t0, t1) (a
   // balanced split's range; otherwise split `split`'s share of the group's keys), ending as
@@ -1185,7 +1188,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
       });
       ql.copy_all(smem_addr(sQ));
     }
-    // KV tiles load in order, each one in two steps a tile apart (v9-v10, benchmarks/NOTES.md):
+    // KV tiles load in order, each one in two steps a tile apart (docs/performance.md):
     // block-table ids are read (fetch_pages) a tile before the row lookups (prepare_kv), and
     // the lookups a tile before the copies, so no copy waits on a dependent global read.
     // Thread 0 issues tile kb as D/64 boxes of [64 dims, BN rows] of its page (a tile is one
@@ -1227,8 +1230,8 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
     // mbarrier (release / acquire), which compute-sanitizer's racecheck follows; the named
     // barriers carry none. Both warpgroups pass every named barrier equally often: racecheck
     // pairs barrier passes by count, and a barrier one warpgroup passes more often (a
-    // bar.arrive, a skipped zeroing) made it report hazards across the epilogue's
-    // __syncthreads (v23, benchmarks/NOTES.md; the same time either way).
+    // bar.arrive, a skipped zeroing) makes it report hazards across the epilogue's
+    // __syncthreads (the kernel takes the same time either way).
     enum Part { K0_LO, K0_HI, K1_MID, K1_REST, P0_FULL, P1_FULL };
     enum Barrier { S0_ISSUED = 1, ZEROED = 2 };             // named barriers (0: __syncthreads)
     // Column blocks [c0, c1) and [c2, c3) of tile kb into the stage at `dst`, counted by part
@@ -1531,13 +1534,13 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
 
 // Every value of the range goes through a lane-0 broadcast: the same values, but ptxas then
   // sees the request loop as uniform and keeps the tile loop's indices and shared addresses in
-  // uniform registers (v13's first balanced kernel did not: every wgmma descriptor was rebuilt
-  // per instruction and a tile took 17% longer; benchmarks/NOTES.md).
+  // uniform registers (without the broadcast every wgmma descriptor is rebuilt per instruction:
+  // H=64 S=9 at 65536 keys, 231 µs against 197 for the adaptive split).
   auto uniform = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
   // Merge blocks run an empty range, then merge after the loop. Reached only through the loop's
   // exit, their code is laid out after the tile loop: with it in a branch at the top, ptxas put
-  // it before, and the seesaw's tile loop ended past the kernel's first 64 KB, where the
-  // warps stalled on instruction fetch three times as often (benchmarks/NOTES.md, v47 and v48).
+  // it before, and the seesaw's tile loop would end past the kernel's first 64 KB, where the
+  // warps stall on instruction fetch three times as often (docs/performance.md).
   // (The lockstep kernels' loops are short, 13 KB; the mma.sync ones have no registers to spare.)
   const bool merging = blockIdx.z >= merge_z0(p);
   // (b, start, tiles): a request this range meets, its first position, its tiles. wl and lt: the
