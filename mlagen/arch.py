@@ -12,7 +12,7 @@ REGS_PER_SM = 65536        # 32-bit registers per SM, on every arch here
 def accumulator_budget(warps: int) -> int:
     """fp32 output accumulators one thread of a `warps`-warp block may hold without spilling:
     MAX_ACCUMULATORS, less where the register file gives each thread fewer than that plus the
-    reserve (16 warps: 512 threads of 128 registers, so 64; ptxas spilled 60-1000 bytes a
+    reserve (16 warps: 512 threads of 128 registers, so 64; ptxas spills 60-1000 bytes a
     thread above it, in both tiled families)."""
     return min(MAX_ACCUMULATORS, REGS_PER_SM // (32 * warps) - ACCUMULATOR_RESERVE)
 

@@ -41,9 +41,12 @@ MAX_SPLITS = 128
 # Without a table entry, an sm_90a tile runs the seesaw schedule (with TMA tile loads) from this
 # many KV tiles of work (row groups x requests x tiles) per SM of a 132-SM Hopper. Tuned over the
 # bench grid on the H200, the seesaw wins every row from 16 tiles per SM on but one (H=16 B=64 S=4
-# at 31, where the lockstep kernel with TMA wins and the seesaw runs 3% behind it), and loses at
-# 4-5 (short rows: a pair's chain costs more than it hides). On those long rows the heuristic's
-# lockstep tile takes 1.2 to 1.55x the best time (docs/performance.md has the tune).
+# at 31, where the lockstep kernel with TMA wins and the seesaw runs 3% behind it), and on those
+# rows the heuristic's lockstep tile takes 1.2 to 1.55x the best time. At 4-5 tiles per SM the
+# tune, which charged TMA calls a descriptor copy, had the seesaw lose (H=64 S=9 at 4096 keys:
+# 26.4 against 22.7 µs); timed without that copy it wins there (20.4 against 22.0), so this
+# threshold may be conservative; the table covers those rows (docs/performance.md, "Dispatch
+# thresholds").
 SEESAW_TILES_PER_SM = 12
 HOPPER_SMS = 132
 # Captured into a CUDA graph, an sm_90+ launch of at most this many KV tiles of work per SM goes

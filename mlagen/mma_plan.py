@@ -88,7 +88,8 @@ def transposed_layout(p: Problem, v: Variant) -> MmaLayout | str:
 
 # Stack that a transposed tile of more than 32 rows may take: its 144 output accumulators (72
 # rows) fill the registers, and ptxas spills 40-56 bytes (88-96 with a tree mask's byte reads),
-# as in the kernels timed on the H200 (docs/performance.md). More means something grew.
+# as in the kernels timed on the H200 (docs/design.md, "Transposed tile"). More means something
+# grew.
 TRANSPOSED_STACK = 128
 
 
