@@ -1,24 +1,25 @@
-"""A/B of one of mlagen.validate's or mlagen.dispatch's constants in one process: each value's launches timed in turn,
-round after round, on the bench's inputs (CUDA graph replay, rotated past the L2).
+"""A/B of one of mlagen.validate's or mlagen.dispatch's int constants in one process: each value's
+launches of the dispatcher's pick timed in turn, round after round, on the bench's inputs (CUDA
+graph replay, rotated past the L2).
 
     python3 benchmarks/ab_constant.py ROUNDS NAME=V1,V2,... 'H,B,S,prefix' ...
     python3 benchmarks/ab_constant.py 5 MERGE_TARGET_BLOCKS=128,144 8,16,9,16384 8,16,9,8192
 
 NAME is a module-level int of mlagen/validate.py that the rendered kernels or the launch read
 (MERGE_TARGET_BLOCKS, SEGMENT_TILES, ...), or of mlagen/dispatch.py when written dispatch.NAME
-(dispatch.PDL_TILES_PER_SM). Each value renders and compiles its own kernels, and
-the dispatcher's memos are cleared between values. Prints each value's µs per round and its best.
-Session 27's runs are in benchmarks/h200-2026-11-30-s27/tail/.
+(dispatch.PDL_TILES_PER_SM). Each value renders and compiles its own kernels, and the
+dispatcher's memos are cleared between values. Prints each value's µs per round and its best.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
+from types import ModuleType
 
 import torch
-from ab_trees import print_times, row_cells, use_templates
+from ab_trees import parse_cells, print_times, row_cells, use_templates
+from common import ROOT, parser, require_gpu
 
 from mlagen import dispatch, launcher
 from mlagen.timing import measure
@@ -27,12 +28,19 @@ from mlagen.workload import mlagen_call
 validate = importlib.import_module("mlagen.validate")   # the package exports a function of that name
 
 
+def constant(name: str) -> tuple[ModuleType, str]:
+    """(the module, the attribute) that NAME or dispatch.NAME names; exits where it is no int."""
+    owner, attr = (dispatch, name.removeprefix("dispatch.")) if name.startswith("dispatch.") else (validate, name)
+    value = getattr(owner, attr, None)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise SystemExit(f"{owner.__name__}.{attr} is not an int constant")
+    return owner, attr
+
+
 def set_constant(name: str, value: int) -> None:
     """mlagen.validate.`name` (or mlagen.dispatch's, as dispatch.NAME) = value, and the copies
     modules imported, every memo dropped."""
-    owner, name = (dispatch, name.removeprefix("dispatch.")) if name.startswith("dispatch.") else (validate, name)
-    if not isinstance(getattr(owner, name, None), int):
-        raise SystemExit(f"{owner.__name__}.{name} is not an int constant")
+    owner, name = constant(name)
     old = getattr(owner, name)
     for module in (validate, dispatch, launcher):
         if module is owner or getattr(module, name, None) == old:
@@ -40,12 +48,33 @@ def set_constant(name: str, value: int) -> None:
     for fn in vars(dispatch).values():
         if hasattr(fn, "cache_clear"):
             fn.cache_clear()
-    use_templates(Path("."))
+    use_templates(ROOT)
 
 
-def main(rounds: int, setting: str, rows: list[str]) -> None:
-    name, values_text = setting.split("=", 1)
-    values = [int(v) for v in values_text.split(",")]
+def parse_setting(text: str) -> tuple[str, list[int]]:
+    """'NAME=V1,V2,...' as (NAME, [V1, V2, ...]), NAME checked."""
+    name, _, values_text = text.partition("=")
+    try:
+        values = [int(v) for v in values_text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{text!r}: expected NAME=V1,V2,... with int values") from None
+    constant(name)
+    return name, values
+
+
+def parse_args(argv: list[str]) -> tuple[int, tuple[str, list[int]], list[str]]:
+    p = parser(__file__, __doc__)
+    p.add_argument("rounds", type=int, help="rounds: every value timed once a round")
+    p.add_argument("setting", help="NAME=V1,V2,...")
+    p.add_argument("rows", nargs="+", help="H,B,S,prefix")
+    args = p.parse_args(argv)
+    for row in args.rows:
+        parse_cells(row + "=x/dispatch")
+    return args.rounds, parse_setting(args.setting), args.rows
+
+
+def main(rounds: int, setting: tuple[str, list[int]], rows: list[str]) -> None:
+    name, values = setting
     for row in rows:
         row_text, work, _ = row_cells(row + "=x/dispatch")
         times: dict[int, list[float]] = {v: [] for v in values}
@@ -60,6 +89,6 @@ def main(rounds: int, setting: str, rows: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 4:
-        raise SystemExit(__doc__)
-    main(int(sys.argv[1]), sys.argv[2], sys.argv[3:])
+    parsed = parse_args(sys.argv[1:])
+    require_gpu(__file__)
+    main(*parsed)

@@ -1,15 +1,18 @@
 """A/B of template trees in one process: the same inputs, the cells timed in turn, round after round.
 
 Memory-bound rows move by 2-4% from one process to the next, since each process's buffers land on
-different physical pages; within one process two kernels compare to within ~1% (session 21:
-benchmarks/NOTES.md, "v47"). A tree is a directory holding a `templates/` folder, such as a
-checkout of another commit (`git archive REV templates | tar -x -C DIR`) or a copy with one edit.
+different physical pages; within one process two kernels compare to within ~1%. A tree is a
+directory holding a `templates/` folder, such as a checkout of another commit
+(`git archive REV templates | tar -x -C DIR`) or a copy with one edit.
 Every cell renders, compiles and loads its kernel from its tree's templates (the disk cache keys
 the source, so each tree's kernels compile once); the Python package is this one's.
 
-    python3 benchmarks/ab_trees.py ROUNDS main=.,new=/tmp/new \\
+    python3 benchmarks/ab_trees.py ROUNDS LABEL=DIR,... 'H,B,S,prefix=LABEL/VARIANT|...' ...
+    python3 benchmarks/ab_trees.py 3 main=.,new=/tmp/new \\
         '16,64,4,4096=main/mma_ht16_qt4_bn64_w8_st2_sp2_p16_tma_ss_sm90a|main/dispatch|new/dispatch' \\
         '8,16,9,16384=main/dispatch|new/dispatch'
+
+A cell's VARIANT is a variant name or `dispatch` (the dispatcher's pick).
 
 Prints each cell's µs per round (CUDA graph replay, the bench's inputs, rotated past the L2) and
 its best.
@@ -22,9 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import parser, require_gpu
 
 from mlagen import codegen, launch, runtime
-from mlagen.grids import parse_row
+from mlagen.grids import Row, parse_row
 from mlagen.spec import parse_variant
 from mlagen.timing import l2_bytes, measure
 from mlagen.workload import InputSet, Workload, make_workload, mlagen_call
@@ -32,7 +36,10 @@ from mlagen.workload import InputSet, Workload, make_workload, mlagen_call
 
 def use_templates(tree: Path) -> None:
     """Render from `tree`/templates from now on, dropping every kernel rendered, loaded or planned."""
-    codegen._SOURCE_TREE_TEMPLATES = tree.resolve() / "templates"
+    templates = tree.resolve() / "templates"
+    if not templates.is_dir():
+        raise SystemExit(f"{tree}: no templates/ folder in it")
+    codegen._SOURCE_TREE_TEMPLATES = templates
     codegen._environment.cache_clear()
     codegen.render.cache_clear()
     launch._loaded.clear()
@@ -43,11 +50,32 @@ def use_templates(tree: Path) -> None:
 Cell = tuple[str, str]   # (tree label, variant name or "dispatch")
 
 
+def parse_cells(spec: str, trees: dict[str, Path] | None = None) -> tuple[str, Row, list[Cell]]:
+    """'H,B,S,prefix=tree/variant|...': the row's text, the row and its cells, each variant checked
+    by name and each tree among `trees` (when given)."""
+    if "=" not in spec:
+        raise SystemExit(f"{spec!r}: expected H,B,S,prefix=TREE/VARIANT|...")
+    row_text, cells_text = spec.split("=", 1)
+    cells: list[Cell] = []
+    for text in cells_text.split("|"):
+        tree, _, variant = text.partition("/")
+        if not variant or (trees is not None and tree not in trees):
+            raise SystemExit(f"{text!r}: expected TREE/VARIANT with TREE one of {sorted(trees or [])}")
+        try:
+            if variant != "dispatch":
+                parse_variant(variant)
+            row = parse_row(row_text)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        cells.append((tree, variant))
+    return row_text, row, cells
+
+
 def row_cells(spec: str) -> tuple[str, Workload, list[Cell]]:
     """'H,B,S,prefix=tree/variant|...': the row's text, its workload (the bench's) and its cells."""
-    row_text, cells_text = spec.split("=", 1)
-    work = make_workload(parse_row(row_text), 64, "causal", "bf16", l2_bytes(torch.cuda.current_device()))
-    return row_text, work, [tuple(cell.split("/", 1)) for cell in cells_text.split("|")]
+    row_text, row, cells = parse_cells(spec)
+    work = make_workload(row, 64, "causal", "bf16", l2_bytes(torch.cuda.current_device()))
+    return row_text, work, cells
 
 
 def cell_call(work: Workload, trees: dict[str, Path], cell: Cell) -> Callable[[InputSet], object]:
@@ -62,11 +90,27 @@ def print_times(row_text: str, name: str, us: list[float], label: str = "") -> N
           + f"   best {min(us):8.2f}", flush=True)
 
 
-def parse_args(argv: list[str]) -> tuple[int, dict[str, Path], list[str]]:
-    """ROUNDS LABEL=DIR,... ROW=CELLS...; the usage (the calling script's docstring) otherwise."""
-    if len(argv) < 4:
-        raise SystemExit(sys.modules["__main__"].__doc__)
-    return int(argv[1]), {k: Path(v) for k, v in (t.split("=", 1) for t in argv[2].split(","))}, argv[3:]
+def parse_trees(text: str) -> dict[str, Path]:
+    """'LABEL=DIR,...' as {label: directory}."""
+    try:
+        return {k: Path(v) for k, v in (t.split("=", 1) for t in text.split(","))}
+    except ValueError:
+        raise SystemExit(f"{text!r}: expected LABEL=DIR,...") from None
+
+
+def parse_args(script: str, doc: str | None, argv: list[str]) -> tuple[int, dict[str, Path], list[str]]:
+    """ROUNDS LABEL=DIR,... ROW=CELLS... (this script's and cold_code.py's command line), checked."""
+    p = parser(script, doc)
+    p.add_argument("rounds", type=int, help="rounds: every cell timed once a round")
+    p.add_argument("trees", type=parse_trees, help="LABEL=DIR,...: trees holding templates/")
+    p.add_argument("rows", nargs="+", help="H,B,S,prefix=LABEL/VARIANT|...")
+    args = p.parse_args(argv)
+    for label, tree in args.trees.items():
+        if not (tree / "templates").is_dir():
+            p.error(f"tree {label}={tree} holds no templates/ folder")
+    for row in args.rows:
+        parse_cells(row, args.trees)
+    return args.rounds, args.trees, args.rows
 
 
 def main(rounds: int, trees: dict[str, Path], rows: list[str]) -> None:
@@ -83,4 +127,6 @@ def main(rounds: int, trees: dict[str, Path], rows: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(*parse_args(sys.argv))
+    parsed = parse_args(__file__, __doc__, sys.argv[1:])
+    require_gpu(__file__)
+    main(*parsed)

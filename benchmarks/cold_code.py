@@ -3,14 +3,16 @@
 
 `mlagen bench` replays the same kernel back to back, so from the second call on its code sits
 in every SM's instruction caches. In a model the attention kernel runs between other layers'
-kernels, which evict it. Session 22 saw a layout change (v48, benchmarks/NOTES.md) cut Nsight
-Compute's stalls on instruction fetch by half and a single launch by 3-5%, and leave graph
-replay flat: this times the regime the change is for. The trees and cells are ab_trees.py's:
+kernels, which evict it, so a change to a kernel's code layout (what `hot_loop.py` reports) can
+show in Nsight Compute's stalls on instruction fetch and in a single launch while graph replay
+stays flat: this times that cold regime. The trees and cells are ab_trees.py's:
 
     python3 benchmarks/cold_code.py ROUNDS main=.,new=/tmp/new \\
         '16,64,4,4096=main/mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_sm90a|new/dispatch'
 
-Prints each cell's warm (plain replay) and cold µs per round, and the flush kernel's own µs.
+Prints each cell's warm (plain replay) and cold µs per round, and the flush kernel's own µs. The
+flush kernel's time is not the same alone and behind a call (alone it finds its code in the L2),
+so a cold figure is the call plus a constant: compare cells, not absolute times.
 """
 
 from __future__ import annotations
@@ -21,16 +23,16 @@ from pathlib import Path
 import cupy
 import torch
 from ab_trees import Cell, cell_call, parse_args, print_times, row_cells
+from common import require_gpu
 
 from mlagen.timing import measure
 
 CHAINS, STEPS = 4, 2048          # ~15K instructions, ~240 KB of SASS (FFMAs and the MOVs of their constants)
 
 
-def flush_kernel() -> cupy.RawKernel:
-    """A kernel whose body is CHAINS x STEPS multiply-adds with distinct constants, so neither
-    a loop nor folding can shrink it; its result is stored so none of it is dead. Launched as
-    one 128-thread block per SM: one warp per scheduler."""
+def flush_source() -> str:
+    """The CUDA source of `icache_flush`: CHAINS x STEPS multiply-adds with distinct constants, so
+    neither a loop nor folding can shrink it; its result is stored so none of it is dead."""
     body = []
     for s in range(STEPS):
         for c in range(CHAINS):
@@ -38,9 +40,13 @@ def flush_kernel() -> cupy.RawKernel:
                         f"{(s * CHAINS + c + 1) * 1e-9:.12f}f);")
     decl = " ".join(f"float x{c} = seed + {c};" for c in range(CHAINS))
     total = " + ".join(f"x{c}" for c in range(CHAINS))
-    source = (f'extern "C" __global__ void icache_flush(float* out, float seed) {{\n {decl}\n '
-              + "\n ".join(body) + f"\n if ({total} == 12345.0f) out[threadIdx.x] = {total};\n}}\n")
-    return cupy.RawKernel(source, "icache_flush")
+    return (f'extern "C" __global__ void icache_flush(float* out, float seed) {{\n {decl}\n '
+            + "\n ".join(body) + f"\n if ({total} == 12345.0f) out[threadIdx.x] = {total};\n}}\n")
+
+
+def flush_kernel() -> cupy.RawKernel:
+    """The flush kernel, launched as one 128-thread block per SM: one warp per scheduler."""
+    return cupy.RawKernel(flush_source(), "icache_flush")
 
 
 def main(rounds: int, trees: dict[str, Path], rows: list[str]) -> None:
@@ -72,4 +78,6 @@ def main(rounds: int, trees: dict[str, Path], rows: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(*parse_args(sys.argv))
+    parsed = parse_args(__file__, __doc__, sys.argv[1:])
+    require_gpu(__file__)
+    main(*parsed)

@@ -16,28 +16,34 @@ import math
 import sys
 
 import torch
+from common import parser, require_gpu, variant_name
 
-from mlagen.dispatch import choose_variant
 from mlagen.grids import Row
-from mlagen.runtime import device_info, device_name
-from mlagen.spec import parse_variant
+from mlagen.runtime import device_info, device_name, pick_variant
+from mlagen.spec import Problem, Variant, parse_variant
 from mlagen.timing import l2_bytes, measure, rotation_count
 from mlagen.workload import DL, DR, InputSet, Workload, mlagen_call, problem_for
 
+PAGE_SIZE = 64
 
-def ragged_workload(heads: int, batch: int, seqlen_q: int, min_keys: int, max_keys: int,
-                    page_size: int = 64, seed: int = 0) -> Workload:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    u = torch.rand(batch, generator=gen, device="cuda")
+
+def ragged_lengths(batch: int, seqlen_q: int, min_keys: int, max_keys: int, gen: torch.Generator) -> torch.Tensor:
+    """int32 [batch] lengths, log-uniform in [min_keys, max_keys] and at least seqlen_q, on gen's device."""
+    u = torch.rand(batch, generator=gen, device=gen.device)
     lengths = torch.exp(math.log(min_keys) + u * (math.log(max_keys) - math.log(min_keys))).to(torch.int32)
-    lengths = lengths.clamp(min=seqlen_q)
-    pages = -(-max_keys // page_size)
+    return lengths.clamp(min=seqlen_q, max=max_keys)
+
+
+def ragged_workload(heads: int, batch: int, seqlen_q: int, min_keys: int, max_keys: int, seed: int = 0) -> Workload:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lengths = ragged_lengths(batch, seqlen_q, min_keys, max_keys, gen)
+    pages = -(-max_keys // PAGE_SIZE)
     dt = torch.bfloat16
 
     def one() -> InputSet:
         return InputSet(
             q=torch.randn(batch, seqlen_q, heads, DL + DR, generator=gen, device="cuda").to(dt),
-            kv_cache=torch.randn(batch * pages, page_size, DL + DR, generator=gen, device="cuda").to(dt),
+            kv_cache=torch.randn(batch * pages, PAGE_SIZE, DL + DR, generator=gen, device="cuda").to(dt),
             block_table=torch.randperm(batch * pages, generator=gen, device="cuda").to(torch.int32).view(batch, pages),
             cache_seqlens=lengths, tree_mask=None,
             out=torch.empty(batch, seqlen_q, heads, DL, dtype=dt, device="cuda"))
@@ -45,23 +51,41 @@ def ragged_workload(heads: int, batch: int, seqlen_q: int, min_keys: int, max_ke
     sets = [one()]
     sets += [one() for _ in range(rotation_count(sets[0].nbytes, l2_bytes(0)) - 1)]
     row = Row(heads, batch, seqlen_q, max_keys - seqlen_q)
-    return Workload(row=row, problem=problem_for(row, page_size, "causal", "bf16"), sets=sets,
+    return Workload(row=row, problem=problem_for(row, PAGE_SIZE, "causal", "bf16"), sets=sets,
                     visible=torch.empty(0), scale=1.0 / math.sqrt(DL + DR))   # no eager call here: no mask
 
 
-def main(heads: int = 64, batch: int = 32, seqlen_q: int = 9, min_keys: int = 256, max_keys: int = 16384,
-         *variants: str) -> None:
+def compared(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str, gpu: str,
+             names: list[str]) -> tuple[Variant, list[Variant]]:
+    """(the dispatcher's pick, the variants timed after it): `names`, or the pick's tile with the
+    adaptive and with the balanced split (none for a family without those splits)."""
+    picked = pick_variant(problem, seqlen_q, batch, kv_capacity, kv_capacity, arch, gpu, None)
+    if names:
+        return picked, [parse_variant(name) for name in names]
+    if picked.family != "mma":
+        return picked, []
+    return picked, [picked.with_(kv_split="adaptive", cluster=False), picked.with_(kv_split="balanced", cluster=False)]
+
+
+def parse_args(argv: list[str]):
+    p = parser(__file__, __doc__)
+    for name, default in (("heads", 64), ("batch", 32), ("seqlen_q", 9), ("min_keys", 256), ("max_keys", 16384)):
+        p.add_argument(name, type=int, nargs="?", default=default)
+    p.add_argument("variants", nargs="*", type=variant_name, help="variant names to time after the dispatcher's pick")
+    return p.parse_args(argv)
+
+
+def main(heads: int, batch: int, seqlen_q: int, min_keys: int, max_keys: int, variants: list[str]) -> None:
     work = ragged_workload(heads, batch, seqlen_q, min_keys, max_keys)
     lengths = work.sets[0].cache_seqlens.tolist()
     print(f"H={heads} B={batch} S={seqlen_q}: {sum(lengths)} keys in all, lengths {min(lengths)}-{max(lengths)} "
-          f"(median {sorted(lengths)[batch // 2]}), block table for {max_keys}; {len(work.sets)} input sets")
+          f"(median {sorted(lengths)[batch // 2]}), block table for {work.kv_capacity}; {len(work.sets)} input sets")
     first = work.sets[0]
-    picked = choose_variant(work.problem, seqlen_q, batch, work.kv_capacity, device_info(0)[0], device_name(0))
+    picked, others = compared(work.problem, seqlen_q, batch, work.kv_capacity, device_info(0)[0], device_name(0),
+                              variants)
     mlagen_call(work, None)(first)
     reference = first.out.float().clone()
-    splits = ([picked.with_(kv_split="adaptive", cluster=False), picked.with_(kv_split="balanced", cluster=False)]
-              if picked.family == "mma" else [])
-    for variant in (None, *([parse_variant(name) for name in variants] or splits)):
+    for variant in (None, *others):
         call = mlagen_call(work, variant)
         call(first)
         diff = (first.out.float() - reference).abs().max().item()
@@ -70,4 +94,6 @@ def main(heads: int = 64, batch: int = 32, seqlen_q: int = 9, min_keys: int = 25
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:6]), *sys.argv[6:])
+    args = parse_args(sys.argv[1:])
+    require_gpu(__file__)
+    main(**vars(args))

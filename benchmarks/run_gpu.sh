@@ -1,46 +1,160 @@
 #!/usr/bin/env bash
-# Everything the GPU machine is for, in one call: GPU facts, GPU tests, compute-sanitizer,
-# tuning, benchmark, host cost. Logs go to $OUT (the device tool's folder) or ./out.
-#   bash benchmarks/run_gpu.sh [tests] [sanitize] [tune] [bench] [ragged] [host] [fuzz]
-# (default: tests sanitize bench). `tune` rewrites the shipped table (mlagen/tables/) and copies
-# it to $OUT, so run it before `bench`. On the H200, racecheck alone takes ~5 min (memcheck less):
-# give `sanitize` a device call of its own.
+# What the GPU machine is for: GPU tests, compute-sanitizer, tuning, the benchmark, ragged batches,
+# host cost and fuzzing, as named steps. Each group below fits one 10-minute device call:
+#
+#   bash benchmarks/run_gpu.sh STEP...
+#
+#   step       what                                                     ~time on the H200 (cold cache)
+#   tests      pytest -m gpu tests/                                     5-6 min   (timeout 540 s)
+#   memcheck   compute-sanitizer memcheck on benchmarks/sanitize.py    4 min     (timeout 300 s)
+#   synccheck  synccheck on the transposed tile (--only _tr_)           1 min     (timeout 150 s)
+#   racecheck  racecheck on all but the transposed tile (--skip _tr_)  5 min     (timeout 420 s)
+#   sanitize   memcheck synccheck racecheck: two calls, `memcheck synccheck` then `racecheck`
+#   tune       mlagen tune, seed and serving grids, into mlagen/tables/ 4-5 min   (timeout 420 s)
+#   bench      mlagen bench, seed and serving grids                     5-6 min   (timeout 480 s)
+#   ragged     benchmarks/ragged.py on three batch shapes               2-3 min   (timeout 150 s each)
+#   host       benchmarks/host_cost.py                                  < 1 min   (timeout 120 s)
+#   fuzz       mlagen fuzz for 4 minutes                                5 min     (timeout 330 s)
+#   facts      only gpu.txt (every run writes it first)
+#
+# One call per group: `tests`, `memcheck synccheck`, `racecheck`, `tune`, `bench`, `ragged host`,
+# `fuzz`. Run `tune` before `bench`: bench times the dispatcher's picks from the table tune writes.
+#
+# Outputs rewrite the files in benchmarks/results/<gpu>/ (gpu: the GPU's name as a short slug,
+# "NVIDIA H200" -> h200; RESULTS=dir overrides): gpu.txt (name, driver, clocks, date, torch, cupy
+# and NVRTC versions), gpu_tests.log, sanitize_<tool>.log, tune.log, bench.json/.md/.png,
+# ragged.log, host_cost.log, fuzz.log. Where $OUT is set (the device tool returns the files under
+# it: at most 8, two folders deep), the files this run wrote are copied to $OUT/<gpu>/, and tune's
+# table to $OUT/tables/. Exits non-zero when a step fails or times out; later steps still run.
 set -uo pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MLAGEN_CACHE_DIR=${MLAGEN_CACHE_DIR:-/tmp/mlagen-cache}
-steps=${*:-tests sanitize bench}
 
-{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv;
-  python3 -c "import torch, cupy; from cupy.cuda import nvrtc; print('torch', torch.__version__, 'cupy', cupy.__version__, 'nvrtc', nvrtc.getVersion())"; } 2>&1 | tee "$OUT/gpu.txt"
+STEPS="tests memcheck synccheck racecheck sanitize tune bench ragged host fuzz facts"
 
-for step in $steps; do
-  case $step in
-    tests)
-      timeout 420 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" ;;
-    sanitize)
-      # -lineinfo: each report names its source lines. racecheck does not pair bar.arrive with
-      # bar.sync: the transposed tile (_tr_), whose warpgroups hand over through them, gets
-      # synccheck instead (and tests/test_gpu_verify.py's bitwise-repeatability test).
-      for check in "memcheck " "racecheck -_tr_" "synccheck _tr_"; do
-        set -- $check
-        MLAGEN_LINEINFO=1 timeout 480 compute-sanitizer --tool $1 --print-limit 20 python3 benchmarks/sanitize.py ${2:-} 2>&1 \
-          | tail -n 40 | tee "$OUT/sanitize_$1.log"
-      done ;;
-    tune)
-      timeout 300 python3 cli.py tune --grid seed --grid serving --write-default 2>&1 | tail -n 40 | tee "$OUT/tune.log"
-      cp mlagen/tables/*.json "$OUT/" ;;
-    bench)
-      timeout 400 python3 cli.py bench --grid seed --grid serving --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" ;;
-    ragged)   # batches of mixed lengths (the bench's rows are uniform): dispatch vs adaptive vs balanced
-      for shape in "64 32 9 256 16384" "64 64 2 256 16384" "8 16 9 256 16384"; do
-        timeout 120 python3 benchmarks/ragged.py $shape 2>&1
-      done | tee "$OUT/ragged.log" ;;
-    host)
-      timeout 120 python3 benchmarks/host_cost.py 2>&1 | tee "$OUT/host.log" ;;
-    fuzz)     # random shapes through the dispatcher's pick for 4 minutes
-      timeout 330 python3 cli.py fuzz --minutes 4 --cases 100000 2>&1 | tee "$OUT/fuzz.log" ;;
-    *)
-      echo "unknown step $step (tests, sanitize, tune, bench, ragged, host, fuzz)"; exit 2 ;;
-  esac
-done
+usage() {
+  sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+
+# The GPU's name as a folder name: "NVIDIA H200" -> h200, "NVIDIA H100 80GB HBM3" -> h100-80gb-hbm3.
+gpu_slug() {
+  local name=${1#NVIDIA }
+  name=$(printf '%s' "$name" | tr '[:upper:]' '[:lower:]' | tr -cs 'a-z0-9' '-')
+  name=${name#-}
+  printf '%s\n' "${name%-}"
+}
+
+# Checks every step name before anything runs; prints the steps, `sanitize` expanded.
+expand_steps() {
+  local step out=()
+  for step in "$@"; do
+    case " $STEPS " in
+      *" $step "*) ;;
+      *) echo "run_gpu.sh: unknown step '$step' (steps: $STEPS)" >&2; return 2 ;;
+    esac
+    if [[ $step == sanitize ]]; then out+=(memcheck synccheck racecheck); else out+=("$step"); fi
+  done
+  echo "${out[@]}"
+}
+
+main() {
+  if [[ $# -eq 0 || $1 == -h || $1 == --help ]]; then
+    usage
+    [[ $# -eq 0 ]] && return 2
+    return 0
+  fi
+  local steps
+  steps=$(expand_steps "$@") || return 2
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "run_gpu.sh: no GPU here (nvidia-smi not found); run it on the GPU machine" >&2
+    return 1
+  fi
+  local root name driver slug
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  cd "$root" || return 1
+  IFS=, read -r name driver < <(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1)
+  name=$(echo "$name" | xargs) driver=$(echo "$driver" | xargs)
+  if [[ -z $name ]]; then
+    echo "run_gpu.sh: nvidia-smi names no GPU; run it on the GPU machine" >&2
+    return 1
+  fi
+  slug=$(gpu_slug "$name")
+  local results=${RESULTS:-benchmarks/results/$slug}
+  mkdir -p "$results"
+  export PYTHONPATH=$root PYTHONUNBUFFERED=1 MLAGEN_CACHE_DIR=${MLAGEN_CACHE_DIR:-/tmp/mlagen-cache}
+
+  local written=(gpu.txt) failed=() tables=() step start rc
+  {
+    echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+    echo "name: $name"
+    echo "driver: $driver"
+    echo "clocks: $(nvidia-smi --query-gpu=clocks.sm,clocks.mem --format=csv,noheader | head -n 1) (sm, memory)"
+    python3 -c "import torch, cupy; from cupy.cuda import nvrtc; print('torch:', torch.__version__); \
+print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>&1
+  } >"$results/gpu.txt"
+  cat "$results/gpu.txt"
+
+  for step in $steps; do
+    start=$SECONDS
+    echo "== $step (results in $results)"
+    case $step in
+      tests)
+        timeout 540 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$results/gpu_tests.log"
+        rc=${PIPESTATUS[0]}; written+=(gpu_tests.log) ;;
+      memcheck | synccheck | racecheck)
+        # -lineinfo: each report names its source lines. racecheck does not pair bar.arrive with
+        # bar.sync: the transposed tile (_tr_), whose warpgroups hand over through them, gets
+        # synccheck instead (and tests/test_gpu_verify.py's bitwise-repeatability test).
+        local pick=() limit=300
+        [[ $step == synccheck ]] && pick=(--only _tr_) limit=150
+        [[ $step == racecheck ]] && pick=(--skip _tr_) limit=420
+        MLAGEN_LINEINFO=1 timeout $limit compute-sanitizer --tool "$step" --print-limit 20 --error-exitcode 1 \
+          python3 benchmarks/sanitize.py "${pick[@]}" 2>&1 | tee "$results/sanitize_$step.log"
+        rc=${PIPESTATUS[0]}; written+=("sanitize_$step.log") ;;
+      tune)
+        timeout 420 python3 cli.py tune --grid seed --grid serving --write-default 2>&1 | tee "$results/tune.log"
+        rc=${PIPESTATUS[0]}; written+=(tune.log); tables=(mlagen/tables/*.json) ;;
+      bench)
+        timeout 480 python3 cli.py bench --grid seed --grid serving --out "$results"
+        rc=$?; written+=(bench.json bench.md bench.png) ;;
+      ragged)   # batches of mixed lengths (the bench's rows are uniform): dispatch vs adaptive vs balanced
+        for shape in "64 32 9 256 16384" "64 64 2 256 16384" "8 16 9 256 16384"; do
+          # shellcheck disable=SC2086
+          timeout 150 python3 benchmarks/ragged.py $shape 2>&1 || echo "ragged.py $shape: rc $?" >&2
+        done 2>&1 | tee "$results/ragged.log"
+        rc=0; grep -q "^ragged.py .*: rc " "$results/ragged.log" && rc=1
+        written+=(ragged.log) ;;
+      host)
+        timeout 120 python3 benchmarks/host_cost.py 2>&1 | tee "$results/host_cost.log"
+        rc=${PIPESTATUS[0]}; written+=(host_cost.log) ;;
+      fuzz)     # random shapes through the dispatcher's pick for 4 minutes
+        timeout 330 python3 cli.py fuzz --minutes 4 --cases 100000 2>&1 | tee "$results/fuzz.log"
+        rc=${PIPESTATUS[0]}; written+=(fuzz.log) ;;
+      facts)
+        rc=0 ;;
+    esac
+    echo "== $step: rc $rc, $((SECONDS - start)) s"
+    [[ $rc -ne 0 ]] && failed+=("$step")
+  done
+
+  if [[ -n ${OUT:-} ]]; then
+    mkdir -p "$OUT/$slug"
+    local f
+    for f in "${written[@]}"; do
+      [[ -f $results/$f ]] && cp "$results/$f" "$OUT/$slug/"
+    done
+    if [[ ${#tables[@]} -gt 0 ]]; then
+      mkdir -p "$OUT/tables" && cp "${tables[@]}" "$OUT/tables/"
+    fi
+    local count
+    count=$(find "$OUT" -type f | wc -l)
+    [[ $count -gt 8 ]] && echo "run_gpu.sh: $count files under \$OUT; the device tool returns 8 at most" >&2
+  fi
+  if [[ ${#failed[@]} -gt 0 ]]; then
+    echo "run_gpu.sh: failed: ${failed[*]}" >&2
+    return 1
+  fi
+}
+
+if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
+  main "$@"
+  exit $?
+fi

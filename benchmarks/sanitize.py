@@ -1,12 +1,16 @@
-"""A handful of paged, ragged, tree-masked shapes through every family, for compute-sanitizer.
+"""A handful of paged, ragged, tree-masked shapes through every family, each output checked against
+the reference: the workload for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py
-    compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py [NAME_PART | -NAME_PART]
+    compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py --skip _tr_
+    compute-sanitizer --tool synccheck python3 benchmarks/sanitize.py --only _tr_
+    python3 benchmarks/sanitize.py --list [--arch sm_90]     # what would run; no GPU needed
 
-With NAME_PART, only the variants whose names contain it (racecheck on everything takes minutes);
-with -NAME_PART, all but those. racecheck does not pair bar.arrive with bar.sync, so it reports
-the transposed tile's (`_tr_`) hand-offs between warpgroups as hazards: run_gpu.sh checks that
-tile with synccheck and a bitwise-repeatability test instead (tests/test_gpu_verify.py).
+--only / --skip keep the variants whose names do / do not contain a part ("dispatched" names the
+dispatcher's pick); racecheck on everything takes minutes. racecheck does not pair bar.arrive
+with bar.sync, so it reports the transposed tile's (`_tr_`) hand-offs between warpgroups as
+hazards: run_gpu.sh checks that tile with synccheck instead, and tests/test_gpu_verify.py with a
+bitwise-repeatability test. Prints one line per (case, variant) and a count at the end.
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ import contextlib
 import sys
 
 import torch
+from common import parser, require_gpu
 
 import mlagen
-from mlagen.runtime import device_info
-from mlagen.spec import Variant, naive
+from mlagen.spec import Problem, Variant, naive
 from mlagen.testing import assert_matches, make_case, pinned_balanced_ranges
 
 CASES = [
@@ -37,64 +41,111 @@ EQUAL = dict(batch=6, seqlen_q=9, heads=8, prefixes=[1500] * 6, page_size=64, ma
 SHORT = dict(batch=3, seqlen_q=9, heads=64, prefixes=[247, 0, 120], page_size=16, mask="tree",
              empty=[False, True, False])
 
+Run = tuple[dict, list[Variant | None], int | None]   # (case, variants, balanced ranges pinned or None)
 
-def main() -> None:
-    arch = device_info(torch.cuda.current_device())[0]
-    variants = [naive(arch=arch), None,
-                Variant(family="flash", head_tile=8, q_tile=3, block_n=64, warps=4, stages=2, kv_split=3, arch=arch),
-                Variant(family="mma", head_tile=8, q_tile=4, block_n=64, warps=4, stages=2, kv_split=3, arch=arch),
-                Variant(family="mma", head_tile=8, q_tile=1, block_n=64, warps=4, stages=1, kv_split=1, arch=arch),
-                Variant(family="mma", head_tile=8, q_tile=4, block_n=64, warps=4, stages=2, kv_split="balanced",
-                        arch=arch)]
-    if torch.cuda.get_device_capability() == (9, 0):   # sm_90a: P·V on wgmma or mma.sync; balanced, cluster
-        # split; each split also with 16-bit partial rows; TMA loads, and the seesaw on them
-        for knobs in ({}, {"mma_pv": True}, {"kv_split": "balanced"}, {"cluster": True}, {"part16": True},
-                      {"kv_split": "balanced", "part16": True}, {"cluster": True, "part16": True},
-                      {"tma": True}, {"kv_split": "balanced", "tma": True}, {"mma_pv": True, "tma": True},
-                      {"tma": True, "seesaw": True},
-                      {"kv_split": "balanced", "tma": True, "seesaw": True, "part16": True}):
-            variants.append(Variant(family="mma", head_tile=8, q_tile=8, block_n=64, warps=8, stages=2,
-                                    arch="sm_90a", **({"kv_split": 2} | knobs)))
-        # the short rows' kernel: its epilogue stages 64 output rows over nearly all its shared memory
-        for part16 in (False, True):
-            variants.append(Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1,
-                                    mma_pv=True, part16=part16, arch="sm_90a"))
-        # the transposed tile: 72 rows (all of the shared memory; its q tile overhangs S=3 and 5)
-        # and 32, with a fixed and a balanced split, and TMA loads (whose mbarriers share #0/#1)
-        for tile, knobs in (((8, 9), {"kv_split": 2}), ((8, 9), {"kv_split": "balanced", "part16": True}),
-                            ((8, 4), {"kv_split": "balanced"}), ((8, 9), {"kv_split": 2, "tma": True}),
-                            ((8, 9), {"kv_split": "balanced", "part16": True, "tma": True})):
-            variants.append(Variant(family="mma", head_tile=tile[0], q_tile=tile[1], block_n=64, warps=8, stages=2,
-                                    arch="sm_90a", transposed=True, **knobs))
-        # the P exchange (the SHORT case only): 5 tiles in 5 and in 8 blocks, a causal mask
-        exchange = [Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1, arch="sm_90a",
-                            kv_split=k, cluster=True, p_exchange=True) for k in (5, 8)]
-    else:
-        exchange = []
-    if len(sys.argv) > 1:
-        part = sys.argv[1].lstrip("-")
-        keep = not sys.argv[1].startswith("-")
-        variants = [v for v in variants if (part in (v.name if v else "dispatched")) == keep]
-        exchange = [v for v in exchange if (part in v.name) == keep]
+
+def variants_for(arch: str) -> tuple[list[Variant | None], list[Variant]]:
+    """(the variants every case runs, None standing for the dispatcher's pick; the P exchange's,
+    which run the SHORT case only) on a GPU of compile target `arch`."""
+    variants: list[Variant | None] = [
+        naive(arch=arch), None,
+        Variant(family="flash", head_tile=8, q_tile=3, block_n=64, warps=4, stages=2, kv_split=3, arch=arch),
+        Variant(family="mma", head_tile=8, q_tile=4, block_n=64, warps=4, stages=2, kv_split=3, arch=arch),
+        Variant(family="mma", head_tile=8, q_tile=1, block_n=64, warps=4, stages=1, kv_split=1, arch=arch),
+        Variant(family="mma", head_tile=8, q_tile=4, block_n=64, warps=4, stages=2, kv_split="balanced", arch=arch)]
+    if arch != "sm_90":
+        return variants, []
+    # sm_90a: P·V on wgmma or mma.sync; balanced, cluster split; each split also with 16-bit
+    # partial rows; TMA loads, and the seesaw on them
+    for knobs in ({}, {"mma_pv": True}, {"kv_split": "balanced"}, {"cluster": True}, {"part16": True},
+                  {"kv_split": "balanced", "part16": True}, {"cluster": True, "part16": True},
+                  {"tma": True}, {"kv_split": "balanced", "tma": True}, {"mma_pv": True, "tma": True},
+                  {"tma": True, "seesaw": True},
+                  {"kv_split": "balanced", "tma": True, "seesaw": True, "part16": True}):
+        variants.append(Variant(family="mma", head_tile=8, q_tile=8, block_n=64, warps=8, stages=2,
+                                arch="sm_90a", **({"kv_split": 2} | knobs)))
+    # the short rows' kernel: its epilogue stages 64 output rows over nearly all its shared memory
+    for part16 in (False, True):
+        variants.append(Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1,
+                                mma_pv=True, part16=part16, arch="sm_90a"))
+    # the transposed tile: 72 rows (all of the shared memory; its q tile overhangs S=3 and 5)
+    # and 32, with a fixed and a balanced split, and TMA loads (whose mbarriers share #0/#1)
+    for tile, knobs in (((8, 9), {"kv_split": 2}), ((8, 9), {"kv_split": "balanced", "part16": True}),
+                        ((8, 4), {"kv_split": "balanced"}), ((8, 9), {"kv_split": 2, "tma": True}),
+                        ((8, 9), {"kv_split": "balanced", "part16": True, "tma": True})):
+        variants.append(Variant(family="mma", head_tile=tile[0], q_tile=tile[1], block_n=64, warps=8, stages=2,
+                                arch="sm_90a", transposed=True, **knobs))
+    # the P exchange (the SHORT case only): 5 tiles in 5 and in 8 blocks
+    exchange = [Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1, arch="sm_90a",
+                        kv_split=k, cluster=True, p_exchange=True) for k in (5, 8)]
+    return variants, exchange
+
+
+def name_of(variant: Variant | None) -> str:
+    return variant.name if variant is not None else "dispatched"
+
+
+def select(variants: list, only: str | None, skip: str | None) -> list:
+    """The variants whose names contain `only` (when given) and do not contain `skip` (when given)."""
+    return [v for v in variants
+            if (only is None or only in name_of(v)) and (skip is None or skip not in name_of(v))]
+
+
+def plan_runs(variants: list[Variant | None], exchange: list[Variant]) -> list[Run]:
+    """Every case with its variants. CROSSING and EQUAL run the balanced work list's aligned
+    layout with one range per resident slot on a 132-SM H200, and its packed layout (ranges
+    crossing requests) with 6 and 5 ranges."""
     balanced = [v for v in variants if v is not None and v.kv_split == "balanced"]
-    # (case, variants, balanced ranges pinned or None): CROSSING and EQUAL run the balanced work
-    # list's aligned layout with one range per resident slot on a 132-SM H200, and its packed
-    # layout (ranges crossing requests) with 6 and 5 ranges.
-    runs = ([(c, variants, None) for c in CASES] + [(CROSSING, balanced, None), (CROSSING, balanced, 6)]
+    return ([(c, variants, None) for c in CASES] + [(CROSSING, balanced, None), (CROSSING, balanced, 6)]
             + [(EQUAL, balanced, None), (EQUAL, balanced, 5)]
             + [(SHORT, exchange, None), (SHORT | {"mask": "causal"}, exchange, None)])
+
+
+def fits(shape: dict, variant: Variant | None) -> bool:
+    """Whether `variant` runs on the case: its head tile divides the heads, TMA boxes fit a page."""
+    return variant is None or not (shape["heads"] % variant.head_tile or (variant.tma and
+                                                                         shape["page_size"] % variant.block_n))
+
+
+def problem_of(shape: dict) -> Problem:
+    return Problem(heads=shape["heads"], page_size=shape["page_size"], mask=shape["mask"], lse=True)
+
+
+def parse_args(argv: list[str]):
+    p = parser(__file__, __doc__)
+    p.add_argument("--only", metavar="PART", help="only the variants whose names contain PART")
+    p.add_argument("--skip", metavar="PART", help="all but the variants whose names contain PART")
+    p.add_argument("--list", action="store_true", help="print the (case, variant) pairs and exit; no GPU needed")
+    p.add_argument("--arch", default="sm_90", help="compile target for --list (default sm_90, the H200's)")
+    return p.parse_args(argv)
+
+
+def main(only: str | None, skip: str | None, arch: str, listing: bool) -> int:
+    variants, exchange = variants_for(arch)
+    runs = plan_runs(select(variants, only, skip), select(exchange, only, skip))
+    checked = 0
     for i, (shape, case_variants, ranges) in enumerate(runs):
-        case = make_case(seed=i, **shape)
+        case = None if listing else make_case(seed=i, **shape)
         with pinned_balanced_ranges(ranges) if ranges else contextlib.nullcontext():
             for v in case_variants:
-                if v is not None and (shape["heads"] % v.head_tile or (v.tma and shape["page_size"] % v.block_n)):
+                if not fits(shape, v):
                     continue
-                out, lse = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
-                                                   variant=v, return_lse=True, **case.kwargs())
-                torch.cuda.synchronize()
-                assert_matches(out, lse, case)
-                print(f"case {i} {v.name if v else 'dispatched'}: ok", flush=True)
+                if case is not None:
+                    out, lse = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                                       variant=v, return_lse=True, **case.kwargs())
+                    torch.cuda.synchronize()
+                    assert_matches(out, lse, case)
+                print(f"case {i} {name_of(v)}: {'listed' if listing else 'ok'}", flush=True)
+                checked += 1
+    print(f"{checked} (case, variant) pairs {'listed' if listing else 'checked'}")
+    return checked
 
 
 if __name__ == "__main__":
-    main()
+    args = parse_args(sys.argv[1:])
+    if not args.list:
+        require_gpu(__file__)
+        from mlagen.runtime import device_info
+
+        args.arch = device_info(torch.cuda.current_device())[0]
+    main(args.only, args.skip, args.arch, args.list)

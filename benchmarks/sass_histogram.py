@@ -1,11 +1,13 @@
-"""Executed SASS instructions and stall samples per opcode, from ncu's source page as CSV.
-
-On the GPU machine:
+"""Executed SASS instructions and stall samples per opcode, from Nsight Compute's source page as
+CSV (one profiled launch). The profile comes from the GPU machine; this part runs anywhere:
 
     ncu --clock-control none -k regex:_main --launch-skip 2 --launch-count 1 \\
         --section SourceCounters --page source --print-source sass --csv \\
         python3 benchmarks/profile_row.py 64 1 9 65536 > src.csv
-    python3 benchmarks/sass_histogram.py src.csv
+    python3 benchmarks/sass_histogram.py src.csv [--top 32]
+
+Prints the total, then per opcode (most executed first) its instructions executed, their share
+and its share of the stall samples.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ import csv
 import re
 import sys
 
+from common import parser
+
 _OPCODE = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)")
 
 
 def histogram(path: str) -> tuple[collections.Counter, collections.Counter]:
     """(executed instructions, stall samples) per opcode of the profiled kernel."""
-    rows = list(csv.reader(open(path)))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
     header = rows[start]
     executed_col = header.index("Instructions Executed")
@@ -48,5 +53,13 @@ def main(path: str, top: int = 32) -> None:
         print(f"{op:10s} {n:>13,d} {100 * n / total:5.1f}% {100 * stalls[op] / samples:6.1f}%")
 
 
+def parse_args(argv: list[str]):
+    p = parser(__file__, __doc__)
+    p.add_argument("csv", help="ncu --page source --print-source sass --csv output")
+    p.add_argument("--top", type=int, default=32, help="opcodes printed (default 32)")
+    return p.parse_args(argv)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    args = parse_args(sys.argv[1:])
+    main(args.csv, args.top)

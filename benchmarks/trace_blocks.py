@@ -12,6 +12,7 @@ split and merge blocks' start, stamps and end as min/median/max over the launch.
 machine:
 
     python3 benchmarks/trace_blocks.py 64 1 9 256 [variant name; default: the dispatcher's] [--warm] [--gt]
+    python3 benchmarks/trace_blocks.py 64 1 9 256 VARIANT --source > patched.cu   # no GPU: the patched source
 
 The launch traced is cold (its code and inputs out of the caches, as in a model between other
 layers' kernels), or with --warm right after an untraced one (as in the bench's graph replay).
@@ -31,13 +32,15 @@ from collections.abc import Callable
 import cupy
 import numpy as np
 import torch
+from common import parser, require_gpu, variant_name
 
 import mlagen
 import mlagen.build as build
 from mlagen import launch
-from mlagen.spec import parse_variant
+from mlagen.codegen import render
+from mlagen.spec import Problem, parse_variant
 from mlagen.testing import make_case
-from mlagen.validate import KernelPlan
+from mlagen.validate import KernelPlan, validate
 
 SLOTS, MAX_BLOCKS, GHZ = 13, 8192, 1.98
 START, TILE0, LOOP_END, MERGE_WAIT, DONE, CLUSTER_MET, END, ENTRY, WORK_LIST = 0, 2, 3, 4, 5, 6, 7, 8, 9   # 1: clock64
@@ -72,7 +75,7 @@ PATCHES = [   # (landmark, replacement): the first occurrence of each
                 r"|(named_sync\(WG0 \+ me, 128\);)\s+// its rows have landed"),
      lambda m: f"{m.group(1) or m.group(2) or m.group(3)} if (kb == kb_begin) TR({TILE0});"),
     (re.compile(r"(    // ---- epilogue: (?:row|column) sums)"), rf"    TR({LOOP_END});\n\1"),
-    (re.compile(r"(    if \(!direct(?: && !in_pair)?\) count_split_done\([^\n]*;)"),   # (v52: a pair ends later)
+    (re.compile(r"(    if \(!direct(?: && !in_pair)?\) count_split_done\([^\n]*;)"),   # a pair's block ends later
      rf"\1\n    TR({DONE}); TR({END});"),
 ]
 CLUSTER_PATCHES = [PATCHES[1], *PATCHES[3:5]] + [   # no merge blocks, no counter: the cluster barriers instead
@@ -84,9 +87,9 @@ CLUSTER_PATCHES = [PATCHES[1], *PATCHES[3:5]] + [   # no merge blocks, no counte
 
 # Stamped where the kernel has one: a balanced split's work list computed (every block), a pair's
 # merge done.
-OPTIONAL_PATCHES = [   # (v50 passes the lanes' tiles too)
+OPTIONAL_PATCHES = [   # (a 16-bit kernel's work list takes the lanes' tiles too)
     (re.compile(r"(  const WorkList wl = balanced_ranges\(p, (?:lt, )?lane\);)"), rf"\1 TR({WORK_LIST});"),
-    # a pair's merge after the range (v52): its block ends there, not at its count
+    # a pair's merge after the range: its block ends there, not at its count
     (re.compile(r"(    end_pair<[^;]*;)"), rf"\1 TR({DONE}); TR({END});"),
     # a part16 split's staged rows: after the barrier that staged them, around their stores
     (re.compile(r"(finish_staged_rows<ROWS, HT, WARPS>\(p, split, direct[^;]*;)"),
@@ -136,20 +139,23 @@ def patched_row(patch: Callable[[KernelPlan, str], str], heads: int, batch: int,
                 variant: str | None = None) -> tuple[object, Callable[[], None]]:
     """One benchmark row (page 64, causal) through the dispatched kernel or `variant`, its source
     rewritten by `patch(plan, source)`: called three times (compiled, loaded, warm); returns the
-    loaded kernel and a function that calls it again."""
+    loaded kernel and a function that calls it again. Kernels built after this one render as usual."""
     render = build.render
     build.render = lambda plan: patch(plan, render(plan))
-    case = make_case(batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=[prefix] * batch,
-                     page_size=64, mask="causal", seed=0)
-    v = parse_variant(variant) if variant else None
+    try:
+        case = make_case(batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=[prefix] * batch,
+                         page_size=64, mask="causal", seed=0)
+        v = parse_variant(variant) if variant else None
 
-    def call() -> None:
-        mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
-                                softmax_scale=case.scale, variant=v)
+        def call() -> None:
+            mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                    softmax_scale=case.scale, variant=v)
 
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+    finally:
+        build.render = render
     return list(launch._loaded.values())[-1], call
 
 
@@ -225,6 +231,36 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
         print(f"{kind} blocks ({len(mine)}), µs after the first start, min/median/max: " + ", ".join(cells))
 
 
+def row_parser(script: str, doc: str | None, variant_help: str):
+    """The command line the tracers share: H B S prefix [variant]."""
+    p = parser(script, doc)
+    for name in ("heads", "batch", "seqlen_q", "prefix"):
+        p.add_argument(name, type=int)
+    p.add_argument("variant", nargs="?", type=variant_name, help=variant_help)
+    return p
+
+
+def patched_source(variant: str, heads: int, patch: Callable[[KernelPlan, str], str]) -> str:
+    """`variant`'s rendered source for `heads` heads (page 64, causal), rewritten by `patch`: what
+    a traced launch compiles, shown without a GPU."""
+    plan = validate(Problem(heads=heads), parse_variant(variant))
+    return patch(plan, render(plan))
+
+
+def parse_args(argv: list[str]):
+    p = row_parser(__file__, __doc__, "a variant name (default: the dispatcher's pick)")
+    p.add_argument("--warm", action="store_true", help="trace a launch right after an untraced one")
+    p.add_argument("--gt", action="store_true", help="every stamp from globaltimer")
+    p.add_argument("--source", action="store_true", help="print the patched source of VARIANT and exit (no GPU)")
+    return p.parse_args(argv)
+
+
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a not in ("--warm", "--gt")]
-    main(*(int(a) for a in args[:4]), *args[4:5], warm="--warm" in sys.argv, gt="--gt" in sys.argv)
+    args = parse_args(sys.argv[1:])
+    if args.source:
+        if not args.variant:
+            raise SystemExit("--source needs a variant name")
+        print(patched_source(args.variant, args.heads, lambda plan, source: patch(source, args.gt)), end="")
+        raise SystemExit(0)
+    require_gpu(__file__)
+    main(args.heads, args.batch, args.seqlen_q, args.prefix, args.variant, warm=args.warm, gt=args.gt)

@@ -8,6 +8,7 @@ templates/mma_exchange.cu.j2; a landmark that moved fails loudly. Thread 0 stamp
 in" is the last slot its warpgroup waited for. On the GPU machine:
 
     python3 benchmarks/trace_exchange.py 64 1 9 256 mma_ht64_qt1_bn64_w8_st1_sp8_cl_px_sm90a
+    python3 benchmarks/trace_exchange.py 64 1 9 256 VARIANT --source > patched.cu   # no GPU
 
 The case comes from trace_blocks.patched_row (a spare page column in the block table), so the
 cluster must hold one more tile than the keys need (sp8 for 265 keys, not sp5).
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 import sys
 
-from trace_blocks import header, patched_row, traced_blocks
+from common import require_gpu
+from trace_blocks import header, patched_row, patched_source, row_parser, traced_blocks
 
 START, P_DONE, LOADED, SCORED, MAXIMA_IN, LAST_P_IN, SLICES_IN, END = range(8)
 COLUMNS = (("loaded", LOADED), ("scored", SCORED), ("maxima in", MAXIMA_IN), ("slices in", SLICES_IN),
@@ -59,5 +61,19 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str) -> No
     print(f"launch span (first block start to last block end): {max((r[END] - t0) / 1e3 for _, r in rows):.2f} µs")
 
 
+def parse_args(argv: list[str]):
+    p = row_parser(__file__, __doc__, "a P exchange variant (`_px_`)")
+    p.add_argument("--source", action="store_true", help="print the patched source and exit (no GPU)")
+    args = p.parse_args(argv)
+    if args.variant is None:
+        p.error("a P exchange variant name is needed")
+    return args
+
+
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:5]), sys.argv[5])
+    args = parse_args(sys.argv[1:])
+    if args.source:
+        print(patched_source(args.variant, args.heads, lambda plan, source: patch(source)), end="")
+        raise SystemExit(0)
+    require_gpu(__file__)
+    main(args.heads, args.batch, args.seqlen_q, args.prefix, args.variant)

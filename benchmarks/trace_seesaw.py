@@ -9,6 +9,7 @@ GPU machine:
 
     python3 benchmarks/trace_seesaw.py 64 1 9 65536 [variant name; default: the dispatcher's]
     python3 benchmarks/trace_seesaw.py 8 16 9 16384 mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a
+    python3 benchmarks/trace_seesaw.py 8 16 9 16384 VARIANT --source > patched.cu   # no GPU
 
 The variant must be a seesaw or a transposed one. Printed: each phase's mean over the pairs of
 the blocks (first and last pair left out: they carry the prologue and the tail), where a
@@ -25,14 +26,12 @@ import re
 import statistics
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+from common import require_gpu
+from trace_blocks import device_array, patched_row, patched_source, row_parser
 
-from mlagen.spec import Variant
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_blocks import device_array, patched_row  # noqa: E402
+from mlagen.spec import Variant, parse_variant
 
 MAX_BLOCKS, MAX_PAIRS, WARMUP = 512, 96, 20
 
@@ -245,10 +244,8 @@ def boundaries(stamps: list[list[int]], ghz: float, schedule: Schedule) -> dict[
 
 
 def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None) -> None:
-    loaded, call = patched_row(
-        lambda plan, source: patch(source, sched) if (sched := schedule_of(plan.variant)) else source,
-        heads, batch, seqlen_q, prefix, variant,
-    )
+    loaded, call = patched_row(lambda plan, source: patch_paired(source, plan.variant),
+                               heads, batch, seqlen_q, prefix, variant)
     schedule = schedule_of(loaded.plan.variant)
     if schedule is None:
         raise SystemExit(f"{loaded.plan.name} is neither a seesaw nor a transposed variant: pass one")
@@ -301,5 +298,27 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
         print(f"pair {i:3d}: {wg0} | {wg1}")
 
 
+def patch_paired(source: str, variant: Variant) -> str:
+    """`source` patched for `variant`'s schedule; unchanged for an unpaired variant (`main` then
+    refuses it)."""
+    schedule = schedule_of(variant)
+    return patch(source, schedule) if schedule else source
+
+
+def parse_args(argv: list[str]):
+    p = row_parser(__file__, __doc__, "a seesaw or transposed variant (default: the dispatcher's pick)")
+    p.add_argument("--source", action="store_true", help="print the patched source of VARIANT and exit (no GPU)")
+    args = p.parse_args(argv)
+    if args.source and (args.variant is None or schedule_of(parse_variant(args.variant)) is None):
+        p.error("--source needs a seesaw (_ss_) or transposed (_tr_) variant name")
+    return args
+
+
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:5]), *sys.argv[5:6])
+    args = parse_args(sys.argv[1:])
+    if args.source:
+        print(patched_source(args.variant, args.heads, lambda plan, source: patch_paired(source, plan.variant)),
+              end="")
+        raise SystemExit(0)
+    require_gpu(__file__)
+    main(args.heads, args.batch, args.seqlen_q, args.prefix, args.variant)

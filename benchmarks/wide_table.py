@@ -17,13 +17,16 @@ import dataclasses
 import sys
 
 import torch
+from common import parser, require_gpu
 
-from mlagen.dispatch import choose_variant
 from mlagen.grids import Row
 from mlagen.inputs import key_bound
-from mlagen.runtime import device_info, device_name
+from mlagen.runtime import device_info, device_name, pick_variant
+from mlagen.spec import Problem, Variant
 from mlagen.timing import l2_bytes, measure
 from mlagen.workload import Workload, make_workload, mlagen_call
+
+PAGE_SIZE = 64
 
 
 def widened(work: Workload, table_keys: int) -> Workload:
@@ -37,25 +40,45 @@ def widened(work: Workload, table_keys: int) -> Workload:
     return dataclasses.replace(work, sets=sets)
 
 
-def main(heads: int = 64, batch: int = 1, seqlen_q: int = 9, prefix: int = 256, table_keys: int = 131072) -> None:
+def plans(problem: Problem, row: Row, narrow_keys: int, wide_keys: int, arch: str,
+          gpu: str) -> list[tuple[str, int, int | None, Variant]]:
+    """(label, table capacity, max_seqlen_k or None, the variant the runtime picks) of each run."""
+    runs = [("narrow table", narrow_keys, None), ("wide table", wide_keys, None),
+            (f"wide table, max_seqlen_k={row.keys}", wide_keys, row.keys)]
+    out = []
+    for label, capacity, bound in runs:
+        planned = capacity if bound is None else min(capacity, key_bound(bound))
+        out.append((label, capacity, bound,
+                    pick_variant(problem, row.seqlen_q, row.batch, planned, capacity, arch, gpu, None)))
+    return out
+
+
+def parse_args(argv: list[str]):
+    p = parser(__file__, __doc__)
+    for name, default in (("heads", 64), ("batch", 1), ("seqlen_q", 9), ("prefix", 256), ("table_keys", 131072)):
+        p.add_argument(name, type=int, nargs="?", default=default)
+    return p.parse_args(argv)
+
+
+def main(heads: int, batch: int, seqlen_q: int, prefix: int, table_keys: int) -> None:
     row = Row(heads, batch, seqlen_q, prefix)
-    narrow = make_workload(row, 64, "causal", "bf16", l2_bytes(0))
+    narrow = make_workload(row, PAGE_SIZE, "causal", "bf16", l2_bytes(0))
     wide = widened(narrow, table_keys)
-    arch, gpu = device_info(0)[0], device_name(0)
     print(f"H={heads} B={batch} S={seqlen_q} prefix={prefix}: {row.keys} keys a request; wide table "
           f"{wide.kv_capacity} keys; {len(narrow.sets)} input sets")
     first = narrow.sets[0]
     mlagen_call(narrow, None)(first)
     reference = first.out.float().clone()
-    runs = [("narrow table", narrow, None, narrow.kv_capacity), ("wide table", wide, None, wide.kv_capacity),
-            (f"wide table, max_seqlen_k={row.keys}", wide, row.keys, min(wide.kv_capacity, key_bound(row.keys)))]
-    for label, work, bound, planned in runs:
+    for label, capacity, bound, picked in plans(narrow.problem, row, narrow.kv_capacity, wide.kv_capacity,
+                                                device_info(0)[0], device_name(0)):
+        work = narrow if capacity == narrow.kv_capacity else wide
         call = mlagen_call(work, None, bound)
         call(work.sets[0])
         diff = (work.sets[0].out.float() - reference).abs().max().item()
-        picked = choose_variant(work.problem, seqlen_q, batch, planned, arch, gpu)
         print(f"{label:40s} {measure(call, work.sets).us:8.1f} µs  {picked.name:50s} max |diff| {diff:.2e}")
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:6]))
+    args = parse_args(sys.argv[1:])
+    require_gpu(__file__)
+    main(**vars(args))
