@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 from ab_trees import parse_cells, print_times, row_cells, use_templates
-from common import ROOT, parser, require_gpu
+from bench_cli import ROOT, parser, require_gpu
 
 from mlagen import dispatch, launcher
 from mlagen.timing import measure

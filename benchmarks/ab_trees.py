@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import parser, require_gpu
+from bench_cli import parser, require_gpu
 
 from mlagen import codegen, launch, runtime
 from mlagen.grids import Row, parse_row

@@ -23,7 +23,7 @@ from pathlib import Path
 import cupy
 import torch
 from ab_trees import Cell, cell_call, parse_args, print_times, row_cells
-from common import require_gpu
+from bench_cli import require_gpu
 
 from mlagen.timing import measure
 

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 
 import torch
-from common import parser, require_gpu
+from bench_cli import parser, require_gpu
 
 import mlagen
 from mlagen import launch, runtime

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from common import parser, variant_name
+from bench_cli import parser, variant_name
 
 from mlagen.build import build
 from mlagen.sass import disassemble, instructions, tile_loop

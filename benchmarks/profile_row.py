@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from common import parser, require_gpu, variant_name
+from bench_cli import parser, require_gpu, variant_name
 
 import mlagen
 from mlagen.runtime import device_info, device_name, pick_variant

@@ -16,7 +16,7 @@ import math
 import sys
 
 import torch
-from common import parser, require_gpu, variant_name
+from bench_cli import parser, require_gpu, variant_name
 
 from mlagen.grids import Row
 from mlagen.runtime import device_info, device_name, pick_variant
@@ -31,7 +31,7 @@ def ragged_lengths(batch: int, seqlen_q: int, min_keys: int, max_keys: int, gen:
     """int32 [batch] lengths, log-uniform in [min_keys, max_keys] and at least seqlen_q, on gen's device."""
     u = torch.rand(batch, generator=gen, device=gen.device)
     lengths = torch.exp(math.log(min_keys) + u * (math.log(max_keys) - math.log(min_keys))).to(torch.int32)
-    return lengths.clamp(min=seqlen_q, max=max_keys)
+    return lengths.clamp(min=seqlen_q)
 
 
 def ragged_workload(heads: int, batch: int, seqlen_q: int, min_keys: int, max_keys: int, seed: int = 0) -> Workload:

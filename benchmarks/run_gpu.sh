@@ -4,21 +4,22 @@
 #
 #   bash benchmarks/run_gpu.sh STEP...
 #
-#   step       what                                                     ~time on the H200 (cold cache)
-#   tests      pytest -m gpu tests/                                     5-6 min   (timeout 540 s)
-#   memcheck   compute-sanitizer memcheck on benchmarks/sanitize.py    4 min     (timeout 300 s)
-#   synccheck  synccheck on the transposed tile (--only _tr_)           1 min     (timeout 150 s)
-#   racecheck  racecheck on all but the transposed tile (--skip _tr_)  5 min     (timeout 420 s)
-#   sanitize   memcheck synccheck racecheck: two calls, `memcheck synccheck` then `racecheck`
-#   tune       mlagen tune, seed and serving grids, into mlagen/tables/ 4-5 min   (timeout 420 s)
-#   bench      mlagen bench, seed and serving grids                     5-6 min   (timeout 480 s)
-#   ragged     benchmarks/ragged.py on three batch shapes               2-3 min   (timeout 150 s each)
-#   host       benchmarks/host_cost.py                                  < 1 min   (timeout 120 s)
-#   fuzz       mlagen fuzz for 4 minutes                                5 min     (timeout 330 s)
+#   step       what                                                       H200, cold cache  timeout
+#   tests      pytest -m gpu tests/                                       5-6 min           540 s
+#   memcheck   compute-sanitizer memcheck on benchmarks/sanitize.py      4 min             300 s
+#   synccheck  synccheck on the transposed tile (--only _tr_)             1 min             150 s
+#   racecheck  racecheck on all but the transposed tile (--skip _tr_)    5 min             420 s
+#   sanitize   memcheck, synccheck and racecheck: two calls' worth
+#   tune       mlagen tune, seed and serving grids, into mlagen/tables/   4-5 min           420 s
+#   bench      mlagen bench, seed and serving grids                       5-6 min           480 s
+#   ragged     benchmarks/ragged.py on three batch shapes                 2-3 min           150 s each
+#   host       benchmarks/host_cost.py                                    < 1 min           120 s
+#   fuzz       mlagen fuzz for 4 minutes                                  5 min             330 s
 #   facts      only gpu.txt (every run writes it first)
 #
-# One call per group: `tests`, `memcheck synccheck`, `racecheck`, `tune`, `bench`, `ragged host`,
-# `fuzz`. Run `tune` before `bench`: bench times the dispatcher's picks from the table tune writes.
+# One call per group (CALLS below): `tests`, `memcheck synccheck`, `racecheck`, `tune`, `bench`,
+# `ragged host`, `fuzz`. Run `tune` before `bench`: bench times the dispatcher's picks from the
+# table tune writes.
 #
 # Outputs rewrite the files in benchmarks/results/<gpu>/ (gpu: the GPU's name as a short slug,
 # "NVIDIA H200" -> h200; RESULTS=dir overrides): gpu.txt (name, driver, clocks, date, torch, cupy
@@ -29,6 +30,11 @@
 set -uo pipefail
 
 STEPS="tests memcheck synccheck racecheck sanitize tune bench ragged host fuzz facts"
+# Each step's timeout in seconds (ragged: all three shapes), and the groups of steps that share one
+# device call: each group's timeouts add up to less than the call's 600 s.
+declare -A LIMIT=([tests]=540 [memcheck]=300 [synccheck]=150 [racecheck]=420 [tune]=420 [bench]=480
+                  [ragged]=450 [host]=120 [fuzz]=330 [facts]=0)
+CALLS=("tests" "memcheck synccheck" "racecheck" "tune" "bench" "ragged host" "fuzz")
 
 usage() {
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -97,36 +103,36 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
     echo "== $step (results in $results)"
     case $step in
       tests)
-        timeout 540 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$results/gpu_tests.log"
+        timeout ${LIMIT[tests]} python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$results/gpu_tests.log"
         rc=${PIPESTATUS[0]}; written+=(gpu_tests.log) ;;
       memcheck | synccheck | racecheck)
         # -lineinfo: each report names its source lines. racecheck does not pair bar.arrive with
         # bar.sync: the transposed tile (_tr_), whose warpgroups hand over through them, gets
         # synccheck instead (and tests/test_gpu_verify.py's bitwise-repeatability test).
-        local pick=() limit=300
-        [[ $step == synccheck ]] && pick=(--only _tr_) limit=150
-        [[ $step == racecheck ]] && pick=(--skip _tr_) limit=420
-        MLAGEN_LINEINFO=1 timeout $limit compute-sanitizer --tool "$step" --print-limit 20 --error-exitcode 1 \
+        local pick=()
+        [[ $step == synccheck ]] && pick=(--only _tr_)
+        [[ $step == racecheck ]] && pick=(--skip _tr_)
+        MLAGEN_LINEINFO=1 timeout "${LIMIT[$step]}" compute-sanitizer --tool "$step" --print-limit 20 --error-exitcode 1 \
           python3 benchmarks/sanitize.py "${pick[@]}" 2>&1 | tee "$results/sanitize_$step.log"
         rc=${PIPESTATUS[0]}; written+=("sanitize_$step.log") ;;
       tune)
-        timeout 420 python3 cli.py tune --grid seed --grid serving --write-default 2>&1 | tee "$results/tune.log"
+        timeout ${LIMIT[tune]} python3 cli.py tune --grid seed --grid serving --write-default 2>&1 | tee "$results/tune.log"
         rc=${PIPESTATUS[0]}; written+=(tune.log); tables=(mlagen/tables/*.json) ;;
       bench)
-        timeout 480 python3 cli.py bench --grid seed --grid serving --out "$results"
+        timeout ${LIMIT[bench]} python3 cli.py bench --grid seed --grid serving --out "$results"
         rc=$?; written+=(bench.json bench.md bench.png) ;;
       ragged)   # batches of mixed lengths (the bench's rows are uniform): dispatch vs adaptive vs balanced
         for shape in "64 32 9 256 16384" "64 64 2 256 16384" "8 16 9 256 16384"; do
           # shellcheck disable=SC2086
-          timeout 150 python3 benchmarks/ragged.py $shape 2>&1 || echo "ragged.py $shape: rc $?" >&2
+          timeout $((LIMIT[ragged] / 3)) python3 benchmarks/ragged.py $shape 2>&1 || echo "ragged.py $shape: rc $?" >&2
         done 2>&1 | tee "$results/ragged.log"
         rc=0; grep -q "^ragged.py .*: rc " "$results/ragged.log" && rc=1
         written+=(ragged.log) ;;
       host)
-        timeout 120 python3 benchmarks/host_cost.py 2>&1 | tee "$results/host_cost.log"
+        timeout ${LIMIT[host]} python3 benchmarks/host_cost.py 2>&1 | tee "$results/host_cost.log"
         rc=${PIPESTATUS[0]}; written+=(host_cost.log) ;;
       fuzz)     # random shapes through the dispatcher's pick for 4 minutes
-        timeout 330 python3 cli.py fuzz --minutes 4 --cases 100000 2>&1 | tee "$results/fuzz.log"
+        timeout ${LIMIT[fuzz]} python3 cli.py fuzz --minutes 4 --cases 100000 2>&1 | tee "$results/fuzz.log"
         rc=${PIPESTATUS[0]}; written+=(fuzz.log) ;;
       facts)
         rc=0 ;;

@@ -19,7 +19,7 @@ import contextlib
 import sys
 
 import torch
-from common import parser, require_gpu
+from bench_cli import parser, require_gpu
 
 import mlagen
 from mlagen.spec import Problem, Variant, naive

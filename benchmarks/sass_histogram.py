@@ -17,7 +17,7 @@ import csv
 import re
 import sys
 
-from common import parser
+from bench_cli import parser
 
 _OPCODE = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)")
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import cupy
 import numpy as np
 import torch
-from common import parser, require_gpu, variant_name
+from bench_cli import parser, require_gpu, variant_name
 
 import mlagen
 import mlagen.build as build

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from common import require_gpu
+from bench_cli import require_gpu
 from trace_blocks import header, patched_row, patched_source, row_parser, traced_blocks
 
 START, P_DONE, LOADED, SCORED, MAXIMA_IN, LAST_P_IN, SLICES_IN, END = range(8)

@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from common import require_gpu
+from bench_cli import require_gpu
 from trace_blocks import device_array, patched_row, patched_source, row_parser
 
 from mlagen.spec import Variant, parse_variant

@@ -17,7 +17,7 @@ import dataclasses
 import sys
 
 import torch
-from common import parser, require_gpu
+from bench_cli import parser, require_gpu
 
 from mlagen.grids import Row
 from mlagen.inputs import key_bound

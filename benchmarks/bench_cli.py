@@ -7,7 +7,6 @@ import argparse
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent   # the repository (its templates/ are the default tree)
-H200 = ("sm_90", "NVIDIA H200")                 # (arch, name) of the GPU the shipped table is tuned for
 
 
 def parser(script: str, doc: str | None) -> argparse.ArgumentParser:

@@ -1,0 +1,557 @@
+"""The scripts in benchmarks/ keep working: each one's command line, its CPU part (plans, rendered
+and patched sources, parsers), its one-line exit where no GPU is visible, and on a GPU the script
+itself on a small shape. EXERCISED (at the end) maps every file under benchmarks/ (results/ aside)
+to the tests that exercise it, and must match the folder: a script no test runs fails here."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import ab_constant  # noqa: E402
+import ab_trees  # noqa: E402
+import bench_cli  # noqa: E402
+import cold_code  # noqa: E402
+import host_cost  # noqa: E402
+import hot_loop  # noqa: E402
+import profile_row  # noqa: E402
+import ragged  # noqa: E402
+import sanitize  # noqa: E402
+import sass_histogram  # noqa: E402
+import trace_blocks  # noqa: E402
+import trace_exchange  # noqa: E402
+import trace_seesaw  # noqa: E402
+import wide_table  # noqa: E402
+
+import mlagen  # noqa: E402
+from mlagen import codegen, launch, runtime, sass  # noqa: E402
+from mlagen.codegen import render  # noqa: E402
+from mlagen.compiler import compile_source  # noqa: E402
+from mlagen.grids import Row  # noqa: E402
+from mlagen.inputs import key_bound  # noqa: E402
+from mlagen.spec import Problem, Variant, parse_variant  # noqa: E402
+from mlagen.validate import validate  # noqa: E402
+from mlagen.workload import InputSet, Workload, problem_for  # noqa: E402
+
+H200 = ("sm_90", "NVIDIA H200")
+SEESAW = "mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a"
+TRANSPOSED = "mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a"
+EXCHANGE = "mma_ht64_qt1_bn64_w8_st1_sp8_cl_px_sm90a"
+
+# Each GPU script with arguments for a small shape: run without a GPU it must exit with one line.
+GPU_RUNS = {
+    "sanitize.py": ["--only", "_w4_"],
+    "host_cost.py": ["--calls", "200"],
+    "ragged.py": ["8", "4", "9", "256", "2048"],
+    "wide_table.py": ["8", "1", "9", "256", "16384"],
+    "profile_row.py": ["8", "1", "9", "1024"],
+    "trace_blocks.py": ["64", "1", "9", "256"],
+    "trace_exchange.py": ["64", "1", "9", "256", EXCHANGE],
+    "trace_seesaw.py": ["8", "16", "9", "16384", TRANSPOSED],
+    "ab_trees.py": ["1", "main=.", "8,1,9,1024=main/dispatch"],
+    "ab_constant.py": ["1", "MERGE_TARGET_BLOCKS=128,144", "8,1,9,1024"],
+    "cold_code.py": ["1", "main=.", "8,1,9,1024=main/dispatch"],
+}
+HELP = ["ab_constant", "ab_trees", "cold_code", "host_cost", "hot_loop", "profile_row", "ragged", "sanitize",
+        "sass_histogram", "trace_blocks", "trace_exchange", "trace_seesaw", "wide_table"]
+
+
+def _script(name: str, *args: str, env: dict[str, str] | None = None,
+            timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / name), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def _needs_nvdisasm() -> None:
+    try:
+        sass.find_nvdisasm()
+    except sass.SassError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def templates_restored():
+    """Leaves codegen rendering from the repository's templates, whatever a test pointed it at."""
+    before = codegen._SOURCE_TREE_TEMPLATES
+    yield
+    ab_trees.use_templates(before.parent)
+    assert codegen._SOURCE_TREE_TEMPLATES == before
+
+
+# ---- every script: --help, and the one-line exit where no GPU is visible
+
+@pytest.mark.parametrize("module", HELP)
+def test_help_prints_the_usage(module, capsys):
+    """--help prints the script's docstring under its own name and exits 0."""
+    mod = sys.modules[module]
+    with pytest.raises(SystemExit) as done:
+        if module in ("ab_trees", "cold_code"):                      # cold_code.py takes ab_trees.py's arguments
+            mod.parse_args(mod.__file__, mod.__doc__, ["--help"])
+        else:
+            mod.parse_args(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {module}.py")
+    assert mod.__doc__.splitlines()[0] in out
+
+
+@pytest.mark.parametrize("name", sorted(GPU_RUNS))
+def test_gpu_scripts_exit_with_one_line_without_a_gpu(name):
+    """With no CUDA device visible, a GPU script parses its arguments, then exits 1 with one line
+    naming itself: no traceback."""
+    done = _script(name, *GPU_RUNS[name], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr
+    assert done.stderr.startswith(f"{name} needs a CUDA GPU") and "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_require_gpu_names_the_script_and_the_reason(monkeypatch):
+    monkeypatch.setattr(bench_cli, "gpu_missing", lambda: "no driver")
+    with pytest.raises(SystemExit) as done:
+        bench_cli.require_gpu("/x/y/script.py")
+    assert str(done.value).startswith("script.py needs a CUDA GPU (no driver)") and "\n" not in str(done.value)
+    monkeypatch.setattr(bench_cli, "gpu_missing", lambda: None)
+    bench_cli.require_gpu("script.py")   # returns where a GPU is visible
+
+
+def test_variant_arguments_are_checked_by_name():
+    assert bench_cli.variant_name(SEESAW) == SEESAW
+    with pytest.raises(SystemExit) as done:
+        profile_row.parse_args(["8", "1", "9", "1024", "mma_nonsense"])
+    assert done.value.code == 2
+    with pytest.raises(SystemExit):
+        ragged.parse_args(["8", "4", "9", "256", "2048", "bogus"])
+
+
+# ---- sanitize.py
+
+def test_sanitize_runs_every_family_on_valid_shapes():
+    """Every (case, variant) that the sanitizer workload runs on an H200 is a valid plan that
+    renders; the list covers the transposed tile, the seesaw, the P exchange and the dispatcher."""
+    variants, exchange = sanitize.variants_for("sm_90")
+    runs = sanitize.plan_runs(variants, exchange)
+    pairs = [(shape, v) for shape, vs, _ in runs for v in vs if sanitize.fits(shape, v)]
+    names = {sanitize.name_of(v) for _, v in pairs}
+    assert {"dispatched", "naive_w4_sm90"} <= names
+    assert any(v.transposed for _, v in pairs if v) and any(v.seesaw for _, v in pairs if v)
+    assert sum(1 for _, v in pairs if v and v.p_exchange) == 4      # two variants, two SHORT cases
+    for shape, v in pairs:
+        if v is not None:
+            assert render(validate(sanitize.problem_of(shape), v))
+    assert sanitize.main(None, None, "sm_90", listing=True) == len(pairs)
+
+
+def test_sanitize_only_and_skip_split_the_variants(capsys):
+    """--only PART and --skip PART partition the pairs (run_gpu.sh's synccheck and racecheck)."""
+    total = sanitize.main(None, None, "sm_90", listing=True)
+    only = sanitize.main("_tr_", None, "sm_90", listing=True)
+    skip = sanitize.main(None, "_tr_", "sm_90", listing=True)
+    assert 0 < only < total and only + skip == total
+    out = capsys.readouterr().out
+    assert "case 0 mma_ht8_qt9_bn64_w8_st2_sp2_tr_sm90a: listed" in out
+    args = sanitize.parse_args(["--skip", "_tr_", "--list"])
+    assert (args.skip, args.only, args.list, args.arch) == ("_tr_", None, True, "sm_90")
+
+
+def test_sanitize_off_hopper_has_no_sm90a_variants():
+    variants, exchange = sanitize.variants_for("sm_80")
+    assert exchange == [] and all(v is None or v.arch == "sm_80" for v in variants)
+
+
+# ---- host_cost.py
+
+def test_host_cost_calls_are_valid_calls():
+    """The timed calls reach the runtime's checks (a CPU tensor is refused there, by name), and
+    the pieces of the runtime the script reads still exist."""
+    timed, case = host_cost.cases(device="cpu")
+    assert list(timed) == ["out= given", "allocating", "return_lse", "tree mask, out= given"]
+    for fn in timed.values():
+        with pytest.raises(mlagen.InputError, match="q.device"):
+            fn()
+    assert {"kernel", "layout"} <= set(runtime._Call.__dataclass_fields__) and isinstance(runtime._calls, dict)
+    assert callable(launch._launch_kernel)
+    fake = types.SimpleNamespace(kernel=launch.KernelLaunch(args=(0, 132, 1, 1, 256, 1, 1, 0), name="k_main"),
+                                 layout=None)
+    assert host_cost.describe(fake) == "kernel: k_main, grid (132, 1, 1) (one split)"
+    assert host_cost.parse_args(["--calls", "50"]).calls == 50
+
+
+# ---- ragged.py
+
+def test_ragged_lengths_are_log_uniform_in_range():
+    gen = torch.Generator().manual_seed(0)
+    lengths = ragged.ragged_lengths(256, 9, 256, 16384, gen)
+    assert lengths.dtype == torch.int32 and lengths.shape == (256,)
+    assert 256 <= int(lengths.min()) and int(lengths.max()) <= 16384
+    assert (lengths < 2048).sum() > 64 and (lengths > 2048).sum() > 64   # log-uniform: half below sqrt(range)
+    again = ragged.ragged_lengths(256, 9, 256, 16384, torch.Generator().manual_seed(0))
+    assert torch.equal(lengths, again)
+    assert int(ragged.ragged_lengths(8, 9, 1, 4, torch.Generator().manual_seed(1)).min()) == 9   # at least S
+
+
+def test_ragged_compares_the_pick_with_its_splits():
+    args = ragged.parse_args([])
+    assert (args.heads, args.batch, args.seqlen_q, args.min_keys, args.max_keys, args.variants) == \
+        (64, 32, 9, 256, 16384, [])
+    problem = problem_for(Row(64, 32, 9, 16384 - 9), ragged.PAGE_SIZE, "causal", "bf16")
+    picked, others = ragged.compared(problem, 9, 32, 16384, *H200, [])
+    assert picked.family == "mma"
+    assert [v.kv_split for v in others] == ["adaptive", "balanced"]
+    assert all(v.head_tile == picked.head_tile and v.q_tile == picked.q_tile for v in others)
+    _, named = ragged.compared(problem, 9, 32, 16384, *H200, [SEESAW])
+    assert named == [parse_variant(SEESAW)]
+
+
+# ---- wide_table.py
+
+def test_wide_table_widens_the_block_table_only():
+    row = Row(8, 2, 3, 100)
+    pages = 2
+    table = torch.arange(4, dtype=torch.int32).view(2, pages)
+    s = InputSet(q=torch.zeros(1), kv_cache=torch.zeros(1), block_table=table, cache_seqlens=torch.zeros(2),
+                 tree_mask=None, out=torch.zeros(1))
+    work = Workload(row=row, problem=problem_for(row, 64, "causal", "bf16"), sets=[s], visible=torch.empty(0),
+                    scale=1.0)
+    wide = wide_table.widened(work, 1000)
+    got = wide.sets[0].block_table
+    assert wide.kv_capacity == 16 * 64 and got.shape == (2, 16) and got.is_contiguous()
+    assert torch.equal(got[:, :pages], table) and bool((got[:, pages:] == table[:, :1]).all())
+    assert work.sets[0].block_table is table                    # the narrow workload is untouched
+
+
+def test_wide_table_plans_each_run_as_the_runtime_does():
+    row = Row(64, 1, 9, 256)
+    problem = problem_for(row, wide_table.PAGE_SIZE, "causal", "bf16")
+    plans = wide_table.plans(problem, row, 320, 131072, *H200)
+    assert [(c, b) for _, c, b, _ in plans] == [(320, None), (131072, None), (131072, row.keys)]
+    for _, capacity, bound, variant in plans:
+        planned = capacity if bound is None else min(capacity, key_bound(bound))
+        assert variant == runtime.pick_variant(problem, 9, 1, planned, capacity, *H200, None)
+        validate(problem, variant)
+    assert wide_table.parse_args([]).table_keys == 131072
+
+
+# ---- profile_row.py
+
+def test_profile_row_arguments():
+    args = profile_row.parse_args(["64", "1", "9", "65536", SEESAW, "--calls", "6"])
+    assert (args.heads, args.batch, args.seqlen_q, args.prefix, args.variant, args.calls) == (64, 1, 9, 65536,
+                                                                                            SEESAW, 6)
+    assert profile_row.parse_args(["8", "1", "9", "1024"]).variant is None
+
+
+# ---- sass_histogram.py
+
+def test_sass_histogram_counts_opcodes(tmp_path, capsys):
+    path = tmp_path / "src.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(['==PROF== Connected to process'])
+        w.writerow(["Kernel Name", "k_main"])
+        w.writerow(["Address", "Source", "Instructions Executed", "Warp Stall Sampling (All Samples)"])
+        w.writerow(["0x0", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;", "1,000", "30"])
+        w.writerow(["0x10", "@P0 BRA 0x0 ;", "100", "5"])
+        w.writerow(["0x20", "@!UPT UIADD3 UR4, UR4, 0x1, URZ ;", "300", "0"])
+        w.writerow(["0x30", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;", "1,000", "15"])
+        w.writerow(["0x40", "EXIT ;", "", ""])                        # no counts: skipped
+    executed, stalls = sass_histogram.histogram(str(path))
+    assert executed == {"HGMMA": 2000, "UIADD3": 300, "BRA": 100}
+    assert stalls["HGMMA"] == 45 and stalls["BRA"] == 5
+    sass_histogram.main(str(path), top=2)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "2,400 instructions executed, 50 stall samples" and len(out) == 4
+    assert out[2].split() == ["HGMMA", "2,000", "83.3%", "90.0%"]
+
+
+# ---- trace_blocks.py, trace_exchange.py, trace_seesaw.py (compiled too in tests/test_sass.py)
+
+def test_block_trace_patches_every_landmark():
+    """The stamps land at every landmark of the templates (a moved landmark exits): the seesaw's
+    15 (no tile-0 stamp; a pair's merge, rows staged and written), the transposed tile's 14."""
+    for name, heads, stamps in ((SEESAW, 64, 15), ("mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a", 8, 14),
+                                ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 64, 8)):
+        source = trace_blocks.patched_source(name, heads, lambda plan, source: trace_blocks.patch(source))
+        assert source.count("TR(") == stamps, name
+        assert "mlagen_trace[" in source and "clock64()" in source
+    timed = trace_blocks.patched_source(SEESAW, 64, lambda plan, source: trace_blocks.patch(source, True))
+    assert "clock64()" not in timed
+    args = trace_blocks.parse_args(["64", "1", "9", "256", "--warm", "--gt"])
+    assert (args.variant, args.warm, args.gt, args.source) == (None, True, True, False)
+
+
+def test_block_trace_restores_rendering(monkeypatch):
+    """patched_row's source rewrite ends with its warm-up: kernels built later render as usual."""
+    import mlagen.build as build
+
+    def no_case(**kwargs):
+        raise RuntimeError("no GPU")
+
+    render_before = build.render
+    monkeypatch.setattr(trace_blocks, "make_case", no_case)
+    with pytest.raises(RuntimeError, match="no GPU"):
+        trace_blocks.patched_row(lambda plan, source: source, 64, 1, 9, 256)
+    assert build.render is render_before
+
+
+def test_exchange_trace_patches_every_landmark():
+    source = trace_exchange.patched_source(EXCHANGE, 64, lambda plan, source: trace_exchange.patch(source))
+    assert source.count("TR(") == len(trace_exchange.PATCHES) + 1     # and the macro's definition
+    assert "clock64()" not in source
+    with pytest.raises(SystemExit):
+        trace_exchange.parse_args(["64", "1", "9", "256"])             # the variant is required
+
+
+def test_seesaw_trace_patches_both_schedules():
+    for name, heads, schedule in ((SEESAW, 64, trace_seesaw.SEESAW), (TRANSPOSED, 8, trace_seesaw.TRANSPOSED)):
+        assert trace_seesaw.schedule_of(parse_variant(name)) is schedule
+        source = trace_seesaw.patched_source(name, heads,
+                                             lambda plan, source: trace_seesaw.patch_paired(source, plan.variant))
+        assert source.count("        TS(") == len(schedule.steps), name
+        assert source.count("    TB(") == len(schedule.boundary), name
+    plain = "mma_ht8_qt8_bn64_w8_st2_sp2_sm90a"
+    assert trace_seesaw.patch_paired("unchanged", parse_variant(plain)) == "unchanged"
+    with pytest.raises(SystemExit):
+        trace_seesaw.parse_args(["8", "16", "9", "16384", plain, "--source"])
+
+
+def test_seesaw_trace_phases_from_stamps():
+    """Pairs 2000 cycles apart at 2 GHz: a period of 1 µs, each warpgroup step 100 cycles."""
+    schedule = trace_seesaw.SEESAW
+
+    def pair(start: int) -> list[int]:
+        stamps = [0] * schedule.events
+        for w in (0, 1):
+            for i, (slot, _) in enumerate(schedule.sequence(w)):
+                stamps[slot] = start + 100 * i
+        return stamps
+
+    got = trace_seesaw.phases([pair(2000 * i) for i in range(5)], 2.0, schedule)
+    period = next(k for k in got if k.startswith("pair period"))
+    assert got[period] == [1.0] * 3                                   # first and last pairs left out
+    assert got["wg0: K0 landed -> S0 issued"] == [0.05] * 3
+
+
+# ---- ab_trees.py, ab_constant.py, cold_code.py
+
+def test_ab_trees_parses_rows_and_trees(tmp_path):
+    text, row, cells = ab_trees.parse_cells(f"16,64,4,4096=main/{SEESAW}|new/dispatch", {"main": ROOT, "new": ROOT})
+    assert (text, row, cells) == ("16,64,4,4096", Row(16, 64, 4, 4096), [("main", SEESAW), ("new", "dispatch")])
+    for bad in ("16,64,4,4096", "16,64,4,4096=other/dispatch", "16,64,4=main/dispatch", "8,1,9,64=main/mma_x"):
+        with pytest.raises(SystemExit):
+            ab_trees.parse_cells(bad, {"main": ROOT})
+    assert ab_trees.parse_args(__file__, None, ["2", f"main={ROOT}", "8,1,9,64=main/dispatch"]) == (
+        2, {"main": ROOT}, ["8,1,9,64=main/dispatch"])
+    with pytest.raises(SystemExit) as done:                          # a tree without templates/
+        ab_trees.parse_args(__file__, None, ["2", f"main={tmp_path}", "8,1,9,64=main/dispatch"])
+    assert done.value.code == 2
+
+
+def test_ab_trees_renders_from_the_chosen_tree(tmp_path, templates_restored):
+    """use_templates points rendering at another tree's templates/ (a copy with one edit here)."""
+    shutil.copytree(ROOT / "templates", tmp_path / "templates")
+    edited = tmp_path / "templates" / "mma.cu.j2"
+    edited.write_text("// edited tree\n" + edited.read_text())
+    plan = validate(Problem(heads=8), Variant(family="mma", head_tile=8, q_tile=4, block_n=64, warps=4, stages=2,
+                                              kv_split=3, arch="sm_90"))
+    assert "// edited tree" not in render(plan)
+    ab_trees.use_templates(tmp_path)
+    assert render(plan).startswith("// edited tree")
+    ab_trees.use_templates(ROOT)
+    assert "// edited tree" not in render(plan)
+
+
+def test_ab_constant_sets_and_restores_a_constant(templates_restored):
+    validate_module = ab_constant.validate
+    old = validate_module.MERGE_TARGET_BLOCKS
+    plan = validate(Problem(heads=8), Variant(family="mma", head_tile=8, q_tile=4, block_n=64, warps=4, stages=2,
+                                              kv_split=3, arch="sm_90"))
+    before = plan.merge_blocks(16, 9)
+    try:
+        ab_constant.set_constant("MERGE_TARGET_BLOCKS", 16)
+        assert validate_module.MERGE_TARGET_BLOCKS == 16 and ab_constant.launcher.MERGE_TARGET_BLOCKS == 16
+        assert plan.merge_blocks(16, 9) < before
+    finally:
+        ab_constant.set_constant("MERGE_TARGET_BLOCKS", old)
+    assert validate_module.MERGE_TARGET_BLOCKS == old and plan.merge_blocks(16, 9) == before
+    tiles = ab_constant.dispatch.PDL_TILES_PER_SM
+    try:
+        ab_constant.set_constant("dispatch.PDL_TILES_PER_SM", tiles + 1)
+        assert ab_constant.dispatch.PDL_TILES_PER_SM == tiles + 1
+    finally:
+        ab_constant.set_constant("dispatch.PDL_TILES_PER_SM", tiles)
+    assert ab_constant.parse_setting("MERGE_TARGET_BLOCKS=128,144") == ("MERGE_TARGET_BLOCKS", [128, 144])
+    for bad in ("NO_SUCH_CONSTANT=1", "MERGE_TARGET_BLOCKS=a,b", "dispatch.reset=1"):
+        with pytest.raises(SystemExit):
+            ab_constant.parse_setting(bad)
+    assert ab_constant.parse_args(["3", "SEGMENT_TILES=2,3", "8,16,9,16384"]) == (
+        3, ("SEGMENT_TILES", [2, 3]), ["8,16,9,16384"])
+
+
+def test_cold_code_flush_kernel_is_large_straight_line_code():
+    """The flush kernel compiles to ~240 KB of code: more than the SMs' instruction caches hold."""
+    source = cold_code.flush_source()
+    assert source.count("fmaf(") == cold_code.CHAINS * cold_code.STEPS
+    module = compile_source(source, "icache_flush", "sm_90")
+    _needs_nvdisasm()
+    code = sass.instructions(sass.disassemble(module.cubin, "icache_flush", "sm_90"))
+    assert len(code) >= cold_code.CHAINS * cold_code.STEPS and code[-1][0] > 200 * 1024
+
+
+# ---- hot_loop.py
+
+def test_hot_loop_reports_the_tile_loop(capsys):
+    _needs_nvdisasm()
+    line = hot_loop.report(64, SEESAW)
+    assert line.startswith(f"{SEESAW}: ") and "tile loop 0x" in line and "KB of it past 64 KB" in line
+    assert hot_loop.parse_args(["16", SEESAW, TRANSPOSED]).names == [SEESAW, TRANSPOSED]
+
+
+# ---- run_gpu.sh
+
+def _bash(script: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([shutil.which("bash"), "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_run_gpu_parses_and_checks_its_steps(tmp_path):
+    assert _bash("bash -n benchmarks/run_gpu.sh").returncode == 0
+    usage = _bash("bash benchmarks/run_gpu.sh")
+    assert usage.returncode == 2 and "bash benchmarks/run_gpu.sh STEP..." in usage.stdout
+    assert _bash("bash benchmarks/run_gpu.sh --help").returncode == 0
+    bad = _bash("bash benchmarks/run_gpu.sh tests bogus")            # checked before any GPU is looked for
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "run_gpu.sh: unknown step 'bogus' (steps: tests memcheck synccheck racecheck sanitize tune bench ragged "
+        "host fuzz facts)")
+    nogpu = subprocess.run([shutil.which("bash"), "benchmarks/run_gpu.sh", "tests"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, env={"PATH": str(tmp_path)})   # a PATH without nvidia-smi
+    assert nogpu.returncode == 1 and nogpu.stderr.strip() == (
+        "run_gpu.sh: no GPU here (nvidia-smi not found); run it on the GPU machine")
+    got = _bash("source benchmarks/run_gpu.sh; gpu_slug 'NVIDIA H200'; gpu_slug 'NVIDIA H100 80GB HBM3'; "
+                "expand_steps sanitize bench")
+    assert got.stdout.splitlines() == ["h200", "h100-80gb-hbm3", "memcheck synccheck racecheck bench"]
+
+
+def test_run_gpu_step_groups_fit_one_device_call():
+    """Every step has a timeout and appears in the usage; each group's timeouts add up to less
+    than the device call's 600 s; the groups cover every step but the `sanitize` alias."""
+    got = _bash('source benchmarks/run_gpu.sh; echo "$STEPS"; for s in $STEPS; do echo "${LIMIT[$s]:-none}"; done; '
+                'printf "%s," "${CALLS[@]}"; echo; usage')
+    lines = got.stdout.splitlines()
+    steps = lines[0].split()
+    limits = dict(zip(steps, lines[1:1 + len(steps)], strict=True))
+    calls = lines[1 + len(steps)].rstrip(",").split(",")
+    usage = "\n".join(lines[2 + len(steps):])
+    assert [s for s, limit in limits.items() if limit == "none"] == ["sanitize"], limits
+    for group in calls:
+        assert sum(int(limits[s]) for s in group.split()) < 590, group
+    assert sorted(s for group in calls for s in group.split()) == sorted(set(steps) - {"sanitize", "facts"})
+    for step in steps:
+        assert f"\n  {step} " in usage, step
+
+
+def test_run_gpu_writes_results_and_out(tmp_path):
+    """With a stand-in nvidia-smi: gpu.txt (name, driver, date, versions) in RESULTS and copied to
+    $OUT/<gpu>/; nothing else is written for the `facts` step."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text('#!/bin/sh\ncase "$*" in\n  *name,driver_version*) echo "NVIDIA H200, 580.159.04" ;;\n'
+                   '  *clocks.sm*) echo "1980 MHz, 3201 MHz" ;;\nesac\n')
+    smi.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "RESULTS": str(tmp_path / "results"),
+           "OUT": str(tmp_path / "out")}
+    done = _bash("bash benchmarks/run_gpu.sh facts", env=env)
+    assert done.returncode == 0, done.stderr
+    text = (tmp_path / "results" / "gpu.txt").read_text()
+    assert "name: NVIDIA H200\n" in text and "driver: 580.159.04\n" in text and "date: 20" in text
+    assert f"torch: {torch.__version__}\n" in text and "cupy: " in text and "nvrtc: " in text
+    assert (tmp_path / "out" / "h200" / "gpu.txt").read_text() == text
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*") if p.is_file()) == ["gpu.txt"]
+
+
+# ---- on a GPU: each script for real, on a small shape
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GPU_RUNS))
+def test_gpu_script_runs(name, tmp_path):
+    """The script runs to the end on a small shape and prints what it is for."""
+    args = GPU_RUNS[name]
+    if name == "ab_trees.py":                                          # two trees: this one and a copy
+        shutil.copytree(ROOT / "templates", tmp_path / "templates")
+        args = ["1", f"main=.,copy={tmp_path}", "8,1,9,1024=main/dispatch|copy/dispatch"]
+    done = _script(name, *args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    expect = {
+        "sanitize.py": "pairs checked",
+        "host_cost.py": "out= given, ctypes cuLaunchKernel",
+        "ragged.py": "max |diff| vs dispatch",
+        "wide_table.py": "wide table, max_seqlen_k=",
+        "profile_row.py": "4 calls of ",
+        "trace_blocks.py": "launch span",
+        "trace_exchange.py": "launch span",
+        "trace_seesaw.py": "pair period",
+        "ab_trees.py": "copy/dispatch",
+        "ab_constant.py": "MERGE_TARGET_BLOCKS 144",
+        "cold_code.py": "flush kernel alone",
+    }[name]
+    assert expect in out, out[-3000:]
+    if name in ("ab_trees.py", "ab_constant.py", "cold_code.py"):
+        assert out.count("best") >= 2
+
+
+EXERCISED = {   # every file under benchmarks/ but results/ (and the bench's default output, latest/)
+    "README.md": [],
+    "bench_cli.py": [test_require_gpu_names_the_script_and_the_reason, test_variant_arguments_are_checked_by_name],
+    "run_gpu.sh": [test_run_gpu_parses_and_checks_its_steps, test_run_gpu_step_groups_fit_one_device_call,
+                   test_run_gpu_writes_results_and_out],
+    "sanitize.py": [test_sanitize_runs_every_family_on_valid_shapes, test_sanitize_only_and_skip_split_the_variants,
+                    test_sanitize_off_hopper_has_no_sm90a_variants, test_gpu_script_runs],
+    "host_cost.py": [test_host_cost_calls_are_valid_calls, test_gpu_script_runs],
+    "ragged.py": [test_ragged_lengths_are_log_uniform_in_range, test_ragged_compares_the_pick_with_its_splits,
+                  test_gpu_script_runs],
+    "wide_table.py": [test_wide_table_widens_the_block_table_only, test_wide_table_plans_each_run_as_the_runtime_does,
+                      test_gpu_script_runs],
+    "profile_row.py": [test_profile_row_arguments, test_gpu_script_runs],
+    "sass_histogram.py": [test_sass_histogram_counts_opcodes],
+    "trace_blocks.py": [test_block_trace_patches_every_landmark, test_block_trace_restores_rendering,
+                        test_gpu_script_runs],
+    "trace_exchange.py": [test_exchange_trace_patches_every_landmark, test_gpu_script_runs],
+    "trace_seesaw.py": [test_seesaw_trace_patches_both_schedules, test_seesaw_trace_phases_from_stamps,
+                        test_gpu_script_runs],
+    "ab_trees.py": [test_ab_trees_parses_rows_and_trees, test_ab_trees_renders_from_the_chosen_tree,
+                    test_gpu_script_runs],
+    "ab_constant.py": [test_ab_constant_sets_and_restores_a_constant, test_gpu_script_runs],
+    "cold_code.py": [test_cold_code_flush_kernel_is_large_straight_line_code, test_gpu_script_runs],
+    "hot_loop.py": [test_hot_loop_reports_the_tile_loop],
+}
+
+
+def test_every_benchmark_file_is_exercised():
+    """A file added to benchmarks/ needs a test here (and an EXERCISED entry), or it fails CI."""
+    found = sorted(str(p.relative_to(BENCH)) for p in BENCH.rglob("*")
+                   if p.is_file() and "__pycache__" not in p.parts and p.relative_to(BENCH).parts[0] not in
+                   ("results", "latest"))
+    assert found == sorted(EXERCISED)
+    scripts = {f"{m}.py" for m in HELP} | set(GPU_RUNS)
+    assert scripts <= set(EXERCISED)
+    for name, tests in EXERCISED.items():
+        assert tests or name == "README.md", name
+        if name in GPU_RUNS:
+            assert test_gpu_script_runs in tests, name
+    readme = (BENCH / "README.md").read_text()
+    for name in EXERCISED:
+        assert name == "README.md" or f"`{name}`" in readme, f"benchmarks/README.md says nothing of {name}"
