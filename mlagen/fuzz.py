@@ -4,7 +4,12 @@ Each seed draws one shape (batch, draft length S, heads, ragged prefixes with em
 page size, mask, dtype, lse) from a `FuzzSpace`; the same seed and space always give the same
 shape, so a failure replays from its seed. Every shape runs through the dispatcher's pick, any
 named variants and, when asked, a random variant (`draw_variant`), on poisoned outputs and
-workspaces, and is compared with the fp64 reference (`mlagen.testing.mismatch`).
+workspaces, and is compared row by row with the fp64 reference (`mlagen.testing.mismatch`).
+
+A shape's case is built on the device and its fp64 reference computed there once, before any
+kernel runs, and shared by every kernel checked on it; a check syncs with the host once for the
+kernel and once for the comparison, so once the kernels are compiled a run checks tens of shapes
+a second (`Report.summary`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from .arch import specializations
 from .mma_plan import TRANSPOSED_ROWS
 from .spec import DTYPES, MASKS, Problem, Variant, naive
-from .testing import Case, make_case, mismatch, poison_allocator, poisoned_out
+from .testing import Case, Tolerance, make_case, mismatch, poison_allocator, poisoned_out
 from .validate import MAX_CLUSTER, MAX_SEQLEN_Q, SpecError, is_valid, validate
 from .workload import TORCH_DTYPES
 
@@ -223,32 +228,57 @@ class Outcome:
         return "random variants" if self.drawn else self.variant
 
 
-def check(shape: Shape, variant: Variant | None, *, device: str = "cuda", kernel: Kernel | None = None,
-          tol: float = 1e-2) -> Outcome:
-    """Run one shape through `variant` (None: the dispatcher's pick) and compare. kernel: what
-    runs it (None: `launch`, the op itself)."""
-    kernel = kernel or launch
-    name = variant.name if variant is not None else "dispatch"
+# A case's fp64 reference: (out [B, S, H, Dl], lse [B, H, S]).
+Expected = tuple[torch.Tensor, torch.Tensor]
+
+
+def _skipped(shape: Shape, variant: Variant | None) -> Outcome | None:
+    """A "skip" outcome if the variant does not fit the shape's problem, else None."""
     if variant is not None:
         try:
             validate(shape.problem, variant)
         except SpecError as e:
-            return Outcome(shape, name, "skip", str(e))
-    case = shape.case(device)
+            return Outcome(shape, variant.name, "skip", str(e))
+    return None
+
+
+def _run(shape: Shape, variant: Variant | None, kernel: Kernel, case: Case, expected: Expected,
+         tol: Tolerance | None) -> Outcome:
+    """The kernel on the case, its output compared with `expected`."""
+    name = variant.name if variant is not None else "dispatch"
     try:
         out, lse = kernel(case, shape, variant)
     except Exception as e:      # anything the op raises on a valid shape is a finding
         return Outcome(shape, name, "fail", f"{type(e).__name__}: {e}")
-    problem = mismatch(out, lse, case, tol)
+    problem = mismatch(out, lse, case, tol, expected)
     return Outcome(shape, name, "fail" if problem else "ok", problem or "")
+
+
+def check(shape: Shape, variant: Variant | None, *, device: str = "cuda", kernel: Kernel | None = None,
+          tol: Tolerance | None = None, case: Case | None = None, expected: Expected | None = None) -> Outcome:
+    """Run one shape through `variant` (None: the dispatcher's pick) and compare every row with
+    the fp64 reference. kernel: what runs it (None: `launch`, the op itself); tol: None for the
+    dtypes' (`mlagen.testing.tolerance`); case, expected: the shape's case and its fp64 reference
+    when already built (a shape's checks share them; None: built here, the reference before the
+    kernel runs, from untouched inputs)."""
+    skipped = _skipped(shape, variant)
+    if skipped is not None:
+        return skipped
+    case = case if case is not None else shape.case(device)
+    expected = expected if expected is not None else case.reference(torch.float64)
+    return _run(shape, variant, kernel or launch, case, expected, tol)
 
 
 @dataclass
 class Report:
-    """What a fuzz run found; stopped says why it ended early (None: every seed ran)."""
+    """What a fuzz run found; stopped says why it ended early (None: every seed ran). shapes: the
+    distinct shapes that at least one kernel ran on; elapsed_s: the run's wall time, compiling
+    kernels on first use included."""
 
     outcomes: list[Outcome] = field(default_factory=list)
     stopped: str | None = None
+    shapes: int = 0
+    elapsed_s: float = 0.0
 
     def count(self, status: str, kernel: str | None = None) -> int:
         """Outcomes with this status ("ok", "skip" or "fail"), under one `Outcome.kernel` if given."""
@@ -257,6 +287,17 @@ class Report:
     @property
     def failures(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.status == "fail"]
+
+    @property
+    def shapes_per_s(self) -> float:
+        """Shapes checked per second of the run (0 before any time passed)."""
+        return self.shapes / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def summary(self) -> str:
+        """One line: "412 shapes in 20.1 s (20.5 shapes/s), 0 failed" (failed: checks, a shape
+        through one kernel)."""
+        return (f"{self.shapes} shapes in {self.elapsed_s:.1f} s ({self.shapes_per_s:.1f} shapes/s), "
+                f"{self.count('fail')} failed")
 
 
 def _context_alive() -> bool:
@@ -268,15 +309,36 @@ def _context_alive() -> bool:
         return False
 
 
+class _Inputs:
+    """A shape's case and fp64 reference, built when a kernel first needs them (never for a shape
+    every variant skips) and then shared by the shape's checks."""
+
+    def __init__(self, shape: Shape, device: str) -> None:
+        self.shape, self.device = shape, device
+        self.case: Case | None = None
+        self.expected: Expected | None = None
+
+    def check(self, variant: Variant | None, kernel: Kernel | None) -> Outcome:
+        """`check` of the shape through `variant`, on the shared inputs."""
+        skipped = _skipped(self.shape, variant)
+        if skipped is not None:
+            return skipped
+        if self.case is None or self.expected is None:
+            self.case = self.shape.case(self.device)
+            self.expected = self.case.reference(torch.float64)
+        return _run(self.shape, variant, kernel or launch, self.case, self.expected, None)
+
+
 def _outcomes(shape: Shape, variants: Sequence[Variant | None], any_variant: str | None, device: str,
               kernel: Kernel | None) -> Iterator[Outcome]:
     """The shape through each variant, then through a random one for any_variant's arch; one by
-    one, so a run can stop after any of them."""
+    one, so a run can stop after any of them. The checks share one case and reference."""
+    inputs = _Inputs(shape, device)
     for v in variants:
-        yield check(shape, v, device=device, kernel=kernel)
+        yield inputs.check(v, kernel)
     if any_variant:
         v = draw_variant(shape, any_variant)
-        yield (dataclasses.replace(check(shape, v, device=device, kernel=kernel), drawn=True) if v is not None
+        yield (dataclasses.replace(inputs.check(v, kernel), drawn=True) if v is not None
                else Outcome(shape, "any", "skip", f"no {any_variant} variant drawn fits this shape", drawn=True))
 
 
@@ -288,19 +350,28 @@ def fuzz(seeds: Iterable[int], variants: Sequence[Variant | None], space: FuzzSp
     any_variant (an arch) through a random variant for that arch too (`draw_variant`), until the
     seeds or the time budget run out, or a failure leaves the CUDA context unusable. kernel: as
     in `check`; alive: whether the CUDA context still works after a failure (None: a synchronize
-    tells); on_outcome: called with each outcome as it comes (progress, printing)."""
+    tells); on_outcome: called with each outcome as it comes (progress, printing). The report
+    counts the shapes checked and the time taken (`Report.summary`)."""
     alive = alive or _context_alive
     report = Report()
     start = time.monotonic()
-    for seed in seeds:
-        if budget_s is not None and time.monotonic() - start > budget_s:
-            report.stopped = f"the time budget ran out before seed {seed}"
-            break
-        for outcome in _outcomes(draw(seed, space), variants, any_variant, device, kernel):
-            report.outcomes.append(outcome)
-            if on_outcome is not None:
-                on_outcome(outcome)
-            if outcome.status == "fail" and not alive():
-                report.stopped = f"the CUDA context was lost at seed {seed}; later seeds need a new process"
-                return report
+    try:
+        for seed in seeds:
+            if budget_s is not None and time.monotonic() - start > budget_s:
+                report.stopped = f"the time budget ran out before seed {seed}"
+                break
+            ran = False
+            for outcome in _outcomes(draw(seed, space), variants, any_variant, device, kernel):
+                report.outcomes.append(outcome)
+                ran |= outcome.status != "skip"
+                if on_outcome is not None:
+                    on_outcome(outcome)
+                if outcome.status == "fail" and not alive():
+                    report.stopped = f"the CUDA context was lost at seed {seed}; later seeds need a new process"
+                    break
+            report.shapes += ran
+            if report.stopped:
+                break
+    finally:
+        report.elapsed_s = time.monotonic() - start
     return report

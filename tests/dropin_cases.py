@@ -1,5 +1,5 @@
 """Shared by the drop-in tests: ragged (varlen) batches and prefix/draft key splits, built on
-tests/helpers.make_case, with their per-request references."""
+`mlagen.testing.make_case`, with their per-request references."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from cli import app
 from mlagen.fuzz import FuzzSpace, Shape, check, draw, draw_variant, fuzz
 from mlagen.spec import DTYPES, MASKS, parse_variant
+from mlagen.testing import Case
 from mlagen.validate import is_valid
 
 runner = CliRunner()
@@ -99,6 +100,12 @@ def _shifts_one_value(case, shape, variant):
     return out, lse
 
 
+def _scales_one_row(case, shape, variant):
+    out, lse = _reference_kernel(case, shape, variant)
+    out[0, -1, -1] *= 1.05
+    return out, lse
+
+
 def _raises(case, shape, variant):
     raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
@@ -114,12 +121,59 @@ def test_a_correct_kernel_passes_every_shape():
     assert [o.status for o in report.outcomes] == ["ok"] * 12 and report.stopped is None
 
 
-@pytest.mark.parametrize("kernel,message", [(_leaves_a_row_unwritten, "unwritten or NaN"),
-                                            (_shifts_one_value, "relative error"),
-                                            (_raises, "RuntimeError: CUDA error")])
+@pytest.mark.parametrize("kernel,message", [
+    (_leaves_a_row_unwritten, "out: 1 of {rows} rows fail; worst (b=0, i=0, h=0): unwritten or NaN"),
+    (_shifts_one_value, "out: 1 of {rows} rows fail; worst (b=0, i={last_i}, h={last_h}): relative error"),
+    (_scales_one_row, "out: 1 of {rows} rows fail; worst (b=0, i={last_i}, h={last_h}): relative error 0.05"),
+    (_raises, "RuntimeError: CUDA error")])
 def test_a_wrong_kernel_fails_with_what_went_wrong(kernel, message):
-    outcome = check(_nonempty(), None, device="cpu", kernel=kernel)
-    assert outcome.status == "fail" and message in outcome.message and outcome.variant == "dispatch"
+    shape = _nonempty()
+    outcome = check(shape, None, device="cpu", kernel=kernel)
+    rows = shape.batch * shape.seqlen_q * shape.heads
+    message = message.format(rows=rows, last_i=shape.seqlen_q - 1, last_h=shape.heads - 1)
+    assert outcome.status == "fail" and outcome.message.startswith(message), outcome.message
+    assert outcome.variant == "dispatch"
+
+
+def test_the_report_counts_shapes_and_time():
+    report = fuzz(range(10), [None], SMALL, device="cpu", kernel=_reference_kernel)
+    assert report.shapes == 10 and report.elapsed_s > 0
+    assert report.shapes_per_s == pytest.approx(10 / report.elapsed_s)
+    assert re.fullmatch(r"10 shapes in \d+\.\d s \(\d+\.\d shapes/s\), 0 failed", report.summary()), report.summary()
+    failing = fuzz(range(4), [None], SMALL, device="cpu", kernel=_raises, alive=lambda: True)
+    assert failing.summary().endswith(", 4 failed") and failing.shapes == 4
+    # A shape that every variant skips is not counted as checked.
+    skipped = fuzz(range(3), [parse_variant("mma_ht16_qt4_bn64_w8_st2_spa_sm90")],
+                   FuzzSpace(heads=(8,), max_batch=2, max_prefix=100), device="cpu", kernel=_reference_kernel)
+    assert skipped.count("skip") == 3 and skipped.shapes == 0 and skipped.summary().startswith("0 shapes in")
+
+
+def test_a_shapes_checks_share_one_case_and_one_reference(monkeypatch):
+    """The dispatcher's pick and a random variant on each shape: one case built per shape, its fp64
+    reference computed once, before the first kernel ran."""
+    built, computed, seen = [], [], []
+    case_of, reference_of = Shape.case, Case.reference
+
+    def counted_case(self, device="cuda"):
+        built.append(self.seed)
+        return case_of(self, device)
+
+    def counted_reference(self, dtype=torch.float32):
+        computed.append(len(seen))
+        return reference_of(self, dtype)
+
+    def kernel(case, shape, variant):
+        seen.append(id(case))
+        return _reference_kernel(case, shape, variant)
+
+    monkeypatch.setattr(Shape, "case", counted_case)
+    monkeypatch.setattr(Case, "reference", counted_reference)
+    report = fuzz(range(5), [None], SMALL, any_variant="sm_90", device="cpu", kernel=kernel)
+    assert report.count("ok") == 10 and report.shapes == 5 and built == list(range(5))
+    assert seen[0::2] == seen[1::2]                      # both kernels of a shape got the same case
+    # One reference per shape for the comparison, computed before the shape's kernels ran (the
+    # kernel here computes its own besides, once per run).
+    assert computed[0::3] == [0, 2, 4, 6, 8]
 
 
 def test_a_variant_that_does_not_fit_the_shape_is_skipped_without_running():

@@ -1,68 +1,70 @@
-"""The reference against a plain fp64 loop, and its mask and empty-row semantics."""
+"""The reference against the plain loop (`reference_naive`), its mask and empty-row semantics,
+the cases it runs on (`make_case`), and the row-by-row comparison kernels are judged by
+(`mlagen.testing.mismatch`)."""
 
 import math
+import re
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlagen.reference import reference, visible_keys
-from mlagen.testing import make_case, random_tree
+from mlagen.reference import reference, reference_naive, visible_keys
+from mlagen.testing import (
+    Tolerance,
+    assert_matches,
+    compare_rows,
+    make_case,
+    mismatch,
+    random_tree,
+    rel_error,
+    tolerance,
+)
 
 
-def loop_reference(case, dtype=torch.float64):
-    """Row by row, key by key: the definition in DESIGN.md, nothing vectorized but the dots."""
-    q, kv, bt, lens = case.q.double(), case.kv_cache.double(), case.block_table, case.cache_seqlens
-    B, S, H, D = q.shape
-    page = kv.shape[1]
-    out = torch.zeros(B, S, H, case.dl, dtype=dtype)
-    lse = torch.full((B, H, S), -math.inf, dtype=dtype)
-    for b in range(B):
-        n = int(lens[b])
-        prefix = n - S
-        for i in range(S):
-            keys = []
-            for j in range(n):
-                if j < prefix:
-                    keys.append(j)
-                    continue
-                k = j - prefix
-                if case.tree_mask is not None:
-                    t = case.tree_mask if case.tree_mask.dim() == 2 else case.tree_mask[b]
-                    ok = bool(t[i, k])
-                elif case.causal:
-                    ok = k <= i
-                else:
-                    ok = True
-                if ok:
-                    keys.append(j)
-            if not keys:
-                continue
-            rows = torch.stack([kv[int(bt[b, j // page]), j % page] for j in keys])
-            for h in range(H):
-                s = rows @ q[b, i, h] * case.scale
-                m = s.max()
-                p = torch.exp(s - m)
-                out[b, i, h] = (p[:, None] * rows[:, : case.dl]).sum(0) / p.sum()
-                lse[b, h, i] = m + torch.log(p.sum())
-    return out, lse
+def _naive(case):
+    return reference_naive(case.q, case.kv_cache, case.block_table, case.cache_seqlens, softmax_scale=case.scale,
+                           causal=case.causal, tree_mask=case.tree_mask, head_dim_v=case.dl)
 
 
-@settings(max_examples=25)
+@settings(max_examples=40, deadline=None)
 @given(batch=st.integers(1, 3), seqlen_q=st.integers(1, 6), heads=st.sampled_from([1, 2, 4]),
        prefixes=st.lists(st.integers(0, 40), min_size=3, max_size=3), page=st.sampled_from([1, 4, 16]),
        mask=st.sampled_from(["causal", "tree", "none"]), empty=st.lists(st.booleans(), min_size=3, max_size=3),
        seed=st.integers(0, 10**6))
-def test_reference_agrees_with_a_plain_loop(batch, seqlen_q, heads, prefixes, page, mask, empty, seed):
+def test_reference_agrees_with_the_plain_loop(batch, seqlen_q, heads, prefixes, page, mask, empty, seed):
+    """Random small cases: ragged, empty requests, pages of 1 to 16, every mask (one tree, or one
+    per request), NaN in the spare pages and past every length (make_case): the vectorized
+    reference equals the loop, and no NaN reaches either."""
     case = make_case(batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=prefixes[:batch], page_size=page,
                      mask=mask, seed=seed, device="cpu", dtype=torch.float32, dl=16, dr=8,
                      empty=empty[:batch], per_request_tree=seed % 2 == 1)
+    assert torch.isnan(case.kv_cache).any()                 # the spare pages at least
     out, lse = case.reference(torch.float64)
-    ref_out, ref_lse = loop_reference(case)
+    ref_out, ref_lse = _naive(case)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert torch.allclose(out, ref_out, atol=1e-9, rtol=1e-9)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     finite = ~torch.isinf(ref_lse)
     assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-9)
+    empty_rows = torch.isinf(ref_lse).transpose(1, 2)
+    assert (out[empty_rows] == 0).all()
+
+
+def test_the_plain_loop_on_a_case_worked_by_hand():
+    """One request, one query, two keys on pages of 1 (the table reversed), one head: the loop
+    is softmax(q.k * scale) . v written out."""
+    q = torch.tensor([[[[1.0, 0.0, 2.0]]]])                        # [1, 1, 1, 3]
+    kv = torch.tensor([[[0.0, 1.0, 1.0]], [[1.0, 2.0, 0.5]], [[math.nan] * 3]])
+    table = torch.tensor([[1, 0, 2]], dtype=torch.int32)         # key 0 on page 1, key 1 on page 0
+    out, lse = reference_naive(q, kv, table, torch.tensor([2]), softmax_scale=0.5, head_dim_v=2)
+    s = torch.tensor([0.5 * (1 + 1.0), 0.5 * (0 + 2.0)], dtype=torch.float64)   # both visible (S=1, causal)
+    w = torch.softmax(s, 0)
+    assert torch.allclose(out[0, 0, 0], w[0] * torch.tensor([1.0, 2.0]).double() + w[1] * torch.tensor([0.0, 1.0]))
+    assert torch.allclose(lse[0, 0, 0], torch.logsumexp(s, 0))
+    fast = reference(q, kv, table, torch.tensor([2]), softmax_scale=0.5, head_dim_v=2, dtype=torch.float64)
+    assert torch.allclose(fast[0], out) and torch.allclose(fast[1], lse)
 
 
 def test_empty_rows_give_zero_and_minus_inf():
@@ -122,3 +124,161 @@ def test_paging_does_not_change_the_result():
     for out, lse in results[1:]:
         assert torch.allclose(out, results[0][0]) and torch.allclose(lse, results[0][1])
     assert torch.isfinite(results[0][0]).all()
+
+
+def test_a_case_puts_nan_exactly_where_no_kernel_may_read():
+    """Valid keys finite, every slot past a request's length and every spare page NaN, block
+    table entries past a request's pages on NaN pages; the same seed gives the same case."""
+    kw = dict(batch=4, seqlen_q=3, heads=2, prefixes=[37, 0, 64, 5], page_size=16, mask="tree", seed=9, device="cpu",
+              dl=16, dr=8, empty=[False, False, False, True], table_pages=12, per_request_tree=True)
+    case = make_case(**kw)
+    lengths = case.cache_seqlens.tolist()
+    assert lengths == [40, 3, 67, 0] and case.block_table.shape == (4, 12)
+    nan_rows = torch.isnan(case.kv_cache).all(-1)                     # [pages, 16]
+    assert torch.equal(torch.isnan(case.kv_cache).any(-1), nan_rows)   # a row is all NaN or all finite
+    valid = torch.zeros_like(nan_rows)
+    for b, n in enumerate(lengths):
+        pages = case.block_table[b, : -(-n // 16)].long()
+        flat = valid[pages].reshape(-1)
+        flat[:n] = True
+        valid[pages] = flat.reshape(-1, 16)
+        assert nan_rows[case.block_table[b, -(-n // 16):].long()].all()     # past its pages: NaN pages
+    assert torch.equal(nan_rows, ~valid)
+    assert case.tree_mask.shape == (4, 3, 3) and case.q.shape == (4, 3, 2, 24)
+    again = make_case(**kw)
+    for a, b in ((case.q, again.q), (case.kv_cache, again.kv_cache), (case.tree_mask, again.tree_mask)):
+        torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(case.block_table, again.block_table) and case.scale == again.scale
+
+
+def test_random_tree_is_an_ancestor_mask():
+    tree = random_tree(24, torch.Generator().manual_seed(3))
+    assert tree.diagonal().all() and not tree.triu(1).any()
+    for k in range(1, 24):
+        parent = max(j for j in range(k) if tree[k, j])          # its nearest ancestor
+        assert torch.equal(tree[k, :k], tree[parent, :k])          # sees what its parent sees
+    assert torch.equal(tree, random_tree(24, torch.Generator().manual_seed(3)))
+
+
+# The row-by-row comparison. A case whose rows differ in length: a long request, a short one and
+# an empty one; the "kernel" is the fp64 reference itself rounded to bf16 (lse to fp32).
+def _checked_case(dtype=torch.bfloat16):
+    case = make_case(batch=3, seqlen_q=5, heads=8, prefixes=[3000, 40, 0], page_size=16, mask="tree", seed=2,
+                     device="cpu", dtype=dtype, empty=[False, False, True], per_request_tree=True)
+    out, lse = case.reference(torch.float64)
+    return case, (out, lse), (out.to(dtype), lse.float())
+
+
+def test_a_correct_output_passes_with_room():
+    for dtype in (torch.bfloat16, torch.float16):
+        case, (ref_out, _), (out, lse) = _checked_case(dtype)
+        assert mismatch(out, lse, case) is None and mismatch(out, None, case) is None
+        assert_matches(out, lse, case)
+        # Only the rounding to 16 bits: a few times under the tolerance.
+        assert rel_error(out, ref_out) < tolerance(dtype).row_rel / 4
+
+
+def _scale_row(out, lse):
+    out[1, 2, 3] *= 1.05
+
+
+def _shift_one_value(out, lse):
+    out[0, 4, 6, 100] += 1e-2             # a row of the 3000-key request: rms well under 0.1
+
+
+def _unwritten_row(out, lse):
+    out[1, 0, 7, :] = math.nan
+
+
+def _empty_row_not_zero(out, lse):
+    out[2, 1, 5, 0] = 1e-3
+
+
+def _shift_one_lse(out, lse):
+    lse[0, 6, 4] += 1e-2                  # lse is [B, H, S]: (b=0, i=4, h=6)
+
+
+def _lse_nan(out, lse):
+    lse[1, 3, 2] = math.nan
+
+
+def _empty_lse_finite(out, lse):
+    lse[2, 5, 1] = 0.0
+
+
+@pytest.mark.parametrize("corrupt,row,message", [
+    (_scale_row, "b=1, i=2, h=3", r"out: 1 of 120 rows fail; worst \(b=1, i=2, h=3\): relative error 0\.05"),
+    (_shift_one_value, "b=0, i=4, h=6", r"out: 1 of 120 rows fail; worst \(b=0, i=4, h=6\): relative error .* max abs "
+                                        r"error 0\.01\d* = .* x the row's rms"),
+    (_unwritten_row, "b=1, i=0, h=7", r"out: 1 of 120 rows fail; worst \(b=1, i=0, h=7\): unwritten or NaN"),
+    (_empty_row_not_zero, "b=2, i=1, h=5", r"out: 1 of 120 rows fail; worst \(b=2, i=1, h=5\): sees no key"),
+    (_shift_one_lse, "b=0, i=4, h=6", r"^lse: 1 of 120 entries fail; worst \(b=0, i=4, h=6\): got .*off by 0\.01"),
+    (_lse_nan, "b=1, i=2, h=3", r"^lse: 1 of 120 entries fail; worst \(b=1, i=2, h=3\): got nan"),
+    (_empty_lse_finite, "b=2, i=1, h=5", r"^lse: 1 of 120 entries fail; worst \(b=2, i=1, h=5\): got 0, expected -inf"),
+])
+def test_one_bad_row_fails_and_is_named(corrupt, row, message):
+    case, (ref_out, _), (out, lse) = _checked_case()
+    assert mismatch(out, lse, case) is None
+    corrupt(out, lse)
+    problem = mismatch(out, lse, case)
+    assert problem is not None and re.search(message, problem), problem
+    with pytest.raises(AssertionError, match=re.escape(f"({row})")):
+        assert_matches(out, lse, case)
+    if corrupt is _scale_row:
+        # One whole-output relative error (the old check, tolerance 1e-2) does not see it.
+        assert (out.double() - ref_out).norm() / ref_out.norm() < 1e-2
+        assert rel_error(out, ref_out) > 0.04
+
+
+def test_the_shifted_value_is_small_against_the_values_but_not_its_row():
+    """The 1e-2 shift above is under bf16's rounding of the cache's values (~N(0, 1): a unit in
+    the last place is 2^-7 at 1) but ~10x its row's RMS tolerance: the row averages 3000 keys."""
+    case, (ref_out, _), _ = _checked_case()
+    rms = ref_out[0, 4, 6].norm() / math.sqrt(ref_out.shape[-1])
+    assert rms < 0.1 and 1e-2 > 2 * tolerance(torch.bfloat16).row_max * rms
+
+
+def test_every_failing_row_is_counted_and_the_worst_named():
+    case, _, (out, lse) = _checked_case()
+    out[0, 0, 0] *= 1.03
+    out[1, 4, 2] *= 1.2
+    out[1, 3, 1] *= 1.001                    # within the tolerance
+    problem = mismatch(out, lse, case)
+    assert problem.startswith("out: 2 of 120 rows fail; worst (b=1, i=4, h=2): relative error 0.2"), problem
+    # Output and lse both wrong: both named.
+    lse[0, 0, 0] -= 1
+    both = mismatch(out, lse, case)
+    assert re.search(r"^out: 2 of 120 .*; lse: 1 of 120 entries fail; worst \(b=0, i=0, h=0\)", both), both
+
+
+def test_a_wrong_lse_layout_is_named():
+    case, _, (out, lse) = _checked_case()
+    assert mismatch(out, lse.transpose(1, 2), case) == (
+        "lse: got torch.float32 (3, 5, 8), expected torch.float32 (3, 8, 5)")
+    assert mismatch(out, lse.double(), case).startswith("lse: got torch.float64")
+
+
+def test_tolerances_follow_the_dtypes():
+    bf16, fp16 = tolerance(torch.bfloat16), tolerance(torch.float16)
+    assert bf16 == Tolerance(row_rel=2**-6, row_max=2**-4, lse_abs=2**-9, lse_rel=2**-13)
+    assert fp16.row_rel == bf16.row_rel / 8 and fp16.lse_abs == bf16.lse_abs / 8
+    assert tolerance(torch.float16, torch.bfloat16) == bf16          # the coarsest counts
+    # An fp16 kernel is held to fp16's tolerance: a bf16-sized error in a row fails it.
+    case, _, (out, lse) = _checked_case(torch.float16)
+    out[0, 1, 1] *= 1 + 2**-8
+    assert "(b=0, i=1, h=1)" in mismatch(out, lse, case)
+
+
+def test_compare_rows_names_rows_in_other_layouts():
+    """A varlen output [T, H, Dl] with lse [T, H] (transposed from the op's [H, T])."""
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(7, 4, 64, generator=gen, dtype=torch.float64)
+    ref_lse = torch.randn(7, 4, generator=gen, dtype=torch.float64)
+    ref_lse[6] = -math.inf
+    ref[6] = 0
+    out, lse = ref.to(torch.bfloat16), ref_lse.float()
+    assert compare_rows(out, lse, ref, ref_lse, dims=("t", "h")) is None
+    out[5, 2, 10] += 0.5
+    assert "worst (t=5, h=2)" in compare_rows(out, lse, ref, ref_lse, dims=("t", "h"))
+    with pytest.raises(ValueError, match="ref_lse"):
+        compare_rows(out, lse, ref, ref_lse.T)
