@@ -1,211 +1,275 @@
-"""The `mlagen` command line: emit, list, show, check, bench, tune, fuzz."""
+"""The `mlagen` command line: emit, list, show, check, bench, tune, fuzz.
+
+A mistake in the arguments gets one line on stderr, naming the option, what it got and what it
+expected, and exit status 2; bench, tune and fuzz check their arguments before they look for a GPU.
+Results go to stdout, tables whole: where stdout is no terminal (a pipe, a file, a CI log) a table
+takes the width it needs, and in a terminal a cell too long for its column folds, never cut short.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
+import re
+import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import Progress
 from rich.table import Table
+from rich.text import Text
+from typer.core import TyperGroup
 
 from mlagen.arch import ARCHS, CI_ARCHS
-from mlagen.presets import DEFAULT_EMIT_ARCHS, DEFAULT_PRESET, PRESETS, get_preset
+from mlagen.presets import DEFAULT_EMIT_ARCHS, DEFAULT_PRESET, PRESETS, Preset
+from mlagen.report import FORMATS, text_table
 from mlagen.spec import DTYPES, MASKS, Variant, parse_variant
-from mlagen.validate import SpecError, validate
+from mlagen.validate import KernelPlan, SpecError, validate
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="mlagen: generate, compile and run MLA verify-attention kernels.")
-console = Console(soft_wrap=True)
+try:        # recent typer carries its own copy of click
+    from typer._click import exceptions as click_errors
+except ImportError:
+    from click import exceptions as click_errors
+
+console = Console(soft_wrap=True)                       # results
+err_console = Console(stderr=True, soft_wrap=True)      # errors; progress and notes beside a markdown or json result
+
+EXAMPLE_VARIANT = "flash_ht8_qt8_bn32_w8_st2_spa_sm90"
 
 
-def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
+def _error(message: str) -> None:
+    err_console.print(Text.assemble(("error:", "red"), " ", message))
+
+
+def _fail(message: str) -> NoReturn:
+    """A mistake in the arguments: one line on stderr, exit status 2."""
+    _error(message)
     raise typer.Exit(2)
 
 
+def _usage_message(e: click_errors.UsageError, argv: list[str], command: str) -> str:
+    """Click's message for a usage error as one line, in this CLI's words where it can be; command:
+    the command line's command ('mlagen emit'), for the pointer to its help."""
+    message = e.format_message().removesuffix(".")
+    param = getattr(e, "param", None)
+    kind = re.search(r"valid (integer|number|float)", message)
+    if isinstance(e, click_errors.BadParameter) and param is not None and param.opts and kind:
+        parse = int if kind[1] == "integer" else float
+        given = [v for i, a in enumerate(argv) for o in param.opts
+                 for v in ([argv[i + 1]] if a == o and i + 1 < len(argv) else
+                           [a[len(o) + 1:]] if a.startswith(o + "=") else [])]
+        bad = [v for v in given if not _parses(parse, v)]
+        if bad:
+            expected = "an integer" if parse is int else "a number"
+            message = f"{max(param.opts, key=len)}: got {bad[0]!r}, expected {expected}"
+    ctx = getattr(e, "ctx", None)
+    if ctx is not None:
+        command = " ".join(["mlagen", *ctx.command_path.split()[1:]])
+    return f"{message} (see '{command} --help')"
+
+
+def _parses(parse, text: str) -> bool:
+    try:
+        parse(text)
+        return True
+    except ValueError:
+        return False
+
+
+class _Group(TyperGroup):
+    """Click's own usage errors (an unknown option or command, a count that is not a number, a
+    missing argument) as one line too, with click's exit status 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False,
+                                **extra)
+        argv = list(args) if args is not None else sys.argv[1:]
+        try:
+            code = super().main(args=argv, prog_name=prog_name, complete_var=complete_var, standalone_mode=False,
+                                **extra)
+        except getattr(click_errors, "NoArgsIsHelpError", ()) as e:    # `mlagen` alone: the help is printed
+            sys.exit(e.exit_code)
+        except click_errors.UsageError as e:
+            command = " ".join(["mlagen", *argv[:1]]) if argv[:1] and argv[0] in self.commands else "mlagen"
+            _error(_usage_message(e, argv, command))
+            sys.exit(2)
+        except click_errors.ClickException as e:
+            _error(e.format_message())
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            _error("aborted")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("mlagen")
+    except importlib.metadata.PackageNotFoundError:
+        import mlagen
+
+        return getattr(mlagen, "__version__", "unknown")
+
+
+def _print_version(show: bool) -> None:
+    if show:
+        console.print(f"mlagen {_version()}", markup=False, highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _app(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="Print mlagen's version and exit."),
+) -> None:
+    """mlagen: generate, compile, check, benchmark and tune MLA verify-attention kernels.
+
+    Verify attention: the draft tokens of speculative decoding attend to a paged KV cache.
+    """
+
+
+def _print_table(table: Table, con: Console = console) -> None:
+    """Every cell whole: in a terminal a cell too long for its column folds onto more lines;
+    elsewhere (a pipe, a file, a CI log: rich would assume 80 columns) the table takes the width it needs."""
+    for column in table.columns:
+        column.overflow = "fold"
+    if not con.is_terminal:
+        width = Measurement.get(con, con.options.update_width(1 << 16), table).maximum
+        if width > con.width:
+            con = Console(file=con.file, width=width)
+    con.print(table, soft_wrap=False)       # the caption wraps at the table's width
+
+
+def _progress(con: Console) -> Progress:
+    """A progress bar on `con` while it is a terminal; none in a pipe, a file or a CI log."""
+    return Progress(console=con, transient=True, disable=not con.is_terminal)
+
+
+def _say(con: Console, text: str) -> None:
+    """A line of plain text (never read as markup)."""
+    con.print(text, markup=False, highlight=False)
+
+
+def _write(text: str) -> None:
+    """Text to stdout as it is (a CUDA source, markdown, json)."""
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    sys.stdout.flush()
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+# ---- argument checks: each fails with one line naming the option
+
+def _choice(option: str, got: str, choices) -> str:
+    if got not in choices:
+        _fail(f"{option}: got {got!r}, expected one of {', '.join(choices)}")
+    return got
+
+
+def _preset(name: str) -> Preset:
+    return PRESETS[_choice("--preset", name, PRESETS)]
+
+
 def _archs(arch: list[str] | None, default: tuple[str, ...]) -> tuple[str, ...]:
-    chosen = tuple(arch) if arch else default
+    chosen = tuple(dict.fromkeys(arch)) if arch else default
     for a in chosen:
-        if a not in ARCHS:
-            _fail(f"--arch: got {a!r}, expected one of {', '.join(ARCHS)}")
+        _choice("--arch", a, ARCHS)
     return chosen
 
 
-@app.command()
-def emit(
-    preset: str = typer.Option(DEFAULT_PRESET, help=f"one of: {', '.join(PRESETS)}"),
-    arch: list[str] | None = typer.Option(None, help="target(s); default sm_90 and sm_120"),
-    variant: list[str] | None = typer.Option(
-        None, help="variant name(s) to emit instead of the preset's "
-        "(e.g. flash_ht8_qt8_bn32_w8_st2_spa_sm90)"),
-    out: Path = typer.Option(Path("generated"), help="output folder"),
-    launcher: bool = typer.Option(False, help="also write a C++ host launcher header per kernel"),
-) -> None:
-    """Write standalone .cu files plus JSON manifests into OUT/<preset>/<arch>/."""
-    from mlagen.emit import emit_one, emit_preset
-
+def _variant(name: str, option: str) -> Variant:
     try:
-        p = get_preset(preset)
-        if variant:
-            vs = [parse_variant(name) for name in variant]
-            written = [emit_one(p.problem, v, out / p.name / v.arch, launcher) for v in vs]
-        else:
-            written = emit_preset(p, _archs(arch, DEFAULT_EMIT_ARCHS), out, launcher)
-    except (ValueError, SpecError) as e:
-        _fail(str(e))
-    changed = sum(e.changed for e in written)
-    for e in written:
-        console.print(f"{'wrote' if e.changed else 'same '} {e.source}")
-        if e.launcher:
-            console.print(f"      {e.launcher}")
-    console.print(f"{len(written)} kernels files for preset {preset}, {changed} changed")
+        v = parse_variant(name)
+    except ValueError as e:
+        _fail(f"{option}: {e}")
+    if v.arch not in ARCHS:
+        _fail(f"{option}: got {name!r} (arch {v.arch}), expected an arch among {', '.join(ARCHS)}")
+    return v
 
 
-@app.command("list")
-def list_() -> None:
-    """Presets, their problems and the variants emitted for each arch."""
-    table = Table(title="mlagen presets")
-    for col in ("preset", "problem", "description", "variants (sm_90)"):
-        table.add_column(col)
-    for p in PRESETS.values():
-        table.add_row(p.name, p.problem.name, p.description,
-                      "\n".join(v.name for v in p.variants("sm_90")))
-    console.print(table)
+def _variants(names: list[str] | None, option: str = "--variant") -> tuple[Variant, ...]:
+    """The names parsed, in order, repeats dropped; a bad name fails here, before any GPU work."""
+    return tuple(dict.fromkeys(_variant(name, option) for name in names or []))
 
 
-@app.command()
-def show(
-    variant: str = typer.Argument(..., help="variant name, e.g. flash_ht8_qt8_bn32_w8_st2_spa_sm90"),
-    preset: str = typer.Option(DEFAULT_PRESET, help="the problem to show it for"),
-    source: bool = typer.Option(False, help="print the generated CUDA source"),
-    compile_: bool = typer.Option(False, "--compile", help="compile and show ptxas's report"),
-    sass: bool = typer.Option(False, "--sass", help="print the main kernel's SASS (needs nvdisasm)"),
-    opcodes: bool = typer.Option(False, "--opcodes", help="static count of the main kernel's SASS per opcode"),
-) -> None:
-    """A variant's plan (derived constants), and optionally its source, resources and SASS."""
+def _plan(preset: Preset, v: Variant, option: str) -> KernelPlan:
     try:
-        p = get_preset(preset)
-        plan = validate(p.problem, parse_variant(variant))
-    except (ValueError, SpecError) as e:
-        _fail(str(e))
-    table = Table(title=plan.name)
-    table.add_column("field")
-    table.add_column("value")
-    for k, v in asdict(plan).items():
-        if k not in ("problem", "variant", "arch"):
-            table.add_row(k, str(v))
-    console.print(table)
-    if source:
-        from mlagen.codegen import render
-
-        console.print(render(plan), markup=False, highlight=False)
-    if compile_ or sass or opcodes:
-        from mlagen.build import build
-
-        built = build(p.problem, plan.variant)
-        for name, r in built.module.resources.items():
-            console.print(f"{name}: {r}")
-    if sass or opcodes:
-        _show_sass(built.module.cubin, plan.main_kernel, plan.arch.name, sass, opcodes)
+        return validate(preset.problem, v)
+    except SpecError as e:
+        _fail(f"{option}: {v.name} does not fit preset {preset.name} ({e})")
 
 
-def _show_sass(cubin: bytes, kernel: str, arch: str, listing: bool, counts: bool) -> None:
-    from mlagen.sass import SassError, disassemble
-    from mlagen.sass import opcodes as count_opcodes
-
-    try:
-        text = disassemble(cubin, kernel, arch)
-    except SassError as e:
-        _fail(str(e))
-    if listing:
-        console.print(text, markup=False, highlight=False, end="")
-    if counts:
-        found = count_opcodes(text)
-        table = Table(title=f"{kernel}: {sum(found.values())} instructions (static)")
-        table.add_column("opcode")
-        table.add_column("count", justify="right")
-        for op, n in found.most_common():
-            table.add_row(op, str(n))
-        console.print(table)
+def _folder(given: Path, option: str, target: Path | None = None, expected: str = "a folder") -> None:
+    """`target` (default `given`), a folder to write into, must be one or become one: it, or the
+    nearest of its parents that exists, is a folder this user may write to."""
+    existing = target or given
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    where = "it" if existing == given else str(existing)
+    if not existing.is_dir():
+        _fail(f"{option}: got '{given}', expected {expected} ({where} is a file)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        _fail(f"{option}: got '{given}', expected {expected} you may write to ({where} is not writable)")
 
 
-@app.command()
-def check(
-    arch: list[str] | None = typer.Option(None, help="targets; default sm_80 sm_89 sm_90 sm_120"),
-    preset: list[str] | None = typer.Option(None, help="presets; default all"),
-) -> None:
-    """Compile every preset variant for each arch; fail on compile errors or spills (beyond the
-    few a 72-row transposed tile is allowed: mma_plan.stack_budget)."""
-    from mlagen.build import build
-    from mlagen.compiler import CompileError
-    from mlagen.mma_plan import stack_budget
+def _table_file(path: Path) -> None:
+    """--table: a table file `mlagen tune` wrote, or a new one, in a folder this user may write to."""
+    from mlagen.tables import load_table
 
-    archs = _archs(arch, CI_ARCHS)
-    presets = [get_preset(n) for n in preset] if preset else list(PRESETS.values())
-    jobs = [(p, v) for p in presets for a in archs for v in p.variants(a)]
-    table = Table(title="mlagen check")
-    for col in ("preset", "variant", "kernel", "regs", "smem", "spills"):
-        table.add_column(col)
-    bad = 0
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("compiling", total=len(jobs))
-        for p, v in jobs:
-            try:
-                built = build(p.problem, v)
-            except (CompileError, SpecError) as e:
-                bad += 1
-                table.add_row(p.name, v.name, "-", "-", "-", f"[red]{e}[/red]")
-                progress.advance(task)
-                continue
-            budget = stack_budget(v)
-            for name, r in built.module.resources.items():
-                spill = r.spill_stores + r.spill_loads
-                over = r.stack_frame > budget or (spill > 0 and not budget)
-                bad += over
-                shown = f"[red]{spill}[/red]" if over else (f"[yellow]{spill} (allowed)[/yellow]" if spill else "0")
-                table.add_row(p.name, v.name, name.removeprefix(built.plan.name + "_"), str(r.registers),
-                              str(built.plan.smem_bytes), shown)
-            progress.advance(task)
-    console.print(table)
-    if bad:
-        _fail(f"{bad} kernels failed to compile or spill")
-    console.print(f"{len(jobs)} variants compiled for {', '.join(archs)}: no spills beyond the allowed")
+    if path.exists():
+        if path.is_dir():
+            _fail(f"--table: got '{path}', expected a table file (it is a folder)")
+        try:
+            load_table(path)
+        except (OSError, ValueError, KeyError) as e:
+            reason = str(e).removeprefix(f"{path}: ")
+            _fail(f"--table: got '{path}', expected a table file that mlagen tune wrote, or a new file; {reason}")
+    _folder(path, "--table", path.parent, "a file in a folder")
+
+
+def _format(fmt: str) -> str:
+    return _choice("--format", fmt, FORMATS)
+
+
+def _info(fmt: str) -> Console:
+    """Where progress and notes go: stdout beside a table; stderr beside markdown or json (stdout holds the result)."""
+    return console if fmt == "table" else err_console
 
 
 def _rows(grid: list[str] | None, row: list[str] | None, default: list[str]):
     from mlagen.grids import select_rows
 
     try:
-        rows = select_rows((grid or []) if grid or row else default, row or [])
+        return select_rows((grid or []) if grid or row else default, row or [])
     except ValueError as e:
         _fail(str(e))
-    return rows
+
+
+def _page_size(option: str, page_size: int) -> None:
+    if page_size < 1 or page_size & (page_size - 1):
+        _fail(f"{option}: got {page_size}, expected a power of two (1, 2, 4, ... 64, 128, ...)")
 
 
 def _problem_options(page_size: int, masks: list[str], dtype: str) -> None:
-    if page_size < 1 or page_size & (page_size - 1):
-        _fail(f"--page-size: got {page_size}, expected a power of two")
+    _page_size("--page-size", page_size)
     for m in masks:
-        if m not in MASKS:
-            _fail(f"--mask: got {m!r}, expected one of {', '.join(MASKS)}")
-    if dtype not in DTYPES:
-        _fail(f"--dtype: got {dtype!r}, expected one of {', '.join(DTYPES)}")
+        _choice("--mask", m, MASKS)
+    _choice("--dtype", dtype, DTYPES)
 
 
-def _variants(names: list[str] | None) -> tuple[Variant, ...]:
-    """The --variant names parsed, in order, repeats dropped; a bad name fails here, before any GPU work."""
-    variants: dict[Variant, None] = {}
-    for name in names or []:
-        try:
-            v = parse_variant(name)
-        except ValueError as e:
-            _fail(f"--variant: {e}")
-        if v.arch not in ARCHS:
-            _fail(f"--variant: got {name!r} (arch {v.arch}), expected an arch among {', '.join(ARCHS)}")
-        variants[v] = None
-    return tuple(variants)
+def _at_least(option: str, got: float | None, least: float, strict: bool = False) -> None:
+    if got is not None and (got <= least if strict else got < least):
+        _fail(f"{option}: got {got}, expected {'>' if strict else '>='} {least}")
 
 
 def _need_gpu(command: str, why: str = "times kernels") -> None:
@@ -215,128 +279,356 @@ def _need_gpu(command: str, why: str = "times kernels") -> None:
         _fail(f"{command} {why} and needs a CUDA GPU; none is visible here")
 
 
+# ---- the commands
+
+DTYPE_HELP = f"the data type of q, the KV cache and the output: one of {', '.join(DTYPES)}"
+PRESET_HELP = f"the model's attention shape: one of {', '.join(PRESETS)}"
+FORMAT_HELP = ("table (default), markdown (a GitHub table) or json (for scripts); markdown and json go to stdout "
+               "alone, with progress and notes on stderr")
+GRID_HELP = ("a named set of shapes (repeatable): seed (64 heads, one request, S 9 and 33, 256 to 64K cached keys) "
+             "or serving (batched shapes that have published FlashMLA times)")
+ROW_HELP = ("a shape of your own (repeatable): H,B,S,prefix = heads, requests, draft tokens per request (1 to 64), "
+            "cached keys before them; e.g. 64,1,9,4096")
+
+
+@app.command()
+def emit(
+    preset: str = typer.Option(DEFAULT_PRESET, metavar="NAME", help=PRESET_HELP),
+    arch: list[str] | None = typer.Option(
+        None, metavar="ARCH", help=f"a GPU arch to write kernels for (repeatable): one of {', '.join(ARCHS)}; "
+        f"default {' and '.join(DEFAULT_EMIT_ARCHS)}"),
+    variant: list[str] | None = typer.Option(
+        None, metavar="NAME", help=f"a variant to write instead of the preset's (repeatable; e.g. "
+        f"{EXAMPLE_VARIANT}); its name ends with its arch, so not with --arch"),
+    out: Path = typer.Option(Path("generated"), metavar="FOLDER", help="the folder to write into (made if missing)"),
+    launcher: bool = typer.Option(False, help="also write a C++ header per kernel that launches it from host code"),
+) -> None:
+    """Write standalone CUDA kernels (.cu) and their JSON manifests.
+
+    They go into OUT/PRESET/ARCH/: the variants the dispatcher picks for the preset's shapes, or
+    those --variant names. Kernels an earlier emit wrote there that the preset no longer has are
+    removed; other files stay.
+    """
+    from mlagen.emit import emit_one, emit_preset
+
+    p = _preset(preset)
+    archs = _archs(arch, DEFAULT_EMIT_ARCHS)
+    if variant and arch:
+        _fail("--arch: not used with --variant (a variant's name ends with its arch); give one or the other")
+    vs = _variants(variant)
+    for v in vs:
+        _plan(p, v, "--variant")
+    for a in {v.arch for v in vs} or archs:
+        _folder(out, "--out", out / p.name / a)
+    try:
+        if vs:
+            written = [emit_one(p.problem, v, out / p.name / v.arch, launcher) for v in vs]
+        else:
+            written = emit_preset(p, archs, out, launcher)
+    except OSError as e:
+        _error(f"writing into {out}: {e}")
+        raise typer.Exit(1) from None
+    for e in written:
+        _say(console, f"{'wrote' if e.changed else 'same '} {e.source}")
+        if e.launcher:
+            _say(console, f"      {e.launcher}")
+    _say(console, f"{_plural(len(written), 'kernel file')} for preset {p.name}, "
+                  f"{sum(e.changed for e in written)} changed")
+
+
+@app.command("list")
+def list_(
+    arch: list[str] | None = typer.Option(
+        None, metavar="ARCH", help=f"the arch whose variants to list (repeatable): one of {', '.join(ARCHS)}; default "
+        f"{' and '.join(DEFAULT_EMIT_ARCHS)}, as emit"),
+) -> None:
+    """List the presets and the kernel variants emit writes for each.
+
+    A preset is a model's attention shape. Variant names print whole, one a line, to pass to
+    show, emit --variant or bench --variant.
+    """
+    archs = _archs(arch, DEFAULT_EMIT_ARCHS)
+    _print_table(text_table("mlagen presets", ("preset", "heads", "problem", "description"),
+                            [[p.name, str(p.problem.heads), p.problem.name, p.description] for p in PRESETS.values()]))
+    for p in PRESETS.values():
+        for a in archs:
+            vs = p.variants(a)
+            _say(console, f"\n{p.name} on {a}: {_plural(len(vs), 'variant')}")
+            for v in vs:
+                _say(console, f"  {v.name}")
+
+
+@app.command()
+def show(
+    variant: str = typer.Argument(..., metavar="VARIANT",
+                                  help=f"a variant name, e.g. {EXAMPLE_VARIANT} (mlagen list lists some)"),
+    preset: str = typer.Option(DEFAULT_PRESET, metavar="NAME", help=PRESET_HELP),
+    source: bool = typer.Option(
+        False, help="print the kernel's CUDA source to stdout, alone: the plan and any report go to stderr, so "
+        "'mlagen show VARIANT --source > kernel.cu' writes just the source"),
+    compile_: bool = typer.Option(False, "--compile", help="compile it and print registers, shared memory and "
+                                  "spills per kernel"),
+    sass: bool = typer.Option(False, "--sass", help="print the main kernel's machine code, SASS (needs nvdisasm)"),
+    opcodes: bool = typer.Option(False, "--opcodes", help="count the main kernel's SASS instructions per opcode"),
+) -> None:
+    """Show a variant's plan, and optionally its CUDA source, compile report and SASS.
+
+    The plan holds the tile sizes, threads, shared memory and the other constants the kernel is
+    built with for the preset's shape.
+    """
+    p = _preset(preset)
+    plan = _plan(p, _variant(variant, "VARIANT"), "VARIANT")
+    side = err_console if source else console
+    table = Table(title=plan.name)
+    table.add_column("field")
+    table.add_column("value")
+    for k, v in asdict(plan).items():
+        if k not in ("problem", "variant", "arch"):
+            table.add_row(k, Text(str(v)))
+    _print_table(table, side)
+    if source:
+        from mlagen.codegen import render
+
+        _write(render(plan))
+    if compile_ or sass or opcodes:
+        from mlagen.build import build
+
+        built = build(p.problem, plan.variant)
+        for name, r in built.module.resources.items():
+            _say(side, f"{name}: {r}")
+    if sass or opcodes:
+        _show_sass(built.module.cubin, plan.main_kernel, plan.arch.name, sass, opcodes, side)
+
+
+def _show_sass(cubin: bytes, kernel: str, arch: str, listing: bool, counts: bool, con: Console) -> None:
+    from mlagen.sass import SassError, disassemble
+    from mlagen.sass import opcodes as count_opcodes
+
+    try:
+        text = disassemble(cubin, kernel, arch)
+    except SassError as e:
+        _fail(f"--sass/--opcodes: {e}")
+    if listing:
+        if con is console:
+            _write(text)
+        else:
+            con.print(text, markup=False, highlight=False, end="")
+    if counts:
+        found = count_opcodes(text)
+        _print_table(text_table(f"{kernel}: {sum(found.values())} instructions (static)", ("opcode", "count"),
+                                [[op, str(n)] for op, n in found.most_common()], right=lambda col: col == "count"),
+                     con)
+
+
+@app.command()
+def check(
+    arch: list[str] | None = typer.Option(
+        None, metavar="ARCH",
+        help=f"an arch to compile for (repeatable): one of {', '.join(ARCHS)}; default {' '.join(CI_ARCHS)}"),
+    preset: list[str] | None = typer.Option(
+        None, metavar="NAME", help=f"a preset to compile (repeatable): one of {', '.join(PRESETS)}; default all"),
+) -> None:
+    """Compile every preset's kernels for each arch, without a GPU, and check them.
+
+    Lists each kernel's registers, shared memory and spills. Exits with 1 if a kernel does not
+    compile or spills registers to memory (only the largest transposed tiles may spill, a few bytes).
+    """
+    from mlagen.build import build
+    from mlagen.compiler import CompileError
+    from mlagen.mma_plan import stack_budget
+
+    archs = _archs(arch, CI_ARCHS)
+    presets = [_preset(n) for n in dict.fromkeys(preset)] if preset else list(PRESETS.values())
+    jobs = [(p, v) for p in presets for a in archs for v in p.variants(a)]
+    table = Table(title="mlagen check")
+    for col in ("preset", "variant", "kernel", "regs", "smem", "spills"):
+        table.add_column(col)
+    bad = 0
+    with _progress(console) as progress:
+        task = progress.add_task("compiling", total=len(jobs))
+        for p, v in jobs:
+            try:
+                built = build(p.problem, v)
+            except (CompileError, SpecError) as e:
+                bad += 1
+                table.add_row(p.name, v.name, "-", "-", "-", Text(str(e), style="red"))
+                progress.advance(task)
+                continue
+            budget = stack_budget(v)
+            for name, r in built.module.resources.items():
+                spill = r.spill_stores + r.spill_loads
+                over = r.stack_frame > budget or (spill > 0 and not budget)
+                bad += over
+                shown = (Text(str(spill), style="red") if over else
+                         Text(f"{spill} (allowed)", style="yellow") if spill else Text("0"))
+                table.add_row(p.name, v.name, name.removeprefix(built.plan.name + "_"), str(r.registers),
+                              str(built.plan.smem_bytes), shown)
+            progress.advance(task)
+    _print_table(table)
+    if bad:
+        _error(f"{_plural(bad, 'kernel')} failed to compile or spilled")
+        raise typer.Exit(1)
+    _say(console, f"{_plural(len(jobs), 'variant')} compiled for {', '.join(archs)}: no spills beyond the allowed")
+
+
 @app.command()
 def bench(
-    grid: list[str] | None = typer.Option(None, help="seed and/or serving (repeatable); default seed"),
-    row: list[str] | None = typer.Option(None, help="a custom row H,B,S,prefix (repeatable)"),
-    page_size: int = typer.Option(64, help="KV rows per page"),
-    mask: str = typer.Option("causal", help="causal, tree or none"),
-    dtype: str = typer.Option("bf16", help="bf16 or fp16"),
-    target_ms: float = typer.Option(15.0, help="device time of one graph replay to aim for"),
+    grid: list[str] | None = typer.Option(None, metavar="NAME", help=GRID_HELP + "; default seed"),
+    row: list[str] | None = typer.Option(None, metavar="H,B,S,PREFIX", help=ROW_HELP),
+    page_size: int = typer.Option(64, metavar="N", help="KV cache rows (keys) per page: a power of two"),
+    mask: str = typer.Option("causal", metavar="MASK", help=f"the draft tokens' mask: one of {', '.join(MASKS)}"),
+    dtype: str = typer.Option("bf16", metavar="DTYPE", help=DTYPE_HELP),
+    target_ms: float = typer.Option(15.0, metavar="MS", help="GPU time in ms of each timed batch of calls; more "
+                                    "gives steadier figures and a longer run"),
     variant: list[str] | None = typer.Option(
-        None, help="a variant name to time on every row too, as an extra column after the families "
-        "(repeatable; e.g. mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a). Named variants count toward "
-        "'dispatch vs best'; on rows where one is invalid its cell fails with the reason"),
-    out: Path = typer.Option(Path("benchmarks/latest"), help="folder for bench.json, bench.md, bench.png"),
+        None, metavar="NAME", help="a variant to time on every shape too, in a column after the families "
+        "(repeatable; e.g. mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a). It counts toward 'dispatch vs best'; where it "
+        "does not fit a shape, its cell says why"),
+    out: Path = typer.Option(Path("benchmarks/latest"), metavar="FOLDER",
+                             help="the folder for bench.json, bench.md and bench.png"),
+    format_: str = typer.Option("table", "--format", metavar="FORMAT", help=FORMAT_HELP),
 ) -> None:
-    """Time every family, the dispatcher's pick and torch eager per row; compare with the floor."""
+    """Time the kernels on this GPU, shape by shape, against PyTorch eager and the floor.
+
+    Per shape: each kernel family, the dispatcher's pick and PyTorch eager, in µs per call and as
+    a multiple of the floor (the least time the GPU's measured memory bandwidth and matmul rate
+    allow). Writes bench.json, bench.md and bench.png to OUT too.
+    """
+    fmt = _format(format_)
     rows = _rows(grid, row, ["seed"])
     _problem_options(page_size, [mask], dtype)
-    if target_ms <= 0:
-        _fail(f"--target-ms: got {target_ms}, expected > 0")
+    _at_least("--target-ms", target_ms, 0, strict=True)
     extra = _variants(variant)
+    _folder(out, "--out")
     _need_gpu("bench")
     from mlagen.bench import BenchConfig, run_bench
-    from mlagen.report import rich_table, write_all
+    from mlagen.report import markdown, rich_table, to_json, write_all
     from mlagen.timing import TimingConfig
 
+    info = _info(fmt)
     config = BenchConfig(page_size=page_size, mask=mask, dtype=dtype, timing=TimingConfig(target_ms=target_ms),
                          extra=extra)
-    with Progress(console=console, transient=True) as progress:
+    with _progress(info) as progress:
         result = run_bench(rows, config, progress)
-    console.print(rich_table(result))
-    for path in write_all(result, out):
-        console.print(f"wrote {path}")
+    if fmt == "table":
+        _print_table(rich_table(result))
+    else:
+        _write(markdown(result) if fmt == "markdown" else to_json(result))
+    try:
+        paths = write_all(result, out)
+    except OSError as e:
+        _error(f"writing into {out}: {e}")
+        raise typer.Exit(1) from None
+    for path in paths:
+        _say(info, f"wrote {path}")
 
 
 @app.command()
 def tune(
-    grid: list[str] | None = typer.Option(None, help="seed and/or serving (repeatable); default both"),
-    row: list[str] | None = typer.Option(None, help="a custom row H,B,S,prefix (repeatable)"),
-    mask: list[str] | None = typer.Option(None, help="mask kinds to tune (repeatable); default causal"),
-    page_size: int = typer.Option(64, help="KV rows per page"),
-    dtype: str = typer.Option("bf16", help="bf16 or fp16"),
-    max_candidates: int = typer.Option(24, help="variant structures timed per row and mask"),
-    split_top: int = typer.Option(3, help="fastest structures whose fixed KV splits are also timed"),
-    retimes: int = typer.Option(2, help="further timings of the fastest 3 at the end (ranked by their median)"),
-    workers: int | None = typer.Option(None, help="compile processes; default one per CPU"),
-    table: Path | None = typer.Option(None, help="table file to merge into; default the user's table"),
+    grid: list[str] | None = typer.Option(None, metavar="NAME", help=GRID_HELP + "; default both"),
+    row: list[str] | None = typer.Option(None, metavar="H,B,S,PREFIX", help=ROW_HELP),
+    mask: list[str] | None = typer.Option(
+        None, metavar="MASK", help=f"a mask to tune for (repeatable): one of {', '.join(MASKS)}; default causal"),
+    page_size: int = typer.Option(64, metavar="N", help="KV cache rows (keys) per page: a power of two"),
+    dtype: str = typer.Option("bf16", metavar="DTYPE", help=DTYPE_HELP),
+    max_candidates: int = typer.Option(24, metavar="N", help="variants timed per shape and mask, at most"),
+    split_top: int = typer.Option(3, metavar="N", help="how many of the fastest variants are timed again with each "
+                                  "fixed number of KV splits (a request's keys shared among thread blocks)"),
+    retimes: int = typer.Option(2, metavar="N", help="how many more times the fastest 3 are timed at the end (they "
+                                "rank by the median)"),
+    workers: int | None = typer.Option(None, metavar="N", help="processes compiling candidates; default one per CPU"),
+    table: Path | None = typer.Option(None, metavar="FILE", help="the table file to merge the winners into; default "
+                                      "this user's table for this GPU, which the dispatcher reads"),
     write_default: bool = typer.Option(False, "--write-default",
-                                       help="merge into the table shipped in the package (mlagen/tables/)"),
+                                       help="merge into the table shipped with mlagen (mlagen/tables/) instead"),
+    format_: str = typer.Option("table", "--format", metavar="FORMAT", help=FORMAT_HELP),
 ) -> None:
-    """Search the variant space per shape on this GPU; save the winners where dispatch reads them.
-    A row's pick already in the table is timed with the candidates and stays unless one beats it."""
-    import math
+    """Find the fastest variant per shape on this GPU and save it for the dispatcher.
 
+    The winners go into a table file that the dispatcher reads from then on. A shape's earlier
+    pick in the table is timed with the candidates and stays unless one beats it.
+    """
+    fmt = _format(format_)
     rows = _rows(grid, row, ["seed", "serving"])
     masks = mask or ["causal"]
     _problem_options(page_size, masks, dtype)
-    if max_candidates < 1:
-        _fail(f"--max-candidates: got {max_candidates}, expected >= 1")
-    if split_top < 0:
-        _fail(f"--split-top: got {split_top}, expected >= 0")
-    if retimes < 0:
-        _fail(f"--retimes: got {retimes}, expected >= 0")
-    if workers is not None and workers < 1:
-        _fail(f"--workers: got {workers}, expected >= 1")
+    _at_least("--max-candidates", max_candidates, 1)
+    _at_least("--split-top", split_top, 0)
+    _at_least("--retimes", retimes, 0)
+    _at_least("--workers", workers, 1)
     if table is not None and write_default:
         _fail("--table and --write-default: expected one of them, not both")
+    if table is not None:
+        _table_file(table)
+    if write_default:
+        from mlagen.tables import SHIPPED_DIR
+
+        _folder(SHIPPED_DIR, "--write-default")
     _need_gpu("tune")
-    from mlagen.tune import Trial, TuneConfig
+    from mlagen.report import tune_json, tune_markdown, tune_table
+    from mlagen.tune import TuneConfig
     from mlagen.tune import tune as run_tune
 
+    info = _info(fmt)
     config = TuneConfig(page_size=page_size, masks=tuple(dict.fromkeys(masks)), dtype=dtype,
                         max_candidates=max_candidates, split_top=split_top, retimes=retimes, workers=workers)
-    with Progress(console=console, transient=True) as progress:
+    with _progress(info) as progress:
         path, results = run_tune([r for r, _ in rows], config, table, write_default, progress)
-    out = Table(title=f"mlagen tune: {len(results)} shapes")
-    for col in ("H", "B", "S", "prefix", "mask", "heuristic µs", "table µs", "best µs", "gain", "best variant",
-                "tried", "failed"):
-        out.add_column(col)
-
-    def us(trial: Trial | None) -> str:
-        return f"{trial.us:.1f}" if trial and math.isfinite(trial.us) else "—"
-    for r in results:
-        h, best = r.heuristic, r.best
-        gain = h.us / best.us if h and math.isfinite(h.us) and math.isfinite(best.us) else None
-        out.add_row(str(r.row.heads), str(r.row.batch), str(r.row.seqlen_q), str(r.row.prefix), r.mask,
-                    us(h), us(r.incumbent_trial),
-                    f"{best.us:.1f}" if math.isfinite(best.us) else "[red]none ran[/red]",
-                    f"{gain:.2f}×" if gain else "—", best.variant.name, str(len(r.trials)),
-                    str(sum(not math.isfinite(t.us) for t in r.trials)))
-    console.print(out)
-    console.print(f"wrote {path}")
+    if fmt == "table":
+        _print_table(tune_table(results))
+    else:
+        _write(tune_markdown(path, results) if fmt == "markdown" else tune_json(path, results))
+    _say(info, f"wrote {path}")
 
 
 # FuzzSpace's fields as fuzz's options, for its errors and the replay line.
 _FUZZ_OPTIONS = {"heads": "--heads", "max_batch": "--max-batch", "max_seqlen_q": "--max-seqlen-q",
                  "max_prefix": "--max-prefix", "page_sizes": "--page-size", "masks": "--mask", "dtypes": "--dtype"}
+MAX_SEED = 1 << 62
 
 
 @app.command()
 def fuzz(
-    cases: int = typer.Option(200, help="shapes to draw; shape i comes from seed SEED+i"),
-    seed: int = typer.Option(0, help="the first seed (--seed N --cases 1 replays shape N)"),
-    minutes: float | None = typer.Option(None, help="stop drawing shapes after this long"),
+    cases: int = typer.Option(200, metavar="N", help="shapes to draw (shape i comes from seed SEED+i)"),
+    seed: int = typer.Option(0, metavar="N", help="the first seed (--seed N --cases 1 replays shape N)"),
+    minutes: float | None = typer.Option(None, metavar="MINUTES", help="stop drawing shapes after this many minutes"),
     variant: list[str] | None = typer.Option(
-        None, help="a variant to check on every shape it fits, besides the dispatcher's pick (repeatable)"),
+        None, metavar="NAME",
+        help="a variant to check on every shape it fits, besides the dispatcher's pick (repeatable)"),
     dispatch: bool = typer.Option(True, "--dispatch/--no-dispatch", help="check the dispatcher's pick"),
     any_variant: bool = typer.Option(False, "--any-variant", help="also check a random variant per shape, any that "
-                                     "the DSL accepts for this GPU (each compiles on first use: seconds a shape)"),
-    heads: list[int] | None = typer.Option(None, help="head counts to draw from (repeatable); default 8 16 32 64 128"),
-    max_batch: int = typer.Option(8, help="requests per batch, at most"),
-    max_seqlen_q: int = typer.Option(64, help="draft tokens per request (S), at most"),
-    max_prefix: int = typer.Option(20000, help="cached keys before a request's draft, at most"),
-    page_size: list[int] | None = typer.Option(None, help="page sizes to draw from (repeatable); default 1 16 64 128"),
-    mask: list[str] | None = typer.Option(None, help="masks to draw from (repeatable); default causal, tree, none"),
-    dtype: list[str] | None = typer.Option(None, help="dtypes to draw from (repeatable); default bf16, fp16"),
+                                     "this GPU runs (each compiles on first use: seconds a shape)"),
+    heads: list[int] | None = typer.Option(None, metavar="H",
+                                           help="head counts to draw from (repeatable); default 8 16 32 64 128"),
+    max_batch: int = typer.Option(8, metavar="B", help="requests per batch, at most"),
+    max_seqlen_q: int = typer.Option(64, metavar="S", help="draft tokens per request (S), at most"),
+    max_prefix: int = typer.Option(20000, metavar="KEYS", help="cached keys before a request's draft, at most"),
+    page_size: list[int] | None = typer.Option(None, metavar="N",
+                                               help="page sizes to draw from (repeatable); default 1 16 64 128"),
+    mask: list[str] | None = typer.Option(None, metavar="MASK",
+                                          help="masks to draw from (repeatable); default causal, tree, none"),
+    dtype: list[str] | None = typer.Option(None, metavar="DTYPE",
+                                           help="dtypes to draw from (repeatable); default bf16, fp16"),
+    format_: str = typer.Option("table", "--format", metavar="FORMAT", help=FORMAT_HELP),
 ) -> None:
-    """Check random shapes on this GPU against the fp64 reference: ragged batches with empty
-    requests, draft lengths, heads, page sizes, masks, dtypes and lse, on poisoned outputs.
-    Exits with 1 if any check failed, and prints the command that replays each failure."""
+    """Check the kernels on random shapes on this GPU against a float64 reference.
+
+    Shapes vary batches (ragged, some requests empty), draft lengths, head counts, page sizes,
+    masks, dtypes and lse; each runs into an output filled with garbage first. Exits with 1 if a
+    check failed, and prints the command that replays each failure.
+    """
     from mlagen.fuzz import FuzzSpace, Outcome
     from mlagen.fuzz import fuzz as run_fuzz
 
+    fmt = _format(format_)
+    for h in heads or []:
+        _at_least("--heads", h, 1)
+    for size in page_size or []:
+        _page_size("--page-size", size)
+    for m in mask or []:
+        _choice("--mask", m, MASKS)
+    for d in dtype or []:
+        _choice("--dtype", d, DTYPES)
     given = {"heads": heads, "max_batch": max_batch, "max_seqlen_q": max_seqlen_q, "max_prefix": max_prefix,
              "page_sizes": page_size, "masks": mask, "dtypes": dtype}
     defaults = FuzzSpace()
@@ -346,23 +638,24 @@ def fuzz(
         space = FuzzSpace(**changed)
     except ValueError as e:
         field_name, _, rest = str(e).partition(":")
-        _fail(f"{_FUZZ_OPTIONS[field_name]}:{rest}")
-    if cases < 1:
-        _fail(f"--cases: got {cases}, expected >= 1")
-    if minutes is not None and minutes <= 0:
-        _fail(f"--minutes: got {minutes}, expected > 0")
+        _fail(f"{_FUZZ_OPTIONS.get(field_name, field_name)}:{rest}")
+    _at_least("--cases", cases, 1)
+    if not 0 <= seed <= MAX_SEED - cases:
+        _fail(f"--seed: got {seed}, expected 0 <= seed and seed + cases <= 2**62")
+    _at_least("--minutes", minutes, 0, strict=True)
     variants: list[Variant | None] = [None] if dispatch else []
     variants += _variants(variant)
     if not variants and not any_variant:
         _fail("--no-dispatch: expected --variant or --any-variant to check then")
     _need_gpu("fuzz", "runs kernels")
     from mlagen.arch import runs_on
+    from mlagen.report import fuzz_json, fuzz_markdown, fuzz_table
     from mlagen.runtime import device_info
 
     device_arch = device_info(0)[0]
     for v in variants:
         if v is not None and not runs_on(v.arch, device_arch):
-            _fail(f"--variant: {v.name} is built for {v.arch}, which does not run on this {device_arch} GPU")
+            _fail(f"--variant: got {v.name}, built for {v.arch}, expected a variant this {device_arch} GPU runs")
 
     flags = " ".join(f"{_FUZZ_OPTIONS[k]} {x}" for k, v in changed.items()
                      for x in (v if isinstance(v, tuple) else [v]))
@@ -371,27 +664,28 @@ def fuzz(
         which = "" if o.variant == "dispatch" else f" --no-dispatch --variant {o.variant}"
         return f"mlagen fuzz --seed {o.shape.seed} --cases 1{which}{' ' + flags if flags else ''}"
 
-    with Progress(console=console, transient=True) as progress:
+    info = _info(fmt)
+    with _progress(info) as progress:
         task = progress.add_task("fuzz", total=cases * (len(variants) + any_variant))
 
         def show(o: Outcome) -> None:
             progress.advance(task)
             if o.status == "fail":
-                progress.console.print(f"[red]FAIL[/red] seed {o.shape.seed} {o.shape} {o.variant}: {o.message}\n"
-                                       f"     replay: {replay(o)}")
+                progress.console.print(Text.assemble(("FAIL", "red"), f" seed {o.shape.seed} {o.shape} {o.variant}: "
+                                                     f"{o.message}\n     replay: {replay(o)}"))
 
         report = run_fuzz(range(seed, seed + cases), variants, space, any_variant=device_arch if any_variant else None,
                           budget_s=minutes * 60 if minutes is not None else None, on_outcome=show)
-    out = Table(title=f"mlagen fuzz: seeds {seed}..{seed + cases - 1} on {device_arch}")
-    for col in ("kernel", "ok", "skipped", "failed"):
-        out.add_column(col)
-    for name in dict.fromkeys(o.kernel for o in report.outcomes):   # random variants in one row
-        failed = report.count("fail", name)
-        out.add_row(name, str(report.count("ok", name)), str(report.count("skip", name)),
-                    f"[red]{failed}[/red]" if failed else "0")
-    console.print(out)
-    if report.stopped:
-        console.print(f"stopped early: {report.stopped}")
+    title = f"mlagen fuzz: seeds {seed}..{seed + cases - 1} on {device_arch}"
+    if fmt == "table":
+        _print_table(fuzz_table(report, title))
+        _say(console, report.summary())
+        if report.stopped:
+            _say(console, f"stopped early: {report.stopped}")
+    elif fmt == "markdown":
+        _write(fuzz_markdown(report, title, replay))
+    else:
+        _write(fuzz_json(report, {"first_seed": seed, "last_seed": seed + cases - 1, "arch": device_arch}, replay))
     if report.failures:
         raise typer.Exit(1)
 

@@ -1,19 +1,51 @@
-"""Writing a bench result: the terminal table (rich), JSON, markdown and a PNG plot.
+"""Writing results: a bench result as a terminal table (rich), JSON, markdown and a PNG plot; the
+results of `mlagen tune` and `mlagen fuzz` as a terminal table, markdown and JSON.
 
-Time cells read "µs (×floor)": the median device time per call and its ratio to the row's floor.
-Named variants (`mlagen bench --variant`) get a column each, after the families.
+Bench time cells read "µs (×floor)": the median device time per call and its ratio to the row's
+floor. Named variants (`mlagen bench --variant`) get a column each, after the families.
+No cell of a terminal table is ever cut short: a cell too long for its column folds onto more lines.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
+from rich.text import Text
 
 from .bench import DISPATCH, DISPATCH_SLACK, EAGER, BenchResult, RowResult
 
+if TYPE_CHECKING:
+    from .fuzz import Outcome, Report
+    from .tune import RowTune, Trial
+
 FILES = ("bench.json", "bench.md", "bench.png")
+FORMATS = ("table", "markdown", "json")     # what `--format` of bench, tune and fuzz accepts
+
+
+def text_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]],
+               red: Callable[[str, str], bool] = lambda column, cell: False, caption: str | None = None,
+               right: Callable[[str], bool] = lambda column: False) -> Table:
+    """A rich table of plain text cells (never read as markup); red(column, cell) marks a cell red
+    and right(column) right-aligns a column. Columns fold a cell too long for them, never cut it."""
+    table = Table(title=title, caption=caption)
+    for col in columns:
+        table.add_column(col, justify="right" if right(col) else "left", overflow="fold")
+    for row in rows:
+        table.add_row(*[Text(cell, style="red" if red(col, cell) else "") for col, cell in zip(columns, row,
+                                                                                               strict=True)])
+    return table
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A GitHub markdown table, as lines: a '|' in a cell is escaped, a line break becomes a space."""
+    def cells(row: Sequence[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in row) + " |"
+    return [cells(columns), "|" + "---|" * len(columns), *(cells(r) for r in rows)]
 
 
 def _timed_columns(result: BenchResult) -> list[str]:
@@ -73,23 +105,16 @@ def _header_lines(result: BenchResult) -> list[str]:
 
 
 def rich_table(result: BenchResult) -> Table:
-    table = Table(title="mlagen bench: device µs per call (× floor)", caption="\n".join(_header_lines(result)))
-    for col in _columns(result):
-        table.add_column(col, justify="left" if col == "dispatch variant" else "right")
-    vs_best = _columns(result).index("dispatch vs best")
-    for row in result.rows:
-        cells = row_cells(result, row)
-        if not row.dispatch_ok:
-            cells[vs_best] = f"[red]{cells[vs_best]}[/red]"
-        table.add_row(*[c.replace("failed", "[red]failed[/red]") for c in cells])
-    return table
+    """The terminal table: a failed cell and a dispatched pick flagged with '!' in red."""
+    return text_table("mlagen bench: device µs per call (× floor)", _columns(result),
+                      [row_cells(result, r) for r in result.rows],
+                      red=lambda col, cell: cell == "failed" or (col == "dispatch vs best" and cell.endswith(" !")),
+                      caption="\n".join(_header_lines(result)), right=lambda col: col != "dispatch variant")
 
 
 def markdown(result: BenchResult) -> str:
-    cols = _columns(result)
     out = ["# mlagen bench", "", *[f"- {line}" for line in _header_lines(result)], "",
-           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join(row_cells(result, r)) + " |" for r in result.rows]
+           *markdown_table(_columns(result), [row_cells(result, r) for r in result.rows])]
     failures = [(r, n, c.error) for r in result.rows for n, c in r.cells.items() if c.error]
     if failures:
         out += ["", "## Failures", ""]
@@ -174,3 +199,88 @@ def write_all(result: BenchResult, out_dir: Path) -> list[Path]:
     paths[1].write_text(markdown(result))
     plot(result, paths[2])
     return paths
+
+
+# `mlagen tune`: one row per shape and mask.
+TUNE_COLUMNS = ("H", "B", "S", "prefix", "mask", "heuristic µs", "table µs", "best µs", "gain", "best variant",
+                "tried", "failed")
+
+
+def _us(trial: Trial | None) -> float | None:
+    return trial.us if trial is not None and math.isfinite(trial.us) else None
+
+
+def tune_cells(r: RowTune) -> list[str]:
+    """One shape's row, in TUNE_COLUMNS order: the heuristic's pick, the table's previous pick and
+    the best timed, each in µs per call ('—': none, or it failed); 'none ran': no candidate ran."""
+    heuristic, best = _us(r.heuristic), _us(r.best)
+    gain = heuristic / best if heuristic is not None and best is not None else None
+
+    def us(x: float | None) -> str:
+        return f"{x:.1f}" if x is not None else "—"
+    return [str(r.row.heads), str(r.row.batch), str(r.row.seqlen_q), str(r.row.prefix), r.mask, us(heuristic),
+            us(_us(r.incumbent_trial)), us(best) if best is not None else "none ran",
+            f"{gain:.2f}×" if gain is not None else "—", r.best.variant.name, str(len(r.trials)),
+            str(sum(not math.isfinite(t.us) for t in r.trials))]
+
+
+def tune_table(results: Sequence[RowTune]) -> Table:
+    return text_table(f"mlagen tune: {len(results)} shapes", TUNE_COLUMNS, [tune_cells(r) for r in results],
+                      red=lambda col, cell: col == "best µs" and cell == "none ran",
+                      right=lambda col: col not in ("mask", "best variant"))
+
+
+def tune_markdown(path: Path, results: Sequence[RowTune]) -> str:
+    return "\n".join([f"# mlagen tune: {len(results)} shapes", "", f"- table file: {path}", "",
+                      *markdown_table(TUNE_COLUMNS, [tune_cells(r) for r in results])]) + "\n"
+
+
+def tune_json(path: Path, results: Sequence[RowTune]) -> str:
+    """The table file written and each shape's trials; a time is µs per call, null where it failed."""
+    def trial(t: Trial | None) -> dict | None:
+        return None if t is None else {"variant": t.variant.name, "us": _us(t), "error": t.error}
+    shapes = []
+    for r in results:
+        heuristic, best = _us(r.heuristic), _us(r.best)
+        shapes.append({"heads": r.row.heads, "batch": r.row.batch, "seqlen_q": r.row.seqlen_q, "prefix": r.row.prefix,
+                       "mask": r.mask, "key": r.key, "heuristic": trial(r.heuristic), "table": trial(r.incumbent_trial),
+                       "best": trial(r.best),
+                       "gain": heuristic / best if heuristic is not None and best is not None else None,
+                       "trials": [trial(t) for t in r.trials]})
+    return json.dumps({"table": str(path), "shapes": shapes}, indent=1) + "\n"
+
+
+# `mlagen fuzz`: one row per kernel checked (random variants in one row).
+FUZZ_COLUMNS = ("kernel", "ok", "skipped", "failed")
+
+
+def fuzz_cells(report: Report) -> list[list[str]]:
+    return [[name, str(report.count("ok", name)), str(report.count("skip", name)), str(report.count("fail", name))]
+            for name in dict.fromkeys(o.kernel for o in report.outcomes)]
+
+
+def fuzz_table(report: Report, title: str) -> Table:
+    return text_table(title, FUZZ_COLUMNS, fuzz_cells(report), red=lambda col, cell: col == "failed" and cell != "0",
+                      right=lambda col: col != "kernel")
+
+
+def fuzz_markdown(report: Report, title: str, replay: Callable[[Outcome], str]) -> str:
+    out = [f"# {title}", "", *markdown_table(FUZZ_COLUMNS, fuzz_cells(report)), "", report.summary()]
+    if report.stopped:
+        out.append(f"stopped early: {report.stopped}")
+    if report.failures:
+        out += ["", "## Failures", ""]
+        out += [f"- seed {o.shape.seed} {o.shape} {o.variant}: {o.message.splitlines()[0] if o.message else ''} "
+                f"(replay: `{replay(o)}`)" for o in report.failures]
+    return "\n".join(out) + "\n"
+
+
+def fuzz_json(report: Report, meta: dict, replay: Callable[[Outcome], str]) -> str:
+    """meta (the seeds, the device's arch) with the counts per kernel, the summary and every
+    failure with the command that replays it."""
+    kernels = [dict(zip(("kernel", "ok", "skipped", "failed"), (c[0], *map(int, c[1:])), strict=True))
+               for c in fuzz_cells(report)]
+    failures = [{"seed": o.shape.seed, "shape": str(o.shape), "variant": o.variant, "message": o.message,
+                 "replay": replay(o)} for o in report.failures]
+    return json.dumps({**meta, "shapes": report.shapes, "elapsed_s": report.elapsed_s, "summary": report.summary(),
+                       "stopped": report.stopped, "kernels": kernels, "failures": failures}, indent=1) + "\n"

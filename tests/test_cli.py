@@ -1,0 +1,401 @@
+"""The CLI as a user meets it, without a GPU: argument errors (one line, exit 2, before any GPU
+check), --version, whole variant names and table cells at any width, `show --source` on stdout
+alone, and the table/markdown/json results of bench, tune and fuzz on synthetic results."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from rich.text import Text
+from typer.testing import CliRunner
+
+import cli
+from cli import app
+from mlagen.bench import DISPATCH, EAGER, BenchResult, Cell, RowResult
+from mlagen.codegen import render
+from mlagen.fuzz import Outcome, Report, draw
+from mlagen.grids import Row
+from mlagen.presets import DEFAULT_EMIT_ARCHS, PRESETS
+from mlagen.report import (
+    fuzz_json,
+    fuzz_markdown,
+    fuzz_table,
+    markdown,
+    markdown_table,
+    rich_table,
+    text_table,
+    to_json,
+    tune_json,
+    tune_markdown,
+    tune_table,
+)
+from mlagen.spec import parse_variant
+from mlagen.tune import RowTune, Trial
+from mlagen.validate import validate
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+LONG = "mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a"      # a long variant name
+
+
+def _file(tmp_path: Path) -> str:
+    path = tmp_path / "a_file"
+    path.write_text("not a folder\n")
+    return str(path)
+
+
+def _table_file(tmp_path: Path) -> str:
+    path = tmp_path / "bench.json"
+    path.write_text('{"rows": []}\n')
+    return str(path)
+
+
+# (arguments, text the one error line holds); "{file}" is a file, "{json}" a JSON file that is no tuning table.
+BAD = [
+    (["emit", "--preset", "nope"], "--preset: got 'nope', expected one of kimi-k2, kimi-k2-tp8"),
+    (["emit", "--arch", "sm_70"], "--arch: got 'sm_70', expected one of sm_80"),
+    (["emit", "--variant", "mma_fast"], "--variant: variant name: got 'mma_fast', expected e.g."),
+    (["emit", "--variant", "naive_w4_sm70"], "--variant: got 'naive_w4_sm70' (arch sm_70), expected an arch among"),
+    (["emit", "--variant", "flash_ht7_qt4_bn64_w4_st3_spa_sm80"],
+     "--variant: flash_ht7_qt4_bn64_w4_st3_spa_sm80 does not fit preset kimi-k2 (variant.head_tile: got 7"),
+    (["emit", "--variant", "naive_w4_sm80", "--arch", "sm_90"], "--arch: not used with --variant"),
+    (["emit", "--out", "{file}"], "--out: got '{file}', expected a folder (it is a file)"),
+    (["emit", "--out", "{file}/sub"], "--out: got '{file}/sub', expected a folder ({file} is a file)"),
+    (["emit", "--launcher", "yes"], "Got unexpected extra argument(s) (yes) (see 'mlagen emit --help')"),
+    (["list", "--arch", "sm_7"], "--arch: got 'sm_7', expected one of"),
+    (["list", "--bogus"], "No such option: --bogus (see 'mlagen list --help')"),
+    (["show", "nope"], "VARIANT: variant name: got 'nope'"),
+    (["show", "naive_w4_sm91"], "VARIANT: got 'naive_w4_sm91' (arch sm_91)"),
+    (["show", "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a", "--preset", "kimi-k2-tp8"],
+     "VARIANT: mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a does not fit preset kimi-k2-tp8 (variant.head_tile: got 64"),
+    (["show", "naive_w4_sm90", "--preset", "llama"], "--preset: got 'llama'"),
+    (["show"], "Missing argument 'VARIANT' (see 'mlagen show --help')"),
+    (["check", "--preset", "nope"], "--preset: got 'nope', expected one of kimi-k2"),
+    (["check", "--preset", "kimi-k2", "--arch", "sm_75"], "--arch: got 'sm_75'"),
+    (["bench", "--grid", "nope"], "--grid: got 'nope', expected one of seed, serving"),
+    (["bench", "--row", "64,1,9"], "--row: got '64,1,9', expected H,B,S,prefix"),
+    (["bench", "--row", "64,1,0,10"], "--row: got '64,1,0,10', expected H >= 1, B >= 1 and 1 <= S <= 64"),
+    (["bench", "--page-size", "48"], "--page-size: got 48, expected a power of two"),
+    (["bench", "--page-size", "abc"], "--page-size: got 'abc', expected an integer (see 'mlagen bench --help')"),
+    (["bench", "--target-ms=fast"], "--target-ms: got 'fast', expected a number"),
+    (["bench", "--target-ms", "-1"], "--target-ms: got -1.0, expected > 0"),
+    (["bench", "--mask", "diagonal"], "--mask: got 'diagonal', expected one of causal, tree, none"),
+    (["bench", "--dtype", "fp8"], "--dtype: got 'fp8', expected one of bf16, fp16"),
+    (["bench", "--format", "xml"], "--format: got 'xml', expected one of table, markdown, json"),
+    (["bench", "--out", "{file}"], "--out: got '{file}', expected a folder (it is a file)"),
+    (["bench", "--variant", "naive_w4_sm91"], "--variant: got 'naive_w4_sm91' (arch sm_91)"),
+    (["tune", "--format", "html"], "--format: got 'html', expected one of table, markdown, json"),
+    (["tune", "--max-candidates", "0"], "--max-candidates: got 0, expected >= 1"),
+    (["tune", "--split-top", "-1"], "--split-top: got -1, expected >= 0"),
+    (["tune", "--retimes", "-2"], "--retimes: got -2, expected >= 0"),
+    (["tune", "--workers", "0"], "--workers: got 0, expected >= 1"),
+    (["tune", "--workers", "many"], "--workers: got 'many', expected an integer"),
+    (["tune", "--mask", "causal", "--mask", "zigzag"], "--mask: got 'zigzag'"),
+    (["tune", "--table", "{json}"], "--table: got '{json}', expected a table file that mlagen tune wrote"),
+    (["tune", "--table", "{dir}"], "--table: got '{dir}', expected a table file (it is a folder)"),
+    (["tune", "--table", "{file}/t.json"],
+     "--table: got '{file}/t.json', expected a file in a folder ({file} is a file)"),
+    (["tune", "--table", "t.json", "--write-default"], "--table and --write-default: expected one of them"),
+    (["fuzz", "--format", "yaml"], "--format: got 'yaml', expected one of table, markdown, json"),
+    (["fuzz", "--cases", "0"], "--cases: got 0, expected >= 1"),
+    (["fuzz", "--cases", "-5"], "--cases: got -5, expected >= 1"),
+    (["fuzz", "--seed", "-1"], "--seed: got -1, expected 0 <= seed"),
+    (["fuzz", "--minutes", "0"], "--minutes: got 0.0, expected > 0"),
+    (["fuzz", "--heads", "8", "--heads", "0"], "--heads: got 0, expected >= 1"),
+    (["fuzz", "--page-size", "3"], "--page-size: got 3, expected a power of two"),
+    (["fuzz", "--mask", "causal", "--mask", "x"], "--mask: got 'x', expected one of causal, tree, none"),
+    (["fuzz", "--dtype", "fp8"], "--dtype: got 'fp8', expected one of bf16, fp16"),
+    (["fuzz", "--max-batch", "0"], "--max-batch: got 0, expected >= 1"),
+    (["fuzz", "--max-prefix", "-1"], "--max-prefix: got -1, expected >= 0"),
+    (["fuzz", "--no-dispatch"], "--no-dispatch: expected --variant or --any-variant"),
+    (["fuzz", "--variant", "flash_fast"], "--variant: variant name: got 'flash_fast'"),
+    (["lst"], "No such command 'lst'. Did you mean 'list'?"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_a_mistake_is_one_line_and_exit_2(args, message, tmp_path, monkeypatch):
+    """Also on a machine with a GPU: the arguments are checked before the GPU is looked for."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.chdir(tmp_path)
+    fill = {"{file}": _file(tmp_path), "{json}": _table_file(tmp_path), "{dir}": str(tmp_path)}
+    for key, value in fill.items():
+        args = [a.replace(key, value) for a in args]
+        message = message.replace(key, value)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+
+
+def test_a_folder_that_is_not_writable(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: Path(path) != tmp_path)
+    for command in ("emit", "bench"):
+        result = runner.invoke(app, [command, "--out", str(tmp_path / "new")])
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+        assert (f"error: --out: got '{tmp_path / 'new'}', expected a folder you may write to ({tmp_path} is not "
+                "writable)") in result.stderr
+
+
+@pytest.mark.parametrize("command", ["bench", "tune", "fuzz"])
+@pytest.mark.parametrize("fmt", ["table", "markdown", "json"])
+def test_gpu_commands_accept_each_format_then_ask_for_a_gpu(command, fmt, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = [command, "--format", fmt] + (["--row", "8,1,2,64"] if command != "fuzz" else [])
+    result = runner.invoke(app, args + (["--out", str(tmp_path)] if command == "bench" else []))
+    assert result.exit_code == 2 and "needs a CUDA GPU; none is visible here" in result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+def test_no_arguments_prints_the_help():
+    result = runner.invoke(app, [], prog_name="mlagen")
+    assert "Usage: mlagen" in result.output and all(c in result.output for c in ("emit", "bench", "fuzz"))
+    assert "error:" not in result.output
+
+
+def test_version():
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.stdout == f"mlagen {importlib.metadata.version('mlagen')}\n"
+
+
+def test_help_speaks_to_users():
+    for command in ("", "emit", "list", "show", "check", "bench", "tune", "fuzz"):
+        result = runner.invoke(app, [command, "--help"] if command else ["--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        for jargon in ("mma_plan", "stack_budget", "72-row", "kernels files", "poisoned"):
+            assert jargon not in result.output, (command, jargon)
+
+
+def test_emit_counts_kernel_files(tmp_path):
+    result = runner.invoke(app, ["emit", "--variant", "naive_w4_sm80", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.endswith("1 kernel file for preset kimi-k2, 1 changed\n")
+    result = runner.invoke(app, ["emit", "--arch", "sm_80", "--out", str(tmp_path)])
+    n = len(PRESETS["kimi-k2"].variants("sm_80"))
+    assert result.stdout.endswith(f"{n} kernel files for preset kimi-k2, {n - 1} changed\n")
+
+
+def _list_lines(stdout: str) -> list[str]:
+    return [line.strip() for line in stdout.splitlines()]
+
+
+def test_list_prints_whole_names_in_a_narrow_pipe():
+    """COLUMNS=60 and stdout a pipe: rich would cut a table at 60 columns; the names print whole."""
+    run = subprocess.run([sys.executable, str(ROOT / "cli.py"), "list"], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "60"}, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "…" not in run.stdout
+    lines = _list_lines(run.stdout)
+    for p in PRESETS.values():
+        assert p.description in run.stdout
+        for arch in DEFAULT_EMIT_ARCHS:
+            names = [v.name for v in p.variants(arch)]
+            start = lines.index(f"{p.name} on {arch}: {len(names)} variants")
+            assert lines[start + 1:start + 1 + len(names)] == names
+
+
+def test_list_arch():
+    result = runner.invoke(app, ["list", "--arch", "sm_80", "--arch", "sm_90a", "--arch", "sm_80"])
+    assert result.exit_code == 0, result.output
+    lines = _list_lines(result.stdout)
+    headers = [line for line in lines if " on sm_" in line]
+    assert headers == [f"{p.name} on {a}: {len(p.variants(a))} variants" for p in PRESETS.values()
+                       for a in ("sm_80", "sm_90a")]
+    assert "naive_w4_sm80" in lines and "naive_w4_sm90" not in lines and "naive_w4_sm120" not in lines
+
+
+def test_show_source_is_the_source_alone():
+    v = PRESETS["kimi-k2"].variants("sm_90")[1]
+    plan = validate(PRESETS["kimi-k2"].problem, v)
+    result = runner.invoke(app, ["show", v.name, "--source"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.rstrip("\n") == render(plan).rstrip("\n")
+    assert result.stdout.startswith("// mlagen generated kernel")
+    assert "smem_bytes" in result.stderr and plan.name in result.stderr      # the plan went to stderr
+    plain = runner.invoke(app, ["show", v.name])
+    assert plain.stderr == "" and "smem_bytes" in plain.stdout and "__global__" not in plain.stdout
+
+
+def test_check_failure_exits_1_and_shows_the_error_as_text(monkeypatch):
+    """A kernel that does not compile is no usage error: exit 1; its message (brackets and all) is in the table."""
+    import mlagen.build
+    from mlagen.compiler import CompileError
+
+    def build(problem, variant):
+        raise CompileError(f"{variant.name}: error: [bad] expected a ';'")
+    monkeypatch.setattr(mlagen.build, "build", build)
+    result = runner.invoke(app, ["check", "--preset", "kimi-k2", "--arch", "sm_80"])
+    n = len(PRESETS["kimi-k2"].variants("sm_80"))
+    assert result.exit_code == 1, result.output
+    assert result.stderr == f"error: {n} kernels failed to compile or spilled\n"
+    assert "naive_w4_sm80: error: [bad] expected a ';'" in result.stdout
+
+
+# ---- tables at any width
+
+def _bench_result() -> BenchResult:
+    def row(h, b, s, p, flash_us, dispatch_us):
+        return RowResult(heads=h, batch=b, seqlen_q=s, prefix=p, grids=["seed"], floor_us=2.0,
+                         cells={"naive": Cell(40.0, "naive_w4_sm90"), "flash": Cell(flash_us, "flash_x"),
+                                EAGER: Cell(50.0), DISPATCH: Cell(dispatch_us, LONG)}, flashmla_us=17.6)
+    rows = [row(64, 1, 9, 256, 10.0, 10.0), row(8, 16, 9, 1024, 25.0, 45.0)]
+    rows[1].cells["flash"] = Cell(variant="flash_x", error="CompileError: [boom] | more")
+    meta = {"gpu": "Test GPU", "arch": "sm_90a", "sm_count": 132, "page_size": 64, "mask": "causal", "dtype": "bf16",
+            "copy_tbps": 4.25, "matmul_tflops": 785.0}
+    return BenchResult(meta=meta, families=["naive", "flash"], rows=rows)
+
+
+def _render(table, terminal: bool, width: int = 60) -> str:
+    out = io.StringIO()
+    cli._print_table(table, Console(file=out, width=width, force_terminal=terminal, soft_wrap=True))
+    return out.getvalue()
+
+
+def test_tables_are_never_cut():
+    result = _bench_result()
+    piped = _render(rich_table(result), terminal=False)
+    assert "…" not in piped and LONG in piped and "dispatch vs FlashMLA" in piped
+    assert max(len(line) for line in piped.splitlines()) > 60           # as wide as it needs
+    in_terminal = _render(rich_table(result), terminal=True)
+    assert "…" not in in_terminal
+    assert max(len(line) for line in Text.from_ansi(in_terminal).plain.splitlines()) <= 60   # folded
+
+
+def test_red_cells_are_text_not_markup():
+    table = text_table("t", ["a", "b"], [["[bold]x[/bold]", "failed"]], red=lambda col, cell: cell == "failed")
+    out = _render(table, terminal=False)
+    assert "[bold]x[/bold]" in out
+    assert table.columns[1]._cells[0].style == "red" and table.columns[0]._cells[0].style == ""
+
+
+def test_markdown_table_escapes_pipes():
+    lines = markdown_table(["a", "b|c"], [["x | y", "two\nlines"]])
+    assert lines == ["| a | b\\|c |", "|---|---|", "| x \\| y | two lines |"]
+
+
+# ---- bench, tune and fuzz results in each format, through the CLI with the GPU work faked
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_bench_formats(tmp_path, monkeypatch, fake_gpu):
+    import mlagen.bench
+
+    result = _bench_result()
+    monkeypatch.setattr(mlagen.bench, "run_bench", lambda rows, config, progress: result)
+    out = tmp_path / "out"
+    as_json = runner.invoke(app, ["bench", "--row", "8,1,2,64", "--format", "json", "--out", str(out)])
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.stdout) == json.loads(to_json(result))
+    assert as_json.stderr.splitlines() == [f"wrote {out / name}" for name in ("bench.json", "bench.md", "bench.png")]
+    as_md = runner.invoke(app, ["bench", "--row", "8,1,2,64", "--format", "markdown", "--out", str(out)])
+    assert as_md.exit_code == 0 and as_md.stdout == markdown(result)
+    as_table = runner.invoke(app, ["bench", "--row", "8,1,2,64", "--out", str(out)], env={"COLUMNS": "60"})
+    assert as_table.exit_code == 0 and as_table.stderr == ""
+    assert LONG in as_table.stdout and "…" not in as_table.stdout and f"wrote {out / 'bench.md'}" in as_table.stdout
+
+
+def _row_tunes() -> list[RowTune]:
+    heuristic, best = parse_variant("mma_ht8_qt1_bn64_w4_st2_spa_sm90"), parse_variant(LONG)
+    broken = parse_variant("mma_ht8_qt2_bn64_w4_st2_spa_sm90")
+    ran = RowTune(row=Row(8, 4, 1, 4096), mask="causal", key="k1", incumbent=best,
+                  trials=[Trial(heuristic, 30.0), Trial(best, 20.0), Trial(broken, error="CompileError: boom")])
+    none = RowTune(row=Row(8, 4, 2, 4096), mask="tree", key="k2", trials=[Trial(broken, error="CompileError: boom")])
+    return [ran, none]
+
+
+def test_tune_formats(tmp_path, monkeypatch, fake_gpu):
+    import mlagen.tune
+
+    results, path = _row_tunes(), tmp_path / "h200.json"
+    monkeypatch.setattr(mlagen.tune, "tune", lambda rows, config, table, write_default, progress: (path, results))
+    data = json.loads(tune_json(path, results))
+    assert data["table"] == str(path)
+    first, second = data["shapes"]
+    assert (first["heads"], first["batch"], first["seqlen_q"], first["prefix"], first["mask"]) == (8, 4, 1, 4096,
+                                                                                                   "causal")
+    assert first["best"] == {"variant": LONG, "us": 20.0, "error": ""} and first["gain"] == 1.5
+    assert first["table"]["variant"] == LONG and first["trials"][2]["us"] is None
+    assert second["best"]["us"] is None and second["heuristic"]["us"] is None and second["gain"] is None
+    md = tune_markdown(path, results)
+    assert f"- table file: {path}" in md
+    assert f"| 8 | 4 | 1 | 4096 | causal | 30.0 | 20.0 | 20.0 | 1.50× | {LONG} | 3 | 1 |" in md
+    assert "| 8 | 4 | 2 | 4096 | tree | — | — | none ran | — |" in md
+    assert "…" not in _render(tune_table(results), terminal=False)
+    for fmt, expected in (("json", tune_json(path, results)), ("markdown", md)):
+        result = runner.invoke(app, ["tune", "--row", "8,4,1,4096", "--format", fmt])
+        assert result.exit_code == 0, result.output
+        assert result.stdout == expected and result.stderr == f"wrote {path}\n"
+    result = runner.invoke(app, ["tune", "--row", "8,4,1,4096"], env={"COLUMNS": "60"})
+    assert LONG in result.stdout and "none ran" in result.stdout and result.stdout.endswith(f"wrote {path}\n")
+
+
+def _fuzz_report() -> Report:
+    a, b = draw(3), draw(4)
+    outcomes = [Outcome(a, "dispatch", "ok"), Outcome(a, LONG, "skip", "head_tile: got 64"),
+                Outcome(b, "dispatch", "fail", "max error 3.0 at [0, 1] | lse nan\nmore"),
+                Outcome(b, "mma_ht8_qt1_bn64_w4_st2_spa_sm90", "ok", drawn=True)]
+    return Report(outcomes=outcomes, shapes=2, elapsed_s=0.5)
+
+
+def test_fuzz_formats(monkeypatch, fake_gpu):
+    import mlagen.fuzz
+    import mlagen.runtime
+
+    report = _fuzz_report()
+
+    def fuzz(seeds, variants, space, any_variant, budget_s, on_outcome):
+        for o in report.outcomes:
+            on_outcome(o)
+        return report
+    monkeypatch.setattr(mlagen.fuzz, "fuzz", fuzz)
+    monkeypatch.setattr(mlagen.runtime, "device_info", lambda device: ("sm_90a", 132))
+    args = ["fuzz", "--seed", "3", "--cases", "2", "--max-batch", "4"]
+    replay = "mlagen fuzz --seed 4 --cases 1 --max-batch 4"
+
+    result = runner.invoke(app, [*args, "--format", "json"])
+    assert result.exit_code == 1                     # a check failed
+    data = json.loads(result.stdout)
+    assert data["summary"] == report.summary() and data["shapes"] == 2 and data["elapsed_s"] == 0.5
+    assert (data["first_seed"], data["last_seed"], data["arch"]) == (3, 4, "sm_90a")
+    assert data["kernels"] == [{"kernel": "dispatch", "ok": 1, "skipped": 0, "failed": 1},
+                               {"kernel": LONG, "ok": 0, "skipped": 1, "failed": 0},
+                               {"kernel": "random variants", "ok": 1, "skipped": 0, "failed": 0}]
+    assert data["failures"] == [{"seed": 4, "shape": str(report.outcomes[2].shape), "variant": "dispatch",
+                                 "message": report.outcomes[2].message, "replay": replay}]
+    assert "FAIL seed 4" in result.stderr and f"replay: {replay}" in result.stderr       # live, beside the json
+
+    result = runner.invoke(app, [*args, "--format", "markdown"])
+    assert result.exit_code == 1
+    assert result.stdout == fuzz_markdown(report, "mlagen fuzz: seeds 3..4 on sm_90a", lambda o: replay)
+    assert "| dispatch | 1 | 0 | 1 |" in result.stdout and report.summary() in result.stdout
+    assert f"(replay: `{replay}`)" in result.stdout
+
+    result = runner.invoke(app, args, env={"COLUMNS": "60"})
+    assert result.exit_code == 1 and result.stderr == ""
+    assert LONG in result.stdout and "…" not in result.stdout
+    assert f"replay: {replay}" in result.stdout and result.stdout.endswith(report.summary() + "\n")
+
+
+def test_fuzz_formatters_alone():
+    report = _fuzz_report()
+    data = json.loads(fuzz_json(report, {"arch": "sm_120"}, lambda o: f"replay {o.shape.seed}"))
+    assert data["arch"] == "sm_120" and data["failures"][0]["replay"] == "replay 4" and data["stopped"] is None
+    table = fuzz_table(report, "t")
+    assert table.row_count == 3 and table.columns[3]._cells[0].style == "red"     # dispatch failed once
+    report.stopped = "the time budget ran out before seed 5"
+    assert "stopped early: the time budget ran out before seed 5" in fuzz_markdown(report, "t", str)
