@@ -9,6 +9,7 @@ takes the width it needs, and in a terminal a cell too long for its column folds
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 import re
 import sys
@@ -59,10 +60,7 @@ def _usage_message(e: click_errors.UsageError, argv: list[str], command: str) ->
     kind = re.search(r"valid (integer|number|float)", message)
     if isinstance(e, click_errors.BadParameter) and param is not None and param.opts and kind:
         parse = int if kind[1] == "integer" else float
-        given = [v for i, a in enumerate(argv) for o in param.opts
-                 for v in ([argv[i + 1]] if a == o and i + 1 < len(argv) else
-                           [a[len(o) + 1:]] if a.startswith(o + "=") else [])]
-        bad = [v for v in given if not _parses(parse, v)]
+        bad = [v for v in _values(argv, param.opts) if not _parses(parse, v)]
         if bad:
             expected = "an integer" if parse is int else "a number"
             message = f"{max(param.opts, key=len)}: got {bad[0]!r}, expected {expected}"
@@ -70,6 +68,16 @@ def _usage_message(e: click_errors.UsageError, argv: list[str], command: str) ->
     if ctx is not None:
         command = " ".join(["mlagen", *ctx.command_path.split()[1:]])
     return f"{message} (see '{command} --help')"
+
+
+def _values(argv: list[str], names: list[str]):
+    """The values the command line gives an option of these names ('--x V' or '--x=V')."""
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                yield argv[i + 1]
+            elif arg.startswith(name + "="):
+                yield arg[len(name) + 1:]
 
 
 def _parses(parse, text: str) -> bool:
@@ -268,8 +276,9 @@ def _problem_options(page_size: int, masks: list[str], dtype: str) -> None:
 
 
 def _at_least(option: str, got: float | None, least: float, strict: bool = False) -> None:
-    if got is not None and (got <= least if strict else got < least):
-        _fail(f"{option}: got {got}, expected {'>' if strict else '>='} {least}")
+    if got is not None and not (math.isfinite(got) and (got > least if strict else got >= least)):
+        _fail(f"{option}: got {got}, expected {'a finite number ' if not math.isfinite(got) else ''}"
+              f"{'>' if strict else '>='} {least}")
 
 
 def _need_gpu(command: str, why: str = "times kernels") -> None:
@@ -305,8 +314,8 @@ def emit(
 ) -> None:
     """Write standalone CUDA kernels (.cu) and their JSON manifests.
 
-    They go into OUT/PRESET/ARCH/: the variants the dispatcher picks for the preset's shapes, or
-    those --variant names. Kernels an earlier emit wrote there that the preset no longer has are
+    They go into the --out folder, under PRESET/ARCH/: the variants the dispatcher picks for the
+    preset's shapes, or those --variant names. Kernels an earlier emit wrote there that the preset no longer has are
     removed; other files stay.
     """
     from mlagen.emit import emit_one, emit_preset
@@ -492,7 +501,7 @@ def bench(
 
     Per shape: each kernel family, the dispatcher's pick and PyTorch eager, in µs per call and as
     a multiple of the floor (the least time the GPU's measured memory bandwidth and matmul rate
-    allow). Writes bench.json, bench.md and bench.png to OUT too.
+    allow). Writes bench.json, bench.md and bench.png into the --out folder too.
     """
     fmt = _format(format_)
     rows = _rows(grid, row, ["seed"])
