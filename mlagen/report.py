@@ -112,8 +112,34 @@ def rich_table(result: BenchResult) -> Table:
                       caption="\n".join(_header_lines(result)), right=lambda col: col != "dispatch variant")
 
 
+SUMMARY_COLUMNS = ("H", "B", "S", "prefix", "floor µs", "mlagen µs", "× floor", "torch eager µs", "FlashMLA µs",
+                   "mlagen / FlashMLA")
+
+
+def summary_cells(row: RowResult) -> list[str]:
+    """One row of the summary table: the dispatched kernel's time beside the floor and the peers."""
+    def us(name: str) -> str:
+        cell = row.cells.get(name)
+        return f"{cell.us:.1f}" if cell is not None and cell.us is not None else "—"
+
+    dispatch = row.cells.get(DISPATCH)
+    x_floor = (f"{dispatch.us / row.floor_us:.2f}" if dispatch is not None and dispatch.us is not None
+               and row.floor_us > 0 else "—")
+    return [str(row.heads), str(row.batch), str(row.seqlen_q), str(row.prefix), f"{row.floor_us:.1f}", us(DISPATCH),
+            x_floor, us(EAGER), f"{row.flashmla_us:.1f}" if row.flashmla_us is not None else "—",
+            _ratio(row.dispatch_vs_flashmla)]
+
+
+def summary_markdown(result: BenchResult) -> list[str]:
+    """The summary table's markdown lines (the README's performance table is a copy of them)."""
+    return markdown_table(list(SUMMARY_COLUMNS), [summary_cells(r) for r in result.rows])
+
+
 def markdown(result: BenchResult) -> str:
-    out = ["# mlagen bench", "", *[f"- {line}" for line in _header_lines(result)], "",
+    """bench.md: the run's facts, the summary table (the dispatched kernel against the floor and the
+    peers), then every timed cell."""
+    out = ["# mlagen bench", "", *[f"- {line}" for line in _header_lines(result)], "", "## Summary", "",
+           *summary_markdown(result), "", "## Every cell", "",
            *markdown_table(_columns(result), [row_cells(result, r) for r in result.rows])]
     failures = [(r, n, c.error) for r in result.rows for n, c in r.cells.items() if c.error]
     if failures:

@@ -155,7 +155,9 @@ def test_reports_are_written(tmp_path):
     data = json.loads(paths[0].read_text())
     assert data["rows"][0]["derived"]["x_floor"]["naive"] == 20.0
     md = paths[1].read_text()
-    assert md.count("\n| ") == 1 + len(result.rows) and "Test GPU" in md and "failed" in md
+    assert md.count("\n| ") == 2 * (1 + len(result.rows)) and "Test GPU" in md and "failed" in md
+    summary = md.split("## Summary", 1)[1].split("## Every cell", 1)[0]
+    assert summary.count("\n| ") == 1 + len(result.rows) and "mlagen / FlashMLA" in summary
     assert "CompileError: boom" in md and "12.0 µs/call" in md
     assert "dispatch vs FlashMLA over the 2 rows with its figure: best 0.57×, median 0.89×, worst 0.89× " \
            "(64,1,9,4096)" in md
