@@ -1,5 +1,11 @@
 """Every spec either validates, renders and compiles for its arch, or raises the clear error;
-every preset variant compiles for the CI archs without spills."""
+preset and knob variants compile for the CI archs without spills.
+
+The default run compiles a representative set: per arch, the largest tile of each kind of kernel
+(template, schedule, load, split and knobs), each family with fp16 and each mask, and a spread of
+the sm_90a schedules' tiles, dtypes and masks. The rest of the matrix (every preset variant, every
+combination) is marked compile_matrix and runs with --compile-matrix, as CI does.
+"""
 
 import re
 
@@ -14,6 +20,40 @@ from mlagen.mma_plan import TRANSPOSED_STACK, stack_budget
 from mlagen.presets import PRESETS
 from mlagen.spec import Problem, Variant, naive, parse_variant
 from mlagen.validate import SpecError, is_valid, validate
+
+MATRIX = pytest.mark.compile_matrix
+
+
+def _rows(v: Variant) -> int:
+    return 0 if v.family == "naive" else v.head_tile * v.q_tile
+
+
+def _kind(v: Variant) -> tuple:
+    """What sets a kernel's code apart from another's, but for the size of its tile (a fixed split
+    is a launch parameter; a cluster's size is compiled in)."""
+    split = v.kv_split if v.cluster or not isinstance(v.kv_split, int) else "fixed"
+    return (v.arch, v.family, v.warps, v.block_n, v.stages, split, v.mma_pv, v.part16, v.tma, v.seesaw, v.transposed,
+            v.p_exchange)
+
+
+def largest_of_each_kind(jobs: list[tuple]) -> list:
+    """Jobs ending in (preset, variant) as pytest params: of each kind of kernel, the valid job
+    with the largest tile (the nearest to the register limit) runs by default, the rest are
+    compile_matrix."""
+    largest: dict[tuple, int] = {}
+    for i, (*_, preset, v) in enumerate(jobs):
+        best = largest.get(_kind(v))
+        if is_valid(preset.problem, v) and (best is None or _rows(v) > _rows(jobs[best][-1])):
+            largest[_kind(v)] = i
+    chosen = set(largest.values())
+    return [pytest.param(*job, id=f"{job[-2].name}-{job[-1].name}", marks=() if i in chosen else MATRIX)
+            for i, job in enumerate(jobs)]
+
+
+def representative(cases: list[tuple], chosen: list[tuple]) -> list:
+    """`cases` as pytest params; those not in `chosen` are compile_matrix."""
+    assert set(chosen) <= set(cases), set(chosen) - set(cases)
+    return [pytest.param(*c, id="-".join(map(str, c)), marks=() if c in chosen else MATRIX) for c in cases]
 
 problems = st.builds(
     Problem,
@@ -51,7 +91,7 @@ def test_every_spec_compiles_or_raises_a_clear_error(problem, variant):
 PRESET_JOBS = [(p, v) for p in PRESETS.values() for a in CI_ARCHS for v in p.variants(a)]
 
 
-@pytest.mark.parametrize("preset,variant", PRESET_JOBS, ids=[f"{p.name}-{v.name}" for p, v in PRESET_JOBS])
+@pytest.mark.parametrize("preset,variant", largest_of_each_kind(PRESET_JOBS))
 def test_preset_variants_compile_without_spills(preset, variant):
     """No spills, but in a transposed tile of more than 32 rows a bounded stack."""
     built = build(preset.problem, variant)
@@ -85,7 +125,7 @@ KNOB_JOBS = ([("_spb_", p, v.with_(kv_split="balanced")) for p, v in MMA_JOBS]
                 for k, part16 in (("adaptive", False), ("balanced", True))])
 
 
-@pytest.mark.parametrize("tag,preset,variant", KNOB_JOBS, ids=[f"{p.name}-{v.name}" for _, p, v in KNOB_JOBS])
+@pytest.mark.parametrize("tag,preset,variant", largest_of_each_kind(KNOB_JOBS))
 def test_knob_variants_compile_without_spills(tag, preset, variant):
     # a cluster's staged rows, or a TMA tile's page, may not fit a preset: refused, then skipped
     if tag in ("_cl_", "_tma_") and not is_valid(preset.problem, variant):
@@ -96,6 +136,28 @@ def test_knob_variants_compile_without_spills(tag, preset, variant):
     assert tag in built.plan.main_kernel
     for name, r in built.module.resources.items():
         assert not r.spills, f"{name} spills: {r}"
+
+
+# Each family on each CI arch with what the presets (bf16, causal) leave out: fp16, the tree mask
+# (naive, mma: the presets' largest mma tile of the arch) and no mask with lse (flash, which no
+# preset picks).
+def _largest_mma(arch: str) -> Variant:
+    return max((v for v in PRESETS["kimi-k2"].variants(arch) if v.family == "mma" and v.arch == arch), key=_rows)
+
+
+FAMILY_JOBS = [job for a in CI_ARCHS for job in (
+    (Problem(heads=64, dtype="fp16", mask="tree"), naive(arch=a)),
+    (Problem(heads=64, dtype="fp16", mask="tree"), _largest_mma(a)),
+    (Problem(heads=16, dtype="fp16", mask="none", lse=True), Variant(head_tile=8, q_tile=4, stages=1, arch=a)))]
+
+
+@pytest.mark.parametrize("problem,variant", FAMILY_JOBS, ids=[f"{p.name}-{v.name}" for p, v in FAMILY_JOBS])
+def test_each_family_compiles_with_fp16_and_each_mask(problem, variant):
+    built = build(problem, variant)
+    assert built.plan.main_kernel in built.module.resources
+    assert f"_{problem.dtype}_" in built.plan.main_kernel and f"_{problem.mask}" in built.plan.main_kernel
+    for name, r in built.module.resources.items():
+        assert not r.spills and r.registers <= 255, f"{name}: {r}"
 
 
 def test_sm90a_products_run_on_wgmma():
@@ -114,9 +176,10 @@ def test_sm90a_products_run_on_wgmma():
         validate(Problem(), v.with_(block_n=32))
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("mask", ["causal", "tree"])
-@pytest.mark.parametrize("split, part16", [("adaptive", False), ("balanced", True)])
+@pytest.mark.parametrize("dtype,mask,split,part16", representative(
+    [(d, m, s, p) for d in ("bf16", "fp16") for m in ("causal", "tree")
+     for s, p in (("adaptive", False), ("balanced", True))],
+    [("bf16", "tree", "balanced", True), ("fp16", "causal", "adaptive", False)]))
 def test_seesaw_variants_compile_without_spills_or_serialized_wgmmas(dtype, mask, split, part16):
     """The seesaw loop holds the scores of a whole tile (32 fp32) beside half the output (128)
     in each thread: close to the 255 registers, so every build checks for spills, and for the
@@ -131,17 +194,22 @@ def test_seesaw_variants_compile_without_spills_or_serialized_wgmmas(dtype, mask
     assert "C751" not in log and "serialized" not in log and "injected" not in log, log
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("mask", ["causal", "tree", "none"])
-@pytest.mark.parametrize("heads, head_tile, q_tile, split, part16", [
-    (8, 8, 9, "adaptive", True), (8, 8, 9, "balanced", False), (16, 16, 2, "balanced", True), (16, 8, 2, 3, False),
-    (64, 16, 4, "adaptive", False)])
+TRANSPOSED_TILES = [(8, 8, 9, "adaptive", True), (8, 8, 9, "balanced", False), (16, 16, 2, "balanced", True),
+                    (16, 8, 2, 3, False), (64, 16, 4, "adaptive", False)]
+
+
+# by default each tile once, each dtype and mask at least once, and the tree mask on both 72-row tiles
+@pytest.mark.parametrize("dtype,mask,heads,head_tile,q_tile,split,part16", representative(
+    [(d, m, *t) for d in ("bf16", "fp16") for m in ("causal", "tree", "none") for t in TRANSPOSED_TILES],
+    [("bf16", "tree", *TRANSPOSED_TILES[0]), ("fp16", "tree", *TRANSPOSED_TILES[1]),
+     ("fp16", "none", *TRANSPOSED_TILES[2]), ("bf16", "causal", *TRANSPOSED_TILES[3]),
+     ("fp16", "causal", *TRANSPOSED_TILES[4])]))
 def test_transposed_variants_compile_with_asynchronous_wgmmas(dtype, mask, heads, head_tile, q_tile, split, part16):
     """The transposed tile: wgmma's N is the block's rows (no padding to 64), the output product
     reads the tile M-major, and ptxas neither serializes nor waits around its wgmmas. At 72 rows
-    its 144 output accumulators leave a few spills, as in the probe the H200 timed (40-56 bytes;
-    benchmarks/NOTES.md, session 14), and a tree mask's byte reads a few more (88-96 bytes at 72
-    rows, 8 at 64): more than 128 bytes means something grew; 32 rows fit with room."""
+    its 144 output accumulators leave a few spills (40-56 bytes, as in the hand-written kernel
+    the H200 timed), and a tree mask's byte reads a few more (88-96 bytes at 72 rows, 8 at 64):
+    more than 128 bytes means something grew; 32 rows fit with room."""
     v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2, arch="sm_90a",
                 kv_split=split, part16=part16, transposed=True)
     built = build(Problem(heads=heads, dtype=dtype, mask=mask), v)
@@ -154,9 +222,14 @@ def test_transposed_variants_compile_with_asynchronous_wgmmas(dtype, mask, heads
     assert "C751" not in log and "serialized" not in log and "injected" not in log, log
 
 
-@pytest.mark.parametrize("dtype,mask,lse", [("bf16", "causal", True), ("fp16", "tree", False), ("bf16", "none", False)])
-@pytest.mark.parametrize("heads,head_tile,q_tile,size", [(64, 64, 1, 5), (64, 32, 2, 8), (8, 8, 7, 2), (16, 16, 4, 3),
-                                                         (128, 64, 1, 4)])
+EXCHANGE_PROBLEMS = [("bf16", "causal", True), ("fp16", "tree", False), ("bf16", "none", False)]
+EXCHANGE_TILES = [(64, 64, 1, 5), (64, 32, 2, 8), (8, 8, 7, 2), (16, 16, 4, 3), (128, 64, 1, 4)]
+
+
+# by default each tile once, the problems in turn
+@pytest.mark.parametrize("dtype,mask,lse,heads,head_tile,q_tile,size", representative(
+    [(*p, *t) for p in EXCHANGE_PROBLEMS for t in EXCHANGE_TILES],
+    [(*EXCHANGE_PROBLEMS[i % 3], *t) for i, t in enumerate(EXCHANGE_TILES)]))
 def test_p_exchange_variants_compile_without_spills_or_serialized_wgmmas(dtype, mask, lse, heads, head_tile, q_tile,
                                                                          size):
     """The P exchange at every cluster size that fits, on 49- to 64-row tiles: bulk copies
@@ -186,8 +259,8 @@ def test_sources_have_no_generic_lambdas():
         assert not re.search(r"\]\s*\([^)]*\bauto\b", source), f"{variant.name}: a generic lambda"
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("mask", ["causal", "tree"])
+@pytest.mark.parametrize("dtype,mask", representative(
+    [(d, m) for d in ("bf16", "fp16") for m in ("causal", "tree")], [("bf16", "causal"), ("fp16", "tree")]))
 def test_wgmma_variants_are_not_serialized(dtype, mask):
     """ptxas serializes every wgmma of a kernel (C7518/C7519, a large slowdown it only warns
     about) when, e.g., a wgmma or its accumulators sit in a branch ptxas sees as divergent, and

@@ -8,14 +8,34 @@ from typer.testing import CliRunner
 from cli import app
 from mlagen import sass
 from mlagen.build import build
+from mlagen.codegen import render
+from mlagen.compiler import compile_source
+from mlagen.mma_plan import TRANSPOSED_STACK
 from mlagen.spec import Problem, parse_variant
+from mlagen.validate import validate
 
 runner = CliRunner()
+MATRIX = pytest.mark.compile_matrix
 WGMMA = "mma_ht64_qt1_bn64_w8_st2_spa_sm90a"
 
 
 def _built(name: str):
     return build(Problem(heads=64), parse_variant(name))
+
+
+def _benchmark(name: str):
+    """A script of benchmarks/ as a module."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    return importlib.import_module(name)
+
+
+def _plan(name: str, heads: int = 64):
+    """Variant `name`'s plan for the H=`heads` problem, without compiling it."""
+    return validate(Problem(heads=heads), parse_variant(name))
 
 
 def _main_sass(name: str) -> str:
@@ -51,14 +71,14 @@ def test_wgmma_kernel_sass_shows_the_design():
     assert "HGMMA.64x32x16" in text and "HGMMA.64x256x16" in text
     assert counts["LDL"] == counts["STL"] == 0
     # Copies after a row's first: shared and global address both a register plus a constant
-    # (v7's loader computed every address: 0 of 27 copies looked like this).
+    # (a loader that computes every address gives 0 of 27 copies like this).
     copies = [line for line in text.splitlines() if "LDGSTS" in line]
     constant = [c for c in copies if re.search(r"\[R\d+\+0x[0-9a-f]+\], desc\[UR\d+\]\[R\d+\.64\+0x[0-9a-f]+\]", c)]
     assert copies and len(constant) >= 0.8 * len(copies)
 
 
 def test_wgmma_kernel_refills_between_its_score_wgmmas():
-    """v10: the next tile's copies go out between the 36 score wgmmas (one column block per 4
+    """The next tile's copies go out between the 36 score wgmmas (one column block per 4
     k-steps, 2 rows per thread: 16 copies before the last block's wgmmas), with their row
     lookups done a tile earlier, so no global load sits among them."""
     _needs_nvdisasm()
@@ -73,8 +93,8 @@ def test_wgmma_kernel_refills_between_its_score_wgmmas():
 @pytest.mark.parametrize("name", [WGMMA, "mma_ht64_qt1_bn64_w8_st2_spb_sm90a"])
 def test_score_wgmma_descriptors_stay_in_uniform_registers(name):
     """The score wgmmas' shared-memory descriptors are uniform-register arithmetic: no R2UR
-    among them. v13's first balanced kernel had 69 there (its segment loop's bounds came from
-    64-bit divisions, so ptxas treated the tile loop as divergent) and ran a tile 17% slower."""
+    among them. When a balanced kernel's segment loop took its bounds from 64-bit divisions,
+    ptxas treated the tile loop as divergent, put 69 R2UR there, and a tile ran 17% slower."""
     _needs_nvdisasm()
     lines = _main_sass(name).splitlines()
     scores = [i for i, line in enumerate(lines) if "HGMMA.64x32x16" in line]
@@ -94,9 +114,9 @@ def test_split_blocks_count_themselves_done_without_a_sequentially_consistent_fe
 
 
 def test_epilogue_writes_16_byte_rows():
-    """v15: the epilogue stages the output rows in shared memory and each warp writes whole
-    rows in 16-byte lanes (out or the fp32 partial); from the accumulator layout ptxas had
-    split every float2 partial store in two (203 32-bit STG, each warp store touching 8 rows)."""
+    """The epilogue stages the output rows in shared memory and each warp writes whole rows in
+    16-byte lanes (out or the fp32 partial); stored from the accumulator layout, ptxas splits
+    every float2 partial store in two (203 32-bit STG, each warp store touching 8 rows)."""
     _needs_nvdisasm()
     stores = re.findall(r"\bSTG\.E(\.\d+)? ", _main_sass(WGMMA))
     assert stores.count(".128") >= 1
@@ -226,8 +246,8 @@ def test_kernels_for_older_archs_have_no_dependent_launch_control():
                                         ("mma_ht32_qt2_bn64_w8_st2_spb_tma_ss_sm90a", 128)])
 def test_balanced_seesaw_tile_loop_lies_in_the_kernels_first_64_kb(name, heads):
     """The balanced seesaw kernels' merge blocks run their code after the tile loop, so ptxas lays
-    it out there: with their code placed before it, the loop ended 4-10 KB past the kernel's first
-    64 KB, and the H200 stalled on instruction fetch there (benchmarks/NOTES.md, v47 and v48)."""
+    it out there: with their code placed before it, the loop ends 4-10 KB past the kernel's first
+    64 KB, and the H200 stalled on instruction fetch when the loop sat there."""
     _needs_nvdisasm()
     b = build(Problem(heads=heads), parse_variant(name))
     start, end = sass.tile_loop(sass.disassemble(b.module.cubin, b.plan.main_kernel, b.plan.arch.name))
@@ -271,7 +291,8 @@ def test_show_prints_sass_and_opcodes():
     assert re.search(r"/\*0000\*/\s+\w", listing.output)
     table = runner.invoke(app, ["show", WGMMA, "--opcodes"])
     assert table.exit_code == 0, table.output
-    assert "HGMMA" in table.output and "instructions (static)" in table.output
+    # (the title wraps to the table's width at 80 columns)
+    assert "HGMMA" in table.output and re.search(r"\d+ instructions\s+\(static\)", table.output)
 
 
 def test_show_without_nvdisasm_says_how_to_get_it(monkeypatch, tmp_path):
@@ -284,54 +305,61 @@ def test_show_without_nvdisasm_says_how_to_get_it(monkeypatch, tmp_path):
     assert "pip install nvidia-cuda-nvdisasm" in result.output and missing in result.output
 
 
-def test_block_trace_patch_compiles_for_the_split_kernels():
+# The split kernels benchmarks/trace_blocks.py stamps, and how many stamps each gets.
+BLOCK_TRACES = [
+    ("mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a", 11), ("mma_ht32_qt2_bn64_w8_st2_spa_sm90a", 11),
+    ("mma_ht32_qt2_bn64_w8_st2_spa_p16_sm90a", 15),   # rows staged and written, a pair's merge done
+    ("mma_ht32_qt2_bn64_w8_st2_spa_p16_tma_sm90a", 15), ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 8),
+    # the seesaw: no tile-0 stamp; 16-bit rows: a pair's merge done, rows staged and written (4 more)
+    ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 15),
+    ("mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a", 14),   # rows staged, stores issued
+]
+# compiled patched by default: the largest kernels, where a stamp is likeliest to cost a spill
+TRANSPOSED_TRACE = "mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a"
+BLOCK_TRACES_COMPILED = ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", TRANSPOSED_TRACE)
+
+
+def _block_trace_patch(name: str, stamps: int, **options) -> str:
+    plan = _plan(name)
+    source = _benchmark("trace_blocks").patch(render(plan), **options)
+    assert source.count("TR(") == stamps
+    # its definition, the segment's entry, and with TMA Q's landing (not the transposed tile's:
+    # its Q and first tile share one wait)
+    assert source.count("TR_FIRST(") == (3 if plan.variant.tma and not plan.variant.transposed else 2)
+    return source
+
+
+@pytest.mark.parametrize("name,stamps", BLOCK_TRACES)
+def test_block_trace_patch_finds_every_landmark(name, stamps):
     """benchmarks/trace_blocks.py patches stamps in at template landmarks: every landmark is still
-    there (the seesaw's tile loop has no tile-0 barrier to stamp; the TMA loop's is its wait; the
-    transposed tile's is its warpgroup barrier), and the patched sm_90a kernels compile (without
-    spills where the kernel has none), with every stamp from globaltimer too."""
-    import sys
-    from pathlib import Path
+    there in each split kernel (the seesaw's tile loop has no tile-0 barrier to stamp; the TMA
+    loop's is its wait; the transposed tile's is its warpgroup barrier)."""
+    _block_trace_patch(name, stamps)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import trace_blocks
 
-    from mlagen.codegen import render
-    from mlagen.compiler import compile_source
+@pytest.mark.parametrize("name,stamps", [pytest.param(*c, marks=() if c[0] in BLOCK_TRACES_COMPILED else MATRIX)
+                                         for c in BLOCK_TRACES])
+def test_block_trace_patch_compiles_for_the_split_kernels(name, stamps):
+    """The patched sm_90a kernels compile, without spills where the kernel has none."""
+    plan = _plan(name)
+    module = compile_source(_block_trace_patch(name, stamps), plan.name, plan.arch.name)
+    # (the 72-row transposed tile runs at 255 registers and spills a little without stamps too)
+    assert plan.variant.transposed or all(not r.spills for r in module.resources.values())
 
-    for name, stamps in (("mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a", 11), ("mma_ht32_qt2_bn64_w8_st2_spa_sm90a", 11),
-                         ("mma_ht32_qt2_bn64_w8_st2_spa_p16_sm90a", 15),   # rows staged and written, a pair
-                         ("mma_ht32_qt2_bn64_w8_st2_spa_p16_tma_sm90a", 15),
-                         ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 8),
-                         ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 15),   # the seesaw: no tile-0 stamp;
-                         # 16-bit rows: a pair's merge done, rows staged and written (4 more)
-                         ("mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a", 14)):   # rows staged, stores issued
-        plan = _built(name).plan
-        source = trace_blocks.patch(render(plan))
-        assert source.count("TR(") == stamps
-        # its definition, the segment's entry, and with TMA Q's landing (not the transposed tile's:
-        # its Q and first tile share one wait)
-        assert source.count("TR_FIRST(") == (3 if plan.variant.tma and not plan.variant.transposed else 2)
-        module = compile_source(source, plan.name, plan.arch.name)
-        # (the 72-row transposed tile runs at 255 registers and spills a little without stamps too)
-        assert plan.variant.transposed or all(not r.spills for r in module.resources.values())
-    timed = trace_blocks.patch(render(plan), globaltimer_only=True)
-    assert "clock64()" not in timed and timed.count("TR(") == stamps
-    compile_source(timed, plan.name, plan.arch.name)
+
+def test_block_trace_patch_stamps_from_globaltimer_alone():
+    """globaltimer_only: every stamp reads the global timer (no clock64), and the kernel compiles."""
+    plan = _plan(TRANSPOSED_TRACE)
+    timed = _block_trace_patch(TRANSPOSED_TRACE, dict(BLOCK_TRACES)[TRANSPOSED_TRACE], globaltimer_only=True)
+    assert "clock64()" not in timed and "tr_gt()" in timed
+    assert compile_source(timed, plan.name, plan.arch.name).cubin[:4] == b"\x7fELF"
 
 
 def test_exchange_trace_patch_compiles():
     """benchmarks/trace_exchange.py stamps the P exchange's phases at landmarks of its template:
     every landmark is still there once, and the patched kernel compiles without spills."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import trace_exchange
-
-    from mlagen.codegen import render
-    from mlagen.compiler import compile_source
-
-    plan = _built("mma_ht64_qt1_bn64_w8_st1_sp8_cl_px_sm90a").plan
+    trace_exchange = _benchmark("trace_exchange")
+    plan = _plan("mma_ht64_qt1_bn64_w8_st1_sp8_cl_px_sm90a")
     source = trace_exchange.patch(render(plan))
     assert source.count("TR(") == len(trace_exchange.PATCHES) + 1     # the macro's own definition
     module = compile_source(source, plan.name, plan.arch.name)
@@ -342,16 +370,8 @@ def test_seesaw_trace_patch_compiles():
     """benchmarks/trace_seesaw.py stamps each step of both warpgroups at landmarks of the seesaw
     loop: every landmark is still there once, and the patched kernel compiles without spills or
     serialized wgmmas (a stamp that cost either would distort what it measures)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import trace_seesaw
-
-    from mlagen.codegen import render
-    from mlagen.compiler import compile_source
-
-    plan = _built("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a").plan
+    trace_seesaw = _benchmark("trace_seesaw")
+    plan = _plan("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a")
     seesaw = trace_seesaw.SEESAW
     source = trace_seesaw.patch(render(plan), seesaw)
     assert source.count("        TS(") == len(seesaw.steps) == 15
@@ -361,7 +381,7 @@ def test_seesaw_trace_patch_compiles():
     assert "C751" not in module.log and "serialized" not in module.log, module.log
     assert source.count("GT();") == 1                     # the global timer, once a pair
     with pytest.raises(SystemExit, match="landmark not found once"):
-        trace_seesaw.patch(render(_built(WGMMA).plan), seesaw)
+        trace_seesaw.patch(render(_plan(WGMMA)), seesaw)
 
 
 @pytest.mark.parametrize("name", ["mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", "mma_ht8_qt4_bn64_w8_st2_sp3_tr_sm90a"])
@@ -370,17 +390,8 @@ def test_transposed_trace_patch_compiles(name):
     there once, the stamps go into every step of both warpgroups (the scores and softmax through
     `me`), a pair counter carries the pairs across a balanced range's segments, and the patched
     kernel keeps its wgmmas asynchronous and its stack within what the tile is allowed."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import trace_seesaw
-
-    from mlagen.codegen import render
-    from mlagen.compiler import compile_source
-    from mlagen.mma_plan import TRANSPOSED_STACK
-
-    plan = build(Problem(heads=8), parse_variant(name)).plan
+    trace_seesaw = _benchmark("trace_seesaw")
+    plan = _plan(name, heads=8)
     tr = trace_seesaw.TRANSPOSED
     assert trace_seesaw.schedule_of(plan.variant) is tr
     source = trace_seesaw.patch(render(plan), tr)
@@ -399,11 +410,7 @@ def test_transposed_trace_patch_compiles(name):
 def test_seesaw_trace_phases_are_clock_deltas_at_the_measured_rate():
     """trace_seesaw.phases: per inner pair, each warpgroup's step-to-step cycles at `ghz` as µs,
     and the pair period; the first and last pairs (prologue, tail) are left out."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import trace_seesaw
+    trace_seesaw = _benchmark("trace_seesaw")
 
     def pair(start: int) -> list[int]:
         stamps = [0] * trace_seesaw.SEESAW.events
@@ -426,11 +433,7 @@ def test_seesaw_trace_boundaries_follow_a_segment_end_to_the_next_k0():
     """trace_seesaw.boundaries: for a pair with boundary stamps (a segment's last pair), the µs
     from warpgroup 0's last P1 V1_L through each epilogue step to the next pair's K0; pairs
     without them (inside a segment) and a block's last pair give nothing."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import trace_seesaw
+    trace_seesaw = _benchmark("trace_seesaw")
 
     seesaw = trace_seesaw.SEESAW
 
@@ -451,60 +454,13 @@ def test_seesaw_trace_boundaries_follow_a_segment_end_to_the_next_k0():
     assert got[steps[-1]] == [(9000 - 5800) / 2000]
 
 
-@pytest.mark.parametrize("heads,seqlen_q", [(8, 9), (16, 4)])
-@pytest.mark.parametrize("schedule,waits", [("lockstep", 4), ("pipelined", 10), ("seesaw", 7), ("seesaw_lazy", 7)])
-def test_transposed_probe_compiles_with_asynchronous_wgmmas(heads, seqlen_q, schedule, waits):
-    """benchmarks/transposed_probe.py (NOTES, session 14): its kernels for 72 and 64 rows compile,
-    and ptxas keeps their wgmmas asynchronous. The first version waited after every wgmma (175
-    against 146 µs on the H200) until the warpgroup's branch took its index through a lane-0
-    broadcast, and the pipelined one did until its masked scores got registers of their own;
-    ptxas's log said nothing the first time, so the SASS's waits are counted."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import transposed_probe
-
-    from mlagen.compiler import compile_source
-
-    source = transposed_probe.source(heads, seqlen_q, schedule)
-    module = compile_source(source, f"tprobe_{schedule}_{heads}_{seqlen_q}", "sm_90a")
-    if schedule == "lockstep":
-        assert all(not r.spills and r.stack_frame == 0 for r in module.resources.values()), module.resources
-    assert "C7510" not in module.log and "C7515" not in module.log and "serialized" not in module.log, module.log
-    _needs_nvdisasm()
-    assert sass.disassemble(module.cubin, "probe", "sm_90a").count("WARPGROUP.DEPBAR") <= waits
-    with pytest.raises(AssertionError, match="rows 80"):
-        transposed_probe.source(16, 5, schedule)
-
-
-@pytest.mark.parametrize("mode", ["full", "half", "half+x", "half+xc", "half+xb"])
-def test_cluster_exchange_probe_compiles(mode):
-    """benchmarks/cluster_exchange_probe.py (NOTES, session 27): every mode's kernel compiles for
-    sm_90a without spills, the half modes as 2-block clusters, and the exchange compiled in for
-    the exchange modes only."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import cluster_exchange_probe
-
-    from mlagen.compiler import compile_source
-
-    source = cluster_exchange_probe.source(mode)
-    module = compile_source(source, f"xprobe_{mode.replace('+', '_')}", "sm_90a")
-    assert all(not r.spills for r in module.resources.values()), module.resources
-    assert ("__cluster_dims__(2, 1, 1)" in source) == mode.startswith("half")
-    assert ("#define EXCHANGE 0" not in source) == ("+x" in mode)
-
-
 @pytest.mark.parametrize("name,heads", [("mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", 8),
                                         ("mma_ht8_qt9_bn64_w8_st2_spb_tr_sm90a", 8),
                                         ("mma_ht8_qt5_bn64_w8_st2_sp3_p16_tr_sm90a", 8),
                                         ("mma_ht16_qt1_bn64_w8_st2_spb_p16_tr_sm90a", 16)])
 def test_transposed_tile_stores_its_fragments_by_stmatrix(name, heads):
     """P^T (8 columns x 8 keys a fragment) and, with part16, the staged output rows (8 columns x 8
-    dims, 4 value blocks a thread: v41) go out as stmatrix.trans, two 8-column groups an
+    dims, 4 value blocks a thread) go out as stmatrix.trans, two 8-column groups an
     instruction: ceil(N/16) a tile, and 4 times that in the epilogue. fp32 rows stay scalar."""
     _needs_nvdisasm()
     v = parse_variant(name)
@@ -519,8 +475,8 @@ def test_transposed_tile_stores_its_fragments_by_stmatrix(name, heads):
                                         ("mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a", 8)])
 def test_transposed_kernel_issues_each_product_without_waits(name, heads):
     """The transposed tile's 36 score wgmmas, and each output product's 16, go out back to back:
-    ptxas's log says nothing when it makes a wgmma wait for the one before (the probe's first
-    version), so the SASS is read. Its waits: one per product and the loop's few."""
+    ptxas's log says nothing when it makes a wgmma wait for the one before, so the SASS is read.
+    Its waits: one per product and the loop's few."""
     _needs_nvdisasm()
     b = build(Problem(heads=heads, mask="tree"), parse_variant(name))
     code = sass.disassemble(b.module.cubin, b.plan.main_kernel, b.plan.arch.name)
