@@ -53,6 +53,7 @@ def pytest_cmdline_main(config):
             config.option.dist = "worksteal"
 
 
+@pytest.hookimpl(optionalhook=True)   # pytest-xdist's hook: unknown without it
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker per usable core, up to 16, on a machine without
     a GPU, where the run is NVRTC compiles; on a GPU machine none (one process), since the GPU
