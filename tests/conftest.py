@@ -43,9 +43,12 @@ def _may_have_gpu() -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """Without -n, run in parallel (pytest-xdist's `-n auto`, work stealing: the compile tests take
-    0.1-3 s each); -n 0 runs in one process, as does a run without pytest-xdist installed. A worker
-    (which xdist starts with numprocesses unset) runs its share itself: it must not start workers."""
+    0.1-3 s each), unless every argument names a test; -n 0 runs in one process, as does a run
+    without pytest-xdist installed. A worker (which xdist starts with numprocesses unset) runs its
+    share itself: it must not start workers."""
     if hasattr(config, "workerinput") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if config.args and all("::" in arg for arg in config.args):   # tests named one by one: no workers
         return
     if getattr(config.option, "numprocesses", 0) is None:
         config.option.numprocesses = "auto"
