@@ -40,6 +40,11 @@ def _may_have_gpu() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*")) and os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
 
 
+def _tests_named(config) -> bool:
+    """Whether every argument names a test (path::name), not a file or folder."""
+    return bool(config.args) and all("::" in arg for arg in config.args)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """Without -n, run in parallel (pytest-xdist's `-n auto`, work stealing: the compile tests take
@@ -48,7 +53,7 @@ def pytest_cmdline_main(config):
     share itself: it must not start workers."""
     if hasattr(config, "workerinput") or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    if config.args and all("::" in arg for arg in config.args):   # tests named one by one: no workers
+    if _tests_named(config):
         return
     if getattr(config.option, "numprocesses", 0) is None:
         config.option.numprocesses = "auto"
@@ -69,8 +74,9 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # The full compile matrix runs with --compile-matrix, or when -m names it (-m compile_matrix).
-    if not config.getoption("--compile-matrix") and MATRIX not in (config.option.markexpr or ""):
+    # The full compile matrix runs with --compile-matrix, when -m names it (-m compile_matrix), or
+    # when the arguments name its tests.
+    if not (config.getoption("--compile-matrix") or MATRIX in (config.option.markexpr or "") or _tests_named(config)):
         matrix = [item for item in items if item.get_closest_marker(MATRIX)]
         if matrix:
             config.hook.pytest_deselected(items=matrix)
