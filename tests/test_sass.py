@@ -240,9 +240,9 @@ def test_kernels_for_older_archs_have_no_dependent_launch_control():
     assert "ACQBULK" not in text and "PREEXIT" not in text
 
 
-@pytest.mark.parametrize("name,heads", [("mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_sm90a", 16),
+@pytest.mark.parametrize("name,heads", [pytest.param("mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_sm90a", 16, marks=MATRIX),
                                         ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 64),
-                                        ("mma_ht64_qt1_bn64_w8_st2_spb_tma_ss_sm90a", 64),
+                                        pytest.param("mma_ht64_qt1_bn64_w8_st2_spb_tma_ss_sm90a", 64, marks=MATRIX),
                                         ("mma_ht32_qt2_bn64_w8_st2_spb_tma_ss_sm90a", 128)])
 def test_balanced_seesaw_tile_loop_lies_in_the_kernels_first_64_kb(name, heads):
     """The balanced seesaw kernels' merge blocks run their code after the tile loop, so ptxas lays
@@ -456,8 +456,8 @@ def test_seesaw_trace_boundaries_follow_a_segment_end_to_the_next_k0():
 
 @pytest.mark.parametrize("name,heads", [("mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", 8),
                                         ("mma_ht8_qt9_bn64_w8_st2_spb_tr_sm90a", 8),
-                                        ("mma_ht8_qt5_bn64_w8_st2_sp3_p16_tr_sm90a", 8),
-                                        ("mma_ht16_qt1_bn64_w8_st2_spb_p16_tr_sm90a", 16)])
+                                        pytest.param("mma_ht8_qt5_bn64_w8_st2_sp3_p16_tr_sm90a", 8, marks=MATRIX),
+                                        pytest.param("mma_ht16_qt1_bn64_w8_st2_spb_p16_tr_sm90a", 16, marks=MATRIX)])
 def test_transposed_tile_stores_its_fragments_by_stmatrix(name, heads):
     """P^T (8 columns x 8 keys a fragment) and, with part16, the staged output rows (8 columns x 8
     dims, 4 value blocks a thread) go out as stmatrix.trans, two 8-column groups an
@@ -472,7 +472,7 @@ def test_transposed_tile_stores_its_fragments_by_stmatrix(name, heads):
 
 @pytest.mark.parametrize("name,heads", [("mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", 8),
                                         ("mma_ht16_qt2_bn64_w8_st2_spa_tr_sm90a", 16),
-                                        ("mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a", 8)])
+                                        pytest.param("mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a", 8, marks=MATRIX)])
 def test_transposed_kernel_issues_each_product_without_waits(name, heads):
     """The transposed tile's 36 score wgmmas, and each output product's 16, go out back to back:
     ptxas's log says nothing when it makes a wgmma wait for the one before, so the SASS is read.
