@@ -55,6 +55,7 @@ def representative(cases: list[tuple], chosen: list[tuple]) -> list:
     assert set(chosen) <= set(cases), set(chosen) - set(cases)
     return [pytest.param(*c, id="-".join(map(str, c)), marks=() if c in chosen else MATRIX) for c in cases]
 
+
 problems = st.builds(
     Problem,
     heads=st.sampled_from([1, 8, 16, 24, 64, 128]),
