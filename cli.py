@@ -8,7 +8,6 @@ takes the width it needs, and in a terminal a cell too long for its column folds
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 import os
 import re
@@ -119,12 +118,10 @@ app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True)
 
 
 def _version() -> str:
-    try:
-        return importlib.metadata.version("mlagen")
-    except importlib.metadata.PackageNotFoundError:
-        import mlagen
+    """The package's version (`mlagen.__version__`, which pyproject.toml reads too)."""
+    import mlagen
 
-        return getattr(mlagen, "__version__", "unknown")
+    return mlagen.__version__
 
 
 def _print_version(show: bool) -> None:

@@ -36,4 +36,4 @@ __all__ = [
     "verify_attention_op",
     "verify_attention_varlen",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
