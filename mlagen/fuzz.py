@@ -9,15 +9,21 @@ workspaces, and is compared row by row with the fp64 reference (`mlagen.testing.
 A shape's case is built on the device and its fp64 reference computed there once, before any
 kernel runs, and shared by every kernel checked on it; a check syncs with the host once for the
 kernel and once for the comparison, so once the kernels are compiled a run checks tens of shapes
-a second (`Report.summary`).
+a second (`Report.summary`). Compiling is what a run on fresh shapes waits for: most shapes of the
+default space need a kernel of their own (about a second of NVRTC each), so worker processes
+compile the kernels of the shapes coming next while the current ones run (`_CompileAhead`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -329,49 +335,144 @@ class _Inputs:
         return _run(self.shape, variant, kernel or launch, self.case, self.expected, None)
 
 
-def _outcomes(shape: Shape, variants: Sequence[Variant | None], any_variant: str | None, device: str,
-              kernel: Kernel | None) -> Iterator[Outcome]:
-    """The shape through each variant, then through a random one for any_variant's arch; one by
-    one, so a run can stop after any of them. The checks share one case and reference."""
+def _outcomes(shape: Shape, variants: Sequence[Variant | None], any_variant: str | None, drawn: Variant | None,
+              device: str, kernel: Kernel | None) -> Iterator[Outcome]:
+    """The shape through each variant, then (with any_variant, an arch) through `drawn`, its
+    random variant for that arch (`draw_variant`; None: none fits); one by one, so a run can stop
+    after any of them. The checks share one case and reference."""
     inputs = _Inputs(shape, device)
     for v in variants:
         yield inputs.check(v, kernel)
     if any_variant:
-        v = draw_variant(shape, any_variant)
-        yield (dataclasses.replace(inputs.check(v, kernel), drawn=True) if v is not None
+        yield (dataclasses.replace(inputs.check(drawn, kernel), drawn=True) if drawn is not None
                else Outcome(shape, "any", "skip", f"no {any_variant} variant drawn fits this shape", drawn=True))
+
+
+def _device_target(device: str) -> tuple[str, str]:
+    """(compile target, name) of a CUDA device, as the dispatcher picks for it."""
+    from .runtime import device_info, device_name
+
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    return device_info(index)[0], device_name(index)
+
+
+def dispatched_variant(shape: Shape, arch: str, gpu: str) -> Variant:
+    """The variant `mlagen.verify_attention` picks for the shape's launch (`launch`: its
+    max_seqlen_k bound, its block table) on a `gpu` of `arch`."""
+    from .inputs import key_bound
+    from .runtime import pick_variant
+
+    table = shape.kv_capacity
+    bound = key_bound(shape.max_seqlen_k)
+    return pick_variant(shape.problem, shape.seqlen_q, shape.batch, table if bound is None else min(table, bound),
+                        table, arch, gpu, None)
+
+
+class _CompileAhead:
+    """Compiles the kernels of the shapes coming next in worker processes, into the disk cache
+    that their launches load from (`mlagen.precompile.compile_one`; a launch whose kernel is still
+    compiling waits for it on the cache entry's lock). Each distinct code is submitted once; a
+    pool that breaks stops the compiling ahead, not the run (the launches compile what they
+    need)."""
+
+    def __init__(self, pool: Executor, workers: int, arch: str, gpu: str) -> None:
+        self.pool, self.arch, self.gpu = pool, arch, gpu
+        self.lookahead = 4 * workers          # shapes planned ahead of the one running
+        self.submitted: set[tuple[Problem, Variant]] = set()
+
+    @classmethod
+    def start(cls, workers: int, device: str) -> _CompileAhead:
+        """A pool of `workers` spawned processes (the caller holds a CUDA context: no fork)."""
+        arch, gpu = _device_target(device)
+        return cls(ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")),
+                   workers, arch, gpu)
+
+    def submit(self, shape: Shape, variants: Sequence[Variant | None], drawn: Variant | None) -> None:
+        """Queue the kernels the shape will launch: the dispatcher's pick for a None in
+        `variants`, the named variants that fit it, and its random variant `drawn` (if any)."""
+        from .precompile import code_identity, compile_one
+
+        for v in [*variants, *([drawn] if drawn is not None else [])]:
+            try:
+                v = dispatched_variant(shape, self.arch, self.gpu) if v is None else v
+                key = code_identity(shape.problem, v)
+                if key in self.submitted or not is_valid(shape.problem, v):
+                    continue
+            except Exception:       # the launch reports what went wrong
+                continue
+            self.submitted.add(key)
+            try:
+                self.pool.submit(compile_one, *key)
+            except Exception:       # a broken pool: the launches compile on their own
+                self.lookahead = 1
+                return
+
+    def close(self) -> None:
+        """Drop what is still queued; workers finish the compile in hand."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _compile_workers(requested: int | None, kernel: Kernel | None, device: str) -> int:
+    """Processes that compile ahead: as asked, or (None) all cores but one when the op itself runs
+    on a CUDA device, at most 15; 0: none."""
+    if requested is not None:
+        return requested
+    if kernel is not None or torch.device(device).type != "cuda":
+        return 0
+    return max(0, min(15, (os.cpu_count() or 1) - 1))
 
 
 def fuzz(seeds: Iterable[int], variants: Sequence[Variant | None], space: FuzzSpace = FuzzSpace(), *,
          any_variant: str | None = None, budget_s: float | None = None, device: str = "cuda",
          kernel: Kernel | None = None, alive: Callable[[], bool] | None = None,
-         on_outcome: Callable[[Outcome], None] | None = None) -> Report:
+         on_outcome: Callable[[Outcome], None] | None = None, compile_workers: int | None = None) -> Report:
     """Every seed's shape through every variant (None: the dispatcher's pick), and with
     any_variant (an arch) through a random variant for that arch too (`draw_variant`), until the
     seeds or the time budget run out, or a failure leaves the CUDA context unusable. kernel: as
     in `check`; alive: whether the CUDA context still works after a failure (None: a synchronize
-    tells); on_outcome: called with each outcome as it comes (progress, printing). The report
-    counts the shapes checked and the time taken (`Report.summary`)."""
+    tells); on_outcome: called with each outcome as it comes (progress, printing);
+    compile_workers: processes compiling the kernels of the next shapes meanwhile (None: all cores
+    but one, at most 15, when the op itself runs on a CUDA device, else none). The report counts
+    the shapes checked and the time taken (`Report.summary`)."""
     alive = alive or _context_alive
     report = Report()
     start = time.monotonic()
+    workers = _compile_workers(compile_workers, kernel, device)
+    ahead = _CompileAhead.start(workers, device) if workers else None
+    lookahead = ahead.lookahead if ahead is not None else 1
+    pending = iter(seeds)
+    upcoming: deque[tuple[Shape, Variant | None]] = deque()      # drawn, and their kernels queued
     try:
-        for seed in seeds:
+        while True:
+            while len(upcoming) < lookahead and (seed := next(pending, None)) is not None:
+                shape = draw(seed, space)
+                drawn = draw_variant(shape, any_variant) if any_variant else None
+                if ahead is not None:
+                    ahead.submit(shape, variants, drawn)
+                    lookahead = ahead.lookahead
+                upcoming.append((shape, drawn))
+            if not upcoming:
+                break
+            shape, drawn = upcoming.popleft()
             if budget_s is not None and time.monotonic() - start > budget_s:
-                report.stopped = f"the time budget ran out before seed {seed}"
+                report.stopped = f"the time budget ran out before seed {shape.seed}"
                 break
             ran = False
-            for outcome in _outcomes(draw(seed, space), variants, any_variant, device, kernel):
+            for outcome in _outcomes(shape, variants, any_variant, drawn, device, kernel):
                 report.outcomes.append(outcome)
                 ran |= outcome.status != "skip"
                 if on_outcome is not None:
                     on_outcome(outcome)
                 if outcome.status == "fail" and not alive():
-                    report.stopped = f"the CUDA context was lost at seed {seed}; later seeds need a new process"
+                    report.stopped = (f"the CUDA context was lost at seed {shape.seed}; later seeds need a new "
+                                      "process")
                     break
             report.shapes += ran
             if report.stopped:
                 break
     finally:
+        if ahead is not None:
+            ahead.close()
         report.elapsed_s = time.monotonic() - start
     return report

@@ -225,6 +225,19 @@ def test_fuzz_runs_clean_on_this_gpu():
     assert report.stopped is None and len(report.outcomes) == 16
     assert report.count("ok", "dispatch") == 8, [o.message for o in report.outcomes if o.status != "ok"]
     assert report.count("fail", name) == 0 and report.count("ok", name) >= 1
+    assert report.shapes == 8 and report.summary().startswith("8 shapes in")
+
+
+@pytest.mark.gpu
+def test_fuzz_checks_twenty_shapes_a_second_once_compiled():
+    """The default space's shapes (up to 8 requests of 20000 keys, 128 heads): a first pass
+    compiles their kernels (ahead, in worker processes), the second checks them at >= 20 shapes/s
+    (case on the device, one fp64 reference per shape, the row-by-row comparison)."""
+    first = fuzz(range(40), [None])
+    assert first.count("fail") == 0, [o.message for o in first.failures]
+    again = fuzz(range(40), [None])
+    assert again.shapes == 40 and again.count("fail") == 0
+    assert again.shapes_per_s >= 20, again.summary()
 
 
 @pytest.mark.gpu
@@ -234,3 +247,47 @@ def test_fuzz_any_variant_runs_clean_on_this_gpu():
     result = runner.invoke(app, ["fuzz", "--cases", "4", "--max-prefix", "2000", "--no-dispatch", "--any-variant"])
     assert result.exit_code == 0, result.output
     assert re.search(r"random variants\s*│\s*4\s*│\s*0\s*│\s*0\s*│", result.output), result.output
+
+
+class _RecordingPool:
+    """Stands in for the compile workers: records what is submitted, runs nothing."""
+
+    def __init__(self):
+        self.jobs, self.closed = [], False
+
+    def submit(self, fn, *args):
+        self.jobs.append(args)
+
+    def shutdown(self, wait=True, cancel_futures=False):
+        self.closed = True
+
+
+def test_kernels_are_queued_for_compiling_ahead_of_their_shapes(monkeypatch):
+    """With compile workers, each shape's kernels (the dispatcher's pick for the GPU, the named
+    variants that fit it, its random variant) are queued once per distinct code, while shapes
+    that many places earlier still run; the pool is shut down at the end."""
+    from mlagen import fuzz as fuzz_module
+    from mlagen.precompile import code_identity
+
+    pool = _RecordingPool()
+    monkeypatch.setattr(fuzz_module._CompileAhead, "start",
+                        classmethod(lambda cls, workers, device: cls(pool, workers, "sm_90", "NVIDIA H200")))
+    named = parse_variant("mma_ht16_qt4_bn64_w8_st2_spa_sm90")          # fits the 16-head shapes only
+    queued_at = []
+
+    def kernel(case, shape, variant):
+        queued_at.append((shape.seed, len(pool.jobs)))
+        return _reference_kernel(case, shape, variant)
+
+    report = fuzz(range(12), [None, named], SMALL, any_variant="sm_90", device="cpu", kernel=kernel,
+                  compile_workers=2)
+    assert report.count("fail") == 0 and pool.closed
+    per_shape = []
+    for s in (draw(i, SMALL) for i in range(12)):
+        kernels = [fuzz_module.dispatched_variant(s, "sm_90", "NVIDIA H200"), named, draw_variant(s, "sm_90")]
+        per_shape.append([code_identity(s.problem, v) for v in kernels if v is not named or s.heads == 16])
+    assert pool.jobs == list(dict.fromkeys(k for ks in per_shape for k in ks))   # each distinct code once, in order
+    # When seed 0 runs, the kernels of the first 8 shapes (4 per worker) are queued already.
+    assert queued_at[0] == (0, len(dict.fromkeys(k for ks in per_shape[:8] for k in ks)))
+    workers = fuzz_module._compile_workers
+    assert workers(None, None, "cpu") == 0 and workers(None, kernel, "cuda") == 0 and workers(3, kernel, "cpu") == 3
