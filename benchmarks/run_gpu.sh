@@ -4,37 +4,43 @@
 #
 #   bash benchmarks/run_gpu.sh STEP...
 #
-#   step       what                                                       H200, cold cache  timeout
-#   tests      pytest -m gpu tests/                                       5-6 min           540 s
-#   memcheck   compute-sanitizer memcheck on benchmarks/sanitize.py      4 min             300 s
-#   synccheck  synccheck on the transposed tile (--only _tr_)             1 min             150 s
-#   racecheck  racecheck on all but the transposed tile (--skip _tr_)    5 min             420 s
-#   sanitize   memcheck, synccheck and racecheck: two calls' worth
-#   tune       mlagen tune, seed and serving grids, into mlagen/tables/   4-5 min           420 s
-#   bench      mlagen bench, seed and serving grids                       5-6 min           480 s
-#   ragged     benchmarks/ragged.py on three batch shapes                 2-3 min           150 s each
-#   host       benchmarks/host_cost.py                                    < 1 min           120 s
-#   fuzz       mlagen fuzz for 4 minutes                                  5 min             330 s
+#   step       what                                                   time on the H200    timeout
+#   tests      pytest -m gpu tests/                                   5-7 min             540 s
+#   memcheck   compute-sanitizer memcheck on benchmarks/sanitize.py  2.5 min             300 s
+#   synccheck  synccheck on the transposed tile (--only _tr_)         under 1 min         150 s
+#   racecheck1 racecheck, all but the transposed tile (--skip _tr_),  3.5 min, cold       360 s
+#              on the three small cases, every family (--cases 0-2)
+#   racecheck2 the same on the balanced splits' and the P exchange's  4-5 min             480 s
+#              cases (--cases 3-8)
+#   racecheck  racecheck1 racecheck2 (two calls)
+#   sanitize   memcheck synccheck racecheck1 racecheck2 (three calls)
+#   tune       mlagen tune, seed and serving grids, into mlagen/tables/  under 5 min      420 s
+#   bench      mlagen bench, seed and serving grids                   under 7 min         480 s
+#   ragged     benchmarks/ragged.py on three batch shapes             1-3 min             150 s each
+#   host       benchmarks/host_cost.py                                10 s warm           120 s
+#   fuzz       mlagen fuzz for 4 minutes                              4.5 min             330 s
 #   facts      only gpu.txt (every run writes it first)
 #
-# One call per group (CALLS below): `tests`, `memcheck synccheck`, `racecheck`, `tune`, `bench`,
-# `ragged host`, `fuzz`. Run `tune` before `bench`: bench times the dispatcher's picks from the
-# table tune writes.
+# "Cold" is a fresh machine, whose kernels all compile first (the sanitizer steps compile them
+# again, with line info). One call per group (CALLS below): `tests`, `memcheck synccheck`,
+# `racecheck1`, `racecheck2`, `tune`, `bench`, `ragged host`, `fuzz`. Run `tune` before
+# `bench`: bench times the dispatcher's picks from the table tune writes.
 #
 # Outputs rewrite the files in benchmarks/results/<gpu>/ (gpu: the GPU's name as a short slug,
 # "NVIDIA H200" -> h200; RESULTS=dir overrides): gpu.txt (name, driver, clocks, date, torch, cupy
-# and NVRTC versions), gpu_tests.log, sanitize_<tool>.log, tune.log, bench.json/.md/.png,
+# and NVRTC versions), gpu_tests.log, sanitize_<step>.log, tune.log, bench.json/.md/.png,
 # ragged.log, host_cost.log, fuzz.log. Where $OUT is set (the device tool returns the files under
-# it: at most 8, two folders deep), the files this run wrote are copied to $OUT/<gpu>/, and tune's
-# table to $OUT/tables/. Exits non-zero when a step fails or times out; later steps still run.
+# it: at most 8, two folders deep), the files a step wrote are copied to $OUT/<gpu>/ as it ends
+# (so a call cut short returns the steps it finished), and tune's table to $OUT/tables/. Exits
+# non-zero when a step fails or times out; later steps still run.
 set -uo pipefail
 
-STEPS="tests memcheck synccheck racecheck sanitize tune bench ragged host fuzz facts"
+STEPS="tests memcheck synccheck racecheck1 racecheck2 racecheck sanitize tune bench ragged host fuzz facts"
 # Each step's timeout in seconds (ragged: all three shapes), and the groups of steps that share one
 # device call: each group's timeouts add up to less than the call's 600 s.
-declare -A LIMIT=([tests]=540 [memcheck]=300 [synccheck]=150 [racecheck]=420 [tune]=420 [bench]=480
-                  [ragged]=450 [host]=120 [fuzz]=330 [facts]=0)
-CALLS=("tests" "memcheck synccheck" "racecheck" "tune" "bench" "ragged host" "fuzz")
+declare -A LIMIT=([tests]=540 [memcheck]=300 [synccheck]=150 [racecheck1]=360 [racecheck2]=480 [tune]=420
+                  [bench]=480 [ragged]=450 [host]=120 [fuzz]=330 [facts]=0)
+CALLS=("tests" "memcheck synccheck" "racecheck1" "racecheck2" "tune" "bench" "ragged host" "fuzz")
 
 usage() {
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -56,7 +62,11 @@ expand_steps() {
       *" $step "*) ;;
       *) echo "run_gpu.sh: unknown step '$step' (steps: $STEPS)" >&2; return 2 ;;
     esac
-    if [[ $step == sanitize ]]; then out+=(memcheck synccheck racecheck); else out+=("$step"); fi
+    case $step in
+      sanitize) out+=(memcheck synccheck racecheck1 racecheck2) ;;
+      racecheck) out+=(racecheck1 racecheck2) ;;
+      *) out+=("$step") ;;
+    esac
   done
   echo "${out[@]}"
 }
@@ -97,6 +107,17 @@ main() {
 print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>&1
   } >"$results/gpu.txt"
   cat "$results/gpu.txt"
+  copy_out() {
+    [[ -n ${OUT:-} ]] || return 0
+    mkdir -p "$OUT/$slug"
+    local f
+    for f in "${written[@]}"; do
+      [[ -f $results/$f ]] && cp "$results/$f" "$OUT/$slug/"
+    done
+    if [[ ${#tables[@]} -gt 0 ]]; then
+      mkdir -p "$OUT/tables" && cp "${tables[@]}" "$OUT/tables/"
+    fi
+  }
 
   for step in $steps; do
     start=$SECONDS
@@ -105,14 +126,16 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
       tests)
         timeout ${LIMIT[tests]} python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$results/gpu_tests.log"
         rc=${PIPESTATUS[0]}; written+=(gpu_tests.log) ;;
-      memcheck | synccheck | racecheck)
+      memcheck | synccheck | racecheck1 | racecheck2)
         # -lineinfo: each report names its source lines. racecheck does not pair bar.arrive with
         # bar.sync: the transposed tile (_tr_), whose warpgroups hand over through them, gets
         # synccheck instead (and tests/test_gpu_verify.py's bitwise-repeatability test).
         local pick=()
         [[ $step == synccheck ]] && pick=(--only _tr_)
-        [[ $step == racecheck ]] && pick=(--skip _tr_)
-        MLAGEN_LINEINFO=1 timeout "${LIMIT[$step]}" compute-sanitizer --tool "$step" --print-limit 20 --error-exitcode 1 \
+        [[ $step == racecheck1 ]] && pick=(--skip _tr_ --cases 0-2)
+        [[ $step == racecheck2 ]] && pick=(--skip _tr_ --cases 3-8)
+        MLAGEN_LINEINFO=1 timeout "${LIMIT[$step]}" compute-sanitizer --tool "${step%[12]}" --print-limit 20 \
+          --error-exitcode 1 \
           python3 benchmarks/sanitize.py "${pick[@]}" 2>&1 | tee "$results/sanitize_$step.log"
         rc=${PIPESTATUS[0]}; written+=("sanitize_$step.log") ;;
       tune)
@@ -139,21 +162,11 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
     esac
     echo "== $step: rc $rc, $((SECONDS - start)) s"
     [[ $rc -ne 0 ]] && failed+=("$step")
+    copy_out   # after every step: a call cut short still returns the steps it finished
   done
-
-  if [[ -n ${OUT:-} ]]; then
-    mkdir -p "$OUT/$slug"
-    local f
-    for f in "${written[@]}"; do
-      [[ -f $results/$f ]] && cp "$results/$f" "$OUT/$slug/"
-    done
-    if [[ ${#tables[@]} -gt 0 ]]; then
-      mkdir -p "$OUT/tables" && cp "${tables[@]}" "$OUT/tables/"
-    fi
-    local count
-    count=$(find "$OUT" -type f | wc -l)
-    [[ $count -gt 8 ]] && echo "run_gpu.sh: $count files under \$OUT; the device tool returns 8 at most" >&2
-  fi
+  local count
+  [[ -n ${OUT:-} ]] && count=$(find "$OUT" -type f | wc -l) && [[ $count -gt 8 ]] &&
+    echo "run_gpu.sh: $count files under \$OUT; the device tool returns 8 at most" >&2
   if [[ ${#failed[@]} -gt 0 ]]; then
     echo "run_gpu.sh: failed: ${failed[*]}" >&2
     return 1

@@ -2,12 +2,13 @@
 the reference: the workload for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py
-    compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py --skip _tr_
+    compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py --skip _tr_ [--cases 0-2]
     compute-sanitizer --tool synccheck python3 benchmarks/sanitize.py --only _tr_
     python3 benchmarks/sanitize.py --list [--arch sm_90]     # what would run; no GPU needed
 
 --only / --skip keep the variants whose names do / do not contain a part ("dispatched" names the
-dispatcher's pick); racecheck on everything takes minutes. racecheck does not pair bar.arrive
+dispatcher's pick), --cases the cases numbered so (`--list` numbers them): racecheck takes
+seconds a pair, minutes in all. racecheck does not pair bar.arrive
 with bar.sync, so it reports the transposed tile's (`_tr_`) hand-offs between warpgroups as
 hazards: run_gpu.sh checks that tile with synccheck instead, and tests/test_gpu_verify.py with a
 bitwise-repeatability test. Prints one line per (case, variant) and a count at the end.
@@ -111,8 +112,18 @@ def problem_of(shape: dict) -> Problem:
     return Problem(heads=shape["heads"], page_size=shape["page_size"], mask=shape["mask"], lse=True)
 
 
+def case_numbers(text: str) -> set[int]:
+    """'0-2', '3,5' or '4': the case numbers (ranges inclusive)."""
+    numbers: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        numbers.update(range(int(first), int(last or first) + 1))
+    return numbers
+
+
 def parse_args(argv: list[str]):
     p = parser(__file__, __doc__)
+    p.add_argument("--cases", type=case_numbers, metavar="N-M,...", help="only these cases (default: all)")
     p.add_argument("--only", metavar="PART", help="only the variants whose names contain PART")
     p.add_argument("--skip", metavar="PART", help="all but the variants whose names contain PART")
     p.add_argument("--list", action="store_true", help="print the (case, variant) pairs and exit; no GPU needed")
@@ -120,11 +131,13 @@ def parse_args(argv: list[str]):
     return p.parse_args(argv)
 
 
-def main(only: str | None, skip: str | None, arch: str, listing: bool) -> int:
+def main(only: str | None, skip: str | None, arch: str, listing: bool, cases: set[int] | None = None) -> int:
     variants, exchange = variants_for(arch)
     runs = plan_runs(select(variants, only, skip), select(exchange, only, skip))
     checked = 0
     for i, (shape, case_variants, ranges) in enumerate(runs):
+        if cases is not None and i not in cases:
+            continue
         case = None if listing else make_case(seed=i, **shape)
         with pinned_balanced_ranges(ranges) if ranges else contextlib.nullcontext():
             for v in case_variants:
@@ -148,4 +161,4 @@ if __name__ == "__main__":
         from mlagen.runtime import device_info
 
         args.arch = device_info(torch.cuda.current_device())[0]
-    main(args.only, args.skip, args.arch, args.list)
+    main(args.only, args.skip, args.arch, args.list, args.cases)

@@ -107,10 +107,15 @@ TRANSPOSED_PATCHES = [
 ]
 SEESAW_MARK = "s < 4 ? 1 : 128"   # the seesaw's mbarrier set-up (templates/mma.cu.j2)
 TRANSPOSED_MARK = "// family mma, transposed tile"
+EXCHANGE_MARK = "// family mma, P exchange"
 
 
 def patch(source: str, globaltimer_only: bool = False) -> str:
     """The rendered `source` with the trace buffer and stamps at its landmarks (`header`)."""
+    if EXCHANGE_MARK in source:
+        raise SystemExit("a P exchange kernel: benchmarks/trace_exchange.py traces those")
+    if "// family mma" not in source:
+        raise SystemExit("not an mma kernel (naive or flash): trace_blocks.py traces mma kernels; pass an mma variant")
     start = source.index("const int wmq = warp % WMQ" if "const int wmq" in source else "const int me = __shfl_sync")
     start = source.index("\n", start) + 1
     source = source[:start] + f"  TR({START}); TR(1);\n" + source[start:]

@@ -57,7 +57,7 @@ GPU_RUNS = {
     "ragged.py": ["8", "4", "9", "256", "2048"],
     "wide_table.py": ["8", "1", "9", "256", "16384"],
     "profile_row.py": ["8", "1", "9", "1024"],
-    "trace_blocks.py": ["64", "1", "9", "256"],
+    "trace_blocks.py": ["64", "2", "9", "2048", "mma_ht32_qt2_bn64_w8_st2_spa_p16_tma_sm90a"],
     "trace_exchange.py": ["64", "1", "9", "256", EXCHANGE],
     "trace_seesaw.py": ["8", "16", "9", "16384", TRANSPOSED],
     "ab_trees.py": ["1", "main=.", "8,1,9,1024=main/dispatch"],
@@ -70,8 +70,9 @@ HELP = ["ab_constant", "ab_trees", "cold_code", "host_cost", "hot_loop", "profil
 
 def _script(name: str, *args: str, env: dict[str, str] | None = None,
             timeout: int = 300) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)   # mlagen, installed or not
     return subprocess.run([sys.executable, str(BENCH / name), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": path, **(env or {})})
 
 
 def _needs_nvdisasm() -> None:
@@ -163,7 +164,19 @@ def test_sanitize_only_and_skip_split_the_variants(capsys):
     out = capsys.readouterr().out
     assert "case 0 mma_ht8_qt9_bn64_w8_st2_sp2_tr_sm90a: listed" in out
     args = sanitize.parse_args(["--skip", "_tr_", "--list"])
-    assert (args.skip, args.only, args.list, args.arch) == ("_tr_", None, True, "sm_90")
+    assert (args.skip, args.only, args.list, args.arch, args.cases) == ("_tr_", None, True, "sm_90", None)
+
+
+def test_sanitize_cases_split_the_racecheck():
+    """run_gpu.sh's racecheck1 and racecheck2 (--cases 0-2 and 3-8) cover every pair once."""
+    assert sanitize.case_numbers("0-2") == {0, 1, 2} and sanitize.case_numbers("3,5-6") == {3, 5, 6}
+    assert sanitize.parse_args(["--cases", "3-8"]).cases == set(range(3, 9))
+    total = sanitize.main(None, "_tr_", "sm_90", listing=True)
+    first = sanitize.main(None, "_tr_", "sm_90", listing=True, cases={0, 1, 2})
+    second = sanitize.main(None, "_tr_", "sm_90", listing=True, cases=set(range(3, 9)))
+    assert 0 < first < total and first + second == total
+    runs = sanitize.plan_runs(*sanitize.variants_for("sm_90"))
+    assert len(runs) == 9 and [shape for shape, _, _ in runs[:3]] == sanitize.CASES
 
 
 def test_sanitize_off_hopper_has_no_sm90a_variants():
@@ -288,6 +301,9 @@ def test_block_trace_patches_every_landmark():
         assert "mlagen_trace[" in source and "clock64()" in source
     timed = trace_blocks.patched_source(SEESAW, 64, lambda plan, source: trace_blocks.patch(source, True))
     assert "clock64()" not in timed
+    for other, message in ((EXCHANGE, "trace_exchange.py"), ("flash_ht8_qt8_bn32_w8_st2_spa_sm90", "not an mma")):
+        with pytest.raises(SystemExit, match=message):               # one line, not a failed landmark
+            trace_blocks.patched_source(other, 64, lambda plan, source: trace_blocks.patch(source))
     args = trace_blocks.parse_args(["64", "1", "9", "256", "--warm", "--gt"])
     assert (args.variant, args.warm, args.gt, args.source) == (None, True, True, False)
 
@@ -433,20 +449,21 @@ def test_run_gpu_parses_and_checks_its_steps(tmp_path):
     assert _bash("bash benchmarks/run_gpu.sh --help").returncode == 0
     bad = _bash("bash benchmarks/run_gpu.sh tests bogus")            # checked before any GPU is looked for
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        "run_gpu.sh: unknown step 'bogus' (steps: tests memcheck synccheck racecheck sanitize tune bench ragged "
-        "host fuzz facts)")
+        "run_gpu.sh: unknown step 'bogus' (steps: tests memcheck synccheck racecheck1 racecheck2 racecheck sanitize "
+        "tune bench ragged host fuzz facts)")
     nogpu = subprocess.run([shutil.which("bash"), "benchmarks/run_gpu.sh", "tests"], cwd=ROOT, capture_output=True,
                            text=True, timeout=60, env={"PATH": str(tmp_path)})   # a PATH without nvidia-smi
     assert nogpu.returncode == 1 and nogpu.stderr.strip() == (
         "run_gpu.sh: no GPU here (nvidia-smi not found); run it on the GPU machine")
     got = _bash("source benchmarks/run_gpu.sh; gpu_slug 'NVIDIA H200'; gpu_slug 'NVIDIA H100 80GB HBM3'; "
-                "expand_steps sanitize bench")
-    assert got.stdout.splitlines() == ["h200", "h100-80gb-hbm3", "memcheck synccheck racecheck bench"]
+                "expand_steps sanitize bench racecheck")
+    assert got.stdout.splitlines() == ["h200", "h100-80gb-hbm3",
+                                       "memcheck synccheck racecheck1 racecheck2 bench racecheck1 racecheck2"]
 
 
 def test_run_gpu_step_groups_fit_one_device_call():
     """Every step has a timeout and appears in the usage; each group's timeouts add up to less
-    than the device call's 600 s; the groups cover every step but the `sanitize` alias."""
+    than the device call's 600 s; the groups cover every step but the aliases."""
     got = _bash('source benchmarks/run_gpu.sh; echo "$STEPS"; for s in $STEPS; do echo "${LIMIT[$s]:-none}"; done; '
                 'printf "%s," "${CALLS[@]}"; echo; usage')
     lines = got.stdout.splitlines()
@@ -454,10 +471,11 @@ def test_run_gpu_step_groups_fit_one_device_call():
     limits = dict(zip(steps, lines[1:1 + len(steps)], strict=True))
     calls = lines[1 + len(steps)].rstrip(",").split(",")
     usage = "\n".join(lines[2 + len(steps):])
-    assert [s for s, limit in limits.items() if limit == "none"] == ["sanitize"], limits
+    aliases = {"racecheck", "sanitize"}
+    assert {s for s, limit in limits.items() if limit == "none"} == aliases, limits
     for group in calls:
         assert sum(int(limits[s]) for s in group.split()) < 590, group
-    assert sorted(s for group in calls for s in group.split()) == sorted(set(steps) - {"sanitize", "facts"})
+    assert sorted(s for group in calls for s in group.split()) == sorted(set(steps) - aliases - {"facts"})
     for step in steps:
         assert f"\n  {step} " in usage, step
 
@@ -519,7 +537,8 @@ EXERCISED = {   # every file under benchmarks/ but results/ (and the bench's def
     "run_gpu.sh": [test_run_gpu_parses_and_checks_its_steps, test_run_gpu_step_groups_fit_one_device_call,
                    test_run_gpu_writes_results_and_out],
     "sanitize.py": [test_sanitize_runs_every_family_on_valid_shapes, test_sanitize_only_and_skip_split_the_variants,
-                    test_sanitize_off_hopper_has_no_sm90a_variants, test_gpu_script_runs],
+                    test_sanitize_cases_split_the_racecheck, test_sanitize_off_hopper_has_no_sm90a_variants,
+                    test_gpu_script_runs],
     "host_cost.py": [test_host_cost_calls_are_valid_calls, test_gpu_script_runs],
     "ragged.py": [test_ragged_lengths_are_log_uniform_in_range, test_ragged_compares_the_pick_with_its_splits,
                   test_gpu_script_runs],
