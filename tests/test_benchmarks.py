@@ -87,8 +87,9 @@ def templates_restored():
     """Leaves codegen rendering from the repository's templates, whatever a test pointed it at."""
     before = codegen._SOURCE_TREE_TEMPLATES
     yield
-    ab_trees.use_templates(before.parent)
-    assert codegen._SOURCE_TREE_TEMPLATES == before
+    codegen._SOURCE_TREE_TEMPLATES = before
+    codegen._environment.cache_clear()
+    codegen.render.cache_clear()
 
 
 # ---- every script: --help, and the one-line exit where no GPU is visible
