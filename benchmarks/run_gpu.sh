@@ -3,6 +3,7 @@
 # host cost and fuzzing, as named steps. Each group below fits one 10-minute device call:
 #
 #   bash benchmarks/run_gpu.sh STEP...
+#   bash benchmarks/run_gpu.sh          # tests sanitize bench: about 25 min, more than one call
 #
 #   step       what                                                   time on the H200    timeout
 #   tests      pytest -m gpu tests/                                   5-7 min             540 s
@@ -36,6 +37,7 @@
 set -uo pipefail
 
 STEPS="tests memcheck synccheck racecheck1 racecheck2 racecheck sanitize tune bench ragged host fuzz facts"
+DEFAULT_STEPS="tests sanitize bench"
 # Each step's timeout in seconds (ragged: all three shapes), and the groups of steps that share one
 # device call: each group's timeouts add up to less than the call's 600 s.
 declare -A LIMIT=([tests]=540 [memcheck]=300 [synccheck]=150 [racecheck1]=360 [racecheck2]=480 [tune]=420
@@ -72,10 +74,13 @@ expand_steps() {
 }
 
 main() {
-  if [[ $# -eq 0 || $1 == -h || $1 == --help ]]; then
+  if [[ $# -gt 0 && ( $1 == -h || $1 == --help ) ]]; then
     usage
-    [[ $# -eq 0 ]] && return 2
     return 0
+  fi
+  if [[ $# -eq 0 ]]; then
+    set -- $DEFAULT_STEPS
+    echo "run_gpu.sh: no steps named, so $DEFAULT_STEPS (about 25 min; one group a device call: see --help)" >&2
   fi
   local steps
   steps=$(expand_steps "$@") || return 2
