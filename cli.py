@@ -301,8 +301,9 @@ ROW_HELP = ("a shape of your own (repeatable): H,B,S,prefix = heads, requests, d
 def emit(
     preset: str = typer.Option(DEFAULT_PRESET, metavar="NAME", help=PRESET_HELP),
     arch: list[str] | None = typer.Option(
-        None, metavar="ARCH", help=f"a GPU arch to write kernels for (repeatable): one of {', '.join(ARCHS)}; "
-        f"default {' and '.join(DEFAULT_EMIT_ARCHS)}"),
+        None, "--arch", metavar="ARCH",
+        help=f"a GPU arch to write kernels for (repeatable): one of {', '.join(ARCHS)}; "
+             f"default {' and '.join(DEFAULT_EMIT_ARCHS)}"),
     variant: list[str] | None = typer.Option(
         None, metavar="NAME", help=f"a variant to write instead of the preset's (repeatable; e.g. "
         f"{EXAMPLE_VARIANT}); its name ends with its arch, so not with --arch"),
@@ -345,8 +346,9 @@ def emit(
 @app.command("list")
 def list_(
     arch: list[str] | None = typer.Option(
-        None, metavar="ARCH", help=f"the arch whose variants to list (repeatable): one of {', '.join(ARCHS)}; default "
-        f"{' and '.join(DEFAULT_EMIT_ARCHS)}, as emit"),
+        None, "--arch", metavar="ARCH",
+        help=f"the arch whose variants to list (repeatable): one of {', '.join(ARCHS)}; "
+             f"default {' and '.join(DEFAULT_EMIT_ARCHS)}, as emit"),
 ) -> None:
     """List the presets and the kernel variants emit writes for each.
 
@@ -429,7 +431,7 @@ def _show_sass(cubin: bytes, kernel: str, arch: str, listing: bool, counts: bool
 @app.command()
 def check(
     arch: list[str] | None = typer.Option(
-        None, metavar="ARCH",
+        None, "--arch", metavar="ARCH",
         help=f"an arch to compile for (repeatable): one of {', '.join(ARCHS)}; default {' '.join(CI_ARCHS)}"),
     preset: list[str] | None = typer.Option(
         None, metavar="NAME", help=f"a preset to compile (repeatable): one of {', '.join(PRESETS)}; default all"),
@@ -482,8 +484,9 @@ def bench(
     grid: list[str] | None = typer.Option(None, metavar="NAME", help=GRID_HELP + "; default seed"),
     row: list[str] | None = typer.Option(None, metavar="H,B,S,PREFIX", help=ROW_HELP),
     page_size: int = typer.Option(64, metavar="N", help="KV cache rows (keys) per page: a power of two"),
-    mask: str = typer.Option("causal", metavar="MASK", help=f"the draft tokens' mask: one of {', '.join(MASKS)}"),
-    dtype: str = typer.Option("bf16", metavar="DTYPE", help=DTYPE_HELP),
+    mask: str = typer.Option("causal", "--mask", metavar="MASK",
+                             help=f"the draft tokens' mask: one of {', '.join(MASKS)}"),
+    dtype: str = typer.Option("bf16", "--dtype", metavar="DTYPE", help=DTYPE_HELP),
     target_ms: float = typer.Option(15.0, metavar="MS", help="GPU time in ms of each timed batch of calls; more "
                                     "gives steadier figures and a longer run"),
     variant: list[str] | None = typer.Option(
@@ -534,9 +537,10 @@ def tune(
     grid: list[str] | None = typer.Option(None, metavar="NAME", help=GRID_HELP + "; default both"),
     row: list[str] | None = typer.Option(None, metavar="H,B,S,PREFIX", help=ROW_HELP),
     mask: list[str] | None = typer.Option(
-        None, metavar="MASK", help=f"a mask to tune for (repeatable): one of {', '.join(MASKS)}; default causal"),
+        None, "--mask", metavar="MASK",
+        help=f"a mask to tune for (repeatable): one of {', '.join(MASKS)}; default causal"),
     page_size: int = typer.Option(64, metavar="N", help="KV cache rows (keys) per page: a power of two"),
-    dtype: str = typer.Option("bf16", metavar="DTYPE", help=DTYPE_HELP),
+    dtype: str = typer.Option("bf16", "--dtype", metavar="DTYPE", help=DTYPE_HELP),
     max_candidates: int = typer.Option(24, metavar="N", help="variants timed per shape and mask, at most"),
     split_top: int = typer.Option(3, metavar="N", help="how many of the fastest variants are timed again with each "
                                   "fixed number of KV splits (a request's keys shared among thread blocks)"),
@@ -597,7 +601,8 @@ MAX_SEED = 1 << 62
 def fuzz(
     cases: int = typer.Option(200, metavar="N", help="shapes to draw (shape i comes from seed SEED+i)"),
     seed: int = typer.Option(0, metavar="N", help="the first seed (--seed N --cases 1 replays shape N)"),
-    minutes: float | None = typer.Option(None, metavar="MINUTES", help="stop drawing shapes after this many minutes"),
+    minutes: float | None = typer.Option(None, "--minutes", metavar="MINUTES",
+                                         help="stop drawing shapes after this many minutes"),
     variant: list[str] | None = typer.Option(
         None, metavar="NAME",
         help="a variant to check on every shape it fits, besides the dispatcher's pick (repeatable)"),
@@ -611,9 +616,9 @@ def fuzz(
     max_prefix: int = typer.Option(20000, metavar="KEYS", help="cached keys before a request's draft, at most"),
     page_size: list[int] | None = typer.Option(None, metavar="N",
                                                help="page sizes to draw from (repeatable); default 1 16 64 128"),
-    mask: list[str] | None = typer.Option(None, metavar="MASK",
+    mask: list[str] | None = typer.Option(None, "--mask", metavar="MASK",
                                           help="masks to draw from (repeatable); default causal, tree, none"),
-    dtype: list[str] | None = typer.Option(None, metavar="DTYPE",
+    dtype: list[str] | None = typer.Option(None, "--dtype", metavar="DTYPE",
                                            help="dtypes to draw from (repeatable); default bf16, fp16"),
     format_: str = typer.Option("table", "--format", metavar="FORMAT", help=FORMAT_HELP),
 ) -> None:

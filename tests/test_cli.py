@@ -401,3 +401,24 @@ def test_fuzz_formatters_alone():
     assert table.row_count == 3 and table.columns[3]._cells[0].style == "red"     # dispatch failed once
     report.stopped = "the time budget ran out before seed 5"
     assert "stopped early: the time budget ran out before seed 5" in fuzz_markdown(report, "t", str)
+
+
+def test_every_option_keeps_its_lower_case_flag():
+    """Some typer releases (0.27) turn an option whose metavar is its own name in capitals into
+    `--NAME`, unless the flag is named: every such option names its flag."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cli))
+    unnamed = []
+    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        args = fn.args.args + fn.args.kwonlyargs
+        defaults = [None] * (len(fn.args.args) - len(fn.args.defaults)) + fn.args.defaults + fn.args.kw_defaults
+        for arg, default in zip(args, defaults, strict=True):
+            if not (isinstance(default, ast.Call) and getattr(default.func, "attr", "") == "Option"):
+                continue
+            metavar = next((k.value.value for k in default.keywords if k.arg == "metavar"), None)
+            flags = [a for a in default.args if isinstance(a, ast.Constant) and str(a.value).startswith("-")]
+            if metavar == arg.arg.upper() and not flags:
+                unnamed.append(f"{fn.name}: {arg.arg}")
+    assert not unnamed, f"options whose metavar is their name, without a named flag: {unnamed}"

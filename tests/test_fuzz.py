@@ -197,8 +197,8 @@ def test_a_lost_cuda_context_stops_the_run_at_that_seed():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--page-size", "48"], "--page-size: got (48,), expected powers of two"),
-    (["--mask", "diagonal"], "--mask: got ('diagonal',)"),
+    (["--page-size", "48"], "--page-size: got 48, expected a power of two"),
+    (["--mask", "diagonal"], "--mask: got 'diagonal', expected one of causal"),
     (["--max-seqlen-q", "0"], "--max-seqlen-q: got 0"),
     (["--cases", "0"], "--cases: got 0"),
     (["--minutes", "0"], "--minutes: got 0"),
