@@ -595,11 +595,14 @@ def tune(
 _FUZZ_OPTIONS = {"heads": "--heads", "max_batch": "--max-batch", "max_seqlen_q": "--max-seqlen-q",
                  "max_prefix": "--max-prefix", "page_sizes": "--page-size", "masks": "--mask", "dtypes": "--dtype"}
 MAX_SEED = 1 << 62
+DEFAULT_FUZZ_CASES = 200
 
 
 @app.command()
 def fuzz(
-    cases: int = typer.Option(200, metavar="N", help="shapes to draw (shape i comes from seed SEED+i)"),
+    cases: int | None = typer.Option(
+        None, metavar="N", help=f"shapes to draw (shape i comes from seed SEED+i); default {DEFAULT_FUZZ_CASES}, "
+        "or with --minutes as many as the time allows"),
     seed: int = typer.Option(0, metavar="N", help="the first seed (--seed N --cases 1 replays shape N)"),
     minutes: float | None = typer.Option(None, "--minutes", metavar="MINUTES",
                                          help="stop drawing shapes after this many minutes"),
@@ -651,6 +654,9 @@ def fuzz(
         field_name, _, rest = str(e).partition(":")
         _fail(f"{_FUZZ_OPTIONS.get(field_name, field_name)}:{rest}")
     _at_least("--cases", cases, 1)
+    until_time = cases is None and minutes is not None     # draw shapes until the time runs out
+    if cases is None:
+        cases = MAX_SEED - max(seed, 0) if until_time else DEFAULT_FUZZ_CASES
     if not 0 <= seed <= MAX_SEED - cases:
         _fail(f"--seed: got {seed}, expected 0 <= seed and seed + cases <= 2**62")
     _at_least("--minutes", minutes, 0, strict=True)
@@ -677,7 +683,7 @@ def fuzz(
 
     info = _info(fmt)
     with _progress(info) as progress:
-        task = progress.add_task("fuzz", total=cases * (len(variants) + any_variant))
+        task = progress.add_task("fuzz", total=None if until_time else cases * (len(variants) + any_variant))
 
         def show(o: Outcome) -> None:
             progress.advance(task)
@@ -687,7 +693,8 @@ def fuzz(
 
         report = run_fuzz(range(seed, seed + cases), variants, space, any_variant=device_arch if any_variant else None,
                           budget_s=minutes * 60 if minutes is not None else None, on_outcome=show)
-    title = f"mlagen fuzz: seeds {seed}..{seed + cases - 1} on {device_arch}"
+    last = max((o.shape.seed for o in report.outcomes), default=seed)
+    title = f"mlagen fuzz: seeds {seed}..{last} on {device_arch}"
     if fmt == "table":
         _print_table(fuzz_table(report, title))
         _say(console, report.summary())
@@ -696,7 +703,7 @@ def fuzz(
     elif fmt == "markdown":
         _write(fuzz_markdown(report, title, replay))
     else:
-        _write(fuzz_json(report, {"first_seed": seed, "last_seed": seed + cases - 1, "arch": device_arch}, replay))
+        _write(fuzz_json(report, {"first_seed": seed, "last_seed": last, "arch": device_arch}, replay))
     if report.failures:
         raise typer.Exit(1)
 

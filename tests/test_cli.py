@@ -393,6 +393,30 @@ def test_fuzz_formats(monkeypatch, fake_gpu):
     assert f"replay: {replay}" in result.stdout and result.stdout.endswith(report.summary() + "\n")
 
 
+
+@pytest.mark.parametrize("args,seeds,budget", [
+    ([], 200, None),                                        # the default count
+    (["--cases", "7"], 7, None),
+    (["--minutes", "2"], None, 120.0),                      # seeds until the time runs out
+    (["--minutes", "2", "--cases", "7"], 7, 120.0),         # whichever ends first
+])
+def test_fuzz_draws_seeds_until_cases_or_minutes_run_out(monkeypatch, fake_gpu, args, seeds, budget):
+    import mlagen.fuzz
+    import mlagen.runtime
+
+    seen = {}
+
+    def fuzz(seeds, variants, space, any_variant, budget_s, on_outcome):
+        seen.update(seeds=seeds, budget_s=budget_s)
+        return Report(outcomes=[Outcome(draw(5), "dispatch", "ok")], shapes=1, elapsed_s=0.1)
+    monkeypatch.setattr(mlagen.fuzz, "fuzz", fuzz)
+    monkeypatch.setattr(mlagen.runtime, "device_info", lambda device: ("sm_90a", 132))
+    result = runner.invoke(app, ["fuzz", "--seed", "5", *args, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert seen["seeds"].start == 5 and seen["budget_s"] == budget
+    assert len(seen["seeds"]) == seeds if seeds is not None else len(seen["seeds"]) > 10**15
+    assert json.loads(result.stdout)["last_seed"] == 5                  # the last seed drawn
+
 def test_fuzz_formatters_alone():
     report = _fuzz_report()
     data = json.loads(fuzz_json(report, {"arch": "sm_120"}, lambda o: f"replay {o.shape.seed}"))
