@@ -193,32 +193,33 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
 
 
 def plan_mma(p: Problem, v: Variant, arch: Arch):
-    from .validate import KernelPlan, SpecError, _require, _smem_fits
+    from .errors import SpecError, require, require_smem
+    from .validate import KernelPlan
 
     if not arch.mma:
         raise SpecError("variant.arch", arch.name, "an arch with mma.sync bf16/fp16 (sm_80 or newer)")
     layout = mma_layout(p, v)
     if isinstance(layout, str):
         raise SpecError("variant", v.name, layout)
-    _smem_fits(arch, layout.smem_bytes, v.name)
+    require_smem(arch, layout.smem_bytes, v.name)
     if v.tma:
-        _require(layout.wgmma, "variant.tma", v.tma, f"False on {arch.name}: TMA tile loads are for sm_90a's kernels")
-        _require(p.page_size % v.block_n == 0, "variant.tma", v.tma,
-                 f"False for page_size={p.page_size}: a TMA tile is one page's run of block_n={v.block_n} rows")
+        require(layout.wgmma, "variant.tma", v.tma, f"False on {arch.name}: TMA tile loads are for sm_90a's kernels")
+        require(p.page_size % v.block_n == 0, "variant.tma", v.tma,
+                f"False for page_size={p.page_size}: a TMA tile is one page's run of block_n={v.block_n} rows")
     if v.seesaw:
-        _require(v.tma and layout.pv_wgmma and v.stages == 2 and not v.cluster, "variant.seesaw", v.seesaw,
-                 "False, or True on sm_90a with tma, both products on wgmma (no mma_pv), two stages and no cluster")
+        require(v.tma and layout.pv_wgmma and v.stages == 2 and not v.cluster, "variant.seesaw", v.seesaw,
+                "False, or True on sm_90a with tma, both products on wgmma (no mma_pv), two stages and no cluster")
     if v.cluster and not v.p_exchange:      # the P exchange stages no output rows
-        _require(arch.capability >= 90, "variant.cluster", v.cluster,
-                 f"False on {arch.name}: thread-block clusters need sm_90 or newer")
+        require(arch.capability >= 90, "variant.cluster", v.cluster,
+                f"False on {arch.name}: thread-block clusters need sm_90 or newer")
         # The cluster's blocks stage their output rows (fp32, or 16-bit with part16) over the Q
         # and KV buffers (the template's STAGE_EPILOGUE, which static_asserts the same sum) for
         # their peers to read.
         staged = layout.m_pad * (p.dl + STAGE_PAD) * (2 if v.part16 else 4)
         buffers = (layout.m_pad + v.stages * v.block_n) * p.head_dim * 2
-        _require(staged <= buffers, "variant.cluster", v.cluster,
-                 f"False for this tile: the {staged} bytes of staged output rows need Q and KV "
-                 f"buffers that large, these have {buffers} (more stages or a wider KV tile)")
+        require(staged <= buffers, "variant.cluster", v.cluster,
+                f"False for this tile: the {staged} bytes of staged output rows need Q and KV "
+                f"buffers that large, these have {buffers} (more stages or a wider KV tile)")
     return KernelPlan(
         problem=p, variant=v, arch=arch, name=kernel_name(p, v), threads=v.warps * 32,
         rows=v.q_tile * v.head_tile, rows_pad=layout.m_pad, rows_per_warp=layout.rows_w,
@@ -252,7 +253,8 @@ def _fitting(problem: Problem, q_tile: int, head_tile: int, arch: str) -> Varian
     """The widest KV tile and deepest pipeline that fit `arch` for this tile shape, or None.
     On sm_90a the splits exchange 16-bit partial rows (`part16`: on the H200 1.5-2.8 µs less on
     short split rows, batched rows within noise)."""
-    from .validate import SpecError, validate
+    from .errors import SpecError
+    from .validate import validate
 
     m_pad = -(-(q_tile * head_tile) // 16) * 16
     for block_n, stages in ((64, 2), (32, 3), (32, 2), (64, 1), (32, 1)):

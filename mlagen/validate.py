@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .arch import MAX_ACCUMULATORS, Arch, accumulator_budget, get_arch
+from .errors import SpecError, require, require_smem
 from .spec import DTYPES, FAMILIES, MASKS, Problem, Variant, kernel_name
 
 if TYPE_CHECKING:
@@ -21,14 +22,6 @@ MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree mas
 MERGE_TARGET_BLOCKS = 128  # merge blocks a split launch aims for in all (about one wave on big GPUs)
 CHUNK = 8                  # elements per 16-byte load
 MAX_CLUSTER = 8            # blocks per thread-block cluster that every sm_90 GPU can schedule
-
-
-class SpecError(ValueError):
-    """A problem or variant that cannot be built, with the field, the value and the limit."""
-
-    def __init__(self, field: str, value: object, expected: str) -> None:
-        self.field, self.value, self.expected = field, value, expected
-        super().__init__(f"{field}: got {value!r}, expected {expected}")
 
 
 # What the balanced split counts a segment as (a range's share of one request: its Q, its first
@@ -178,97 +171,86 @@ def split_unit(variant: Variant) -> int:
     return 2 if variant.seesaw or variant.transposed else 1
 
 
-def _require(ok: bool, field: str, value: object, expected: str) -> None:
-    if not ok:
-        raise SpecError(field, value, expected)
-
-
 def _check_problem(p: Problem) -> None:
-    _require(isinstance(p.heads, int) and 1 <= p.heads <= 1024, "problem.heads", p.heads,
-             "an int in 1..1024")
-    _require(isinstance(p.dl, int) and p.dl >= 256 and p.dl % 256 == 0, "problem.dl", p.dl,
-             "a positive multiple of 256 (each lane owns whole 16-byte chunks of the value row)")
-    _require(isinstance(p.dr, int) and 0 <= p.dr <= 256 and p.dr % CHUNK == 0, "problem.dr",
-             p.dr, "a multiple of 8 in 0..256")
-    _require(p.dtype in DTYPES, "problem.dtype", p.dtype, f"one of {DTYPES}")
-    _require(isinstance(p.page_size, int) and p.page_size >= 1
-             and p.page_size & (p.page_size - 1) == 0 and p.page_size <= 4096,
-             "problem.page_size", p.page_size, "a power of two in 1..4096")
-    _require(p.mask in MASKS, "problem.mask", p.mask, f"one of {MASKS}")
-    _require(isinstance(p.lse, bool), "problem.lse", p.lse, "a bool")
+    require(isinstance(p.heads, int) and 1 <= p.heads <= 1024, "problem.heads", p.heads,
+            "an int in 1..1024")
+    require(isinstance(p.dl, int) and p.dl >= 256 and p.dl % 256 == 0, "problem.dl", p.dl,
+            "a positive multiple of 256 (each lane owns whole 16-byte chunks of the value row)")
+    require(isinstance(p.dr, int) and 0 <= p.dr <= 256 and p.dr % CHUNK == 0, "problem.dr",
+            p.dr, "a multiple of 8 in 0..256")
+    require(p.dtype in DTYPES, "problem.dtype", p.dtype, f"one of {DTYPES}")
+    require(isinstance(p.page_size, int) and p.page_size >= 1
+            and p.page_size & (p.page_size - 1) == 0 and p.page_size <= 4096,
+            "problem.page_size", p.page_size, "a power of two in 1..4096")
+    require(p.mask in MASKS, "problem.mask", p.mask, f"one of {MASKS}")
+    require(isinstance(p.lse, bool), "problem.lse", p.lse, "a bool")
 
 
 def _check_common(v: Variant) -> None:
-    _require(v.family in FAMILIES, "variant.family", v.family, f"one of {FAMILIES}")
-    _require(isinstance(v.warps, int) and 1 <= v.warps <= 16, "variant.warps", v.warps,
-             "an int in 1..16")
-    _require(v.kv_split in ("adaptive", "balanced") or (isinstance(v.kv_split, int) and 1 <= v.kv_split <= 256),
-             "variant.kv_split", v.kv_split, "'adaptive', 'balanced' or an int in 1..256")
-    _require(v.kv_split != "balanced" or v.family == "mma", "variant.kv_split", v.kv_split,
-             "'adaptive' or an int for the naive and flash families ('balanced' is mma only)")
-    _require(v.mma_pv is False or (v.mma_pv is True and v.family == "mma"), "variant.mma_pv", v.mma_pv,
-             "False, or True for the mma family (on sm_90a)")
-    _require(v.cluster is False or (v.cluster is True and v.family == "mma" and isinstance(v.kv_split, int)
-                                    and 2 <= v.kv_split <= MAX_CLUSTER),
-             "variant.cluster", v.cluster,
-             f"False, or True for the mma family with kv_split an int in 2..{MAX_CLUSTER} (the cluster size)")
-    _require(v.part16 is False or (v.part16 is True and v.family == "mma"), "variant.part16", v.part16,
-             "False, or True for the mma family")
-    _require(v.tma is False or (v.tma is True and v.family == "mma"), "variant.tma", v.tma,
-             "False, or True for the mma family (on sm_90a)")
-    _require(v.seesaw is False or (v.seesaw is True and v.family == "mma"), "variant.seesaw", v.seesaw,
-             "False, or True for the mma family (on sm_90a, with tma)")
-    _require(v.transposed is False or (v.transposed is True and v.family == "mma"), "variant.transposed",
-             v.transposed, "False, or True for the mma family (on sm_90a)")
-    _require(v.p_exchange is False or (v.p_exchange is True and v.family == "mma"), "variant.p_exchange",
-             v.p_exchange, "False, or True for the mma family (on sm_90a, with cluster)")
-
-
-def _smem_fits(arch: Arch, smem: int, what: str) -> None:
-    _require(smem <= arch.smem_per_block, "variant", what,
-             f"at most {arch.smem_per_block} bytes of shared memory per block on {arch.name}, "
-             f"this variant needs {smem}")
+    require(v.family in FAMILIES, "variant.family", v.family, f"one of {FAMILIES}")
+    require(isinstance(v.warps, int) and 1 <= v.warps <= 16, "variant.warps", v.warps,
+            "an int in 1..16")
+    require(v.kv_split in ("adaptive", "balanced") or (isinstance(v.kv_split, int) and 1 <= v.kv_split <= 256),
+            "variant.kv_split", v.kv_split, "'adaptive', 'balanced' or an int in 1..256")
+    require(v.kv_split != "balanced" or v.family == "mma", "variant.kv_split", v.kv_split,
+            "'adaptive' or an int for the naive and flash families ('balanced' is mma only)")
+    require(v.mma_pv is False or (v.mma_pv is True and v.family == "mma"), "variant.mma_pv", v.mma_pv,
+            "False, or True for the mma family (on sm_90a)")
+    require(v.cluster is False or (v.cluster is True and v.family == "mma" and isinstance(v.kv_split, int)
+                                   and 2 <= v.kv_split <= MAX_CLUSTER),
+            "variant.cluster", v.cluster,
+            f"False, or True for the mma family with kv_split an int in 2..{MAX_CLUSTER} (the cluster size)")
+    require(v.part16 is False or (v.part16 is True and v.family == "mma"), "variant.part16", v.part16,
+            "False, or True for the mma family")
+    require(v.tma is False or (v.tma is True and v.family == "mma"), "variant.tma", v.tma,
+            "False, or True for the mma family (on sm_90a)")
+    require(v.seesaw is False or (v.seesaw is True and v.family == "mma"), "variant.seesaw", v.seesaw,
+            "False, or True for the mma family (on sm_90a, with tma)")
+    require(v.transposed is False or (v.transposed is True and v.family == "mma"), "variant.transposed",
+            v.transposed, "False, or True for the mma family (on sm_90a)")
+    require(v.p_exchange is False or (v.p_exchange is True and v.family == "mma"), "variant.p_exchange",
+            v.p_exchange, "False, or True for the mma family (on sm_90a, with cluster)")
 
 
 def _plan_naive(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
     for field, value in (("head_tile", v.head_tile), ("q_tile", v.q_tile), ("kv_split", v.kv_split),
                          ("stages", v.stages)):
-        _require(value == 1, f"variant.{field}", value, "1 for the naive family (one block per row)")
+        require(value == 1, f"variant.{field}", value, "1 for the naive family (one block per row)")
     threads = v.warps * 32
     # q row as fp32, then every warp's (m, l, acc[Dl]) for the final cross-warp merge.
     smem = p.head_dim * 4 + v.warps * (p.dl + 2) * 4
-    _smem_fits(arch, smem, v.name)
+    require_smem(arch, smem, v.name)
     return KernelPlan(problem=p, variant=v, arch=arch, name=kernel_name(p, v), threads=threads,
                       rows=1, rows_pad=1, rows_per_warp=1, head_tiles=p.heads,
                       row_elems=p.head_dim, smem_bytes=smem)
 
 
 def _check_tiles(p: Problem, v: Variant) -> None:
-    _require(isinstance(v.head_tile, int) and v.head_tile >= 1 and p.heads % v.head_tile == 0,
-             "variant.head_tile", v.head_tile, f"a divisor of problem.heads={p.heads}")
-    _require(isinstance(v.q_tile, int) and 1 <= v.q_tile <= MAX_SEQLEN_Q, "variant.q_tile",
-             v.q_tile, f"an int in 1..{MAX_SEQLEN_Q}")
-    _require(isinstance(v.stages, int) and 1 <= v.stages <= 4, "variant.stages", v.stages,
-             "an int in 1..4")
+    require(isinstance(v.head_tile, int) and v.head_tile >= 1 and p.heads % v.head_tile == 0,
+            "variant.head_tile", v.head_tile, f"a divisor of problem.heads={p.heads}")
+    require(isinstance(v.q_tile, int) and 1 <= v.q_tile <= MAX_SEQLEN_Q, "variant.q_tile",
+            v.q_tile, f"an int in 1..{MAX_SEQLEN_Q}")
+    require(isinstance(v.stages, int) and 1 <= v.stages <= 4, "variant.stages", v.stages,
+            "an int in 1..4")
 
 
 def _plan_flash(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
     _check_tiles(p, v)
-    _require(v.block_n in (32, 64), "variant.block_n", v.block_n,
-             "32 or 64 for the flash family (each lane owns block_n/32 keys)")
+    require(v.block_n in (32, 64), "variant.block_n", v.block_n,
+            "32 or 64 for the flash family (each lane owns block_n/32 keys)")
     rows = v.q_tile * v.head_tile
     rpw = -(-rows // v.warps)
     acc = rpw * p.dl // 32
     budget = accumulator_budget(v.warps)
-    _require(acc <= budget, "variant", v.name,
-             f"at most {budget} fp32 accumulators per thread with {v.warps} warps; q_tile*head_tile/warps="
-             f"{rpw} rows per warp x dl/32={p.dl // 32} gives {acc}: use "
-             + ("more warps or " if budget == MAX_ACCUMULATORS else "") + "a smaller tile")
+    require(acc <= budget, "variant", v.name,
+            f"at most {budget} fp32 accumulators per thread with {v.warps} warps; q_tile*head_tile/warps="
+            f"{rpw} rows per warp x dl/32={p.dl // 32} gives {acc}: use "
+            + ("more warps or " if budget == MAX_ACCUMULATORS else "") + "a smaller tile")
     rows_pad = rpw * v.warps
     row_elems = p.head_dim + CHUNK  # one 16-byte pad per row: lanes reading 16 B rows hit 8 banks apart
     smem = (rows_pad * row_elems * 2 + v.stages * v.block_n * row_elems * 2
             + rows_pad * v.block_n * 4 + MAX_SEQLEN_Q * 8)
-    _smem_fits(arch, smem, v.name)
+    require_smem(arch, smem, v.name)
     return KernelPlan(problem=p, variant=v, arch=arch, name=kernel_name(p, v), threads=v.warps * 32,
                       rows=rows, rows_pad=rows_pad, rows_per_warp=rpw, head_tiles=p.heads // v.head_tile,
                       row_elems=row_elems, smem_bytes=smem)
