@@ -10,7 +10,7 @@
 2. The heuristic: the tensor-core (mma) family wherever one of its variants fits the arch, else
    the scalar flash family; put as many query rows (positions x heads) in a block as the
    family's register budget holds, so each KV tile is loaded for as many rows as possible
-   (`mma_plan.heuristic_mma`, `flash_heuristic`); on sm_90a, a launch with many KV tiles of
+   (`heuristic.heuristic_mma`, `flash_heuristic`); on sm_90a, a launch with many KV tiles of
    work per SM runs that tile on the seesaw schedule with TMA loads, and a short one that fits
    one wave as a P exchange (`untuned_variant`, `exchange_tile`); then
    split the key range by a small cost model of waves, tiles per block and the merge
@@ -26,7 +26,8 @@ import functools
 
 from . import tables
 from .arch import runs_on
-from .mma_plan import TRANSPOSED_ROWS, heuristic_mma
+from .heuristic import heuristic_mma
+from .mma_plan import TRANSPOSED_ROWS
 from .space import exchange_variants
 from .spec import Problem, Variant, naive, parse_variant
 from .validate import SEGMENT_TILES, SpecError, is_valid, split_unit, validate
@@ -73,7 +74,7 @@ def _divisors(n: int) -> list[int]:
 
 @functools.lru_cache(maxsize=4096)
 def heuristic_variant(problem: Problem, seqlen_q: int, arch: str) -> Variant:
-    """The heuristic's pick: the tensor-core family where a variant fits (mma_plan.heuristic_mma
+    """The heuristic's pick: the tensor-core family where a variant fits (heuristic.heuristic_mma
     says how it tiles), else the scalar flash family."""
     return heuristic_mma(problem, seqlen_q, arch) or flash_heuristic(problem, seqlen_q, arch)
 

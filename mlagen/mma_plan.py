@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .arch import MAX_ACCUMULATORS, Arch, accumulator_budget
-from .spec import Problem, Variant, kernel_name
+from .arch import MAX_ACCUMULATORS, accumulator_budget
+from .spec import Problem, Variant
 
 BLOCK_NS = (32, 64, 128)
 # Padding of a staged output row, in values (templates/mma.cu.j2's epilogue): 8 puts the staging
@@ -190,102 +190,3 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
     return MmaLayout(m_pad=m_pad, wmq=wmq, wnq=wnq, rows_w=m_pad // wmq, keys_w=v.block_n // wnq,
                      dims_w=dims_w, p_stride=p_stride, smem_bytes=smem, wgmma=wgmma,
                      pv_wgmma=wgmma and not v.mma_pv)
-
-
-def plan_mma(p: Problem, v: Variant, arch: Arch):
-    from .errors import SpecError, require, require_smem
-    from .validate import KernelPlan
-
-    if not arch.mma:
-        raise SpecError("variant.arch", arch.name, "an arch with mma.sync bf16/fp16 (sm_80 or newer)")
-    layout = mma_layout(p, v)
-    if isinstance(layout, str):
-        raise SpecError("variant", v.name, layout)
-    require_smem(arch, layout.smem_bytes, v.name)
-    if v.tma:
-        require(layout.wgmma, "variant.tma", v.tma, f"False on {arch.name}: TMA tile loads are for sm_90a's kernels")
-        require(p.page_size % v.block_n == 0, "variant.tma", v.tma,
-                f"False for page_size={p.page_size}: a TMA tile is one page's run of block_n={v.block_n} rows")
-    if v.seesaw:
-        require(v.tma and layout.pv_wgmma and v.stages == 2 and not v.cluster, "variant.seesaw", v.seesaw,
-                "False, or True on sm_90a with tma, both products on wgmma (no mma_pv), two stages and no cluster")
-    if v.cluster and not v.p_exchange:      # the P exchange stages no output rows
-        require(arch.capability >= 90, "variant.cluster", v.cluster,
-                f"False on {arch.name}: thread-block clusters need sm_90 or newer")
-        # The cluster's blocks stage their output rows (fp32, or 16-bit with part16) over the Q
-        # and KV buffers (the template's STAGE_EPILOGUE, which static_asserts the same sum) for
-        # their peers to read.
-        staged = layout.m_pad * (p.dl + STAGE_PAD) * (2 if v.part16 else 4)
-        buffers = (layout.m_pad + v.stages * v.block_n) * p.head_dim * 2
-        require(staged <= buffers, "variant.cluster", v.cluster,
-                f"False for this tile: the {staged} bytes of staged output rows need Q and KV "
-                f"buffers that large, these have {buffers} (more stages or a wider KV tile)")
-    return KernelPlan(
-        problem=p, variant=v, arch=arch, name=kernel_name(p, v), threads=v.warps * 32,
-        rows=v.q_tile * v.head_tile, rows_pad=layout.m_pad, rows_per_warp=layout.rows_w,
-        head_tiles=p.heads // v.head_tile, row_elems=p.head_dim, smem_bytes=layout.smem_bytes,
-        mma=layout,
-    )
-
-
-# Heuristic tile choice: a block's KV stream costs about as much as this many rows of mma work
-# (per key, a block reads 1152 bytes and each row does 2*1088 flops).
-ROW_COST_OF_A_BLOCK = 24
-MAX_ROWS = 64
-# sm_90a's wgmma scores run rows 1.25-1.45x faster than mma.sync on the H200 (H=64 S=9 at 65536
-# keys: 345 µs against 453).
-WGMMA_COST = 0.75
-
-
-def _tile_shapes(heads: int, seqlen_q: int) -> list[tuple[int, int, int]]:
-    """(cost, q_tile, head_tile) of the tiles holding at most MAX_ROWS rows, cheapest first:
-    padded rows plus ROW_COST_OF_A_BLOCK per block (each block streams the KV once)."""
-    shapes = []
-    for head_tile in (d for d in range(1, heads + 1) if heads % d == 0):
-        for q_tile in range(1, min(seqlen_q, MAX_ROWS // head_tile) + 1):
-            blocks = -(-seqlen_q // q_tile) * (heads // head_tile)
-            padded = blocks * (-(-(q_tile * head_tile) // 16) * 16)
-            shapes.append((padded + ROW_COST_OF_A_BLOCK * blocks, -q_tile * head_tile, q_tile, head_tile))
-    return [(cost, q, h) for cost, _, q, h in sorted(shapes)]
-
-
-def _fitting(problem: Problem, q_tile: int, head_tile: int, arch: str) -> Variant | None:
-    """The widest KV tile and deepest pipeline that fit `arch` for this tile shape, or None.
-    On sm_90a the splits exchange 16-bit partial rows (`part16`: on the H200 1.5-2.8 µs less on
-    short split rows, batched rows within noise)."""
-    from .errors import SpecError
-    from .validate import validate
-
-    m_pad = -(-(q_tile * head_tile) // 16) * 16
-    for block_n, stages in ((64, 2), (32, 3), (32, 2), (64, 1), (32, 1)):
-        v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, kv_split="adaptive",
-                    block_n=block_n, warps=max(4, m_pad // 8), stages=stages, arch=arch,
-                    part16=arch == "sm_90a")
-        try:
-            validate(problem, v)
-            return v
-        except SpecError:
-            continue
-    return None
-
-
-def heuristic_mma(problem: Problem, seqlen_q: int, arch: str, specialize: bool = True) -> Variant | None:
-    """The mma variant for `problem` at S=seqlen_q on a device of target `arch`, or None.
-
-    Per target the device runs (`arch`, and with `specialize` sm_90a on Hopper), the cheapest
-    tile shape of `_tile_shapes` that some variant fits; across targets, wgmma's measured
-    speed-up weighs in.
-    """
-    from .arch import specializations
-
-    best: tuple[float, Variant] | None = None
-    shapes = _tile_shapes(problem.heads, seqlen_q)
-    for target in (arch, *(specializations(arch) if specialize else ())):
-        weight = WGMMA_COST if target == "sm_90a" else 1.0
-        for cost, q_tile, head_tile in shapes:
-            v = _fitting(problem, q_tile, head_tile, target)
-            if v is not None:
-                if best is None or cost * weight < best[0]:
-                    best = (cost * weight, v)
-                break
-    return None if best is None else best[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dispatch import transposed_tile, untuned_variant
-from .mma_plan import heuristic_mma
+from .heuristic import heuristic_mma
 from .spec import Problem, Variant, naive
 
 # Context lengths, short and long, whose dispatch `mlagen emit` covers for one request.

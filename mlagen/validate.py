@@ -9,14 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .arch import MAX_ACCUMULATORS, Arch, accumulator_budget, get_arch
 from .errors import SpecError, require, require_smem
+from .mma_plan import STAGE_PAD, MmaLayout, mma_layout
 from .spec import DTYPES, FAMILIES, MASKS, Problem, Variant, kernel_name
-
-if TYPE_CHECKING:
-    from .mma_plan import MmaLayout
 
 MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
 MERGE_TARGET_BLOCKS = 128  # merge blocks a split launch aims for in all (about one wave on big GPUs)
@@ -256,9 +253,40 @@ def _plan_flash(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
                       row_elems=row_elems, smem_bytes=smem)
 
 
-def _plan_mma(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
-    from .mma_plan import plan_mma  # the tensor-core family keeps its layout rules beside it
+def plan_mma(p: Problem, v: Variant, arch: Arch):
+    if not arch.mma:
+        raise SpecError("variant.arch", arch.name, "an arch with mma.sync bf16/fp16 (sm_80 or newer)")
+    layout = mma_layout(p, v)
+    if isinstance(layout, str):
+        raise SpecError("variant", v.name, layout)
+    require_smem(arch, layout.smem_bytes, v.name)
+    if v.tma:
+        require(layout.wgmma, "variant.tma", v.tma, f"False on {arch.name}: TMA tile loads are for sm_90a's kernels")
+        require(p.page_size % v.block_n == 0, "variant.tma", v.tma,
+                f"False for page_size={p.page_size}: a TMA tile is one page's run of block_n={v.block_n} rows")
+    if v.seesaw:
+        require(v.tma and layout.pv_wgmma and v.stages == 2 and not v.cluster, "variant.seesaw", v.seesaw,
+                "False, or True on sm_90a with tma, both products on wgmma (no mma_pv), two stages and no cluster")
+    if v.cluster and not v.p_exchange:      # the P exchange stages no output rows
+        require(arch.capability >= 90, "variant.cluster", v.cluster,
+                f"False on {arch.name}: thread-block clusters need sm_90 or newer")
+        # The cluster's blocks stage their output rows (fp32, or 16-bit with part16) over the Q
+        # and KV buffers (the template's STAGE_EPILOGUE, which static_asserts the same sum) for
+        # their peers to read.
+        staged = layout.m_pad * (p.dl + STAGE_PAD) * (2 if v.part16 else 4)
+        buffers = (layout.m_pad + v.stages * v.block_n) * p.head_dim * 2
+        require(staged <= buffers, "variant.cluster", v.cluster,
+                f"False for this tile: the {staged} bytes of staged output rows need Q and KV "
+                f"buffers that large, these have {buffers} (more stages or a wider KV tile)")
+    return KernelPlan(
+        problem=p, variant=v, arch=arch, name=kernel_name(p, v), threads=v.warps * 32,
+        rows=v.q_tile * v.head_tile, rows_pad=layout.m_pad, rows_per_warp=layout.rows_w,
+        head_tiles=p.heads // v.head_tile, row_elems=p.head_dim, smem_bytes=layout.smem_bytes,
+        mma=layout,
+    )
 
+
+def _plan_mma(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
     _check_tiles(p, v)
     return plan_mma(p, v, arch)
 
