@@ -40,7 +40,7 @@ def use_templates(tree: Path) -> None:
     if not templates.is_dir():
         raise SystemExit(f"{tree}: no templates/ folder in it")
     codegen._SOURCE_TREE_TEMPLATES = templates
-    codegen._environment.cache_clear()
+    codegen.environment.cache_clear()
     codegen.render.cache_clear()
     launch._loaded.clear()
     runtime._prepare.cache_clear()

@@ -26,7 +26,8 @@ def template_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def _environment() -> jinja2.Environment:
+def environment() -> jinja2.Environment:
+    """The Jinja environment over `template_dir()` (the kernels' and the launchers' templates)."""
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(template_dir())),
         undefined=jinja2.StrictUndefined,
@@ -43,5 +44,5 @@ def render(plan: KernelPlan) -> str:
     # the transposed tile and the P exchange are kernels of their own in the mma family
     v = plan.variant
     name = "mma_transposed" if v.transposed else "mma_exchange" if v.p_exchange else v.family
-    template = _environment().get_template(f"{name}.cu.j2")
+    template = environment().get_template(f"{name}.cu.j2")
     return template.render(plan=plan, fields=FIELDS, arch_flags=nvcc_arch_flags(plan.arch.name))

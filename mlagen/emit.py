@@ -14,6 +14,8 @@ from pathlib import Path
 
 from . import __version__
 from .codegen import render
+from .files import write_if_changed
+from .launcher import emit_launcher
 from .params import FIELDS, PARAMS_SIZE
 from .presets import Preset
 from .spec import Problem, Variant
@@ -64,16 +66,6 @@ def manifest(plan: KernelPlan) -> dict:
     }
 
 
-def write_if_changed(path: Path, text: str) -> bool:
-    """Write `text` to `path` (creating its folder) unless the file already holds it; returns
-    whether it wrote. Keeps emitted files' timestamps stable for build systems."""
-    if path.exists() and path.read_text() == text:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return True
-
-
 def emit_one(problem: Problem, variant: Variant, folder: Path, launcher: bool = False) -> Emitted:
     """`folder`/<name>.cu and <name>.json, plus the C++ launcher header <name>_launch.h if asked."""
     plan = validate(problem, variant)
@@ -83,8 +75,6 @@ def emit_one(problem: Problem, variant: Variant, folder: Path, launcher: bool = 
     changed |= write_if_changed(meta, json.dumps(manifest(plan), indent=2) + "\n")
     header = None
     if launcher:
-        from .launcher import emit_launcher  # launcher builds on this module's helpers
-
         header = emit_launcher(plan, folder)
     return Emitted(source=source, manifest=meta, changed=changed, launcher=header)
 

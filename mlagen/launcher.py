@@ -25,8 +25,8 @@ from pathlib import Path
 
 from . import __version__, dispatch, tensormap
 from .arch import nvcc_arch_flags
-from .codegen import _environment
-from .emit import write_if_changed
+from .codegen import environment
+from .files import write_if_changed
 from .launch import DEFAULT_SMEM_LIMIT
 from .params import FIELDS, PARAMS_SIZE, Field
 from .validate import MAX_SEQLEN_Q, MERGE_TARGET_BLOCKS, KernelPlan
@@ -88,7 +88,7 @@ def render_launcher(plan: KernelPlan) -> str:
     missing = {f.name for f in FIELDS} - set(_ASSIGN)
     if missing:
         raise KeyError(f"launcher: no assignment for parameter fields {sorted(missing)}")
-    return _environment().get_template("launcher.h.j2").render(
+    return environment().get_template("launcher.h.j2").render(
         plan=plan, version=__version__, short_name=namespace(plan), arch_flags=nvcc_arch_flags(plan.arch.name),
         fields=[_host_field(f) for f in FIELDS], params_size=PARAMS_SIZE, assign=_ASSIGN,
         grid=tuple(_c_expr(e) for e in plan.grid_expr()),

@@ -88,7 +88,7 @@ def templates_restored():
     before = codegen._SOURCE_TREE_TEMPLATES
     yield
     codegen._SOURCE_TREE_TEMPLATES = before
-    codegen._environment.cache_clear()
+    codegen.environment.cache_clear()
     codegen.render.cache_clear()
 
 
