@@ -10,15 +10,16 @@ registered on import, for torch.compile and CUDA graphs), `mlagen.compat.flash_m
 (FlashMLA's API) and `mlagen.launcher` (C++ launchers for emitted kernels).
 """
 
-from .compiler import CompileError
-from .inputs import InputError
-from .merge import merge_states, merge_states_
-from .ops import verify_attention_op
-from .reference import reference
-from .runtime import verify_attention
-from .spec import Problem, Variant, naive
-from .validate import KernelPlan, SpecError, validate
-from .varlen import verify_attention_varlen
+from .codegen.compiler import CompileError
+from .dsl.errors import SpecError
+from .dsl.spec import Problem, Variant, naive
+from .plan.validate import KernelPlan, validate
+from .runtime.inputs import InputError
+from .runtime.merge import merge_states, merge_states_
+from .runtime.op import verify_attention
+from .runtime.ops import verify_attention_op
+from .runtime.reference import reference
+from .runtime.varlen import verify_attention_varlen
 
 __all__ = [
     "CompileError",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .codegen import render
+from ..dsl.spec import Problem, Variant
+from ..plan.validate import KernelPlan, validate
 from .compiler import CompiledModule, compile_source
-from .spec import Problem, Variant
-from .validate import KernelPlan, validate
+from .render import render
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
+from ..dsl.errors import SpecError
+from ..dsl.spec import Problem, Variant
 from .build import build
 from .compiler import CompileError
-from .spec import Problem, Variant
-from .validate import SpecError
 
 
 def code_identity(problem: Problem, variant: Variant) -> tuple[Problem, Variant]:

@@ -11,18 +11,19 @@ from pathlib import Path
 
 import jinja2
 
-from .arch import nvcc_arch_flags
-from .params import FIELDS
-from .validate import KernelPlan
+from ..dsl.arch import nvcc_arch_flags
+from ..plan.params import FIELDS
+from ..plan.validate import KernelPlan
 
-_SOURCE_TREE_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+_PACKAGE = Path(__file__).resolve().parents[1]  # the mlagen package
+_SOURCE_TREE_TEMPLATES = _PACKAGE.parent / "templates"
 
 
 def template_dir() -> Path:
     """Where the templates are: beside the package in a checkout, inside it when installed."""
     if _SOURCE_TREE_TEMPLATES.is_dir():
         return _SOURCE_TREE_TEMPLATES
-    return Path(__file__).resolve().parent / "templates"
+    return _PACKAGE / "templates"
 
 
 @functools.lru_cache(maxsize=1)

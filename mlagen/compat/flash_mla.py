@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ..ops import verify_attention_op
+from ..runtime.ops import verify_attention_op
 
 # FlashMLA's tile-scheduler metadata rows hold 8 int32 fields each.
 _METADATA_FIELDS = 8

@@ -3,10 +3,10 @@ for a shape no table covers (`heuristic_mma`)."""
 
 from __future__ import annotations
 
-from .arch import specializations
-from .errors import SpecError
-from .spec import Problem, Variant
-from .validate import validate
+from ..dsl.arch import specializations
+from ..dsl.errors import SpecError
+from ..dsl.spec import Problem, Variant
+from ..plan.validate import validate
 
 # Heuristic tile choice: a block's KV stream costs about as much as this many rows of mma work
 # (per key, a block reads 1152 bytes and each row does 2*1088 flops).

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import functools
 
+from ..dsl.arch import runs_on
+from ..dsl.errors import SpecError
+from ..dsl.spec import Problem, Variant, naive, parse_variant
+from ..plan.mma_plan import TRANSPOSED_ROWS
+from ..plan.space import exchange_variants
+from ..plan.validate import SEGMENT_TILES, is_valid, split_unit, validate
 from . import tables
-from .arch import runs_on
 from .heuristic import heuristic_mma
-from .mma_plan import TRANSPOSED_ROWS
-from .space import exchange_variants
-from .spec import Problem, Variant, naive, parse_variant
-from .validate import SEGMENT_TILES, SpecError, is_valid, split_unit, validate
 
 MAX_FLASH_ROWS = 64        # 8 warps x 8 rows: the scalar kernel's accumulator budget
 # The split-count model's costs, in KV-tile times of one block (~4 us on an H200 for the mma

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .dispatch import transposed_tile, untuned_variant
+from ..dsl.spec import Problem, Variant, naive
 from .heuristic import heuristic_mma
-from .spec import Problem, Variant, naive
+from .policy import transposed_tile, untuned_variant
 
 # Context lengths, short and long, whose dispatch `mlagen emit` covers for one request.
 EMIT_KEYS: tuple[int, ...] = (4096, 65536)

@@ -26,8 +26,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .compiler import cache_dir
-from .spec import Problem
+from ..codegen.compiler import cache_dir
+from ..dsl.spec import Problem
 
 FORMAT = 1
 ENV_DIR = "MLAGEN_TUNE_DIR"

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .arch import MAX_ACCUMULATORS, accumulator_budget
-from .spec import Problem, Variant
+from ..dsl.arch import MAX_ACCUMULATORS, accumulator_budget
+from ..dsl.spec import Problem, Variant
 
 BLOCK_NS = (32, 64, 128)
 # Padding of a staged output row, in values (templates/mma.cu.j2's epilogue): 8 puts the staging

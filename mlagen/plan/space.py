@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 
-from .spec import Problem, Variant, naive
+from ..dsl.spec import Problem, Variant, naive
 from .validate import MAX_CLUSTER, is_valid
 
 BLOCK_NS = (32, 64)

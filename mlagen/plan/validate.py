@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .arch import MAX_ACCUMULATORS, Arch, accumulator_budget, get_arch
-from .errors import SpecError, require, require_smem
+from ..dsl.arch import MAX_ACCUMULATORS, Arch, accumulator_budget, get_arch
+from ..dsl.errors import SpecError, require, require_smem
+from ..dsl.spec import DTYPES, FAMILIES, MASKS, Problem, Variant, kernel_name
 from .mma_plan import STAGE_PAD, MmaLayout, mma_layout
-from .spec import DTYPES, FAMILIES, MASKS, Problem, Variant, kernel_name
 
 MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
 MERGE_TARGET_BLOCKS = 128  # merge blocks a split launch aims for in all (about one wave on big GPUs)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from .validate import MAX_SEQLEN_Q
+from ..plan.validate import MAX_SEQLEN_Q
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _ALIGN_ELEMS = 8     # kernels move rows in 16-byte chunks

@@ -27,10 +27,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .build import build
-from .params import DEPENDENT_OFFSET, PARAMS_SIZE, pack_into
-from .spec import Problem, Variant
-from .validate import KernelPlan
+from ..codegen.build import build
+from ..dsl.spec import Problem, Variant
+from ..plan.params import DEPENDENT_OFFSET, PARAMS_SIZE, pack_into
+from ..plan.validate import KernelPlan
 
 DEFAULT_SMEM_LIMIT = 48 * 1024   # above this a kernel must opt in to more dynamic shared memory
 PDL_MIN_CAPABILITY = 90          # griddepcontrol, and the launch attribute, need sm_90

@@ -21,9 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import inputs, tensormap, workspace
-from .arch import arch_for_capability, runs_on
-from .dispatch import (
+from ..dispatch.policy import (
     BALANCED_LIST_POSITIONS,
     balanced_list_fits,
     choose_variant,
@@ -31,9 +29,11 @@ from .dispatch import (
     dependent_in_graphs,
     num_splits,
 )
+from ..dsl.arch import arch_for_capability, runs_on
+from ..dsl.spec import Problem, Variant
+from ..plan.params import tail
+from . import inputs, tensormap, workspace
 from .launch import KernelLaunch, Loaded, kernel_launch, launch, load
-from .params import tail
-from .spec import Problem, Variant
 
 LOG2E = 1.4426950408889634
 

@@ -14,9 +14,9 @@ fp32 tensor unless return_lse. `verify_attention_op` below hides that and also t
 
 import torch
 
+from ..dsl.spec import Variant, parse_variant
 from .inputs import key_bound
-from .runtime import verify_attention
-from .spec import Variant, parse_variant
+from .op import verify_attention
 
 OP_NAME = "mlagen::verify_attention"
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dsl.spec import Variant
 from . import inputs
-from .runtime import verify_attention
-from .spec import Variant
+from .op import verify_attention
 
 
 @dataclass(frozen=True)

@@ -15,16 +15,17 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .dispatch import choose_variant, family_variant
+from ..codegen.precompile import code_identity, precompile
+from ..dispatch.policy import choose_variant, family_variant
+from ..dsl.errors import SpecError
+from ..dsl.spec import FAMILIES, Problem, Variant
+from ..plan.validate import validate
+from ..runtime.op import device_info, device_name, verify_attention
 from .floor import floor_us
 from .grids import Row
 from .peers import PEER_GPU, peer
-from .precompile import code_identity, precompile
-from .runtime import device_info, device_name, verify_attention
-from .spec import FAMILIES, Problem, Variant
 from .stamp import stamp
 from .timing import TimingConfig, host_us_per_call, l2_bytes, measure, measure_ceilings
-from .validate import SpecError, validate
 from .workload import Workload, eager_call, make_workload, mlagen_call, problem_for
 
 EAGER, DISPATCH = "eager", "dispatch"

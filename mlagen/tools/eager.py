@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import visible_keys
+from ..runtime.reference import visible_keys
 
 
 def eager_visible(keys: int, seqlen_q: int, causal: bool, tree_mask: torch.Tensor | None,

@@ -12,14 +12,14 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import __version__
-from .codegen import render
+from .. import __version__
+from ..codegen.render import render
+from ..dispatch.presets import Preset
+from ..dsl.spec import Problem, Variant
+from ..plan.params import FIELDS, PARAMS_SIZE
+from ..plan.validate import KernelPlan, validate
 from .files import write_if_changed
 from .launcher import emit_launcher
-from .params import FIELDS, PARAMS_SIZE
-from .presets import Preset
-from .spec import Problem, Variant
-from .validate import KernelPlan, validate
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .arch import specializations
-from .mma_plan import TRANSPOSED_ROWS
-from .spec import DTYPES, MASKS, Problem, Variant, naive
+from ..dsl.arch import specializations
+from ..dsl.errors import SpecError
+from ..dsl.spec import DTYPES, MASKS, Problem, Variant, naive
+from ..plan.mma_plan import TRANSPOSED_ROWS
+from ..plan.validate import MAX_CLUSTER, MAX_SEQLEN_Q, is_valid, validate
 from .testing import Case, Tolerance, make_case, mismatch, poison_allocator, poisoned_out
-from .validate import MAX_CLUSTER, MAX_SEQLEN_Q, SpecError, is_valid, validate
 from .workload import TORCH_DTYPES
 
 # Prefix ceilings a shape draws its requests' prefixes under: empty caches, a tile, a few
@@ -207,7 +208,7 @@ Kernel = Callable[[Case, Shape, Variant | None], tuple[torch.Tensor, torch.Tenso
 def launch(case: Case, shape: Shape, variant: Variant | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`mlagen.verify_attention` on the case, with a NaN `out=` and NaN left in torch's allocator
     for its workspace, synchronized."""
-    from .runtime import verify_attention
+    from ..runtime.op import verify_attention
 
     poison_allocator(64 << 20, str(case.q.device))
     out = poisoned_out(case)
@@ -350,7 +351,7 @@ def _outcomes(shape: Shape, variants: Sequence[Variant | None], any_variant: str
 
 def _device_target(device: str) -> tuple[str, str]:
     """(compile target, name) of a CUDA device, as the dispatcher picks for it."""
-    from .runtime import device_info, device_name
+    from ..runtime.op import device_info, device_name
 
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
@@ -360,8 +361,8 @@ def _device_target(device: str) -> tuple[str, str]:
 def dispatched_variant(shape: Shape, arch: str, gpu: str) -> Variant:
     """The variant `mlagen.verify_attention` picks for the shape's launch (`launch`: its
     max_seqlen_k bound, its block table) on a `gpu` of `arch`."""
-    from .inputs import key_bound
-    from .runtime import pick_variant
+    from ..runtime.inputs import key_bound
+    from ..runtime.op import pick_variant
 
     table = shape.kv_capacity
     bound = key_bound(shape.max_seqlen_k)
@@ -391,7 +392,7 @@ class _CompileAhead:
     def submit(self, shape: Shape, variants: Sequence[Variant | None], drawn: Variant | None) -> None:
         """Queue the kernels the shape will launch: the dispatcher's pick for a None in
         `variants`, the named variants that fit it, and its random variant `drawn` (if any)."""
-        from .precompile import code_identity, compile_one
+        from ..codegen.precompile import code_identity, compile_one
 
         for v in [*variants, *([drawn] if drawn is not None else [])]:
             try:

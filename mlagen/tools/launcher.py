@@ -23,13 +23,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from . import __version__, dispatch, tensormap
-from .arch import nvcc_arch_flags
-from .codegen import environment
+from .. import __version__
+from ..codegen.render import environment
+from ..dispatch import policy
+from ..dsl.arch import nvcc_arch_flags
+from ..plan.params import FIELDS, PARAMS_SIZE, Field
+from ..plan.validate import MAX_SEQLEN_Q, MERGE_TARGET_BLOCKS, KernelPlan
+from ..runtime import tensormap
+from ..runtime.launch import DEFAULT_SMEM_LIMIT
 from .files import write_if_changed
-from .launch import DEFAULT_SMEM_LIMIT
-from .params import FIELDS, PARAMS_SIZE, Field
-from .validate import MAX_SEQLEN_Q, MERGE_TARGET_BLOCKS, KernelPlan
 
 _LOG2E = "1.4426950408889634f"
 
@@ -93,9 +95,9 @@ def render_launcher(plan: KernelPlan) -> str:
         fields=[_host_field(f) for f in FIELDS], params_size=PARAMS_SIZE, assign=_ASSIGN,
         grid=tuple(_c_expr(e) for e in plan.grid_expr()),
         max_seqlen_q=MAX_SEQLEN_Q, merge_target=MERGE_TARGET_BLOCKS,
-        merge_tiles=repr(dispatch.MERGE_TILES), split_tiles_per_row=repr(dispatch.SPLIT_TILES_PER_ROW),
-        max_splits=dispatch.MAX_SPLITS, pdl_tiles_per_sm=dispatch.PDL_TILES_PER_SM,
-        balanced_list_positions=dispatch.BALANCED_LIST_POSITIONS, split_unit=plan.split_unit,
+        merge_tiles=repr(policy.MERGE_TILES), split_tiles_per_row=repr(policy.SPLIT_TILES_PER_ROW),
+        max_splits=policy.MAX_SPLITS, pdl_tiles_per_sm=policy.PDL_TILES_PER_SM,
+        balanced_list_positions=policy.BALANCED_LIST_POSITIONS, split_unit=plan.split_unit,
         default_smem=DEFAULT_SMEM_LIMIT, kv_map_bytes=tensormap.MAP_BYTES, kv_box_dims=tensormap.BOX_DIMS,
     )
 

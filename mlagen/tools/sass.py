@@ -17,7 +17,7 @@ import struct
 import subprocess
 import tempfile
 
-from .compiler import wheel_dirs
+from ..codegen.compiler import wheel_dirs
 
 _ENV = "MLAGEN_NVDISASM"
 _OPCODE = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")

@@ -23,8 +23,8 @@ def stamp(device: int) -> dict[str, object]:
     import cupy
     import torch
 
-    from .compiler import nvrtc_version
-    from .runtime import device_info
+    from ..codegen.compiler import nvrtc_version
+    from ..runtime.op import device_info
 
     props = torch.cuda.get_device_properties(device)
     arch, sm_count = device_info(device)

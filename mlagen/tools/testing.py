@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import reference
+from ..runtime.reference import reference
 
 
 @dataclass
@@ -314,17 +314,17 @@ def pinned_balanced_ranges(ranges: int) -> Iterator[None]:
     """Within it, balanced-split launches get `ranges` ranges (their num_splits) instead of one per
     resident slot, so a check picks the work list's layout (templates/merge.cuh.j2: aligned or
     packed) on any GPU. The runtime's memoized launch plans are dropped on entry and exit."""
-    from . import runtime
+    from ..runtime import op
 
-    planned = runtime.num_splits
+    planned = op.num_splits
 
     def splits(variant, *args) -> int:
         return ranges if variant.kv_split == "balanced" else planned(variant, *args)
 
-    runtime._prepare.cache_clear()
-    runtime.num_splits = splits
+    op._prepare.cache_clear()
+    op.num_splits = splits
     try:
         yield
     finally:
-        runtime.num_splits = planned
-        runtime._prepare.cache_clear()
+        op.num_splits = planned
+        op._prepare.cache_clear()

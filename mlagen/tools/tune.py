@@ -22,17 +22,18 @@ from pathlib import Path
 
 import torch
 
-from . import dispatch, tables
-from .arch import runs_on, specializations
-from .dispatch import balanced_for_batch, num_splits, transposed_tile, untuned_variant
+from ..codegen.precompile import code_identity, precompile
+from ..dispatch import policy, tables
+from ..dispatch.policy import balanced_for_batch, num_splits, transposed_tile, untuned_variant
+from ..dsl.arch import runs_on, specializations
+from ..dsl.errors import SpecError
+from ..dsl.spec import FAMILIES, Problem, Variant, parse_variant
+from ..plan.space import split_variants, structure_of, structures, twin_variants
+from ..plan.validate import is_valid
+from ..runtime.op import device_info, device_name
 from .grids import Row
-from .precompile import code_identity, precompile
-from .runtime import device_info, device_name
-from .space import split_variants, structure_of, structures, twin_variants
-from .spec import FAMILIES, Problem, Variant, parse_variant
 from .stamp import stamp
 from .timing import TimingConfig, l2_bytes, measure
-from .validate import SpecError, is_valid
 from .workload import Workload, make_workload, mlagen_call, problem_for
 
 
@@ -285,5 +286,5 @@ def tune(rows: list[Row], config: TuneConfig, path: Path | None = None, write_de
                                   "max_candidates": config.max_candidates, "split_top": config.split_top,
                                   "retimes": config.retimes}
     tables.save_table(table, path)
-    dispatch.reset()
+    policy.reset()
     return path, results

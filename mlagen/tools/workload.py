@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dsl.spec import Problem, Variant
+from ..runtime.op import verify_attention
 from .eager import eager_attention, eager_visible
 from .grids import Row
-from .runtime import verify_attention
-from .spec import Problem, Variant
 from .timing import rotation_count
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
