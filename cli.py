@@ -24,11 +24,12 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
 
-from mlagen.arch import ARCHS, CI_ARCHS
-from mlagen.presets import DEFAULT_EMIT_ARCHS, DEFAULT_PRESET, PRESETS, Preset
-from mlagen.report import FORMATS, text_table
-from mlagen.spec import DTYPES, MASKS, Variant, parse_variant
-from mlagen.validate import KernelPlan, SpecError, validate
+from mlagen.dispatch.presets import DEFAULT_EMIT_ARCHS, DEFAULT_PRESET, PRESETS, Preset
+from mlagen.dsl.arch import ARCHS, CI_ARCHS
+from mlagen.dsl.errors import SpecError
+from mlagen.dsl.spec import DTYPES, MASKS, Variant, parse_variant
+from mlagen.plan.validate import KernelPlan, validate
+from mlagen.tools.report import FORMATS, text_table
 
 try:        # recent typer carries its own copy of click
     from typer._click import exceptions as click_errors
@@ -229,7 +230,7 @@ def _folder(given: Path, option: str, target: Path | None = None, expected: str 
 
 def _table_file(path: Path) -> None:
     """--table: a table file `mlagen tune` wrote, or a new one, in a folder this user may write to."""
-    from mlagen.tables import load_table
+    from mlagen.dispatch.tables import load_table
 
     if path.exists():
         if path.is_dir():
@@ -252,7 +253,7 @@ def _info(fmt: str) -> Console:
 
 
 def _rows(grid: list[str] | None, row: list[str] | None, default: list[str]):
-    from mlagen.grids import select_rows
+    from mlagen.tools.grids import select_rows
 
     try:
         return select_rows((grid or []) if grid or row else default, row or [])
@@ -316,7 +317,7 @@ def emit(
     preset's shapes, or those --variant names. Kernels an earlier emit wrote there that the preset no longer has are
     removed; other files stay.
     """
-    from mlagen.emit import emit_one, emit_preset
+    from mlagen.tools.emit import emit_one, emit_preset
 
     p = _preset(preset)
     archs = _archs(arch, DEFAULT_EMIT_ARCHS)
@@ -395,11 +396,11 @@ def show(
             table.add_row(k, Text(str(v)))
     _print_table(table, side)
     if source:
-        from mlagen.codegen import render
+        from mlagen.codegen.render import render
 
         _write(render(plan))
     if compile_ or sass or opcodes:
-        from mlagen.build import build
+        from mlagen.codegen.build import build
 
         built = build(p.problem, plan.variant)
         for name, r in built.module.resources.items():
@@ -409,8 +410,8 @@ def show(
 
 
 def _show_sass(cubin: bytes, kernel: str, arch: str, listing: bool, counts: bool, con: Console) -> None:
-    from mlagen.sass import SassError, disassemble
-    from mlagen.sass import opcodes as count_opcodes
+    from mlagen.tools.sass import SassError, disassemble
+    from mlagen.tools.sass import opcodes as count_opcodes
 
     try:
         text = disassemble(cubin, kernel, arch)
@@ -441,9 +442,9 @@ def check(
     Lists each kernel's registers, shared memory and spills. Exits with 1 if a kernel does not
     compile or spills registers to memory (only the largest transposed tiles may spill, a few bytes).
     """
-    from mlagen.build import build
-    from mlagen.compiler import CompileError
-    from mlagen.mma_plan import stack_budget
+    from mlagen.codegen.build import build
+    from mlagen.codegen.compiler import CompileError
+    from mlagen.plan.mma_plan import stack_budget
 
     archs = _archs(arch, CI_ARCHS)
     presets = [_preset(n) for n in dict.fromkeys(preset)] if preset else list(PRESETS.values())
@@ -510,9 +511,9 @@ def bench(
     extra = _variants(variant)
     _folder(out, "--out")
     _need_gpu("bench")
-    from mlagen.bench import BenchConfig, run_bench
-    from mlagen.report import markdown, rich_table, to_json, write_all
-    from mlagen.timing import TimingConfig
+    from mlagen.tools.bench import BenchConfig, run_bench
+    from mlagen.tools.report import markdown, rich_table, to_json, write_all
+    from mlagen.tools.timing import TimingConfig
 
     info = _info(fmt)
     config = BenchConfig(page_size=page_size, mask=mask, dtype=dtype, timing=TimingConfig(target_ms=target_ms),
@@ -571,13 +572,13 @@ def tune(
     if table is not None:
         _table_file(table)
     if write_default:
-        from mlagen.tables import SHIPPED_DIR
+        from mlagen.dispatch.tables import SHIPPED_DIR
 
         _folder(SHIPPED_DIR, "--write-default")
     _need_gpu("tune")
-    from mlagen.report import tune_json, tune_markdown, tune_table
-    from mlagen.tune import TuneConfig
-    from mlagen.tune import tune as run_tune
+    from mlagen.tools.report import tune_json, tune_markdown, tune_table
+    from mlagen.tools.tune import TuneConfig
+    from mlagen.tools.tune import tune as run_tune
 
     info = _info(fmt)
     config = TuneConfig(page_size=page_size, masks=tuple(dict.fromkeys(masks)), dtype=dtype,
@@ -631,8 +632,8 @@ def fuzz(
     masks, dtypes and lse; each runs into an output filled with garbage first. Exits with 1 if a
     check failed, and prints the command that replays each failure.
     """
-    from mlagen.fuzz import FuzzSpace, Outcome
-    from mlagen.fuzz import fuzz as run_fuzz
+    from mlagen.tools.fuzz import FuzzSpace, Outcome
+    from mlagen.tools.fuzz import fuzz as run_fuzz
 
     fmt = _format(format_)
     for h in heads or []:
@@ -665,9 +666,9 @@ def fuzz(
     if not variants and not any_variant:
         _fail("--no-dispatch: expected --variant or --any-variant to check then")
     _need_gpu("fuzz", "runs kernels")
-    from mlagen.arch import runs_on
-    from mlagen.report import fuzz_json, fuzz_markdown, fuzz_table
-    from mlagen.runtime import device_info
+    from mlagen.dsl.arch import runs_on
+    from mlagen.runtime.op import device_info
+    from mlagen.tools.report import fuzz_json, fuzz_markdown, fuzz_table
 
     device_arch = device_info(0)[0]
     for v in variants:

@@ -1,19 +1,18 @@
-"""A/B of one of mlagen.validate's or mlagen.dispatch's int constants in one process: each value's
+"""A/B of one of mlagen.plan.validate's or mlagen.dispatch.policy's int constants in one process: each value's
 launches of the dispatcher's pick timed in turn, round after round, on the bench's inputs (CUDA
 graph replay, rotated past the L2).
 
     python3 benchmarks/ab_constant.py ROUNDS NAME=V1,V2,... 'H,B,S,prefix' ...
     python3 benchmarks/ab_constant.py 5 MERGE_TARGET_BLOCKS=128,144 8,16,9,16384 8,16,9,8192
 
-NAME is a module-level int of mlagen/validate.py that the rendered kernels or the launch read
-(MERGE_TARGET_BLOCKS, SEGMENT_TILES, ...), or of mlagen/dispatch.py when written dispatch.NAME
-(dispatch.PDL_TILES_PER_SM). Each value renders and compiles its own kernels, and the
+NAME is a module-level int of mlagen/plan/validate.py that the rendered kernels or the launch read
+(MERGE_TARGET_BLOCKS, SEGMENT_TILES, ...), or of mlagen/dispatch/policy.py when written policy.NAME
+(policy.PDL_TILES_PER_SM). Each value renders and compiles its own kernels, and the
 dispatcher's memos are cleared between values. Prints each value's µs per round and its best.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
 from types import ModuleType
 
@@ -21,16 +20,16 @@ import torch
 from ab_trees import parse_cells, print_times, row_cells, use_templates
 from bench_cli import ROOT, parser, require_gpu
 
-from mlagen import dispatch, launcher
-from mlagen.timing import measure
-from mlagen.workload import mlagen_call
-
-validate = importlib.import_module("mlagen.validate")   # the package exports a function of that name
+from mlagen.dispatch import policy
+from mlagen.plan import validate
+from mlagen.tools import launcher
+from mlagen.tools.timing import measure
+from mlagen.tools.workload import mlagen_call
 
 
 def constant(name: str) -> tuple[ModuleType, str]:
-    """(the module, the attribute) that NAME or dispatch.NAME names; exits where it is no int."""
-    owner, attr = (dispatch, name.removeprefix("dispatch.")) if name.startswith("dispatch.") else (validate, name)
+    """(the module, the attribute) that NAME or policy.NAME names; exits where it is no int."""
+    owner, attr = (policy, name.removeprefix("policy.")) if name.startswith("policy.") else (validate, name)
     value = getattr(owner, attr, None)
     if not isinstance(value, int) or isinstance(value, bool):
         raise SystemExit(f"{owner.__name__}.{attr} is not an int constant")
@@ -38,14 +37,14 @@ def constant(name: str) -> tuple[ModuleType, str]:
 
 
 def set_constant(name: str, value: int) -> None:
-    """mlagen.validate.`name` (or mlagen.dispatch's, as dispatch.NAME) = value, and the copies
+    """mlagen.plan.validate.`name` (or mlagen.dispatch.policy's, as policy.NAME) = value, and the copies
     modules imported, every memo dropped."""
     owner, name = constant(name)
     old = getattr(owner, name)
-    for module in (validate, dispatch, launcher):
+    for module in (validate, policy, launcher):
         if module is owner or getattr(module, name, None) == old:
             setattr(module, name, value)
-    for fn in vars(dispatch).values():
+    for fn in vars(policy).values():
         if hasattr(fn, "cache_clear"):
             fn.cache_clear()
     use_templates(ROOT)

@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 from bench_cli import parser, require_gpu
 
-from mlagen import codegen, launch, runtime
-from mlagen.grids import Row, parse_row
-from mlagen.spec import parse_variant
-from mlagen.timing import l2_bytes, measure
-from mlagen.workload import InputSet, Workload, make_workload, mlagen_call
+from mlagen.codegen import render
+from mlagen.dsl.spec import parse_variant
+from mlagen.runtime import launch, op
+from mlagen.tools.grids import Row, parse_row
+from mlagen.tools.timing import l2_bytes, measure
+from mlagen.tools.workload import InputSet, Workload, make_workload, mlagen_call
 
 
 def use_templates(tree: Path) -> None:
@@ -39,12 +40,12 @@ def use_templates(tree: Path) -> None:
     templates = tree.resolve() / "templates"
     if not templates.is_dir():
         raise SystemExit(f"{tree}: no templates/ folder in it")
-    codegen._SOURCE_TREE_TEMPLATES = templates
-    codegen.environment.cache_clear()
-    codegen.render.cache_clear()
+    render._SOURCE_TREE_TEMPLATES = templates
+    render.environment.cache_clear()
+    render.render.cache_clear()
     launch._loaded.clear()
-    runtime._prepare.cache_clear()
-    runtime._calls.clear()
+    op._prepare.cache_clear()
+    op._calls.clear()
 
 
 Cell = tuple[str, str]   # (tree label, variant name or "dispatch")

@@ -17,7 +17,7 @@ def parser(script: str, doc: str | None) -> argparse.ArgumentParser:
 
 def variant_name(text: str) -> str:
     """An argparse type: `text` when it names a variant (`mlagen.spec.parse_variant`), else the reason."""
-    from mlagen.spec import parse_variant
+    from mlagen.dsl.spec import parse_variant
 
     try:
         parse_variant(text)

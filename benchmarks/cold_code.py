@@ -25,7 +25,7 @@ import torch
 from ab_trees import Cell, cell_call, parse_args, print_times, row_cells
 from bench_cli import require_gpu
 
-from mlagen.timing import measure
+from mlagen.tools.timing import measure
 
 CHAINS, STEPS = 4, 2048          # ~15K instructions, ~240 KB of SASS (FFMAs and the MOVs of their constants)
 

@@ -24,9 +24,9 @@ import torch
 from bench_cli import parser, require_gpu
 
 import mlagen
-from mlagen import launch, runtime
-from mlagen.testing import Case, make_case
-from mlagen.timing import host_us_per_call
+from mlagen.runtime import launch, op
+from mlagen.tools.testing import Case, make_case
+from mlagen.tools.timing import host_us_per_call
 
 SHAPE = dict(batch=1, seqlen_q=9, heads=64, prefixes=[256], page_size=64)
 
@@ -62,17 +62,17 @@ def cases(device: str = "cuda") -> tuple[dict[str, Callable[[], object]], Case]:
     }, causal
 
 
-def remembered_call(fn: Callable[[], object]) -> runtime._Call:
+def remembered_call(fn: Callable[[], object]) -> op._Call:
     """What the runtime remembers of `fn`'s call (its kernel launch and split layout): the one
     entry its memo holds after `fn` runs alone."""
-    runtime._calls.clear()
+    op._calls.clear()
     fn()
-    if len(runtime._calls) != 1:
-        raise RuntimeError(f"expected one remembered call, found {len(runtime._calls)}")
-    return next(iter(runtime._calls.values()))
+    if len(op._calls) != 1:
+        raise RuntimeError(f"expected one remembered call, found {len(op._calls)}")
+    return next(iter(op._calls.values()))
 
 
-def describe(call: runtime._Call) -> str:
+def describe(call: op._Call) -> str:
     grid = call.kernel.args[1:4]
     return f"kernel: {call.kernel.name}, grid {grid}" + (" (split, merge blocks inside)" if call.layout
                                                           else " (one split)")

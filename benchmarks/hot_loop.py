@@ -16,9 +16,9 @@ import sys
 
 from bench_cli import parser, variant_name
 
-from mlagen.build import build
-from mlagen.sass import disassemble, instructions, tile_loop
-from mlagen.spec import Problem, parse_variant
+from mlagen.codegen.build import build
+from mlagen.dsl.spec import Problem, parse_variant
+from mlagen.tools.sass import disassemble, instructions, tile_loop
 
 WINDOW = 64 * 1024
 

@@ -16,9 +16,9 @@ import torch
 from bench_cli import parser, require_gpu, variant_name
 
 import mlagen
-from mlagen.runtime import device_info, device_name, pick_variant
-from mlagen.spec import Problem, parse_variant
-from mlagen.testing import make_case
+from mlagen.dsl.spec import Problem, parse_variant
+from mlagen.runtime.op import device_info, device_name, pick_variant
+from mlagen.tools.testing import make_case
 
 
 def parse_args(argv: list[str]):

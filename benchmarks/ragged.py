@@ -18,11 +18,11 @@ import sys
 import torch
 from bench_cli import parser, require_gpu, variant_name
 
-from mlagen.grids import Row
-from mlagen.runtime import device_info, device_name, pick_variant
-from mlagen.spec import Problem, Variant, parse_variant
-from mlagen.timing import l2_bytes, measure, rotation_count
-from mlagen.workload import DL, DR, InputSet, Workload, mlagen_call, problem_for
+from mlagen.dsl.spec import Problem, Variant, parse_variant
+from mlagen.runtime.op import device_info, device_name, pick_variant
+from mlagen.tools.grids import Row
+from mlagen.tools.timing import l2_bytes, measure, rotation_count
+from mlagen.tools.workload import DL, DR, InputSet, Workload, mlagen_call, problem_for
 
 PAGE_SIZE = 64
 

@@ -23,8 +23,8 @@ import torch
 from bench_cli import parser, require_gpu
 
 import mlagen
-from mlagen.spec import Problem, Variant, naive
-from mlagen.testing import assert_matches, make_case, pinned_balanced_ranges
+from mlagen.dsl.spec import Problem, Variant, naive
+from mlagen.tools.testing import assert_matches, make_case, pinned_balanced_ranges
 
 CASES = [
     dict(batch=3, seqlen_q=5, heads=16, prefixes=[300, 0, 1000], page_size=16, mask="tree", empty=[False, True, False]),
@@ -158,7 +158,7 @@ if __name__ == "__main__":
     args = parse_args(sys.argv[1:])
     if not args.list:
         require_gpu(__file__)
-        from mlagen.runtime import device_info
+        from mlagen.runtime.op import device_info
 
         args.arch = device_info(torch.cuda.current_device())[0]
     main(args.only, args.skip, args.arch, args.list, args.cases)

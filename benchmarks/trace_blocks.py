@@ -35,12 +35,12 @@ import torch
 from bench_cli import parser, require_gpu, variant_name
 
 import mlagen
-import mlagen.build as build
-from mlagen import launch
-from mlagen.codegen import render
-from mlagen.spec import Problem, parse_variant
-from mlagen.testing import make_case
-from mlagen.validate import KernelPlan, validate
+import mlagen.codegen.build as build
+from mlagen.codegen.render import render
+from mlagen.dsl.spec import Problem, parse_variant
+from mlagen.plan.validate import KernelPlan, validate
+from mlagen.runtime import launch
+from mlagen.tools.testing import make_case
 
 SLOTS, MAX_BLOCKS, GHZ = 13, 8192, 1.98
 START, TILE0, LOOP_END, MERGE_WAIT, DONE, CLUSTER_MET, END, ENTRY, WORK_LIST = 0, 2, 3, 4, 5, 6, 7, 8, 9   # 1: clock64

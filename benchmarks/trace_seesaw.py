@@ -31,7 +31,7 @@ import torch
 from bench_cli import require_gpu
 from trace_blocks import device_array, patched_row, patched_source, row_parser
 
-from mlagen.spec import Variant, parse_variant
+from mlagen.dsl.spec import Variant, parse_variant
 
 MAX_BLOCKS, MAX_PAIRS, WARMUP = 512, 96, 20
 

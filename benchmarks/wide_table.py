@@ -19,12 +19,12 @@ import sys
 import torch
 from bench_cli import parser, require_gpu
 
-from mlagen.grids import Row
-from mlagen.inputs import key_bound
-from mlagen.runtime import device_info, device_name, pick_variant
-from mlagen.spec import Problem, Variant
-from mlagen.timing import l2_bytes, measure
-from mlagen.workload import Workload, make_workload, mlagen_call
+from mlagen.dsl.spec import Problem, Variant
+from mlagen.runtime.inputs import key_bound
+from mlagen.runtime.op import device_info, device_name, pick_variant
+from mlagen.tools.grids import Row
+from mlagen.tools.timing import l2_bytes, measure
+from mlagen.tools.workload import Workload, make_workload, mlagen_call
 
 PAGE_SIZE = 64
 

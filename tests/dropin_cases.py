@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from mlagen.reference import gather_kv, reference
-from mlagen.testing import Case, make_case, random_tree
+from mlagen.runtime.reference import gather_kv, reference
+from mlagen.tools.testing import Case, make_case, random_tree
 
 
 def ragged_case(counts: list[int], prefixes: list[int], *, heads: int, mask: str, seed: int,

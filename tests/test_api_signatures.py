@@ -3,7 +3,7 @@
 import inspect
 
 import mlagen
-from mlagen.reference import reference
+from mlagen.runtime.reference import reference
 
 SHARED = ("softmax_scale", "causal", "tree_mask", "return_lse", "variant", "head_dim_v")
 

@@ -9,18 +9,18 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
-from mlagen.bench import DISPATCH, EAGER, BenchResult, Cell, RowResult, invalid_cells, row_variants
-from mlagen.eager import eager_attention, eager_visible
-from mlagen.floor import Ceilings, floor_bytes, floor_flops, floor_us
-from mlagen.grids import SEED, SERVING, Row, parse_row, select_rows
-from mlagen.peers import PEERS, peer
-from mlagen.precompile import code_identity, precompile
-from mlagen.report import FILES, from_json, markdown, plot, rich_table, to_json, write_all
-from mlagen.spec import Problem, Variant, naive, parse_variant
-from mlagen.testing import make_case
-from mlagen.timing import rotation_count
-from mlagen.validate import validate
-from mlagen.workload import draft_tree
+from mlagen.codegen.precompile import code_identity, precompile
+from mlagen.dsl.spec import Problem, Variant, naive, parse_variant
+from mlagen.plan.validate import validate
+from mlagen.tools.bench import DISPATCH, EAGER, BenchResult, Cell, RowResult, invalid_cells, row_variants
+from mlagen.tools.eager import eager_attention, eager_visible
+from mlagen.tools.floor import Ceilings, floor_bytes, floor_flops, floor_us
+from mlagen.tools.grids import SEED, SERVING, Row, parse_row, select_rows
+from mlagen.tools.peers import PEERS, peer
+from mlagen.tools.report import FILES, from_json, markdown, plot, rich_table, to_json, write_all
+from mlagen.tools.testing import make_case
+from mlagen.tools.timing import rotation_count
+from mlagen.tools.workload import draft_tree
 
 H200 = Ceilings(copy_bytes_per_s=4.25e12, matmul_flops_per_s=785e12)   # the ceilings of PEERS' floor_us
 PVM = "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a"     # a named variant (--variant): valid for H=64 only

@@ -36,14 +36,16 @@ import trace_seesaw  # noqa: E402
 import wide_table  # noqa: E402
 
 import mlagen  # noqa: E402
-from mlagen import codegen, launch, runtime, sass  # noqa: E402
-from mlagen.codegen import render  # noqa: E402
-from mlagen.compiler import compile_source  # noqa: E402
-from mlagen.grids import Row  # noqa: E402
-from mlagen.inputs import key_bound  # noqa: E402
-from mlagen.spec import Problem, Variant, parse_variant  # noqa: E402
-from mlagen.validate import validate  # noqa: E402
-from mlagen.workload import InputSet, Workload, problem_for  # noqa: E402
+from mlagen.codegen import render as render_module  # noqa: E402
+from mlagen.codegen.compiler import compile_source  # noqa: E402
+from mlagen.codegen.render import render  # noqa: E402
+from mlagen.dsl.spec import Problem, Variant, parse_variant  # noqa: E402
+from mlagen.plan.validate import validate  # noqa: E402
+from mlagen.runtime import launch, op  # noqa: E402
+from mlagen.runtime.inputs import key_bound  # noqa: E402
+from mlagen.tools import sass  # noqa: E402
+from mlagen.tools.grids import Row  # noqa: E402
+from mlagen.tools.workload import InputSet, Workload, problem_for  # noqa: E402
 
 H200 = ("sm_90", "NVIDIA H200")
 SEESAW = "mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a"
@@ -84,12 +86,12 @@ def _needs_nvdisasm() -> None:
 
 @pytest.fixture
 def templates_restored():
-    """Leaves codegen rendering from the repository's templates, whatever a test pointed it at."""
-    before = codegen._SOURCE_TREE_TEMPLATES
+    """Leaves rendering from the repository's templates, whatever a test pointed it at."""
+    before = render_module._SOURCE_TREE_TEMPLATES
     yield
-    codegen._SOURCE_TREE_TEMPLATES = before
-    codegen.environment.cache_clear()
-    codegen.render.cache_clear()
+    render_module._SOURCE_TREE_TEMPLATES = before
+    render_module.environment.cache_clear()
+    render.cache_clear()
 
 
 # ---- every script: --help, and the one-line exit where no GPU is visible
@@ -195,7 +197,7 @@ def test_host_cost_calls_are_valid_calls():
     for fn in timed.values():
         with pytest.raises(mlagen.InputError, match="q.device"):
             fn()
-    assert {"kernel", "layout"} <= set(runtime._Call.__dataclass_fields__) and isinstance(runtime._calls, dict)
+    assert {"kernel", "layout"} <= set(op._Call.__dataclass_fields__) and isinstance(op._calls, dict)
     assert callable(launch._launch_kernel)
     fake = types.SimpleNamespace(kernel=launch.KernelLaunch(args=(0, 132, 1, 1, 256, 1, 1, 0), name="k_main"),
                                  layout=None)
@@ -253,7 +255,7 @@ def test_wide_table_plans_each_run_as_the_runtime_does():
     assert [(c, b) for _, c, b, _ in plans] == [(320, None), (131072, None), (131072, row.keys)]
     for _, capacity, bound, variant in plans:
         planned = capacity if bound is None else min(capacity, key_bound(bound))
-        assert variant == runtime.pick_variant(problem, 9, 1, planned, capacity, *H200, None)
+        assert variant == op.pick_variant(problem, 9, 1, planned, capacity, *H200, None)
         validate(problem, variant)
     assert wide_table.parse_args([]).table_keys == 131072
 
@@ -311,7 +313,7 @@ def test_block_trace_patches_every_landmark():
 
 def test_block_trace_restores_rendering(monkeypatch):
     """patched_row's source rewrite ends with its warm-up: kernels built later render as usual."""
-    import mlagen.build as build
+    import mlagen.codegen.build as build
 
     def no_case(**kwargs):
         raise RuntimeError("no GPU")
@@ -403,14 +405,14 @@ def test_ab_constant_sets_and_restores_a_constant(templates_restored):
     finally:
         ab_constant.set_constant("MERGE_TARGET_BLOCKS", old)
     assert validate_module.MERGE_TARGET_BLOCKS == old and plan.merge_blocks(16, 9) == before
-    tiles = ab_constant.dispatch.PDL_TILES_PER_SM
+    tiles = ab_constant.policy.PDL_TILES_PER_SM
     try:
-        ab_constant.set_constant("dispatch.PDL_TILES_PER_SM", tiles + 1)
-        assert ab_constant.dispatch.PDL_TILES_PER_SM == tiles + 1
+        ab_constant.set_constant("policy.PDL_TILES_PER_SM", tiles + 1)
+        assert ab_constant.policy.PDL_TILES_PER_SM == tiles + 1
     finally:
-        ab_constant.set_constant("dispatch.PDL_TILES_PER_SM", tiles)
+        ab_constant.set_constant("policy.PDL_TILES_PER_SM", tiles)
     assert ab_constant.parse_setting("MERGE_TARGET_BLOCKS=128,144") == ("MERGE_TARGET_BLOCKS", [128, 144])
-    for bad in ("NO_SUCH_CONSTANT=1", "MERGE_TARGET_BLOCKS=a,b", "dispatch.reset=1"):
+    for bad in ("NO_SUCH_CONSTANT=1", "MERGE_TARGET_BLOCKS=a,b", "policy.reset=1"):
         with pytest.raises(SystemExit):
             ab_constant.parse_setting(bad)
     assert ab_constant.parse_args(["3", "SEGMENT_TILES=2,3", "8,16,9,16384"]) == (

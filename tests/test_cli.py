@@ -20,12 +20,14 @@ from typer.testing import CliRunner
 
 import cli
 from cli import app
-from mlagen.bench import DISPATCH, EAGER, BenchResult, Cell, RowResult
-from mlagen.codegen import render
-from mlagen.fuzz import Outcome, Report, draw
-from mlagen.grids import Row
-from mlagen.presets import DEFAULT_EMIT_ARCHS, PRESETS
-from mlagen.report import (
+from mlagen.codegen.render import render
+from mlagen.dispatch.presets import DEFAULT_EMIT_ARCHS, PRESETS
+from mlagen.dsl.spec import parse_variant
+from mlagen.plan.validate import validate
+from mlagen.tools.bench import DISPATCH, EAGER, BenchResult, Cell, RowResult
+from mlagen.tools.fuzz import Outcome, Report, draw
+from mlagen.tools.grids import Row
+from mlagen.tools.report import (
     fuzz_json,
     fuzz_markdown,
     fuzz_table,
@@ -38,9 +40,7 @@ from mlagen.report import (
     tune_markdown,
     tune_table,
 )
-from mlagen.spec import parse_variant
-from mlagen.tune import RowTune, Trial
-from mlagen.validate import validate
+from mlagen.tools.tune import RowTune, Trial
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -232,12 +232,12 @@ def test_show_source_is_the_source_alone():
 
 def test_check_failure_exits_1_and_shows_the_error_as_text(monkeypatch):
     """A kernel that does not compile is no usage error: exit 1; its message (brackets and all) is in the table."""
-    import mlagen.build
-    from mlagen.compiler import CompileError
+    import mlagen.codegen.build
+    from mlagen.codegen.compiler import CompileError
 
     def build(problem, variant):
         raise CompileError(f"{variant.name}: error: [bad] expected a ';'")
-    monkeypatch.setattr(mlagen.build, "build", build)
+    monkeypatch.setattr(mlagen.codegen.build, "build", build)
     result = runner.invoke(app, ["check", "--preset", "kimi-k2", "--arch", "sm_80"])
     n = len(PRESETS["kimi-k2"].variants("sm_80"))
     assert result.exit_code == 1, result.output
@@ -295,10 +295,10 @@ def fake_gpu(monkeypatch):
 
 
 def test_bench_formats(tmp_path, monkeypatch, fake_gpu):
-    import mlagen.bench
+    import mlagen.tools.bench
 
     result = _bench_result()
-    monkeypatch.setattr(mlagen.bench, "run_bench", lambda rows, config, progress: result)
+    monkeypatch.setattr(mlagen.tools.bench, "run_bench", lambda rows, config, progress: result)
     out = tmp_path / "out"
     as_json = runner.invoke(app, ["bench", "--row", "8,1,2,64", "--format", "json", "--out", str(out)])
     assert as_json.exit_code == 0, as_json.output
@@ -321,10 +321,10 @@ def _row_tunes() -> list[RowTune]:
 
 
 def test_tune_formats(tmp_path, monkeypatch, fake_gpu):
-    import mlagen.tune
+    import mlagen.tools.tune
 
     results, path = _row_tunes(), tmp_path / "h200.json"
-    monkeypatch.setattr(mlagen.tune, "tune", lambda rows, config, table, write_default, progress: (path, results))
+    monkeypatch.setattr(mlagen.tools.tune, "tune", lambda rows, config, table, write_default, progress: (path, results))
     data = json.loads(tune_json(path, results))
     assert data["table"] == str(path)
     first, second = data["shapes"]
@@ -355,8 +355,8 @@ def _fuzz_report() -> Report:
 
 
 def test_fuzz_formats(monkeypatch, fake_gpu):
-    import mlagen.fuzz
-    import mlagen.runtime
+    import mlagen.runtime.op
+    import mlagen.tools.fuzz
 
     report = _fuzz_report()
 
@@ -364,8 +364,8 @@ def test_fuzz_formats(monkeypatch, fake_gpu):
         for o in report.outcomes:
             on_outcome(o)
         return report
-    monkeypatch.setattr(mlagen.fuzz, "fuzz", fuzz)
-    monkeypatch.setattr(mlagen.runtime, "device_info", lambda device: ("sm_90a", 132))
+    monkeypatch.setattr(mlagen.tools.fuzz, "fuzz", fuzz)
+    monkeypatch.setattr(mlagen.runtime.op, "device_info", lambda device: ("sm_90a", 132))
     args = ["fuzz", "--seed", "3", "--cases", "2", "--max-batch", "4"]
     replay = "mlagen fuzz --seed 4 --cases 1 --max-batch 4"
 
@@ -401,16 +401,16 @@ def test_fuzz_formats(monkeypatch, fake_gpu):
     (["--minutes", "2", "--cases", "7"], 7, 120.0),         # whichever ends first
 ])
 def test_fuzz_draws_seeds_until_cases_or_minutes_run_out(monkeypatch, fake_gpu, args, seeds, budget):
-    import mlagen.fuzz
-    import mlagen.runtime
+    import mlagen.runtime.op
+    import mlagen.tools.fuzz
 
     seen = {}
 
     def fuzz(seeds, variants, space, any_variant, budget_s, on_outcome):
         seen.update(seeds=seeds, budget_s=budget_s)
         return Report(outcomes=[Outcome(draw(5), "dispatch", "ok")], shapes=1, elapsed_s=0.1)
-    monkeypatch.setattr(mlagen.fuzz, "fuzz", fuzz)
-    monkeypatch.setattr(mlagen.runtime, "device_info", lambda device: ("sm_90a", 132))
+    monkeypatch.setattr(mlagen.tools.fuzz, "fuzz", fuzz)
+    monkeypatch.setattr(mlagen.runtime.op, "device_info", lambda device: ("sm_90a", 132))
     result = runner.invoke(app, ["fuzz", "--seed", "5", *args, "--format", "json"])
     assert result.exit_code == 0, result.output
     assert seen["seeds"].start == 5 and seen["budget_s"] == budget

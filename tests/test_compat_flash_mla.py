@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from mlagen import inputs, runtime
 from mlagen.compat import flash_mla
-from mlagen.inputs import InputError
+from mlagen.runtime import inputs, op
+from mlagen.runtime.inputs import InputError
 
 
 def test_signatures_match_flash_mla():
@@ -81,7 +81,7 @@ class _Planned(Exception):
 @pytest.fixture
 def planner(monkeypatch):
     """The real op and host path on CPU tensors, up to the plan: records the KV capacity each
-    plan is made for (`runtime._prepare`'s kv_capacity), then stops before any launch."""
+    plan is made for (`op._prepare`'s kv_capacity), then stops before any launch."""
     capacities = []
 
     def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, table_capacity, device,
@@ -89,9 +89,9 @@ def planner(monkeypatch):
         capacities.append(kv_capacity)
         raise _Planned
 
-    monkeypatch.setattr(runtime, "_calls", {})
-    monkeypatch.setattr(runtime, "_require_cuda", lambda q: None)
-    monkeypatch.setattr(runtime, "_prepare", prepare)
+    monkeypatch.setattr(op, "_calls", {})
+    monkeypatch.setattr(op, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(op, "_prepare", prepare)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return capacities
 

@@ -13,13 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlagen.arch import CI_ARCHS
-from mlagen.build import build
-from mlagen.codegen import render
-from mlagen.mma_plan import TRANSPOSED_STACK, stack_budget
-from mlagen.presets import PRESETS
-from mlagen.spec import Problem, Variant, naive, parse_variant
-from mlagen.validate import SpecError, is_valid, validate
+from mlagen.codegen.build import build
+from mlagen.codegen.render import render
+from mlagen.dispatch.presets import PRESETS
+from mlagen.dsl.arch import CI_ARCHS
+from mlagen.dsl.errors import SpecError
+from mlagen.dsl.spec import Problem, Variant, naive, parse_variant
+from mlagen.plan.mma_plan import TRANSPOSED_STACK, stack_budget
+from mlagen.plan.validate import is_valid, validate
 
 MATRIX = pytest.mark.compile_matrix
 

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from mlagen import compiler
-from mlagen.build import build
-from mlagen.spec import Problem, naive
+from mlagen.codegen import compiler
+from mlagen.codegen.build import build
+from mlagen.dsl.spec import Problem, naive
 
 SOURCE = r"""
 #include <cuda_bf16.h>

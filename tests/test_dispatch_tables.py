@@ -7,15 +7,16 @@ from balanced_worklist import aligned_ranges, packed_list, work_list
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlagen import dispatch, tables, tune
-from mlagen.arch import CI_ARCHS
-from mlagen.grids import Row, select_rows
-from mlagen.presets import PRESETS
-from mlagen.space import split_variants, structures, tile_shapes, twin_variants
-from mlagen.spec import FAMILIES, Problem, Variant, naive, parse_variant
-from mlagen.tune import candidates
-from mlagen.validate import SEGMENT_TILES, UNSPLIT_SLACK_TILES, validate
-from mlagen.workload import problem_for
+from mlagen.dispatch import policy, tables
+from mlagen.dispatch.presets import PRESETS
+from mlagen.dsl.arch import CI_ARCHS
+from mlagen.dsl.spec import FAMILIES, Problem, Variant, naive, parse_variant
+from mlagen.plan.space import split_variants, structures, tile_shapes, twin_variants
+from mlagen.plan.validate import SEGMENT_TILES, UNSPLIT_SLACK_TILES, validate
+from mlagen.tools import tune
+from mlagen.tools.grids import Row, select_rows
+from mlagen.tools.tune import candidates
+from mlagen.tools.workload import problem_for
 
 GPU = "Test GPU 9000"   # no shipped table has this name
 
@@ -24,14 +25,14 @@ GPU = "Test GPU 9000"   # no shipped table has this name
 def user_tables(tmp_path, monkeypatch):
     """Every test gets an empty user-table folder and fresh dispatch caches."""
     monkeypatch.setenv(tables.ENV_DIR, str(tmp_path / "tables"))
-    dispatch.reset()
+    policy.reset()
     yield tmp_path / "tables"
-    dispatch.reset()
+    policy.reset()
 
 
 def _save(entries: dict, arch: str = "sm_90") -> None:
     tables.save_table(tables.Table(gpu=GPU, arch=arch, entries=entries), tables.user_table_path(GPU, arch))
-    dispatch.reset()
+    policy.reset()
 
 
 def test_log2_buckets():
@@ -68,9 +69,9 @@ def test_bad_table_is_refused_and_ignored_by_dispatch(tmp_path, text, user_table
         tables.load_table(path)
     user_tables.mkdir(parents=True)
     tables.user_table_path(GPU, "sm_90").write_text(text)
-    dispatch.reset()
+    policy.reset()
     p = Problem()
-    assert dispatch.choose_variant(p, 9, 1, 4160, "sm_90", GPU) == dispatch.heuristic_variant(p, 9, "sm_90")
+    assert policy.choose_variant(p, 9, 1, 4160, "sm_90", GPU) == policy.heuristic_variant(p, 9, "sm_90")
 
 
 def test_gpu_slug_and_default_path():
@@ -92,8 +93,8 @@ def test_without_table_dispatch_is_the_untuned_pick():
     p = Problem(heads=64)
     for s in (1, 9, 33, 64):
         for cap in (1024, 8192):
-            untuned = dispatch.untuned_variant(p, s, 1, cap, "sm_90")
-            assert dispatch.choose_variant(p, s, 1, cap, "sm_90", GPU) == untuned
+            untuned = policy.untuned_variant(p, s, 1, cap, "sm_90")
+            assert policy.choose_variant(p, s, 1, cap, "sm_90", GPU) == untuned
 
 
 def test_untuned_short_one_wave_launches_run_the_p_exchange_on_sm90a():
@@ -102,19 +103,19 @@ def test_untuned_short_one_wave_launches_run_the_p_exchange_on_sm90a():
     (H200: 0.58-0.97x the split's time on seven such shapes); not past either
     bound, and not on other archs."""
     p = Problem(heads=64)
-    base = dispatch.heuristic_variant(p, 9, "sm_90")
-    px = dispatch.untuned_variant(p, 9, 1, 320, "sm_90")
+    base = policy.heuristic_variant(p, 9, "sm_90")
+    px = policy.untuned_variant(p, 9, 1, 320, "sm_90")
     assert px == base.with_(kv_split=5, cluster=True, p_exchange=True, stages=1, part16=False)
-    assert dispatch.choose_variant(p, 9, 2, 320, "sm_90", "Other GPU") == px         # a batch keeps it
-    assert dispatch.untuned_variant(p, 9, 1, 100, "sm_90").kv_split == 2
-    assert dispatch.untuned_variant(p, 9, 1, 512, "sm_90").kv_split == 8            # 6-8 tiles: 8 (6, 7 do not fit)
-    assert not dispatch.untuned_variant(p, 9, 2, 512, "sm_90").p_exchange            # 2 x 9 x 8 = 144 blocks
-    assert not dispatch.untuned_variant(p, 9, 1, 513, "sm_90").p_exchange            # 9 tiles
-    assert not dispatch.untuned_variant(p, 9, 3, 320, "sm_90").p_exchange            # 3 x 9 x 5 = 135 blocks
-    assert dispatch.untuned_variant(p.with_(heads=16), 4, 26, 320, "sm_90").p_exchange   # 130 blocks
-    assert not dispatch.untuned_variant(p.with_(heads=16), 4, 27, 320, "sm_90").p_exchange
+    assert policy.choose_variant(p, 9, 2, 320, "sm_90", "Other GPU") == px         # a batch keeps it
+    assert policy.untuned_variant(p, 9, 1, 100, "sm_90").kv_split == 2
+    assert policy.untuned_variant(p, 9, 1, 512, "sm_90").kv_split == 8            # 6-8 tiles: 8 (6, 7 do not fit)
+    assert not policy.untuned_variant(p, 9, 2, 512, "sm_90").p_exchange            # 2 x 9 x 8 = 144 blocks
+    assert not policy.untuned_variant(p, 9, 1, 513, "sm_90").p_exchange            # 9 tiles
+    assert not policy.untuned_variant(p, 9, 3, 320, "sm_90").p_exchange            # 3 x 9 x 5 = 135 blocks
+    assert policy.untuned_variant(p.with_(heads=16), 4, 26, 320, "sm_90").p_exchange   # 130 blocks
+    assert not policy.untuned_variant(p.with_(heads=16), 4, 27, 320, "sm_90").p_exchange
     for arch in ("sm_80", "sm_89", "sm_120"):
-        assert not dispatch.untuned_variant(p, 9, 1, 320, arch).p_exchange
+        assert not policy.untuned_variant(p, 9, 1, 320, arch).p_exchange
 
 
 def test_short_launches_go_as_programmatic_dependents_in_graphs():
@@ -124,7 +125,7 @@ def test_short_launches_go_as_programmatic_dependents_in_graphs():
     seesaw = parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a")  # 9 at S=9, 33 at S=33
 
     def dependent(v: Variant, h: int, s: int, b: int, keys: int) -> bool:
-        return dispatch.dependent_in_graphs(v, h, s, b, keys, 132)
+        return policy.dependent_in_graphs(v, h, s, b, keys, 132)
 
     assert dependent(parse_variant(EXCHANGE), 64, 9, 1, 320)
     assert dependent(split, 64, 9, 1, 1024) and dependent(split, 64, 9, 1, 4096)
@@ -136,7 +137,7 @@ def test_short_launches_go_as_programmatic_dependents_in_graphs():
     assert not dependent(seesaw, 64, 1, 128, 4096)             # 8192: 62
     assert not dependent(parse_variant("mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_sm90a"), 16, 4, 64, 4096)  # 31
     assert not dependent(seesaw, 64, 9, 8, 4096)               # 4608: 35
-    assert dispatch.dependent_in_graphs(seesaw, 64, 9, 1, 16384, 264)   # a larger device takes more
+    assert policy.dependent_in_graphs(seesaw, 64, 9, 1, 16384, 264)   # a larger device takes more
 
 
 def test_untuned_long_launches_run_the_seesaw_on_sm90a():
@@ -144,25 +145,25 @@ def test_untuned_long_launches_run_the_seesaw_on_sm90a():
     SEESAW_TILES_PER_SM KV tiles of work per SM on; shorter launches, other archs and page sizes
     TMA cannot box keep the heuristic's tile as it is."""
     p = Problem(heads=64)
-    base = dispatch.heuristic_variant(p, 9, "sm_90")
+    base = policy.heuristic_variant(p, 9, "sm_90")
     assert base.arch == "sm_90a" and (base.head_tile, base.q_tile) == (64, 1) and not base.seesaw
     groups = 9                                             # ht64 qt1 at S=9
-    edge = -(-dispatch.SEESAW_TILES_PER_SM * dispatch.HOPPER_SMS // groups) * base.block_n   # keys
-    assert dispatch.untuned_variant(p, 9, 1, edge - base.block_n, "sm_90") == base
-    long = dispatch.untuned_variant(p, 9, 1, edge, "sm_90")
+    edge = -(-policy.SEESAW_TILES_PER_SM * policy.HOPPER_SMS // groups) * base.block_n   # keys
+    assert policy.untuned_variant(p, 9, 1, edge - base.block_n, "sm_90") == base
+    long = policy.untuned_variant(p, 9, 1, edge, "sm_90")
     assert long == base.with_(tma=True, seesaw=True, kv_split="balanced")   # one wave, one request too
     validate(p, long)
-    assert dispatch.num_splits(long, 64, 1, 9, 131136, 132) == 132 // groups
+    assert policy.num_splits(long, 64, 1, 9, 131136, 132) == 132 // groups
     # the same work as a batch: by requests x tiles
-    assert dispatch.untuned_variant(p, 9, 8, 4160, "sm_90") == long
-    assert dispatch.choose_variant(p, 9, 8, 4160, "sm_90", "Other GPU") == long
-    assert dispatch.untuned_variant(p, 9, 1, 4160, "sm_90") == base           # the 4096-key row: short
+    assert policy.untuned_variant(p, 9, 8, 4160, "sm_90") == long
+    assert policy.choose_variant(p, 9, 8, 4160, "sm_90", "Other GPU") == long
+    assert policy.untuned_variant(p, 9, 1, 4160, "sm_90") == base           # the 4096-key row: short
     # no TMA box for pages of 16 keys: no seesaw
     small_pages = p.with_(page_size=16)
-    assert not dispatch.untuned_variant(small_pages, 9, 1, 65600, "sm_90").seesaw
+    assert not policy.untuned_variant(small_pages, 9, 1, 65600, "sm_90").seesaw
     # other archs: the heuristic as it is
     for arch in ("sm_80", "sm_89", "sm_120"):
-        assert dispatch.untuned_variant(p, 9, 1, 65600, arch) == dispatch.heuristic_variant(p, 9, arch)
+        assert policy.untuned_variant(p, 9, 1, 65600, arch) == policy.heuristic_variant(p, 9, arch)
 
 
 @pytest.mark.parametrize("heads,seqlen_q", [(8, 9), (16, 2), (8, 4), (16, 1), (8, 6)])
@@ -171,18 +172,18 @@ def test_untuned_long_launches_take_the_transposed_tile_where_rows_fit_one(heads
     SEESAW_TILES_PER_SM KV tiles of work per SM (counted over that single row group), on devices
     that run sm_90a only; the tuner times that tile whatever the work."""
     p = Problem(heads=heads)
-    edge = dispatch.SEESAW_TILES_PER_SM * dispatch.HOPPER_SMS * 64        # keys of one request
-    tile = dispatch.transposed_tile(p, seqlen_q, "sm_90")
+    edge = policy.SEESAW_TILES_PER_SM * policy.HOPPER_SMS * 64        # keys of one request
+    tile = policy.transposed_tile(p, seqlen_q, "sm_90")
     assert tile == Variant(family="mma", head_tile=heads, q_tile=seqlen_q, kv_split="balanced", block_n=64,
                            warps=8, stages=2, arch="sm_90a", part16=True, transposed=True)
     validate(p, tile)
-    assert dispatch.untuned_variant(p, seqlen_q, 1, edge, "sm_90") == tile
-    assert dispatch.untuned_variant(p, seqlen_q, 16, edge // 16, "sm_90a") == tile
-    assert not dispatch.untuned_variant(p, seqlen_q, 1, edge - 64, "sm_90").transposed
-    assert dispatch.untuned_variant(p, seqlen_q, 16, 4160, "sm_90") != tile        # H=8 S=9 at 4096 keys: short
+    assert policy.untuned_variant(p, seqlen_q, 1, edge, "sm_90") == tile
+    assert policy.untuned_variant(p, seqlen_q, 16, edge // 16, "sm_90a") == tile
+    assert not policy.untuned_variant(p, seqlen_q, 1, edge - 64, "sm_90").transposed
+    assert policy.untuned_variant(p, seqlen_q, 16, 4160, "sm_90") != tile        # H=8 S=9 at 4096 keys: short
     for arch in ("sm_80", "sm_89", "sm_120"):
-        assert not dispatch.untuned_variant(p, seqlen_q, 1, edge, arch).transposed
-        assert dispatch.transposed_tile(p, seqlen_q, arch) is None
+        assert not policy.untuned_variant(p, seqlen_q, 1, edge, arch).transposed
+        assert policy.transposed_tile(p, seqlen_q, arch) is None
     assert tile in candidates(p, seqlen_q, 1, 4160, "sm_90", 24)
     assert tile.with_(tma=True) in twin_variants(p, [tile])          # the tuner times its TMA loads too
     assert tile.with_(tma=True) not in twin_variants(Problem(heads=heads, page_size=16), [tile])
@@ -192,8 +193,8 @@ def test_untuned_long_launches_take_the_transposed_tile_where_rows_fit_one(heads
 @pytest.mark.parametrize("heads,seqlen_q", [(64, 1), (8, 8), (16, 9), (64, 9), (1, 9), (2, 4), (8, 1)])
 def test_rows_that_fill_64_row_groups_or_miss_the_range_take_no_transposed_tile(heads, seqlen_q):
     p = Problem(heads=heads)
-    assert dispatch.transposed_tile(p, seqlen_q, "sm_90") is None
-    assert not dispatch.untuned_variant(p, seqlen_q, 64, 65600, "sm_90").transposed
+    assert policy.transposed_tile(p, seqlen_q, "sm_90") is None
+    assert not policy.untuned_variant(p, seqlen_q, 64, 65600, "sm_90").transposed
 
 
 def test_dispatch_reads_the_table_then_neighbours_then_causal():
@@ -201,19 +202,19 @@ def test_dispatch_reads_the_table_then_neighbours_then_causal():
     tuned = "flash_ht4_qt9_bn64_w8_st2_sp8_sm90"
     _save({tables.bucket_key(p, 9, 1, 4160): {"variant": tuned, "us": 10.0,
                                                "families": {"naive": {"variant": "naive_w8_sm90", "us": 99.0}}}})
-    assert dispatch.choose_variant(p, 9, 1, 4160, "sm_90", GPU).name == tuned
-    assert dispatch.choose_variant(p, 9, 1, 8256, "sm_90", GPU).name == tuned            # one KV step longer
-    assert dispatch.choose_variant(p.with_(mask="tree"), 9, 1, 4160, "sm_90", GPU).name == tuned
-    assert dispatch.choose_variant(p, 9, 1, 65600, "sm_90", GPU) == dispatch.untuned_variant(p, 9, 1, 65600, "sm_90")
-    assert dispatch.choose_variant(p, 9, 64, 4160, "sm_90", GPU) == dispatch.balanced_for_batch(
-        p, dispatch.untuned_variant(p, 9, 64, 4160, "sm_90"), 64)
-    assert dispatch.choose_variant(p, 9, 1, 4160, "sm_90", "Other GPU") == dispatch.heuristic_variant(p, 9, "sm_90")
-    assert dispatch.family_variant(p, 9, 1, 4160, "sm_90", GPU, "naive").name == "naive_w8_sm90"
-    assert dispatch.family_variant(p, 9, 1, 4160, "sm_90", GPU, "flash") == dispatch.flash_heuristic(p, 9, "sm_90")
+    assert policy.choose_variant(p, 9, 1, 4160, "sm_90", GPU).name == tuned
+    assert policy.choose_variant(p, 9, 1, 8256, "sm_90", GPU).name == tuned            # one KV step longer
+    assert policy.choose_variant(p.with_(mask="tree"), 9, 1, 4160, "sm_90", GPU).name == tuned
+    assert policy.choose_variant(p, 9, 1, 65600, "sm_90", GPU) == policy.untuned_variant(p, 9, 1, 65600, "sm_90")
+    assert policy.choose_variant(p, 9, 64, 4160, "sm_90", GPU) == policy.balanced_for_batch(
+        p, policy.untuned_variant(p, 9, 64, 4160, "sm_90"), 64)
+    assert policy.choose_variant(p, 9, 1, 4160, "sm_90", "Other GPU") == policy.heuristic_variant(p, 9, "sm_90")
+    assert policy.family_variant(p, 9, 1, 4160, "sm_90", GPU, "naive").name == "naive_w8_sm90"
+    assert policy.family_variant(p, 9, 1, 4160, "sm_90", GPU, "flash") == policy.flash_heuristic(p, 9, "sm_90")
     # no table for another GPU: the mma column is the untuned pick, the seesaw on a long launch
-    assert dispatch.family_variant(p, 9, 1, 65600, "sm_90", "Other GPU", "mma").seesaw
-    sm80 = dispatch.family_variant(p, 9, 1, 4160, "sm_80", "Other GPU", "mma")
-    assert sm80 == dispatch.heuristic_variant(p, 9, "sm_80")
+    assert policy.family_variant(p, 9, 1, 65600, "sm_90", "Other GPU", "mma").seesaw
+    sm80 = policy.family_variant(p, 9, 1, 4160, "sm_80", "Other GPU", "mma")
+    assert sm80 == policy.heuristic_variant(p, 9, "sm_80")
 
 
 @pytest.mark.parametrize("name", ["flash_ht3_qt9_bn32_w8_st2_spa_sm90",     # 3 does not divide 64
@@ -222,7 +223,7 @@ def test_dispatch_reads_the_table_then_neighbours_then_causal():
 def test_a_table_entry_that_does_not_fit_is_passed_over(name):
     p = Problem(heads=64)
     _save({tables.bucket_key(p, 9, 1, 4160): {"variant": name, "us": 1.0}})
-    assert dispatch.choose_variant(p, 9, 1, 4160, "sm_90", GPU) == dispatch.heuristic_variant(p, 9, "sm_90")
+    assert policy.choose_variant(p, 9, 1, 4160, "sm_90", GPU) == policy.heuristic_variant(p, 9, "sm_90")
 
 
 @pytest.mark.parametrize("arch", CI_ARCHS)
@@ -233,15 +234,15 @@ def test_dispatched_variant_always_validates(arch):
             for s in range(1, 65):
                 for b in (1, 3, 8, 32, 128):
                     for cap in (64, 4160, 65600):
-                        validate(p, dispatch.choose_variant(p, s, b, cap, arch, GPU))
+                        validate(p, policy.choose_variant(p, s, b, cap, arch, GPU))
 
 
 def test_num_splits_bounds():
     v = Variant(family="flash", head_tile=8, q_tile=9, arch="sm_90")
-    assert dispatch.num_splits(v, 64, 1, 9, 64, 132) == 1                 # too short to split
-    assert 1 < dispatch.num_splits(v, 64, 1, 9, 65600, 132) <= dispatch.MAX_SPLITS
-    assert dispatch.num_splits(v.with_(kv_split=5), 64, 1, 9, 64, 132) == 5
-    assert dispatch.num_splits(naive(), 64, 1, 9, 65600, 132) == 1
+    assert policy.num_splits(v, 64, 1, 9, 64, 132) == 1                 # too short to split
+    assert 1 < policy.num_splits(v, 64, 1, 9, 65600, 132) <= policy.MAX_SPLITS
+    assert policy.num_splits(v.with_(kv_split=5), 64, 1, 9, 64, 132) == 5
+    assert policy.num_splits(naive(), 64, 1, 9, 65600, 132) == 1
 
 
 def test_num_splits_counts_the_seesaws_tiles_in_pairs():
@@ -252,11 +253,11 @@ def test_num_splits_counts_the_seesaws_tiles_in_pairs():
     lockstep = parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_p16_sm90a")
     seesaw = parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a")
     transposed = parse_variant("mma_ht8_qt9_bn64_w8_st2_spa_p16_tr_sm90a")
-    assert dispatch.split_unit(seesaw) == dispatch.split_unit(transposed) == 2 and dispatch.split_unit(lockstep) == 1
-    assert [dispatch.num_splits(seesaw, 64, 1, 9, cap, 132) for cap in (4160, 4224)] == [11, 11]
-    assert [dispatch.num_splits(lockstep, 64, 1, 9, cap, 132) for cap in (4160, 4224)] == [13, 14]
+    assert policy.split_unit(seesaw) == policy.split_unit(transposed) == 2 and policy.split_unit(lockstep) == 1
+    assert [policy.num_splits(seesaw, 64, 1, 9, cap, 132) for cap in (4160, 4224)] == [11, 11]
+    assert [policy.num_splits(lockstep, 64, 1, 9, cap, 132) for cap in (4160, 4224)] == [13, 14]
     # S=33, 17 tiles over 33 row groups (at most 4 splits a wave): 3 splits of three pairs
-    assert dispatch.num_splits(seesaw, 64, 1, 33, 1088, 132) == 3
+    assert policy.num_splits(seesaw, 64, 1, 33, 1088, 132) == 3
 
 
 def test_space_candidates_validate_and_are_bounded():
@@ -266,8 +267,8 @@ def test_space_candidates_validate_and_are_bounded():
             validate(p, v)
     cands = candidates(p, 9, 1, 4160, "sm_90", 10)
     assert len(cands) <= 10 and len(set(cands)) == len(cands)
-    assert cands[0] == dispatch.heuristic_variant(p, 9, "sm_90")
-    assert candidates(p, 9, 1, 65600, "sm_90", 10)[0] == dispatch.untuned_variant(p, 9, 1, 65600, "sm_90")
+    assert cands[0] == policy.heuristic_variant(p, 9, "sm_90")
+    assert candidates(p, 9, 1, 65600, "sm_90", 10)[0] == policy.untuned_variant(p, 9, 1, 65600, "sm_90")
     assert any(v.family == "naive" for v in cands)
 
 
@@ -449,8 +450,8 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
     v = Variant(family="mma", head_tile=shape[0], q_tile=shape[1], block_n=block_n, warps=8, stages=2,
                 kv_split="balanced", arch="sm_90a" if paired else "sm_90", tma=kernel == "seesaw",
                 seesaw=kernel == "seesaw", transposed=kernel == "transposed")
-    parts = dispatch.balanced_parts(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count)
-    assert dispatch.num_splits(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count) == parts
+    parts = policy.balanced_parts(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count)
+    assert policy.num_splits(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count) == parts
     plan = validate(Problem(heads=heads), v)
     groups = -(-seqlen_q // v.q_tile) * (heads // v.head_tile)
     assert parts * groups <= max(sm_count, groups)       # one wave, unless one group per SM is already more
@@ -524,28 +525,28 @@ def test_balanced_split_layout_of_uniform_and_ragged_batches(tiles, ranges, alig
 
 def test_batches_take_the_balanced_split_of_the_chosen_tile():
     p = Problem(heads=64)
-    base = dispatch.heuristic_variant(p, 9, "sm_90")
+    base = policy.heuristic_variant(p, 9, "sm_90")
     assert base.family == "mma" and base.kv_split == "adaptive"
     for batch, cap in ((2, 4160), (32, 16384), (64, 8256)):
-        untuned = dispatch.untuned_variant(p, 9, batch, cap, "sm_90")
-        assert dispatch.choose_variant(p, 9, batch, cap, "sm_90", "Other GPU") == untuned.with_(kv_split="balanced")
-    assert dispatch.choose_variant(p, 9, 1, 4160, "sm_90", "Other GPU") == base       # one request
+        untuned = policy.untuned_variant(p, 9, batch, cap, "sm_90")
+        assert policy.choose_variant(p, 9, batch, cap, "sm_90", "Other GPU") == untuned.with_(kv_split="balanced")
+    assert policy.choose_variant(p, 9, 1, 4160, "sm_90", "Other GPU") == base       # one request
     # a tuned tile keeps its shape; its split becomes balanced for a batch
     tuned = "mma_ht32_qt2_bn64_w8_st2_sp4_sm90a"
     _save({tables.bucket_key(p, 9, 32, 16384): {"variant": tuned, "us": 10.0}})
-    chosen = dispatch.choose_variant(p, 9, 32, 16384, "sm_90", GPU)
+    chosen = policy.choose_variant(p, 9, 32, 16384, "sm_90", GPU)
     assert chosen == parse_variant(tuned).with_(kv_split="balanced")
     # a cluster split is sized by the capacity as well: a batch gets the balanced one instead
     clustered = parse_variant("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a")
-    assert dispatch.balanced_for_batch(p, clustered, 8) == parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_sm90a")
-    assert dispatch.balanced_for_batch(p, clustered, 1) == clustered
+    assert policy.balanced_for_batch(p, clustered, 8) == parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_sm90a")
+    assert policy.balanced_for_batch(p, clustered, 1) == clustered
     # the flash family has no balanced split: unchanged
-    flash = dispatch.flash_heuristic(p, 9, "sm_90")
-    assert dispatch.balanced_for_batch(p, flash, 8) == flash
+    flash = policy.flash_heuristic(p, 9, "sm_90")
+    assert policy.balanced_for_batch(p, flash, 8) == flash
 
 
 def test_tuner_times_a_batch_as_the_dispatcher_runs_it():
-    from mlagen.tune import as_dispatched
+    from mlagen.tools.tune import as_dispatched
 
     p = Problem(heads=64)
     cands = candidates(p, 9, 1, 4160, "sm_90", 24)
@@ -554,7 +555,7 @@ def test_tuner_times_a_batch_as_the_dispatcher_runs_it():
     many = as_dispatched(p, 8, cands)
     assert all(v.kv_split == "balanced" for v in many if v.family == "mma")
     assert [v for v in many if v.family != "mma"] == [v for v in cands if v.family != "mma"]
-    assert len(many) == len(set(many)) and many[0] == dispatch.balanced_for_batch(p, cands[0], 8)
+    assert len(many) == len(set(many)) and many[0] == policy.balanced_for_batch(p, cands[0], 8)
 
 
 EXCHANGE = "mma_ht64_qt1_bn64_w8_st1_sp5_cl_px_sm90a"
@@ -582,9 +583,9 @@ def test_a_p_exchange_entry_is_passed_over_where_the_table_holds_more_keys():
     p = Problem(heads=64)
     _save({tables.bucket_key(p, 9, 1, 320): {"variant": EXCHANGE, "us": 9.4}})
     assert tables.bucket_key(p, 9, 1, 320) == tables.bucket_key(p, 9, 1, 352)
-    assert dispatch.choose_variant(p, 9, 1, 320, "sm_90", GPU).name == EXCHANGE
+    assert policy.choose_variant(p, 9, 1, 320, "sm_90", GPU).name == EXCHANGE
     for capacity in (352, 640):
-        assert dispatch.choose_variant(p, 9, 1, capacity, "sm_90", GPU) == dispatch.untuned_variant(
+        assert policy.choose_variant(p, 9, 1, capacity, "sm_90", GPU) == policy.untuned_variant(
             p, 9, 1, capacity, "sm_90")
 
 
@@ -598,24 +599,24 @@ def test_a_p_exchange_entry_a_length_shorter_hands_over_to_the_p_exchange_for_th
            tables.bucket_key(p, 9, 1, 1024): {"variant": split, "us": 14.7},
            tables.bucket_key(p, 9, 2, 256): {"variant": EXCHANGE, "us": 8.7},
            tables.bucket_key(p, 9, 2, 1024): {"variant": split, "us": 15.0}})
-    eight = dispatch.choose_variant(p, 9, 1, 512, "sm_90", GPU)
+    eight = policy.choose_variant(p, 9, 1, 512, "sm_90", GPU)
     assert eight.name == EXCHANGE.replace("_sp5_", "_sp8_")
-    assert dispatch.choose_variant(p, 9, 1, 1024, "sm_90", GPU).name == split
+    assert policy.choose_variant(p, 9, 1, 1024, "sm_90", GPU).name == split
     # B=2: 2 requests x 9 row groups x 8 blocks = 144 blocks, past one wave of 132 SMs
-    batched = dispatch.balanced_for_batch(p, parse_variant(split), 2)
-    assert dispatch.choose_variant(p, 9, 2, 512, "sm_90", GPU) == batched
+    batched = policy.balanced_for_batch(p, parse_variant(split), 2)
+    assert policy.choose_variant(p, 9, 2, 512, "sm_90", GPU) == batched
 
 
 def test_a_call_picks_a_variant_that_runs_every_key_the_block_table_holds():
     """max_seqlen_k plans for fewer keys than the table holds; a P exchange planned so gives way
     to the pick for the whole table, and a named one is refused, naming what it holds."""
-    from mlagen.inputs import InputError
-    from mlagen.runtime import pick_variant
+    from mlagen.runtime.inputs import InputError
+    from mlagen.runtime.op import pick_variant
 
     p = Problem(heads=64)
     _save({tables.bucket_key(p, 9, 1, 320): {"variant": EXCHANGE, "us": 9.4}})
     assert pick_variant(p, 9, 1, 320, 320, "sm_90", GPU, None).name == EXCHANGE
-    assert pick_variant(p, 9, 1, 320, 4096, "sm_90", GPU, None) == dispatch.choose_variant(p, 9, 1, 4096, "sm_90", GPU)
+    assert pick_variant(p, 9, 1, 320, 4096, "sm_90", GPU, None) == policy.choose_variant(p, 9, 1, 4096, "sm_90", GPU)
     named = parse_variant(EXCHANGE)
     assert pick_variant(p, 9, 1, 4096, 320, "sm_90", GPU, named) == named
     with pytest.raises(InputError, match=r"variant: got .*_px_sm90a', a P exchange over 5 tiles of 64 keys, expected "
@@ -629,14 +630,14 @@ def test_a_balanced_split_whose_work_list_cannot_count_the_table_gives_way_or_is
     """The balanced split counts the batch's KV tiles in int32 on the device; past that (~2^37
     keys over the batch) a call runs the dispatched tile with the adaptive split, and a named
     balanced variant is refused before any launch, naming the split to use instead."""
-    from mlagen.inputs import InputError
-    from mlagen.runtime import pick_variant
+    from mlagen.runtime.inputs import InputError
+    from mlagen.runtime.op import pick_variant
 
     p = Problem(heads=64)
     spb = parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a")
-    edge = (dispatch.BALANCED_LIST_POSITIONS // 2 - dispatch.SEGMENT_TILES) * 64   # two requests fill the list
-    assert dispatch.balanced_list_fits(spb, 2, edge) and not dispatch.balanced_list_fits(spb, 2, edge + 1)
-    chosen = dispatch.choose_variant(p, 9, 2, 4096, "sm_90", GPU)
+    edge = (policy.BALANCED_LIST_POSITIONS // 2 - policy.SEGMENT_TILES) * 64   # two requests fill the list
+    assert policy.balanced_list_fits(spb, 2, edge) and not policy.balanced_list_fits(spb, 2, edge + 1)
+    chosen = policy.choose_variant(p, 9, 2, 4096, "sm_90", GPU)
     assert chosen.kv_split == "balanced"
     assert pick_variant(p, 9, 2, 4096, edge, "sm_90", GPU, None) == chosen
     assert pick_variant(p, 9, 2, 4096, edge + 1, "sm_90", GPU, None) == chosen.with_(kv_split="adaptive")

@@ -7,13 +7,13 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from cli import app
-from mlagen.arch import runs_on
-from mlagen.codegen import render
-from mlagen.compiler import compile_source
-from mlagen.emit import emit_preset
-from mlagen.params import FIELDS, PARAMS_SIZE
-from mlagen.presets import DEFAULT_EMIT_ARCHS, PRESETS
-from mlagen.validate import validate
+from mlagen.codegen.compiler import compile_source
+from mlagen.codegen.render import render
+from mlagen.dispatch.presets import DEFAULT_EMIT_ARCHS, PRESETS
+from mlagen.dsl.arch import runs_on
+from mlagen.plan.params import FIELDS, PARAMS_SIZE
+from mlagen.plan.validate import validate
+from mlagen.tools.emit import emit_preset
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -34,8 +34,8 @@ def test_presets_cover_short_and_long_contexts():
     """Each preset's Hopper kernels are the dispatcher's untuned picks for a short and a long
     context: the lockstep wgmma tile and its seesaw twin with TMA loads and the balanced split;
     other archs have no seesaw (it is sm_90a only)."""
-    from mlagen.dispatch import untuned_variant
-    from mlagen.presets import EMIT_KEYS
+    from mlagen.dispatch.policy import untuned_variant
+    from mlagen.dispatch.presets import EMIT_KEYS
 
     for preset in PRESETS.values():
         hopper = preset.variants("sm_90")

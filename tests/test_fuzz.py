@@ -9,10 +9,10 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
-from mlagen.fuzz import FuzzSpace, Shape, check, draw, draw_variant, fuzz
-from mlagen.spec import DTYPES, MASKS, parse_variant
-from mlagen.testing import Case
-from mlagen.validate import is_valid
+from mlagen.dsl.spec import DTYPES, MASKS, parse_variant
+from mlagen.plan.validate import is_valid
+from mlagen.tools.fuzz import FuzzSpace, Shape, check, draw, draw_variant, fuzz
+from mlagen.tools.testing import Case
 
 runner = CliRunner()
 SMALL = FuzzSpace(heads=(8, 16), max_batch=3, max_seqlen_q=9, max_prefix=300, page_sizes=(16, 64))
@@ -266,8 +266,8 @@ def test_kernels_are_queued_for_compiling_ahead_of_their_shapes(monkeypatch):
     """With compile workers, each shape's kernels (the dispatcher's pick for the GPU, the named
     variants that fit it, its random variant) are queued once per distinct code, while shapes
     that many places earlier still run; the pool is shut down at the end."""
-    from mlagen import fuzz as fuzz_module
-    from mlagen.precompile import code_identity
+    from mlagen.codegen.precompile import code_identity
+    from mlagen.tools import fuzz as fuzz_module
 
     pool = _RecordingPool()
     monkeypatch.setattr(fuzz_module._CompileAhead, "start",

@@ -6,14 +6,15 @@ import math
 
 import pytest
 
-from mlagen import dispatch, tables, tensormap
-from mlagen.bench import DISPATCH, EAGER, BenchConfig, run_bench
-from mlagen.grids import Row
-from mlagen.report import write_all
-from mlagen.spec import parse_variant
-from mlagen.timing import TimingConfig, l2_bytes, measure
-from mlagen.tune import TuneConfig, tune
-from mlagen.workload import make_workload, mlagen_call
+from mlagen.dispatch import policy, tables
+from mlagen.dsl.spec import parse_variant
+from mlagen.runtime import tensormap
+from mlagen.tools.bench import DISPATCH, EAGER, BenchConfig, run_bench
+from mlagen.tools.grids import Row
+from mlagen.tools.report import write_all
+from mlagen.tools.timing import TimingConfig, l2_bytes, measure
+from mlagen.tools.tune import TuneConfig, tune
+from mlagen.tools.workload import make_workload, mlagen_call
 
 pytestmark = pytest.mark.gpu
 
@@ -23,9 +24,9 @@ QUICK = TimingConfig(target_ms=1.0, reps=3, max_calls=50, budget_ms=10.0)
 @pytest.fixture
 def user_tables(tmp_path, monkeypatch):
     monkeypatch.setenv(tables.ENV_DIR, str(tmp_path / "tables"))
-    dispatch.reset()
+    policy.reset()
     yield
-    dispatch.reset()
+    policy.reset()
 
 
 def test_tiny_bench_row(tmp_path, user_tables):

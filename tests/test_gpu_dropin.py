@@ -16,7 +16,7 @@ from dropin_cases import draft_only, per_request_reference, prefix_only, ragged_
 
 import mlagen
 from mlagen.compat import flash_mla
-from mlagen.testing import assert_rows_match, make_case, tolerance
+from mlagen.tools.testing import assert_rows_match, make_case, tolerance
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +106,7 @@ def test_op_under_torch_compile_fullgraph():
 
 def test_op_in_cuda_graph_with_named_variant():
     case = _op_case()
-    from mlagen.runtime import device_info
+    from mlagen.runtime.op import device_info
 
     variant = mlagen.Variant(head_tile=8, q_tile=5, stages=1, arch=device_info(torch.cuda.current_device())[0])
     args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens)
@@ -144,7 +144,7 @@ def test_cpp_launcher_example_runs(tmp_path, part16, tma, seesaw, transposed):
     (the second programmatically on sm_90+), with fp32 or 16-bit partial rows; on sm_90, also
     the TMA kernels (with and without the seesaw) on the tensor map the launcher makes, and the
     transposed tile."""
-    from mlagen.runtime import device_info
+    from mlagen.runtime.op import device_info
 
     arch = device_info(torch.cuda.current_device())[0]
     if "1" in (tma, transposed):

@@ -11,10 +11,18 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import mlagen
-from mlagen import workspace
-from mlagen.spec import Problem, Variant, naive, parse_variant
-from mlagen.testing import assert_matches, make_case, pinned_balanced_ranges, poison_allocator, poisoned_out, rel_error
-from mlagen.validate import SpecError, is_valid, validate
+from mlagen.dsl.errors import SpecError
+from mlagen.dsl.spec import Problem, Variant, naive, parse_variant
+from mlagen.plan.validate import is_valid, validate
+from mlagen.runtime import workspace
+from mlagen.tools.testing import (
+    assert_matches,
+    make_case,
+    pinned_balanced_ranges,
+    poison_allocator,
+    poisoned_out,
+    rel_error,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +32,7 @@ MASKS = ["causal", "tree", "none"]
 
 
 def _arch() -> str:
-    from mlagen.runtime import device_info
+    from mlagen.runtime.op import device_info
 
     return device_info(torch.cuda.current_device())[0]
 
@@ -116,8 +124,8 @@ def test_wgmma_schedules_match_reference(shape, schedule, kv_split, part16, tma,
 
 def _transposed_tiles(heads: int) -> list[tuple[int, int]]:
     """(head_tile, q_tile) of the transposed tiles for `heads`: rows a multiple of 8, 16 to 72."""
-    from mlagen.mma_plan import TRANSPOSED_ROWS
-    from mlagen.validate import MAX_SEQLEN_Q
+    from mlagen.plan.mma_plan import TRANSPOSED_ROWS
+    from mlagen.plan.validate import MAX_SEQLEN_Q
 
     return [(h, q) for h in range(1, heads + 1) if heads % h == 0 for q in range(1, MAX_SEQLEN_Q + 1)
             if h * q in TRANSPOSED_ROWS]
@@ -472,14 +480,14 @@ def test_back_to_back_launches_read_what_the_previous_one_wrote(kv_split, pdl, m
     the kernels must wait for it. Eagerly and inside a CUDA graph; with a split the calls also
     share the workspace and the counters that the previous launch's merge blocks (or a pair's
     second block) reset."""
-    from mlagen import launch, runtime
+    from mlagen.runtime import launch, op
 
     if pdl and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
     monkeypatch.setattr(launch, "PDL", pdl)
-    monkeypatch.setattr(runtime, "_calls", {})
-    runtime._prepare.cache_clear()          # kernel launches carry the PDL choice
-    request.addfinalizer(runtime._prepare.cache_clear)
+    monkeypatch.setattr(op, "_calls", {})
+    op._prepare.cache_clear()          # kernel launches carry the PDL choice
+    request.addfinalizer(op._prepare.cache_clear)
     if kv_split == "exchange":      # short requests, a P exchange over 8 tiles of 16 x 4 rows
         if _arch() != "sm_90":
             pytest.skip("the P exchange runs on sm_90a")
@@ -549,14 +557,14 @@ def test_prefetching_kernels_read_their_inputs_again_after_the_previous_grid(nam
     new inputs' attention: nothing read before the wait may decide what is computed."""
     import cupy
 
-    from mlagen import launch, runtime
+    from mlagen.runtime import launch, op
 
     if _arch() != "sm_90":
         pytest.skip("prefetching before the wait needs sm_90 (the P exchange, sm_90a)")
     monkeypatch.setattr(launch, "PDL", True)
-    monkeypatch.setattr(runtime, "_calls", {})
-    runtime._prepare.cache_clear()
-    request.addfinalizer(runtime._prepare.cache_clear)
+    monkeypatch.setattr(op, "_calls", {})
+    op._prepare.cache_clear()
+    request.addfinalizer(op._prepare.cache_clear)
     variant = parse_variant(name)
     case = make_case(batch=2, seqlen_q=5, heads=16, prefixes=[400, 30], page_size=page_size, mask="causal", seed=31)
     table, lengths = case.block_table.clone(), case.cache_seqlens.clone()

@@ -15,9 +15,9 @@ import types
 import pytest
 import torch
 
-from mlagen import inputs, launch, runtime, workspace
-from mlagen.inputs import InputError
-from mlagen.params import FIELD_NAMES, PARAMS_SIZE, POINTER_NAMES, TAIL_NAMES, tail
+from mlagen.plan.params import FIELD_NAMES, PARAMS_SIZE, POINTER_NAMES, TAIL_NAMES, tail
+from mlagen.runtime import inputs, launch, op, workspace
+from mlagen.runtime.inputs import InputError
 
 B, S, H, D, DL, PAGES, PAGE = 2, 3, 4, 576, 512, 5, 16
 MAIN = (0x7F00, 8, 2, B + 4, 256, 1, 1, 100_000)    # function, grid (2 splits, merge slabs), block, smem
@@ -55,12 +55,12 @@ def fake_gpu(monkeypatch):
                 variant):
         prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, device, variant))
         rows, value_bytes = 2 * batch * seqlen_q * heads, 2 if variant and variant.part16 else 4
-        return runtime._Prepared(loaded=None, kernel=kernel, splits=2, merge_blocks=3,
+        return op._Prepared(loaded=None, kernel=kernel, splits=2, merge_blocks=3,
                                  layout=workspace.Layout.of(rows, dl * value_bytes, GROUPS))
 
-    monkeypatch.setattr(runtime, "_calls", {})
-    monkeypatch.setattr(runtime, "_require_cuda", lambda q: None)
-    monkeypatch.setattr(runtime, "_prepare", prepare)
+    monkeypatch.setattr(op, "_calls", {})
+    monkeypatch.setattr(op, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(op, "_prepare", prepare)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0x5EAB, raising=False)
@@ -85,7 +85,7 @@ def make_args(**change) -> dict:
 
 def call(a: dict, **kw):
     a = dict(a)
-    return runtime.verify_attention(a.pop("q"), a.pop("kv_cache"), a.pop("block_table"), a.pop("cache_seqlens"),
+    return op.verify_attention(a.pop("q"), a.pop("kv_cache"), a.pop("block_table"), a.pop("cache_seqlens"),
                                     **a, **kw)
 
 
@@ -102,8 +102,8 @@ def test_repeat_calls_reuse_one_checked_call(fake_gpu):
     out = torch.empty(B, S, H, DL, dtype=torch.bfloat16)
     for _ in range(3):
         assert call(a, out=out) is out
-    assert len(fake_gpu.prepared) == 1 and len(runtime._calls) == 1
-    (key, checked), = runtime._calls.items()
+    assert len(fake_gpu.prepared) == 1 and len(op._calls) == 1
+    (key, checked), = op._calls.items()
     assert checked.shapes == inputs.check_inputs(a["q"], a["kv_cache"], a["block_table"], a["cache_seqlens"],
                                                  None, DL, None)
     # new tensors with equal metadata hit the same entry
@@ -136,7 +136,7 @@ def test_a_length_bound_plans_for_itself_not_the_block_tables_capacity(fake_gpu)
 
 def test_part16_workspace_holds_16_bit_rows_then_fp32_stats(fake_gpu):
     """A part16 variant's partial rows are Dl 16-bit values: part_ml starts half as far in."""
-    from mlagen.spec import parse_variant
+    from mlagen.dsl.spec import parse_variant
 
     call(make_args(), variant=parse_variant("mma_ht4_qt1_bn64_w8_st2_spa_p16_sm90a"))
     (_, block), = fake_gpu.driver.launches
@@ -165,7 +165,7 @@ def test_launch_gets_pointers_strides_and_sizes(fake_gpu):
     assert (f["out_stride_b"], f["out_stride_s"], f["out_stride_h"]) == out.stride()[:3]
     assert (f["batch"], f["seqlen_q"], f["max_pages"], f["num_pages"], f["num_splits"]) == (B, S, 2, PAGES, 2)
     assert (f["merge_blocks"], f["dependent"]) == (3, 0)   # a plain launch
-    assert f["scale_log2"] == pytest.approx(0.5 * runtime.LOG2E)
+    assert f["scale_log2"] == pytest.approx(0.5 * op.LOG2E)
 
 
 def test_default_scale_and_pointers_refresh_on_a_hit(fake_gpu):
@@ -174,7 +174,7 @@ def test_default_scale_and_pointers_refresh_on_a_hit(fake_gpu):
     out = call(a)
     f = fields(fake_gpu.driver.launches[-1][1])
     assert (f["q"], f["out"], f["lse"], f["tree_mask"]) == (a["q"].data_ptr(), out.data_ptr(), 0, 0)
-    assert f["scale_log2"] == pytest.approx(runtime.LOG2E / D ** 0.5)
+    assert f["scale_log2"] == pytest.approx(op.LOG2E / D ** 0.5)
     assert len(fake_gpu.prepared) == 1
 
 
@@ -200,7 +200,7 @@ def test_any_metadata_change_checks_again(fake_gpu, change):
     a = make_args()
     a.update(change)
     call(a)
-    assert len(fake_gpu.prepared) == 2 and len(runtime._calls) == 2
+    assert len(fake_gpu.prepared) == 2 and len(op._calls) == 2
 
 
 @pytest.mark.parametrize("change,match", [
@@ -234,10 +234,10 @@ def test_check_values_default_comes_from_the_module_flag(fake_gpu, monkeypatch):
 
 
 def test_signature_cache_is_bounded(fake_gpu, monkeypatch):
-    monkeypatch.setattr(runtime, "_MAX_CALLS", 3)
+    monkeypatch.setattr(op, "_MAX_CALLS", 3)
     for scale in (0.1, 0.2, 0.3, 0.4):
         call(make_args(), softmax_scale=scale)
-    assert len(runtime._calls) == 1                        # started over at the bound
+    assert len(op._calls) == 1                        # started over at the bound
 
 
 def _last(driver: Driver) -> tuple[int, int]:
@@ -395,7 +395,7 @@ int main(void) {
 def test_launch_config_matches_cuda_h(tmp_path):
     """The ctypes structs cuLaunchKernelEx reads, against cuda.h's own layout (a C compiler and
     the CUDA headers of the nvidia wheels or a toolkit)."""
-    from mlagen.compiler import cuda_include_dir
+    from mlagen.codegen.compiler import cuda_include_dir
 
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:

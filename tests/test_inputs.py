@@ -4,7 +4,7 @@ metadata checks do not need a GPU; the CUDA requirement is the op's first check)
 import pytest
 import torch
 
-from mlagen.inputs import InputError, check_inputs, check_out, key_bound
+from mlagen.runtime.inputs import InputError, check_inputs, check_out, key_bound
 
 
 def args(B=2, S=3, H=4, D=576, pages=5, page=16, dtype=torch.bfloat16):

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from mlagen import dispatch
-from mlagen.arch import nvcc_arch_flags
-from mlagen.codegen import render
-from mlagen.dispatch import dependent_in_graphs, num_splits
-from mlagen.launcher import _c_expr, emit_launcher, header_name, namespace, render_launcher
-from mlagen.params import FIELDS
-from mlagen.spec import Problem, Variant, naive
-from mlagen.validate import SEGMENT_TILES, validate
+from mlagen.codegen.render import render
+from mlagen.dispatch import policy
+from mlagen.dispatch.policy import dependent_in_graphs, num_splits
+from mlagen.dsl.arch import nvcc_arch_flags
+from mlagen.dsl.spec import Problem, Variant, naive
+from mlagen.plan.params import FIELDS
+from mlagen.plan.validate import SEGMENT_TILES, validate
+from mlagen.tools.launcher import _c_expr, emit_launcher, header_name, namespace, render_launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 NVCC = shutil.which("nvcc")
@@ -182,9 +182,9 @@ def test_tma_header_encodes_the_runtimes_tensor_map():
 
 def test_header_refuses_a_balanced_launch_past_its_work_list():
     """The header's launch refuses, as the runtime does, a balanced launch whose block table could
-    take the device's int work list past dispatch.BALANCED_LIST_POSITIONS."""
+    take the device's int work list past policy.BALANCED_LIST_POSITIONS."""
     text = render_launcher(TMA_PLAN)
-    assert f"constexpr long long kBalancedListPositions = {dispatch.BALANCED_LIST_POSITIONS};" in text
+    assert f"constexpr long long kBalancedListPositions = {policy.BALANCED_LIST_POSITIONS};" in text
     assert "constexpr int kBlockN = 64;" in text and f"constexpr int kSegmentTiles = {SEGMENT_TILES};" in text
     assert ("if (kBalanced && (long long)batch * (table_tiles(max_pages) + kSegmentTiles) > "
             "kBalancedListPositions)") in text

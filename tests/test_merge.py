@@ -7,7 +7,7 @@ import torch
 from dropin_cases import draft_only, prefix_only
 
 import mlagen
-from mlagen.testing import make_case
+from mlagen.tools.testing import make_case
 
 
 @pytest.mark.parametrize("mask", ["causal", "tree"])

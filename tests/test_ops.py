@@ -6,7 +6,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mlagen
-from mlagen.spec import naive
+from mlagen.dsl.spec import naive
 
 
 def _inputs(device, B=2, S=3, H=8, dtype=torch.bfloat16):

@@ -3,7 +3,7 @@ as `mlagen bench` wrote it, and it stays short."""
 
 from pathlib import Path
 
-from mlagen.report import from_json, summary_markdown
+from mlagen.tools.report import from_json, summary_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "h200"

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlagen.reference import reference, reference_naive, visible_keys
-from mlagen.testing import (
+from mlagen.runtime.reference import reference, reference_naive, visible_keys
+from mlagen.tools.testing import (
     Tolerance,
     assert_matches,
     compare_rows,

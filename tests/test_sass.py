@@ -6,13 +6,13 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
-from mlagen import sass
-from mlagen.build import build
-from mlagen.codegen import render
-from mlagen.compiler import compile_source
-from mlagen.mma_plan import TRANSPOSED_STACK
-from mlagen.spec import Problem, parse_variant
-from mlagen.validate import validate
+from mlagen.codegen.build import build
+from mlagen.codegen.compiler import compile_source
+from mlagen.codegen.render import render
+from mlagen.dsl.spec import Problem, parse_variant
+from mlagen.plan.mma_plan import TRANSPOSED_STACK
+from mlagen.plan.validate import validate
+from mlagen.tools import sass
 
 runner = CliRunner()
 MATRIX = pytest.mark.compile_matrix

@@ -4,9 +4,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlagen.arch import ARCHS
-from mlagen.spec import Problem, Variant, kernel_name, naive, parse_variant
-from mlagen.validate import SpecError, is_valid, validate
+from mlagen.dsl.arch import ARCHS
+from mlagen.dsl.errors import SpecError
+from mlagen.dsl.spec import Problem, Variant, kernel_name, naive, parse_variant
+from mlagen.plan.validate import is_valid, validate
 
 variants = st.builds(
     Variant,

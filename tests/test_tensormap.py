@@ -5,7 +5,7 @@ import ctypes
 
 import pytest
 
-from mlagen import tensormap
+from mlagen.runtime import tensormap
 
 
 class FakeEncode:

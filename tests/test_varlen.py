@@ -8,9 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mlagen
-from mlagen.inputs import InputError
-from mlagen.reference import reference
-from mlagen.varlen import varlen_layout
+from mlagen.runtime.inputs import InputError
+from mlagen.runtime.reference import reference
+from mlagen.runtime.varlen import varlen_layout
 
 
 def padded_reference(q, case, cu, max_seqlen_q, tree):

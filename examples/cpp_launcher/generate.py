@@ -13,11 +13,11 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from mlagen.dispatch import heuristic_variant
-from mlagen.emit import emit_one
-from mlagen.launcher import emit_launcher, header_name, namespace
-from mlagen.spec import Problem, Variant
-from mlagen.validate import validate
+from mlagen.dispatch.policy import heuristic_variant
+from mlagen.dsl.spec import Problem, Variant
+from mlagen.plan.validate import validate
+from mlagen.tools.emit import emit_one
+from mlagen.tools.launcher import emit_launcher, header_name, namespace
 
 # Kimi K2 sharded 8 ways (8 heads per GPU), bf16, 16-row pages, causal, with lse.
 PROBLEM = Problem(heads=8, dl=512, dr=64, dtype="bf16", page_size=16, mask="causal", lse=True)
