@@ -550,8 +550,8 @@ def tune(
     workers: int | None = typer.Option(None, metavar="N", help="processes compiling candidates; default one per CPU"),
     table: Path | None = typer.Option(None, metavar="FILE", help="the table file to merge the winners into; default "
                                       "this user's table for this GPU, which the dispatcher reads"),
-    write_default: bool = typer.Option(False, "--write-default",
-                                       help="merge into the table shipped with mlagen (mlagen/tables/) instead"),
+    write_default: bool = typer.Option(
+        False, "--write-default", help="merge into the table shipped with mlagen (mlagen/dispatch/tables/) instead"),
     format_: str = typer.Option("table", "--format", metavar="FORMAT", help=FORMAT_HELP),
 ) -> None:
     """Find the fastest variant per shape on this GPU and save it for the dispatcher.

@@ -16,7 +16,7 @@ def parser(script: str, doc: str | None) -> argparse.ArgumentParser:
 
 
 def variant_name(text: str) -> str:
-    """An argparse type: `text` when it names a variant (`mlagen.spec.parse_variant`), else the reason."""
+    """An argparse type: `text` when it names a variant (`mlagen.dsl.spec.parse_variant`), else the reason."""
     from mlagen.dsl.spec import parse_variant
 
     try:

@@ -4,7 +4,7 @@
 
 One shape (batch 1, 9 draft tokens, 64 heads, a 256-key prefix, 64-key pages), dispatched:
 out= given, allocating, return_lse, tree mask; CALLS calls each after a warm-up, timed on the
-host (`mlagen.timing.host_us_per_call`: synchronizes between chunks of 100 calls, untimed, so
+host (`mlagen.tools.timing.host_us_per_call`: synchronizes between chunks of 100 calls, untimed, so
 device time never leaks in). Then the out= case again with the launches bound through ctypes
 to libcuda's cuLaunchKernel instead of CuPy's compiled wrapper, which the runtime uses (the
 difference is what a ctypes call costs per launch), and a cProfile of the out= case, top 15 by

@@ -6,7 +6,7 @@ lies past its first 64 KB of code; this prints that for any variant (heads, then
 
     python3 benchmarks/hot_loop.py 16 mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_sm90a [more variants]
 
-The tile loop is `mlagen.sass.tile_loop`'s: the narrowest backward branch whose range holds nine
+The tile loop is `mlagen.tools.sass.tile_loop`'s: the narrowest backward branch whose range holds nine
 tenths of the kernel's matrix instructions.
 """
 

@@ -15,7 +15,7 @@
 #              cases (--cases 3-8)
 #   racecheck  racecheck1 racecheck2 (two calls)
 #   sanitize   memcheck synccheck racecheck1 racecheck2 (three calls)
-#   tune       mlagen tune, seed and serving grids, into mlagen/tables/  under 5 min      420 s
+#   tune       mlagen tune, seed and serving grids, into mlagen/dispatch/tables/  under 5 min      420 s
 #   bench      mlagen bench, seed and serving grids                   under 7 min         480 s
 #   ragged     benchmarks/ragged.py on three batch shapes             1-3 min             150 s each
 #   host       benchmarks/host_cost.py                                10 s warm           120 s
@@ -145,7 +145,7 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         rc=${PIPESTATUS[0]}; written+=("sanitize_$step.log") ;;
       tune)
         timeout ${LIMIT[tune]} python3 cli.py tune --grid seed --grid serving --write-default 2>&1 | tee "$results/tune.log"
-        rc=${PIPESTATUS[0]}; written+=(tune.log); tables=(mlagen/tables/*.json) ;;
+        rc=${PIPESTATUS[0]}; written+=(tune.log); tables=(mlagen/dispatch/tables/*.json) ;;
       bench)
         timeout ${LIMIT[bench]} python3 cli.py bench --grid seed --grid serving --out "$results"
         rc=$?; written+=(bench.json bench.md bench.png) ;;

@@ -20,11 +20,11 @@ API_MD = ROOT / "docs" / "api.md"
 SECTIONS: list[tuple[str, list[str] | None]] = [
     ("mlagen", None),
     ("mlagen.compat.flash_mla", ["get_mla_metadata", "flash_mla_with_kvcache"]),
-    ("mlagen.launcher", ["emit_launcher", "render_launcher", "header_name", "namespace"]),
-    ("mlagen.spec", ["parse_variant"]),
-    ("mlagen.testing", ["make_case", "Case", "poisoned_out", "poison_allocator", "mismatch", "assert_matches",
+    ("mlagen.tools.launcher", ["emit_launcher", "render_launcher", "header_name", "namespace"]),
+    ("mlagen.dsl.spec", ["parse_variant"]),
+    ("mlagen.tools.testing", ["make_case", "Case", "poisoned_out", "poison_allocator", "mismatch", "assert_matches",
                         "rel_error", "random_tree"]),
-    ("mlagen.fuzz", ["FuzzSpace", "Shape", "draw", "draw_variant", "check", "fuzz", "launch", "Outcome",
+    ("mlagen.tools.fuzz", ["FuzzSpace", "Shape", "draw", "draw_variant", "check", "fuzz", "launch", "Outcome",
                      "Report"]),
 ]
 

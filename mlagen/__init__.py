@@ -2,12 +2,14 @@
 
     out = mlagen.verify_attention(q, kv_cache, block_table, cache_seqlens, causal=True)
 
-Layers, each a module: spec (the DSL) -> validate (plans) -> codegen (Jinja) -> compiler
-(NVRTC, disk cache) -> launch/runtime (torch op). `reference` is the PyTorch reference.
+Layers, each a package, lowest first: dsl (Problem, Variant) -> plan (validate: KernelPlan) ->
+codegen (Jinja, NVRTC, disk cache) -> dispatch (which variant runs a shape) -> runtime (the torch
+op) -> tools (emit, launchers, bench, tune, fuzz); a module imports only from its own layer and
+lower ones. `reference` is the PyTorch reference.
 Drop-in pieces for serving engines: `verify_attention_varlen` (ragged draft counts),
 `merge_states` (cascades), `verify_attention_op` (the `mlagen::verify_attention` custom op,
 registered on import, for torch.compile and CUDA graphs), `mlagen.compat.flash_mla`
-(FlashMLA's API) and `mlagen.launcher` (C++ launchers for emitted kernels).
+(FlashMLA's API) and `mlagen.tools.launcher` (C++ launchers for emitted kernels).
 """
 
 from .codegen.compiler import CompileError

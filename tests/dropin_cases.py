@@ -1,5 +1,5 @@
 """Shared by the drop-in tests: ragged (varlen) batches and prefix/draft key splits, built on
-`mlagen.testing.make_case`, with their per-request references."""
+`mlagen.tools.testing.make_case`, with their per-request references."""
 
 from __future__ import annotations
 

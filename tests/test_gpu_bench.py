@@ -64,7 +64,7 @@ def test_host_cost_is_measured(user_tables):
 
 def test_measure_meets_every_cache_before_its_capture():
     """A TMA kernel's descriptor for a KV cache first met under capture is a copy node in the
-    graph (mlagen.tensormap); measure runs every input set eagerly first, as an engine's warm-up
+    graph (mlagen.runtime.tensormap); measure runs every input set eagerly first, as an engine's warm-up
     does, so the timed graph has none (without the warm-up most timed calls of a TMA kernel pay
     one, ~2 µs each)."""
     import torch

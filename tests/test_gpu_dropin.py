@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _close(out, lse, ref_out, ref_lse, dtype=torch.bfloat16):
-    """Every row of out against the fp64 reference (`mlagen.testing.compare_rows`, with the
+    """Every row of out against the fp64 reference (`mlagen.tools.testing.compare_rows`, with the
     tolerance of `dtype` inputs): out [B, S, H, Dl] with lse [B, H, S], or a varlen out [T, H, Dl]
     with lse [H, T]."""
     if out.dim() == 4:

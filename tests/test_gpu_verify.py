@@ -369,7 +369,7 @@ def test_cuda_graph_capture_and_replay():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="TMA tile loads need a compute capability 9.0 GPU (sm_90a)")
 def test_tma_descriptor_under_capture_and_across_streams():
-    """A tma kernel's cache descriptor (mlagen/tensormap.py): a first call under graph capture
+    """A tma kernel's cache descriptor (mlagen/runtime/tensormap.py): a first call under graph capture
     records its copy in the graph, and an eager call with that cache, the graph never replayed,
     still reads a written descriptor; later captures of either cache replay right; a first eager
     call's descriptor is on the device before a call on another stream reads it."""

@@ -1,4 +1,4 @@
-"""C++ launchers (mlagen.launcher): the header's text, its host helpers against the Python
+"""C++ launchers (mlagen.tools.launcher): the header's text, its host helpers against the Python
 plan and dispatch (compiled and run on the CPU), and the examples/cpp_launcher build.
 Compiling needs nvcc; running the example needs a GPU (tests/test_gpu_dropin.py)."""
 
@@ -73,8 +73,8 @@ def test_emit_launcher_writes_beside_the_kernel(tmp_path):
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.variant.name)
 def test_header_grid_is_the_plans_grid(plan):
-    """The header's grid is plan.grid_expr() translated to C: evaluate it with C's integer
-    division and compare with plan.grid (no nvcc needed)."""
+    """The header's grid is KernelPlan.grid_expr() translated to C: evaluate it with C's integer
+    division and compare with KernelPlan.grid (no nvcc needed)."""
     # merge_blocks(batch, seqlen_q), the header's function, stands for the plan's value
     grid = re.search(r"return dim3\((.*)\);", render_launcher(plan)).group(1)
     exprs = grid.replace("merge_blocks(batch, seqlen_q)", "merge_blocks").split(", ")
@@ -165,7 +165,7 @@ def test_an_arch_specific_kernel_built_for_another_target_names_the_flags(tmp_pa
 
 
 def test_tma_header_encodes_the_runtimes_tensor_map():
-    """A TMA variant's header encodes the descriptor mlagen/tensormap.py does (dtype, 3 dims,
+    """A TMA variant's header encodes the descriptor mlagen/runtime/tensormap.py does (dtype, 3 dims,
     64-dim x block_n-row boxes, 128-byte swizzle), and `launch` passes kv_map on; other headers
     take kv_map too and pass null."""
     text = render_launcher(TMA_PLAN)

@@ -1,6 +1,6 @@
 """The reference against the plain loop (`reference_naive`), its mask and empty-row semantics,
 the cases it runs on (`make_case`), and the row-by-row comparison kernels are judged by
-(`mlagen.testing.mismatch`)."""
+(`mlagen.tools.testing.mismatch`)."""
 
 import math
 import re

@@ -118,12 +118,25 @@ OUTPUT_PATHS = {"benchmarks/latest"}
 BARE_DOC = re.compile(r"(?<![\w/.-])([A-Z][A-Z_]*\.md)\b")
 # A Markdown link to a relative target, resolved from the linking file's folder.
 MD_LINK = re.compile(r"\]\((?!https?:|#|mailto:)([^)\s#]+)")
-# A dotted name that starts with one of mlagen's modules (`dispatch.num_splits`,
-# `mlagen.validate.KernelPlan.partial_rows`), with `mlagen.` itself, or with a class defined in
-# one of its modules (`Variant.p_exchange`). One ending in a file extension names a file
-# (`bench.png`, `merge.cuh.j2`), not an attribute.
-MODULES = sorted(m.name for m in pkgutil.iter_modules(mlagen.__path__))
-MODULE_NAME = _names_then_attributes(MODULES, prefix=r"(?:mlagen\.)?")
+# A dotted name that starts with one of mlagen's modules or packages, by its path under mlagen
+# (`dispatch.policy.num_splits`, `mlagen.plan.validate.KernelPlan.partial_rows`, `runtime.op`) or,
+# without `mlagen.` before it, by a module's own name (`policy.num_splits`); with `mlagen.` itself;
+# or with a class defined in one of its modules (`Variant.p_exchange`). One ending in a file
+# extension names a file (`bench.png`, `merge.cuh.j2`), not an attribute.
+def _module_paths() -> list[str]:
+    """Every module and package under mlagen, as its dotted path under mlagen (`dsl`, `dsl.spec`)."""
+    return sorted(m.name.removeprefix("mlagen.") for m in pkgutil.walk_packages(mlagen.__path__, "mlagen."))
+
+
+MODULE_PATHS = _module_paths()
+# The modules a name can stand for: its path, or a module's own name (the last part of its path;
+# a name two modules share stands for both).
+MODULE_NAMES: dict[str, list[str]] = {}
+for _path in MODULE_PATHS:
+    for _name in dict.fromkeys((_path, _path.rpartition(".")[2])):
+        MODULE_NAMES.setdefault(_name, []).append(_path)
+MODULE_NAME = _names_then_attributes(list(MODULE_NAMES))
+FULL_MODULE_NAME = _names_then_attributes(MODULE_PATHS, prefix=r"mlagen\.")
 PACKAGE_NAME = _names_then_attributes(["mlagen"])
 FILE_EXTENSIONS = {"py", "j2", "cu", "cuh", "h", "md", "json", "log", "txt", "sh", "png", "svg", "csv", "html",
                    "toml", "so", "cubin", "ptx"}
@@ -132,9 +145,10 @@ FILE_EXTENSIONS = {"py", "j2", "cu", "cuh", "h", "md", "json", "log", "txt", "sh
 def _classes() -> dict[str, list[type]]:
     """mlagen's classes by name, each from the module that defines it."""
     found: dict[str, list[type]] = {}
-    for module in MODULES:
-        for name, value in vars(importlib.import_module(f"mlagen.{module}")).items():
-            if inspect.isclass(value) and value.__module__ == f"mlagen.{module}":
+    for path in MODULE_PATHS:
+        module = importlib.import_module(f"mlagen.{path}")
+        for name, value in vars(module).items():
+            if inspect.isclass(value) and value.__module__ == module.__name__:
                 found.setdefault(name, []).append(value)
     return found
 
@@ -157,6 +171,24 @@ def _resolves(obj: object, names: list[str]) -> str | None:
     return None
 
 
+# Names in the templates' rendered text (C++ comments and static_assert messages) that no longer
+# resolve: every generated kernel and launcher header carries them, so changing them changes the
+# generated code and every compile-cache key. They change with the next edit to the kernels, which
+# drops them here; each must still be in its template (a pin that matches nothing fails).
+RENDERED_OLD_NAMES: dict[str, set[str]] = {
+    "templates/common.cuh.j2": {"mlagen/validate.py", "mlagen/params.py"},
+    "templates/flash.cu.j2": {"mlagen/validate.py"},
+    "templates/launcher.h.j2": {"mlagen/params.py", "mlagen/tensormap.py", "dispatch.balanced_list_fits",
+                                "mlagen.dispatch.num_splits", "mlagen.dispatch.balanced_parts",
+                                "mlagen.dispatch.dependent_in_graphs", "mlagen.validate.split_unit"},
+    "templates/merge.cuh.j2": {"mlagen/validate.py", "mlagen.validate.KernelPlan.partial_rows",
+                               "mlagen.validate.split_unit"},
+    "templates/mma.cu.j2": {"mlagen/mma_plan.py"},
+    "templates/mma_exchange.cu.j2": {"mlagen/mma_plan.py"},
+    "templates/mma_transposed.cu.j2": {"mlagen/mma_plan.py"},
+}
+
+
 def _path_exists(ref: str) -> bool:
     if ref in OUTPUT_PATHS or any(ref.startswith(o + "/") for o in OUTPUT_PATHS):
         return True
@@ -170,13 +202,21 @@ def test_references_resolve():
     classes = _classes()
     class_name = _names_then_attributes(list(classes))
     dangling = []
+    pinned_seen: set[tuple[str, str]] = set()
+
+    def dangles(p: Path, ref: str, text: str) -> None:
+        if ref in RENDERED_OLD_NAMES.get(_rel(p), ()):
+            pinned_seen.add((_rel(p), ref))
+        elif not (p == Path(__file__).resolve() and any(ref in refs for refs in RENDERED_OLD_NAMES.values())):
+            dangling.append(text)           # (this file names the pinned ones to pin them)
+
     for p in _scanned_files():
         for n, line in _prose(p):
             where = f"{_rel(p)}:{n}"
             for m in REPO_PATH.finditer(line):
                 ref = m.group(1).rstrip(".,:;")
                 if not _path_exists(ref):
-                    dangling.append(f"{where}: {ref} (no such path)")
+                    dangles(p, ref, f"{where}: {ref} (no such path)")
             for m in BARE_DOC.finditer(line):
                 if not (p.parent / m.group(1)).exists() and not (ROOT / m.group(1)).exists():
                     dangling.append(f"{where}: {m.group(1)} (not in the repository)")
@@ -184,21 +224,25 @@ def test_references_resolve():
                 for m in MD_LINK.finditer(line):
                     if not (p.parent / m.group(1)).exists():
                         dangling.append(f"{where}: {m.group(1)} (link target missing)")
-            for m in MODULE_NAME.finditer(line):
-                names = m.group(2).split(".")[1:]
-                if names[-1] in FILE_EXTENSIONS:
-                    continue
-                missing = _resolves(importlib.import_module(f"mlagen.{m.group(1)}"), names)
-                if missing is not None:
-                    dangling.append(f"{where}: {m.group(0)} (no {missing!r})")
+            for pattern in (MODULE_NAME, FULL_MODULE_NAME):
+                for m in pattern.finditer(line):
+                    names = m.group(2).split(".")[1:]
+                    if names[-1] in FILE_EXTENSIONS:
+                        continue
+                    missing = [_resolves(importlib.import_module(f"mlagen.{path}"), names)
+                               for path in MODULE_NAMES[m.group(1)]]
+                    if None not in missing:
+                        dangles(p, m.group(0), f"{where}: {m.group(0)} (no {missing[0]!r})")
             for m in class_name.finditer(line):
                 names = m.group(2).split(".")[1:]
                 if all(_resolves(cls, names) is not None for cls in classes[m.group(1)]):
                     dangling.append(f"{where}: {m.group(0)} (no {names[0]!r} on the class)")
             for m in PACKAGE_NAME.finditer(line):
                 names = m.group(2).split(".")[1:]
-                if names[-1] in FILE_EXTENSIONS or names[0] in MODULES:
-                    continue             # a file, or a module's name, checked above
+                if names[-1] in FILE_EXTENSIONS or names[0] in MODULE_PATHS:
+                    continue             # a file, or a module's or package's name, checked above
                 if _resolves(mlagen, names) is not None:
-                    dangling.append(f"{where}: {m.group(0)} (not in mlagen)")
+                    dangles(p, m.group(0), f"{where}: {m.group(0)} (not in mlagen)")
     assert not dangling, "references that do not resolve:\n" + "\n".join(dangling)
+    unused = sorted({(f, r) for f, refs in RENDERED_OLD_NAMES.items() for r in refs} - pinned_seen)
+    assert not unused, f"pinned template names that no longer dangle there: drop them from RENDERED_OLD_NAMES: {unused}"

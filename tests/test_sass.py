@@ -1,4 +1,4 @@
-"""mlagen.sass and `mlagen show --sass/--opcodes`: SASS read on a CPU-only machine."""
+"""mlagen.tools.sass and `mlagen show --sass/--opcodes`: SASS read on a CPU-only machine."""
 
 import re
 

@@ -1,4 +1,4 @@
-"""The KV cache's TMA descriptor request (mlagen/tensormap.py), checked without a driver: the
+"""The KV cache's TMA descriptor request (mlagen/runtime/tensormap.py), checked without a driver: the
 arguments handed to cuTensorMapEncodeTiled, and the error a refusal raises."""
 
 import ctypes

@@ -1,4 +1,4 @@
-"""Ragged draft counts on CPU: the padding and index math (mlagen.varlen) run through the
+"""Ragged draft counts on CPU: the padding and index math (mlagen.runtime.varlen) run through the
 reference on the padded problem must equal the reference applied request by request."""
 
 import pytest

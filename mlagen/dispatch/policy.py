@@ -1,7 +1,7 @@
 """Choosing a variant and a split for a shape, without touching the device.
 
 `choose_variant` answers, in this order:
-1. The tuned table for this GPU and arch (`mlagen.tables`: shipped defaults under the user's
+1. The tuned table for this GPU and arch (`mlagen.dispatch.tables`: shipped defaults under the user's
    `mlagen tune` results): the entry of the shape's bucket (heads, Dl, Dr, dtype, page size,
    mask, S, log2 batch, log2 KV capacity); else the same bucket tuned with a causal mask (a mask
    changes only which scores are dropped, not the tiling that wins); else the bucket one KV

@@ -10,7 +10,7 @@ A table is a JSON file for one (GPU name, arch):
 Bucket key: heads, Dl, Dr, dtype, page size, mask kind, S exactly, and round(log2) of the
 batch and of the KV capacity (block_table columns x page size; the op never reads lengths on
 the host). Tables come from two places, merged per (GPU, arch), the user's winning:
-- shipped defaults: mlagen/tables/*.json (filled by `mlagen tune --write-default`);
+- shipped defaults: mlagen/dispatch/tables/*.json (filled by `mlagen tune --write-default`);
 - the user's: $MLAGEN_TUNE_DIR, else tables/ beside the compile cache (`mlagen tune` writes it).
 They are read once per process (`entries_for` caches); `reset` forgets them after a tune.
 """

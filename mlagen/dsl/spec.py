@@ -79,7 +79,7 @@ class Variant:
     block_n: keys per shared-memory tile.
     warps: warps per block.
     stages: depth of the cp.async pipeline that stages KV tiles (naive: 1).
-    arch: target, one of mlagen.arch.ARCHS ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_120").
+    arch: target, one of mlagen.dsl.arch.ARCHS ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_120").
     mma_pv: sm_90a only: the output product P·V on mma.sync instead of wgmma (the scores stay
         on wgmma). Shorter per-tile latency, less tensor throughput; named `_pvm`.
     cluster: mma on sm_90/sm_90a with kv_split an int in 2..8: the splits of a row group run

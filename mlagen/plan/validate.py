@@ -133,7 +133,7 @@ class KernelPlan:
         """Grid of the kernel. Split launches add z slabs after the B request slabs for the merge
         blocks, so that every merge block comes after every split block in grid order (a cluster
         split has none: its y is the cluster). A balanced split has (row groups of a request,
-        ranges) split blocks in slab 0, num_splits being its ranges (`dispatch.balanced_parts`),
+        ranges) split blocks in slab 0, num_splits being its ranges (`policy.balanced_parts`),
         and always its merge slabs."""
         if self.variant.family == "naive":
             return (self.problem.heads, seqlen_q, batch)

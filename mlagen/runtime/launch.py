@@ -10,7 +10,7 @@ dependent launch instead (cuLaunchKernelEx through ctypes, which CuPy does not b
 launch's blocks are scheduled while the kernel before it drains, and the kernels wait for that
 kernel's writes before reading anything (`pdl_prologue` in templates/common.cuh.j2). It is off
 by default for eager calls, which pay ~5 µs of host time per call for it (on the H200). Short
-launches (`dispatch.dependent_in_graphs`: P exchanges, S=9 up to 16384 keys on the H200) go
+launches (`policy.dependent_in_graphs`: P exchanges, S=9 up to 16384 keys on the H200) go
 that way by default while their stream is captured into a graph, where the host time does not
 count (`KernelLaunch.pdl_captured`); long and batched ones, which it slows by up to 7%, launch
 plainly. MLAGEN_PDL=0 launches every kernel plainly.
@@ -176,7 +176,7 @@ _DEPENDENT = struct.Struct("<i")
 
 
 def launch(kernel: KernelLaunch, stream: int, pointers: tuple[int, ...], rest: tuple[int | float, ...]) -> None:
-    """Pack the parameter block (see `mlagen.params.pack_into`) and launch the kernel on `stream`."""
+    """Pack the parameter block (see `mlagen.plan.params.pack_into`) and launch the kernel on `stream`."""
     params = _params
     pack_into(params.block, 0, *pointers, *rest)
     if kernel.pdl or (kernel.pdl_captured and _capturing(stream)):

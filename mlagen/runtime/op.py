@@ -3,12 +3,12 @@
 Flow per call: check the arguments (metadata only) -> build the Problem -> pick the variant
 (given, or dispatched for the shape on this GPU) -> load it (compiled once, cached on disk)
 -> allocate outputs from torch's allocator and, with more than one split, take the stream's
-workspace (`mlagen.workspace`) -> launch one kernel on torch's current stream. Nothing
+workspace (`mlagen.runtime.workspace`) -> launch one kernel on torch's current stream. Nothing
 synchronizes the host, so the op can be captured in a CUDA graph.
 
 A serving loop repeats the same argument metadata call after call, so everything that the
 metadata decides (checks, Problem, variant, kernels, grids, the parameter block's strides and
-sizes) is computed once per argument signature (`mlagen.inputs.signature` plus the op's
+sizes) is computed once per argument signature (`mlagen.runtime.inputs.signature` plus the op's
 flags) and remembered; a repeat call builds the signature, does one dict lookup, checks the
 data pointers' alignment and launches.
 """
@@ -70,7 +70,7 @@ def pick_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, 
     request may hold more keys than that bound (max_seqlen_k's), up to the table_capacity the
     block table addresses, so a choice that cannot run them (a P exchange whose cluster holds
     fewer tiles) gives way to the choice for the whole table. A balanced split whose work list
-    could not count the table's tiles over the batch (`dispatch.balanced_list_fits`, past ~2^37
+    could not count the table's tiles over the batch (`policy.balanced_list_fits`, past ~2^37
     keys) runs its tile with the adaptive split when dispatched, and is refused when given."""
     if variant is None:
         variant = choose_variant(problem, seqlen_q, batch, kv_capacity, arch, gpu)

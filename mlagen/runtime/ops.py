@@ -9,7 +9,7 @@ imports it; it costs a few milliseconds and compiles nothing).
 The op's schema has no optional return, so it always returns (out, lse); lse is an empty [0]
 fp32 tensor unless return_lse. `verify_attention_op` below hides that and also takes a
 `Variant`. The variant crosses the op boundary by name (`Variant.name`, parsed back by
-`mlagen.spec.parse_variant`), since custom ops take only tensors and plain values.
+`mlagen.dsl.spec.parse_variant`), since custom ops take only tensors and plain values.
 """
 
 import torch

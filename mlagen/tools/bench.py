@@ -3,7 +3,7 @@
 Per row: each family's variant as the dispatcher would pick it within that family (tuned
 table, else the family default), the variants named with `--variant` (A/B columns), the
 dispatcher's own choice, torch eager, the floor from the ceilings measured in the same run, and
-FlashMLA's figure where the peer table (`mlagen.peers`) has the row. A cell that raises, or a
+FlashMLA's figure where the peer table (`mlagen.tools.peers`) has the row. A cell that raises, or a
 named variant that is invalid for the row's problem, shows its error; the run goes on.
 """
 

@@ -4,7 +4,7 @@ Each seed draws one shape (batch, draft length S, heads, ragged prefixes with em
 page size, mask, dtype, lse) from a `FuzzSpace`; the same seed and space always give the same
 shape, so a failure replays from its seed. Every shape runs through the dispatcher's pick, any
 named variants and, when asked, a random variant (`draw_variant`), on poisoned outputs and
-workspaces, and is compared row by row with the fp64 reference (`mlagen.testing.mismatch`).
+workspaces, and is compared row by row with the fp64 reference (`mlagen.tools.testing.mismatch`).
 
 A shape's case is built on the device and its fp64 reference computed there once, before any
 kernel runs, and shared by every kernel checked on it; a check syncs with the host once for the
@@ -105,7 +105,7 @@ class Shape:
         return Problem(heads=self.heads, dtype=self.dtype, page_size=self.page_size, mask=self.mask, lse=self.lse)
 
     def case(self, device: str = "cuda") -> Case:
-        """The shape's inputs (`mlagen.testing.make_case`, NaN wherever nothing may be read)."""
+        """The shape's inputs (`mlagen.tools.testing.make_case`, NaN wherever nothing may be read)."""
         return make_case(batch=self.batch, seqlen_q=self.seqlen_q, heads=self.heads, prefixes=list(self.prefixes),
                          page_size=self.page_size, mask=self.mask, seed=self.seed, dtype=TORCH_DTYPES[self.dtype],
                          device=device, empty=list(self.empty), per_request_tree=self.per_request_tree,
@@ -265,7 +265,7 @@ def check(shape: Shape, variant: Variant | None, *, device: str = "cuda", kernel
           tol: Tolerance | None = None, case: Case | None = None, expected: Expected | None = None) -> Outcome:
     """Run one shape through `variant` (None: the dispatcher's pick) and compare every row with
     the fp64 reference. kernel: what runs it (None: `launch`, the op itself); tol: None for the
-    dtypes' (`mlagen.testing.tolerance`); case, expected: the shape's case and its fp64 reference
+    dtypes' (`mlagen.tools.testing.tolerance`); case, expected: the shape's case and its fp64 reference
     when already built (a shape's checks share them; None: built here, the reference before the
     kernel runs, from untouched inputs)."""
     skipped = _skipped(shape, variant)
@@ -372,7 +372,7 @@ def dispatched_variant(shape: Shape, arch: str, gpu: str) -> Variant:
 
 class _CompileAhead:
     """Compiles the kernels of the shapes coming next in worker processes, into the disk cache
-    that their launches load from (`mlagen.precompile.compile_one`; a launch whose kernel is still
+    that their launches load from (`mlagen.codegen.precompile.compile_one`; a launch whose kernel is still
     compiling waits for it on the cache entry's lock). Each distinct code is submitted once; a
     pool that breaks stops the compiling ahead, not the run (the launches compile what they
     need)."""

@@ -1,21 +1,21 @@
 """C++ host launchers for emitted kernels (`mlagen emit --launcher`).
 
-For a validated plan, `emit_launcher` writes `<plan.name>_launch.h` beside the kernel's .cu: a
+For a validated plan, `emit_launcher` writes `<KernelPlan.name>_launch.h` beside the kernel's .cu: a
 header-only C++ launcher in namespace `mlagen::<variant and problem>` with the kernel's
 constants, `grid`, `row_groups`, `merge_blocks`, `workspace_bytes`, `counters_bytes`,
 `default_num_splits` and `launch`, which takes raw pointers, strides, sizes, the workspace, the
 split counters and a cudaStream_t, fills the parameter block and launches the kernel (whose grid
 holds the merge blocks when num_splits > 1) through cudaLaunchKernel. A TMA variant's header
-also has `make_kv_map`, which encodes the cache's tensor map (as mlagen/tensormap.py does) into
+also has `make_kv_map`, which encodes the cache's tensor map (as mlagen/runtime/tensormap.py does) into
 a device buffer that `launch` then takes. `merge_blocks` and
-`default_num_splits` are C++ twins of `KernelPlan.merge_blocks` and `dispatch.num_splits`;
+`default_num_splits` are C++ twins of `KernelPlan.merge_blocks` and `policy.num_splits`;
 tests/test_launcher.py compiles them and compares with the Python.
 
 The header is meant for a different translation unit than the .cu (see the header's comment):
 it declares its own twin of the parameter block, rendered from the same field list
-(`mlagen.params.FIELDS`), and the kernels as extern "C" symbols, so
+(`mlagen.plan.params.FIELDS`), and the kernels as extern "C" symbols, so
 `nvcc -c kernel.cu engine.cu` builds and links, and the .cu still compiles alone under NVRTC.
-The launch geometry and split heuristic are rendered from the plan and `mlagen.dispatch`.
+The launch geometry and split heuristic are rendered from the plan and `mlagen.dispatch.policy`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .files import write_if_changed
 _LOG2E = "1.4426950408889634f"
 
 # How `launch` fills each field of the parameter block from its arguments; every field of
-# mlagen.params.FIELDS needs an entry (checked when rendering).
+# mlagen.plan.params.FIELDS needs an entry (checked when rendering).
 _ASSIGN: dict[str, str] = {
     "q": "q", "kv": "kv_cache", "kv_map": "kUsesTma ? kv_map : nullptr", "block_table": "block_table",
     "seqlens": "cache_seqlens",

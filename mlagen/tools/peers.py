@@ -2,7 +2,7 @@
 
 CUDA graph replay, µs per call, bf16, page size 64, causal masks unless noted. `prefix`
 excludes the S draft tokens (N = prefix + S keys per request). `floor_us` is the floor
-(`mlagen.floor`) at ~4.25 TB/s copy and ~785 TFLOP/s bf16.
+(`mlagen.tools.floor`) at ~4.25 TB/s copy and ~785 TFLOP/s bf16.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def measure(fn: Callable[[T], object], sets: Sequence[T], config: TimingConfig =
 
     Every set runs once eagerly before the capture, as a serving engine's warm-up meets its
     tensors before it captures them: a TMA kernel's descriptor for a KV cache first met under
-    capture is a copy node of the graph ahead of the kernel (`mlagen.tensormap`), which also
+    capture is a copy node of the graph ahead of the kernel (`mlagen.runtime.tensormap`), which also
     keeps the kernel from starting as a programmatic dependent. Warming two sets of ~20 puts
     that node ahead of most calls, ~2 µs each.
 

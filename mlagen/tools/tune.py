@@ -1,7 +1,7 @@
 """`mlagen tune`: search the variant space per shape on this GPU and persist the winners.
 
 Per row (a shape) and mask kind: the dispatcher's pick without a table, then up to `max_candidates` structures
-(`mlagen.space`: every family, most promising first) are compiled in parallel processes and
+(`mlagen.plan.space`: every family, most promising first) are compiled in parallel processes and
 timed here with CUDA graph replay; then the fastest few structures are timed with fixed splits,
 and the fastest few after that with their knob twins (16-bit partial rows, `Variant.part16`;
 TMA tile loads, `Variant.tma`); the fastest few trials are then timed twice more, and each is
@@ -9,7 +9,7 @@ ranked by the median of its timings. The pick the table already holds for the ro
 incumbent) is timed among the candidates, so a new pick replaces it only by beating it in the
 same run: one machine start's timings can swap picks that are a few percent apart. A
 candidate that fails to compile or run scores infinity. The best overall and the best of each
-family go into the table entry of the row's bucket (`mlagen.tables`), which dispatch reads.
+family go into the table entry of the row's bucket (`mlagen.dispatch.tables`), which dispatch reads.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class RowTune:
     @property
     def heuristic(self) -> Trial | None:
         """The heuristic's trial (the first one timed), if the heuristic had a variant."""
-        # candidates() puts the untuned pick (dispatch.untuned_variant) first, or naive when it had none.
+        # candidates() puts the untuned pick (policy.untuned_variant) first, or naive when it had none.
         return self.trials[0] if self.trials and self.trials[0].variant.family != "naive" else None
 
     @property
@@ -100,8 +100,8 @@ class RowTune:
 
 def candidates(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
                max_candidates: int) -> list[Variant]:
-    """The dispatcher's pick without a table first (`dispatch.untuned_variant`), then the
-    transposed tile of all a request's rows where the device runs one (`dispatch.transposed_tile`),
+    """The dispatcher's pick without a table first (`policy.untuned_variant`), then the
+    transposed tile of all a request's rows where the device runs one (`policy.transposed_tile`),
     naive, then the other families' structures taking turns, `max_candidates` at most (naive and
     those picks included)."""
     found: list[Variant] = []
@@ -138,7 +138,7 @@ def with_incumbent(problem: Problem, arch: str, cands: list[Variant],
 
 def as_dispatched(problem: Problem, batch: int, variants: list[Variant]) -> list[Variant]:
     """`variants` as the dispatcher would run them for a batch of `batch` requests (a batch's
-    mma variants take the balanced split: dispatch.balanced_for_batch), each once, in order, so
+    mma variants take the balanced split: policy.balanced_for_batch), each once, in order, so
     that the table's pick is what was timed."""
     return list(dict.fromkeys(balanced_for_batch(problem, v, batch) for v in variants))
 
