@@ -81,29 +81,38 @@ def violations(modules: dict[str, Path], layers: tuple[tuple[str, tuple[str, ...
     not exist, of another module's private name, and each import cycle."""
     rank = {m: i for i, (_, members) in enumerate(layers) for m in members}
     layer = {m: layer_name for layer_name, members in layers for m in members}
+
+    def dotted(m: str) -> str:
+        return f"{top}.{m}" if m else top
+
     found = []
     graph: dict[str, set[str]] = {m: set() for m in modules}
     root = modules[""].parent.parent           # the folder that holds the package
     for name, path in modules.items():
         where = path.relative_to(root).as_posix()
         for line, target, imported in imports(name, path, modules, top):
-            dotted = f"{top}.{target}" if target else top
             if target not in modules:
-                found.append(f"{where}:{line}: imports {dotted}, which is not a module of {top}")
+                found.append(f"{where}:{line}: imports {dotted(target)}, which is not a module of {top}")
                 continue
             if target != name:
                 graph[name].add(target)
+            # (a module without a layer fails test_every_module_has_one_layer instead)
             if rank.get(target, -1) > rank.get(name, len(layers)):
-                found.append(f"{where}:{line}: {layer[name]} imports {dotted} of the higher layer {layer[target]}")
+                found.append(f"{where}:{line}: {layer[name]} imports {dotted(target)} of the higher layer "
+                             f"{layer[target]}")
             if imported and is_private(imported) and target != name:
-                found.append(f"{where}:{line}: imports the private {imported} of {dotted}")
-    found += [f"import cycle: {' -> '.join(top + ('.' + m if m else '') for m in c)}" for c in cycles(graph)]
+                found.append(f"{where}:{line}: imports the private {imported} of {dotted(target)}")
+    for cycle, group in cycles(graph):
+        more = f" (in one cycle group with {', '.join(dotted(m) for m in group if m not in cycle)})" \
+            if len(group) > len(cycle) - 1 else ""
+        found.append(f"import cycle: {' -> '.join(dotted(m) for m in cycle)}{more}")
     return found
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One cycle (closed: its first module again at the end) per strongly connected group of
-    `graph` that has one (Tarjan's algorithm)."""
+def cycles(graph: dict[str, set[str]]) -> list[tuple[list[str], list[str]]]:
+    """(a cycle, closed: its first module again at the end; the group) for each strongly
+    connected group of more than one module in `graph` (Tarjan's algorithm): every module of a
+    group is on a cycle with every other."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -141,7 +150,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         while True:                         # walk inside the group until a module repeats
             nxt = min(w for w in graph[path[-1]] if w in members)
             if nxt in seen:
-                found.append(path[path.index(nxt):] + [nxt])
+                found.append((path[path.index(nxt):] + [nxt], group))
                 break
             path.append(nxt)
             seen.add(nxt)
