@@ -18,7 +18,8 @@ GPU mlagen targets (sm_80, sm_89, sm_90, sm_120):
   carries a schedule; a `FlashMLASchedMeta` records the configuration of its first call and
   refuses a call of another (as FlashMLA's does).
 - Attention sinks (`attn_sink`, [H_q] fp32): each output row is scaled by
-  exp(lse) / (exp(lse) + exp(attn_sink[h])); lse is unchanged.
+  exp(lse) / (exp(lse) + exp(attn_sink[h])); lse is unchanged. (FlashMLA applies sinks this
+  way on its sparse path and refuses them on its dense one.)
 
 Sparse attention (`indices`, `extra_k_cache`, `extra_indices_in_kvcache`, `topk_length`,
 `extra_topk_length`, `topk`) and fp8 KV caches raise NotImplementedError. For draft-tree
