@@ -93,7 +93,7 @@ def prefix_only(case: Case) -> Case:
                 scale=case.scale, dl=case.dl)
 
 
-# ---- FlashMLA's dense-decoding test grid (deepseek-ai/FlashMLA, tests/test_flash_mla_dense_decoding.py) ----
+# ---- FlashMLA's dense-decoding test grid (the deepseek-ai/FlashMLA repository's own tests) ----
 
 # The axes of FlashMLA's correctness cases; H_q runs over the values with H_q % H_kv == 0.
 FLASH_MLA_AXES: dict[str, tuple] = dict(b=(1, 2, 6, 64), s_q=(1, 2, 4), s_k=(20, 140, 4096),
