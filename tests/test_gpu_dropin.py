@@ -158,13 +158,10 @@ _GRAPH_CASE = FlashMLAParams(4, 2, 700, True, True, 16, 2, sink=True, seed=3000)
 def flash_mla_kernels():
     """Compiles the kernels the FlashMLA grid's cases dispatch to (one per KV-head group's
     shape) into the disk cache in parallel processes, before the first of those tests: about 90
-    kernels, a minute and a half one after another. Where the dispatcher's or the precompiler's
-    internals are not where this looks, the tests compile what they need as they run."""
-    try:
-        from mlagen.precompile import precompile
-        from mlagen.runtime import device_info, device_name, pick_variant
-    except ImportError:
-        return
+    kernels, a minute and a half one after another."""
+    from mlagen.precompile import precompile
+    from mlagen.runtime import device_info, device_name, pick_variant
+
     index = torch.cuda.current_device()
     arch, gpu = device_info(index)[0], device_name(index)
     jobs = set()
