@@ -1,5 +1,7 @@
 """GPU tests of the drop-in pieces: varlen, merge_states, the custom op under torch.compile and
-CUDA graphs, the FlashMLA-compatible API and the C++ launcher example."""
+CUDA graphs, the FlashMLA-compatible API (FlashMLA's dense-decoding test grid with several KV heads
+and attention sinks, against mlagen's fp64 reference with FlashMLA's tolerances) and the C++
+launcher example."""
 
 from __future__ import annotations
 
@@ -12,7 +14,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from dropin_cases import draft_only, per_request_reference, prefix_only, ragged_case
+from dropin_cases import (
+    FLASH_MLA_GRID,
+    FLASH_MLA_SINKS,
+    FLASH_MLA_ZERO_LENGTH,
+    FlashMLAParams,
+    draft_only,
+    flash_mla_case,
+    flash_mla_mismatch,
+    flash_mla_reference,
+    flash_mla_shape,
+    per_request_reference,
+    prefix_only,
+    ragged_case,
+)
 
 import mlagen
 from mlagen.compat import flash_mla
@@ -133,6 +148,107 @@ def test_flash_mla_compat(causal):
     ref_out, ref_lse = dataclasses.replace(case, scale=576 ** -0.5).reference(torch.float64)  # FlashMLA's default
     assert (lse[3] == math.inf).all() and (out[3] == 0).all()   # FlashMLA's empty-row convention
     _close(out, lse.masked_fill(lse == math.inf, -math.inf), ref_out, ref_lse)
+
+
+# Several KV heads with sinks, for the CUDA graph and torch.compile tests.
+_GRAPH_CASE = FlashMLAParams(4, 2, 700, True, True, 16, 2, sink=True, seed=3000)
+
+
+@pytest.fixture(scope="module")
+def flash_mla_kernels():
+    """Compiles the kernels the FlashMLA grid's cases dispatch to (one per KV-head group's
+    shape) into the disk cache in parallel processes, before the first of those tests: about 90
+    kernels, a minute and a half one after another."""
+    from mlagen.codegen.precompile import precompile
+    from mlagen.runtime.op import device_info, device_name, pick_variant
+
+    index = torch.cuda.current_device()
+    arch, gpu = device_info(index)[0], device_name(index)
+    jobs = set()
+    for p in [*FLASH_MLA_GRID, *FLASH_MLA_ZERO_LENGTH, *FLASH_MLA_SINKS, _GRAPH_CASE]:
+        _, width = flash_mla_shape(p)
+        problem = mlagen.Problem(heads=p.h_q // p.h_kv, dl=512, dr=64, dtype="bf16", page_size=64,
+                                 mask="causal" if p.causal else "none", lse=True)
+        jobs.add((problem, pick_variant(problem, p.s_q, p.b, width * 64, width * 64, arch, gpu, None)))
+    precompile(sorted(jobs, key=str))
+
+
+def _check_flash_mla(p: FlashMLAParams, out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor,
+                     ref_lse: torch.Tensor) -> None:
+    """FlashMLA's own checks (elementwise and cosine, lse +inf for a row with no key), then
+    mlagen's row by row (`_close`, on mlagen's -inf convention)."""
+    B, S, H = p.b, p.s_q, p.h_q
+    assert out.shape == (B, S, H, 512) and out.dtype == torch.bfloat16
+    assert lse.shape == (B, H, S) and lse.dtype == torch.float32
+    problem = flash_mla_mismatch(out, lse, ref_out, ref_lse)
+    assert problem is None, f"{p.id}: {problem}"
+    _close(out, lse.masked_fill(lse == math.inf, -math.inf), ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("p", FLASH_MLA_GRID + FLASH_MLA_ZERO_LENGTH, ids=lambda p: p.id)
+def test_flash_mla_dense_decoding_grid(flash_mla_kernels, p):
+    """A sample of FlashMLA's dense-decoding correctness grid (tests/dropin_cases.py says which
+    cases): b 1..64 (128 with empty requests), s_q 1, 2, 4, 20 to 4096 keys fixed or varied per
+    request, H_q 1..128 over H_kv 1, 2, 3, 8, causal or not; NaN past every length and in unused
+    pages, block-table entries past each request's pages at page 2147480000. Every other case
+    takes the older metadata form."""
+    case = flash_mla_case(p)
+    if p.seed % 2:
+        metadata, splits = flash_mla.get_mla_metadata(case.cache_seqlens, p.s_q * p.h_q // p.h_kv, p.h_kv, p.h_q)
+    else:
+        metadata, splits = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(case.q, case.k_cache, case.block_table, case.cache_seqlens, 512,
+                                                metadata, splits, causal=p.causal)
+    _check_flash_mla(p, out, lse, *flash_mla_reference(case))
+
+
+@pytest.mark.parametrize("p", FLASH_MLA_SINKS, ids=lambda p: p.id)
+def test_flash_mla_attention_sinks(flash_mla_kernels, p):
+    """attn_sink (a third of the heads +inf, a third -inf, the rest near the rows' lse): out
+    scaled by exp(lse) / (exp(lse) + exp(sink)) against the fp64 reference, lse unchanged, rows
+    without a key 0."""
+    case = flash_mla_case(p)
+    meta, _ = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(case.q, case.k_cache, case.block_table, case.cache_seqlens, 512,
+                                                meta, causal=p.causal, attn_sink=case.attn_sink)
+    ref_out, ref_lse = flash_mla_reference(case)
+    assert (out[:, :, torch.isposinf(case.attn_sink)] == 0).all()
+    _check_flash_mla(p, out, lse, ref_out, ref_lse)
+
+
+def test_flash_mla_kv_heads_and_sinks_in_cuda_graph(flash_mla_kernels):
+    """Several KV heads and a sink, captured in a CUDA graph (nothing reads back to the host):
+    a replay on new q values gives what an eager call gives."""
+    case = flash_mla_case(_GRAPH_CASE)
+    meta, _ = flash_mla.get_mla_metadata()
+    args = (case.k_cache, case.block_table, case.cache_seqlens, 512, meta)
+    kwargs = dict(causal=True, attn_sink=case.attn_sink)
+    flash_mla.flash_mla_with_kvcache(case.q, *args, **kwargs)        # compiles and loads
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_mla.flash_mla_with_kvcache(case.q, *args, **kwargs)
+    case.q.copy_((torch.randn_like(case.q, dtype=torch.float32) / 10).clamp_(-1, 1))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = flash_mla.flash_mla_with_kvcache(case.q, *args, **kwargs)
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+    _check_flash_mla(_GRAPH_CASE, eager[0], eager[1], *flash_mla_reference(case))
+
+
+def test_flash_mla_kv_heads_and_sinks_under_torch_compile(flash_mla_kernels):
+    """The compat call with several KV heads and a sink inside torch.compile(fullgraph=True):
+    one graph, and the result within FlashMLA's tolerances."""
+    case = flash_mla_case(_GRAPH_CASE)
+    meta, _ = flash_mla.get_mla_metadata()
+
+    def step(q, k_cache, block_table, cache_seqlens, sink):
+        return flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512, meta, causal=True,
+                                                attn_sink=sink)
+
+    compiled = torch.compile(step, fullgraph=True)
+    out, lse = compiled(case.q, case.k_cache, case.block_table, case.cache_seqlens, case.attn_sink)
+    _check_flash_mla(_GRAPH_CASE, out, lse, *flash_mla_reference(case))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build the C++ example")

@@ -1,5 +1,6 @@
 """Drop-in replacements for other attention libraries' public APIs, backed by mlagen kernels.
 
-`mlagen.compat.flash_mla`: FlashMLA's dense decode API (`get_mla_metadata`,
-`flash_mla_with_kvcache`); switch with `import mlagen.compat.flash_mla as flash_mla`.
+`mlagen.compat.flash_mla`: FlashMLA's dense decode API (`get_mla_metadata` in both its forms,
+`flash_mla_with_kvcache` with several KV heads and attention sinks); switch with
+`import mlagen.compat.flash_mla as flash_mla`.
 """
