@@ -11,7 +11,7 @@ import torch
 from dropin_cases import FLASH_MLA_GRID, FLASH_MLA_ZERO_LENGTH, grid_axes
 
 from mlagen.compat import flash_mla
-from mlagen.runtime import inputs, op
+from mlagen.runtime import inputs, op, sinks
 from mlagen.runtime.inputs import InputError
 
 # FlashMLA's flash_mla_with_kvcache, in order (deepseek-ai/FlashMLA, flash_mla/flash_mla_interface.py).
@@ -107,9 +107,11 @@ def fake_op(monkeypatch):
         calls.append((q, kv_cache, kwargs))
         B, S, H, _ = q.shape
         value = q[..., 0].float() + kv_cache.reshape(-1)[0].float()              # [B, S, H]
-        out = value[..., None].expand(B, S, H, kwargs["head_dim_v"]).to(q.dtype)
+        out = value[..., None].expand(B, S, H, kwargs["head_dim_v"]).to(q.dtype).contiguous()
         lse = value.transpose(1, 2).clone()
         lse[0] = -math.inf
+        if kwargs.get("attn_sink") is not None:                 # as the op applies its sinks
+            sinks.apply_attn_sink_(out, lse.transpose(1, 2), kwargs["attn_sink"])
         return out, lse
 
     monkeypatch.setattr(flash_mla, "verify_attention_op", op)
@@ -121,7 +123,8 @@ def test_defaults_and_empty_row_convention(fake_op):
     out, lse = flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, None)
     (seen_q, seen_kv, kwargs), = fake_op
     assert seen_q is q and seen_kv is k_cache              # one KV head: the arguments as given, one call
-    assert kwargs == dict(softmax_scale=576 ** -0.5, causal=False, return_lse=True, head_dim_v=512, max_seqlen_k=None)
+    assert kwargs == dict(softmax_scale=576 ** -0.5, causal=False, return_lse=True, head_dim_v=512, max_seqlen_k=None,
+                          attn_sink=None)
     assert out.shape == (2, 2, 16, 512) and lse.shape == (2, 16, 2)
     assert (lse[0] == math.inf).all() and (lse[1] == 0).all()
 
@@ -152,7 +155,8 @@ def test_several_kv_heads_run_one_call_per_group(fake_op, H, H_kv):
         assert seen_q.stride() == q.stride()
         assert seen_kv.shape == (4, 64, 576) and seen_kv.data_ptr() == k_cache[:, :, g].data_ptr()
         assert seen_kv.stride() == (64 * H_kv * 576, H_kv * 576, 1)
-        assert kwargs == dict(softmax_scale=0.5, causal=True, return_lse=True, head_dim_v=512, max_seqlen_k=7)
+        assert kwargs == dict(softmax_scale=0.5, causal=True, return_lse=True, head_dim_v=512, max_seqlen_k=7,
+                              attn_sink=None)
     expected = torch.tensor([h + 256 * (h // G) for h in range(H)], dtype=torch.float32)
     assert out.shape == (2, 2, H, 512) and lse.shape == (2, H, 2)
     assert torch.equal(out[1, :, :, 0].float(), expected.expand(2, H))
@@ -254,10 +258,10 @@ def test_bool_softmax_scale_is_refused(fake_op):
 @pytest.mark.parametrize("sink, message", [
     (torch.zeros(16, dtype=torch.bfloat16), r"^attn_sink.dtype: got torch.bfloat16, expected torch.float32"),
     (torch.zeros(16, dtype=torch.float64), r"^attn_sink.dtype: got torch.float64, expected torch.float32"),
-    (torch.zeros(8), r"^attn_sink.shape: got \(8,\), expected \[num_heads_q\]=\[16\]"),
-    (torch.zeros(1, 16), r"^attn_sink.shape: got \(1, 16\), expected \[num_heads_q\]=\[16\]"),
+    (torch.zeros(8), r"^attn_sink.shape: got \(8,\), expected \(16,\): one sink per query head"),
+    (torch.zeros(1, 16), r"^attn_sink.shape: got \(1, 16\), expected \(16,\): one sink per query head"),
     (torch.zeros(16, device="meta"), r"^attn_sink.device: got meta, expected cpu, where q is"),
-    ([0.0] * 16, r"^attn_sink: got list, expected None or a torch.Tensor \[num_heads_q\] float32"),
+    ([0.0] * 16, r"^attn_sink: got list, expected None or a torch.Tensor \[16\] float32"),
 ])
 def test_attn_sink_argument_errors(fake_op, sink, message):
     q, k_cache, block_table, lens = _inputs()
@@ -289,7 +293,7 @@ def test_attn_sink_math_against_fp64_formula():
         for i in range(S):
             for h in range(H):
                 expected[b, i, h] *= _sink_factor(float(lse[b, h, i]), float(sink[h]))
-    got = flash_mla.apply_attn_sink_(out.clone(), lse, sink)
+    got = sinks.apply_attn_sink_(out.clone(), lse.transpose(1, 2), sink)
     torch.testing.assert_close(got, expected, rtol=1e-14, atol=0)
     assert (got[:, :, 1] == 0).all()                          # sink +inf: 0
     assert torch.equal(got[0, :, 2], out[0, :, 2])            # sink -inf: unchanged
@@ -297,7 +301,7 @@ def test_attn_sink_math_against_fp64_formula():
 
     # fp32 lse and sink, bf16 out, in place: the product is rounded once to bf16
     out16 = out.to(torch.bfloat16)
-    result = flash_mla.apply_attn_sink_(out16, lse.float(), sink.float())
+    result = sinks.apply_attn_sink_(out16, lse.float().transpose(1, 2), sink.float())
     assert result is out16
     reference = out.to(torch.bfloat16).double() * (expected / out).nan_to_num(0.0)
     torch.testing.assert_close(out16.double(), reference, rtol=2**-8, atol=0)
@@ -306,7 +310,7 @@ def test_attn_sink_math_against_fp64_formula():
 def test_attn_sink_is_stable_for_large_lse():
     lse = torch.tensor([1e4, -1e4, 80.0, 1e4]).view(1, 4, 1)    # B=1, H=4, S=1
     sink = torch.tensor([1e4 + 1, 1e4, 100.0, -math.inf])
-    out = flash_mla.apply_attn_sink_(torch.ones(1, 1, 4, 3), lse, sink)
+    out = sinks.apply_attn_sink_(torch.ones(1, 1, 4, 3), lse.transpose(1, 2), sink)
     expected = torch.tensor([1 / (1 + math.e), 0.0, 1 / (1 + math.exp(20.0)), 1.0])
     torch.testing.assert_close(out[0, 0, :, 0], expected, rtol=1e-6, atol=0)
     assert torch.isfinite(out).all()

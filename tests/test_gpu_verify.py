@@ -644,3 +644,47 @@ def test_a_length_bound_on_a_wide_block_table_stays_correct(heads, batch, prefix
                                            **case.kwargs())
         torch.cuda.synchronize()
         assert_matches(out, lse, case)
+
+
+@pytest.mark.parametrize("family", ["naive", "flash", "mma"])
+@pytest.mark.parametrize("mask", MASKS)
+def test_attention_sinks_scale_every_row(family, mask):
+    """attn_sink through the op on each family and mask, ragged with an empty request: out is
+    the reference times exp(lse) / (exp(lse) + exp(sink[h])) (fp64), lse stays the reference's;
+    sinks of +inf and -inf give 0 and the unscaled row."""
+    from mlagen.tools.testing import compare_rows
+
+    case = make_case(batch=3, seqlen_q=5, heads=8, prefixes=[300, 0, 77], page_size=16, mask=mask,
+                     empty=[False, True, False], per_request_tree=True, seed=7)
+    variant = {"naive": naive(arch=_arch()),
+               "flash": Variant(family="flash", head_tile=8, q_tile=5, block_n=32, warps=8, stages=2,
+                                kv_split="adaptive", arch=_arch()),
+               "mma": Variant(family="mma", head_tile=8, q_tile=8, block_n=64, warps=8, stages=2, kv_split=2,
+                              arch=_arch())}[family]
+    sink = torch.tensor([0.0, 1.5, -2.0, math.inf, -math.inf, 3.0, 0.25, -0.5], device="cuda")
+    out, lse = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, variant=variant,
+                                       return_lse=True, out=poisoned_out(case), attn_sink=sink, **case.kwargs())
+    ref_out, ref_lse = case.reference(torch.float64)
+    factor = torch.sigmoid(ref_lse - sink.double()[:, None]).masked_fill(ref_lse == -math.inf, 0.0)   # [B, H, S]
+    expected = ref_out * factor.transpose(1, 2).unsqueeze(-1)
+    assert compare_rows(out, lse.transpose(1, 2), expected, ref_lse.transpose(1, 2)) is None
+    assert (out[:, :, 3] == 0).all()                                  # a sink of +inf
+    plain = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, variant=variant,
+                                    **case.kwargs())
+    assert torch.equal(out[:, :, 4], plain[:, :, 4])                  # a sink of -inf
+
+
+def test_attention_sinks_in_varlen_and_the_custom_op():
+    """The same sink through verify_attention_varlen and torch.ops.mlagen.verify_attention: the
+    bits of the plain op's result, row for row."""
+    case = make_case(batch=2, seqlen_q=4, heads=16, prefixes=[1000, 50], page_size=64, mask="causal", seed=3)
+    sink = torch.linspace(-3, 3, 16, device="cuda")
+    out = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, attn_sink=sink,
+                                  **case.kwargs())
+    via_op = mlagen.verify_attention_op(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                        attn_sink=sink, **case.kwargs())
+    assert torch.equal(out, via_op)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32, device="cuda")
+    packed = mlagen.verify_attention_varlen(case.q.flatten(0, 1), case.kv_cache, case.block_table, case.cache_seqlens,
+                                            cu, 4, attn_sink=sink, **case.kwargs())
+    assert torch.equal(packed, out.flatten(0, 1))

@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("codegen", ("codegen", "codegen.build", "codegen.compiler", "codegen.precompile", "codegen.render")),
     ("dispatch", ("dispatch", "dispatch.heuristic", "dispatch.policy", "dispatch.presets", "dispatch.tables")),
     ("runtime", ("runtime", "runtime.inputs", "runtime.launch", "runtime.merge", "runtime.op", "runtime.ops",
-                 "runtime.reference", "runtime.tensormap", "runtime.varlen", "runtime.workspace",
+                 "runtime.reference", "runtime.sinks", "runtime.tensormap", "runtime.varlen", "runtime.workspace",
                  "compat", "compat.flash_mla")),
     # the package's public API: what `import mlagen` gives (__all__, __version__)
     ("api", ("",)),

@@ -22,7 +22,7 @@ def test_schema():
     assert schema.startswith("mlagen::verify_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
                              "Tensor cache_seqlens, float? softmax_scale=None, bool causal=True, "
                              "Tensor? tree_mask=None, bool return_lse=False, str? variant=None")
-    assert schema.endswith("-> (Tensor, Tensor)")
+    assert schema.endswith("max_seqlen_k=None, Tensor? attn_sink=None) -> (Tensor, Tensor)")
 
 
 @pytest.mark.parametrize("return_lse", [False, True])
@@ -72,3 +72,21 @@ def test_op_names_a_bad_max_seqlen_k_before_the_op_sees_it(bad):
         mlagen.verify_attention_op(q, torch.zeros(4, 64, 576, dtype=torch.bfloat16),
                                    torch.zeros(1, 4, dtype=torch.int32), torch.full((1,), 10, dtype=torch.int32),
                                    max_seqlen_k=bad)
+
+
+def test_meta_shapes_with_sinks():
+    q, kv, bt, lens = _inputs("meta")
+    out, lse = mlagen.verify_attention_op(q, kv, bt, lens, return_lse=True, attn_sink=torch.zeros(8, device="meta"))
+    assert out.shape == (2, 3, 8, 512) and lse.shape == (2, 8, 3)
+
+
+@pytest.mark.parametrize("sink, message", [
+    (torch.zeros(8, dtype=torch.float64), r"^attn_sink.dtype: got torch.float64, expected torch.float32"),
+    (torch.zeros(7), r"^attn_sink.shape: got \(7,\), expected \(8,\): one sink per query head"),
+    (torch.zeros(8, device="meta"), r"^attn_sink.device: got meta, expected cpu, where q is"),
+    ([0.0] * 8, r"^attn_sink: got list, expected None or a torch.Tensor \[8\] float32"),
+])
+def test_bad_sinks_are_named_before_anything_runs(sink, message):
+    q, kv, bt, lens = _inputs("cpu")
+    with pytest.raises(mlagen.InputError, match=message):
+        mlagen.verify_attention(q, kv, bt, lens, attn_sink=sink)

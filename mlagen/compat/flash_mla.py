@@ -43,6 +43,7 @@ import torch
 
 from ..runtime.inputs import InputError
 from ..runtime.ops import verify_attention_op
+from ..runtime.sinks import check_attn_sink
 
 # FlashMLA's tile-scheduler metadata rows hold 8 int32 fields each.
 _METADATA_FIELDS = 8
@@ -188,32 +189,6 @@ def _check_num_splits(num_splits: object, config: SchedConfig) -> None:
               f"[batch_size + 1]=[{config.b + 1}] (get_mla_metadata's for this batch), or None")
 
 
-def _check_attn_sink(attn_sink: object, q: torch.Tensor) -> None:
-    if not isinstance(attn_sink, torch.Tensor):
-        _fail("attn_sink", type(attn_sink).__name__, "None or a torch.Tensor [num_heads_q] float32")
-    if attn_sink.dtype != torch.float32:
-        _fail("attn_sink.dtype", attn_sink.dtype, "torch.float32")
-    if tuple(attn_sink.shape) != (q.shape[2],):
-        _fail("attn_sink.shape", tuple(attn_sink.shape), f"[num_heads_q]=[{q.shape[2]}]")
-    if attn_sink.device != q.device:
-        _fail("attn_sink.device", attn_sink.device, f"{q.device}, where q is")
-
-
-def apply_attn_sink_(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
-    """Scales out [B, S, H, Dv] in place by FlashMLA's attention-sink factor and returns it.
-
-    Row (b, i, h) is multiplied by exp(lse) / (exp(lse) + exp(attn_sink[h])), with lse =
-    lse[b, h, i] (natural log, -inf for a row that sees no key: mlagen's convention) and
-    attn_sink [H]; computed as sigmoid(lse - attn_sink[h]), which neither overflows nor
-    underflows to NaN. A sink of +inf gives 0, -inf leaves the row as it is, and a row that sees
-    no key gives 0 whatever its sink. The factor is in lse's dtype; the product is rounded once to
-    out's. Torch ops only, no host reads: CUDA-graph safe.
-    """
-    factor = torch.sigmoid(lse - attn_sink[:, None])          # [B, H, S]
-    factor = factor.masked_fill(lse == -math.inf, 0.0)       # an empty row (and sink -inf: -inf + inf = NaN)
-    return out.mul_(factor.transpose(1, 2).unsqueeze(-1))
-
-
 def flash_mla_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -258,7 +233,7 @@ def flash_mla_with_kvcache(
             prefix and query tokens 0..i.
         is_fp8_kvcache: fp8 KV caches raise NotImplementedError.
         attn_sink: None or [H_q] fp32 on q's device: each output row (b, i, h) is scaled by
-            exp(lse) / (exp(lse) + exp(attn_sink[h])) (`apply_attn_sink_`); +inf gives 0,
+            exp(lse) / (exp(lse) + exp(attn_sink[h])) (`mlagen.runtime.sinks`); +inf gives 0,
             -inf changes nothing; lse is returned unscaled.
         indices, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length:
             FlashMLA's sparse attention; any of them not None raises NotImplementedError.
@@ -298,7 +273,7 @@ def flash_mla_with_kvcache(
     if isinstance(softmax_scale, bool):
         _fail("softmax_scale", softmax_scale, "a float or None (a bool here is causal passed one position early)")
     if attn_sink is not None:
-        _check_attn_sink(attn_sink, q)
+        check_attn_sink(attn_sink, heads_q, q.device)
     _check_metadata(tile_scheduler_metadata, num_splits,
                     SchedConfig(int(q.shape[0]), int(q.shape[1]), int(heads_q), int(k_cache.shape[1]), int(heads_k),
                                 bool(causal)))
@@ -306,14 +281,13 @@ def flash_mla_with_kvcache(
     kwargs = dict(softmax_scale=scale, causal=causal, return_lse=True, head_dim_v=head_dim_v,
                   max_seqlen_k=max_seqlen_k)
     if heads_k == 1:
-        out, lse = verify_attention_op(q, k_cache, block_table, cache_seqlens, **kwargs)
+        out, lse = verify_attention_op(q, k_cache, block_table, cache_seqlens, attn_sink=attn_sink, **kwargs)
     else:
         group = heads_q // heads_k
         parts = [verify_attention_op(q[:, :, g * group:(g + 1) * group], k_cache[:, :, g], block_table,
-                                     cache_seqlens, **kwargs) for g in range(heads_k)]
+                                     cache_seqlens, attn_sink=attn_sink[g * group:(g + 1) * group]
+                                     if attn_sink is not None else None, **kwargs) for g in range(heads_k)]
         out = torch.cat([o for o, _ in parts], dim=2)
         lse = torch.cat([s for _, s in parts], dim=1)
-    if attn_sink is not None:
-        apply_attn_sink_(out, lse, attn_sink)
     # mlagen marks an empty row with lse = -inf; FlashMLA with +inf.
     return out, lse.masked_fill(lse == -math.inf, math.inf)

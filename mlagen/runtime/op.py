@@ -32,7 +32,7 @@ from ..dispatch.policy import (
 from ..dsl.arch import arch_for_capability, runs_on
 from ..dsl.spec import Problem, Variant
 from ..plan.params import tail
-from . import inputs, tensormap, workspace
+from . import inputs, sinks, tensormap, workspace
 from .launch import KernelLaunch, Loaded, kernel_launch, launch, load
 
 LOG2E = 1.4426950408889634
@@ -218,6 +218,7 @@ def verify_attention(
     check_values: bool | None = None,
     out: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
+    attn_sink: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA verify attention over a paged latent KV cache.
 
@@ -243,11 +244,23 @@ def verify_attention(
             (rounded up: at most 19% more, at least 64) instead of for the block table's
             capacity, which serving engines size for the longest context. A request longer than
             the bound still runs correctly, on a plan made for fewer keys.
+        attn_sink: optional [H] fp32 attention sinks on q's device: row (b, i, h) of out is
+            scaled by exp(lse) / (exp(lse) + exp(attn_sink[h])) (`mlagen.runtime.sinks`); lse
+            is unchanged. Runs the lse variant of the kernel, then one elementwise pass over out.
 
     Returns:
         out [B, S, H, Dl] in q's dtype, and lse if return_lse. A row that sees no key gives
         out = 0 and lse = -inf.
     """
+    if attn_sink is not None:
+        if q.dim() == 4:          # a q of another shape fails the op's own checks, which name it
+            sinks.check_attn_sink(attn_sink, q.shape[2], q.device)
+        result = verify_attention(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale,
+                                  causal=causal, tree_mask=tree_mask, return_lse=True, variant=variant,
+                                  head_dim_v=head_dim_v, check_values=check_values, out=out,
+                                  max_seqlen_k=max_seqlen_k)
+        sinks.apply_attn_sink_(result[0], result[1].transpose(1, 2), attn_sink)
+        return result if return_lse else result[0]
     bound = inputs.key_bound(max_seqlen_k) if max_seqlen_k is not None else None
     key, call = _lookup(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale, causal,
                         return_lse, variant, bound)
