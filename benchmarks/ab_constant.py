@@ -1,20 +1,22 @@
-"""A/B of one of mlagen.plan.validate's or mlagen.dispatch.policy's int constants in one process: each value's
-launches of the dispatcher's pick timed in turn, round after round, on the bench's inputs (CUDA
-graph replay, rotated past the L2).
+"""A/B of one of mlagen.plan.validate's int constants or of the dispatch policy's int thresholds in one
+process: each value's launches of the dispatcher's pick timed in turn, round after round, on the
+bench's inputs (CUDA graph replay, rotated past the L2).
 
     python3 benchmarks/ab_constant.py ROUNDS NAME=V1,V2,... 'H,B,S,prefix' ...
     python3 benchmarks/ab_constant.py 5 MERGE_TARGET_BLOCKS=128,144 8,16,9,16384 8,16,9,8192
 
 NAME is a module-level int of mlagen/plan/validate.py that the rendered kernels or the launch read
-(MERGE_TARGET_BLOCKS, SEGMENT_TILES, ...), or of mlagen/dispatch/policy.py when written policy.NAME
-(policy.PDL_TILES_PER_SM). Each value renders and compiles its own kernels, and the
-dispatcher's memos are cleared between values. Prints each value's µs per round and its best.
+(MERGE_TARGET_BLOCKS, SEGMENT_TILES, ...), or, written policy.H200.NAME, an int threshold of the
+dispatch policy (a field of `mlagen.dispatch.policy.DispatchPolicy`, e.g.
+policy.H200.pdl_tiles_per_sm): `policy.H200`'s, which every device's policy (`policy.policy_for`)
+takes. Each value renders and compiles its own kernels, and the dispatcher's memos are cleared
+between values. Prints each value's µs per round and its best.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from types import ModuleType
 
 import torch
 from ab_trees import parse_cells, print_times, row_cells, use_templates
@@ -26,24 +28,36 @@ from mlagen.tools import launcher
 from mlagen.tools.timing import measure
 from mlagen.tools.workload import mlagen_call
 
+# The device's own figures, which every device's policy replaces: not thresholds to A/B.
+DEVICE_FIELDS = ("sm_count", "smem_per_block")
 
-def constant(name: str) -> tuple[ModuleType, str]:
-    """(the module, the attribute) that NAME or policy.NAME names; exits where it is no int."""
-    owner, attr = (policy, name.removeprefix("policy.")) if name.startswith("policy.") else (validate, name)
+
+def constant(name: str) -> tuple[object, str]:
+    """(the owner, the attribute) that NAME (mlagen.plan.validate's) or policy.H200.NAME (a field of
+    `policy.H200`) names; exits where it is no int threshold."""
+    if name.startswith("policy."):
+        owner, attr = policy.H200, name.removeprefix("policy.H200.")
+        if attr not in {f.name for f in dataclasses.fields(owner)} - set(DEVICE_FIELDS):
+            raise SystemExit(f"{name}: expected policy.H200.NAME, NAME an int threshold of policy.DispatchPolicy")
+    else:
+        owner, attr = validate, name
     value = getattr(owner, attr, None)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise SystemExit(f"{owner.__name__}.{attr} is not an int constant")
+        raise SystemExit(f"{name} is not an int constant")
     return owner, attr
 
 
 def set_constant(name: str, value: int) -> None:
-    """mlagen.plan.validate.`name` (or mlagen.dispatch.policy's, as policy.NAME) = value, and the copies
-    modules imported, every memo dropped."""
+    """mlagen.plan.validate.`name` = value, and the copies modules imported; or, as policy.H200.NAME,
+    `policy.H200` with that field = value (every device's policy follows it); every memo dropped."""
     owner, name = constant(name)
-    old = getattr(owner, name)
-    for module in (validate, policy, launcher):
-        if module is owner or getattr(module, name, None) == old:
-            setattr(module, name, value)
+    if owner is policy.H200:
+        policy.H200 = dataclasses.replace(policy.H200, **{name: value})
+    else:
+        old = getattr(owner, name)
+        for module in (validate, policy, launcher):
+            if module is owner or getattr(module, name, None) == old:
+                setattr(module, name, value)
     for fn in vars(policy).values():
         if hasattr(fn, "cache_clear"):
             fn.cache_clear()

@@ -17,7 +17,7 @@ from bench_cli import parser, require_gpu, variant_name
 
 import mlagen
 from mlagen.dsl.spec import Problem, parse_variant
-from mlagen.runtime.op import device_info, device_name, pick_variant
+from mlagen.runtime.op import device_info, device_name, device_policy, pick_variant
 from mlagen.tools.testing import make_case
 
 
@@ -40,7 +40,7 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
     torch.cuda.synchronize()
     capacity = case.block_table.shape[1] * 64
     ran = pick_variant(Problem(heads=heads, page_size=64), seqlen_q, batch, capacity, capacity,
-                       device_info(0)[0], device_name(0), v)
+                       device_info(0)[0], device_name(0), v, policy=device_policy(0))
     print(f"{calls} calls of {ran.name} on H={heads} B={batch} S={seqlen_q} prefix={prefix}")
 
 

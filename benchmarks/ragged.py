@@ -18,8 +18,9 @@ import sys
 import torch
 from bench_cli import parser, require_gpu, variant_name
 
+from mlagen.dispatch.policy import DispatchPolicy
 from mlagen.dsl.spec import Problem, Variant, parse_variant
-from mlagen.runtime.op import device_info, device_name, pick_variant
+from mlagen.runtime.op import device_info, device_name, device_policy, pick_variant
 from mlagen.tools.grids import Row
 from mlagen.tools.timing import l2_bytes, measure, rotation_count
 from mlagen.tools.workload import DL, DR, InputSet, Workload, mlagen_call, problem_for
@@ -56,10 +57,11 @@ def ragged_workload(heads: int, batch: int, seqlen_q: int, min_keys: int, max_ke
 
 
 def compared(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str, gpu: str,
-             names: list[str]) -> tuple[Variant, list[Variant]]:
-    """(the dispatcher's pick, the variants timed after it): `names`, or the pick's tile with the
-    adaptive and with the balanced split (none for a family without those splits)."""
-    picked = pick_variant(problem, seqlen_q, batch, kv_capacity, kv_capacity, arch, gpu, None)
+             dispatch: DispatchPolicy, names: list[str]) -> tuple[Variant, list[Variant]]:
+    """(the dispatcher's pick on the device of `dispatch`, the variants timed after it): `names`, or
+    the pick's tile with the adaptive and with the balanced split (none for a family without those
+    splits)."""
+    picked = pick_variant(problem, seqlen_q, batch, kv_capacity, kv_capacity, arch, gpu, None, policy=dispatch)
     if names:
         return picked, [parse_variant(name) for name in names]
     if picked.family != "mma":
@@ -82,7 +84,7 @@ def main(heads: int, batch: int, seqlen_q: int, min_keys: int, max_keys: int, va
           f"(median {sorted(lengths)[batch // 2]}), block table for {work.kv_capacity}; {len(work.sets)} input sets")
     first = work.sets[0]
     picked, others = compared(work.problem, seqlen_q, batch, work.kv_capacity, device_info(0)[0], device_name(0),
-                              variants)
+                              device_policy(0), variants)
     mlagen_call(work, None)(first)
     reference = first.out.float().clone()
     for variant in (None, *others):

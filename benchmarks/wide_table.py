@@ -19,9 +19,10 @@ import sys
 import torch
 from bench_cli import parser, require_gpu
 
+from mlagen.dispatch.policy import DispatchPolicy
 from mlagen.dsl.spec import Problem, Variant
 from mlagen.runtime.inputs import key_bound
-from mlagen.runtime.op import device_info, device_name, pick_variant
+from mlagen.runtime.op import device_info, device_name, device_policy, pick_variant
 from mlagen.tools.grids import Row
 from mlagen.tools.timing import l2_bytes, measure
 from mlagen.tools.workload import Workload, make_workload, mlagen_call
@@ -40,16 +41,18 @@ def widened(work: Workload, table_keys: int) -> Workload:
     return dataclasses.replace(work, sets=sets)
 
 
-def plans(problem: Problem, row: Row, narrow_keys: int, wide_keys: int, arch: str,
-          gpu: str) -> list[tuple[str, int, int | None, Variant]]:
-    """(label, table capacity, max_seqlen_k or None, the variant the runtime picks) of each run."""
+def plans(problem: Problem, row: Row, narrow_keys: int, wide_keys: int, arch: str, gpu: str,
+          dispatch: DispatchPolicy) -> list[tuple[str, int, int | None, Variant]]:
+    """(label, table capacity, max_seqlen_k or None, the variant the runtime picks on the device of
+    `dispatch`) of each run."""
     runs = [("narrow table", narrow_keys, None), ("wide table", wide_keys, None),
             (f"wide table, max_seqlen_k={row.keys}", wide_keys, row.keys)]
     out = []
     for label, capacity, bound in runs:
         planned = capacity if bound is None else min(capacity, key_bound(bound))
         out.append((label, capacity, bound,
-                    pick_variant(problem, row.seqlen_q, row.batch, planned, capacity, arch, gpu, None)))
+                    pick_variant(problem, row.seqlen_q, row.batch, planned, capacity, arch, gpu, None,
+                                 policy=dispatch)))
     return out
 
 
@@ -70,7 +73,7 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, table_keys: int) ->
     mlagen_call(narrow, None)(first)
     reference = first.out.float().clone()
     for label, capacity, bound, picked in plans(narrow.problem, row, narrow.kv_capacity, wide.kv_capacity,
-                                                device_info(0)[0], device_name(0)):
+                                                device_info(0)[0], device_name(0), device_policy(0)):
         work = narrow if capacity == narrow.kv_capacity else wide
         call = mlagen_call(work, None, bound)
         call(work.sets[0])

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from mlagen.codegen.precompile import code_identity, precompile
+from mlagen.dispatch import policy
 from mlagen.dsl.spec import Problem, Variant, naive, parse_variant
 from mlagen.plan.validate import validate
 from mlagen.tools.bench import DISPATCH, EAGER, BenchResult, Cell, RowResult, invalid_cells, row_variants
@@ -215,7 +216,7 @@ def test_row_variants_takes_valid_named_variants():
     named = [parse_variant(PVM), parse_variant("flash_ht8_qt8_bn32_w8_st2_spa_sm90")]
     for heads, timed in ((64, {PVM, named[1].name}), (8, {named[1].name})):
         problem = Problem(heads=heads)
-        found = row_variants(problem, Row(heads, 1, 9, 256), 64, "sm_90a", "NVIDIA H200", named)
+        found = row_variants(problem, Row(heads, 1, 9, 256), 64, "sm_90a", "NVIDIA H200", policy.H200, named)
         assert {n for n in found if n not in ("naive", "flash", "mma", DISPATCH)} == timed
         assert set(invalid_cells(problem, named)) == {v.name for v in named} - timed
         assert all(found[v.name] == v for v in named if v.name in timed)

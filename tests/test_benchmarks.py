@@ -39,6 +39,7 @@ import mlagen  # noqa: E402
 from mlagen.codegen import render as render_module  # noqa: E402
 from mlagen.codegen.compiler import compile_source  # noqa: E402
 from mlagen.codegen.render import render  # noqa: E402
+from mlagen.dispatch import policy  # noqa: E402
 from mlagen.dsl.spec import Problem, Variant, parse_variant  # noqa: E402
 from mlagen.plan.validate import validate  # noqa: E402
 from mlagen.runtime import launch, op  # noqa: E402
@@ -47,7 +48,7 @@ from mlagen.tools import sass  # noqa: E402
 from mlagen.tools.grids import Row  # noqa: E402
 from mlagen.tools.workload import InputSet, Workload, problem_for  # noqa: E402
 
-H200 = ("sm_90", "NVIDIA H200")
+H200 = ("sm_90", "NVIDIA H200", policy.H200)     # arch, name, dispatch policy
 SEESAW = "mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a"
 TRANSPOSED = "mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a"
 EXCHANGE = "mma_ht64_qt1_bn64_w8_st1_sp8_cl_px_sm90a"
@@ -255,7 +256,7 @@ def test_wide_table_plans_each_run_as_the_runtime_does():
     assert [(c, b) for _, c, b, _ in plans] == [(320, None), (131072, None), (131072, row.keys)]
     for _, capacity, bound, variant in plans:
         planned = capacity if bound is None else min(capacity, key_bound(bound))
-        assert variant == op.pick_variant(problem, 9, 1, planned, capacity, *H200, None)
+        assert variant == op.pick_variant(problem, 9, 1, planned, capacity, *H200[:2], None, policy=policy.H200)
         validate(problem, variant)
     assert wide_table.parse_args([]).table_keys == 131072
 
@@ -405,14 +406,18 @@ def test_ab_constant_sets_and_restores_a_constant(templates_restored):
     finally:
         ab_constant.set_constant("MERGE_TARGET_BLOCKS", old)
     assert validate_module.MERGE_TARGET_BLOCKS == old and plan.merge_blocks(16, 9) == before
-    tiles = ab_constant.policy.PDL_TILES_PER_SM
+    dispatch = ab_constant.policy
+    tiles = dispatch.H200.pdl_tiles_per_sm
     try:
-        ab_constant.set_constant("policy.PDL_TILES_PER_SM", tiles + 1)
-        assert ab_constant.policy.PDL_TILES_PER_SM == tiles + 1
+        ab_constant.set_constant("policy.H200.pdl_tiles_per_sm", tiles + 1)
+        assert dispatch.H200.pdl_tiles_per_sm == tiles + 1
+        assert dispatch.policy_for("sm_90", 78).pdl_tiles == (tiles + 1) * 78      # every device's policy follows
     finally:
-        ab_constant.set_constant("policy.PDL_TILES_PER_SM", tiles)
+        ab_constant.set_constant("policy.H200.pdl_tiles_per_sm", tiles)
+    assert dispatch.H200.pdl_tiles_per_sm == tiles
     assert ab_constant.parse_setting("MERGE_TARGET_BLOCKS=128,144") == ("MERGE_TARGET_BLOCKS", [128, 144])
-    for bad in ("NO_SUCH_CONSTANT=1", "MERGE_TARGET_BLOCKS=a,b", "policy.reset=1"):
+    for bad in ("NO_SUCH_CONSTANT=1", "MERGE_TARGET_BLOCKS=a,b", "policy.reset=1", "policy.H200.sm_count=1",
+                "policy.H200.merge_tiles=1"):
         with pytest.raises(SystemExit):
             ab_constant.parse_setting(bad)
     assert ab_constant.parse_args(["3", "SEGMENT_TILES=2,3", "8,16,9,16384"]) == (

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlagen.dispatch import policy, tables
+from mlagen.dispatch.policy import H200, policy_for
 from mlagen.dispatch.presets import PRESETS
 from mlagen.dsl.arch import CI_ARCHS
 from mlagen.dsl.spec import FAMILIES, Problem, Variant, naive, parse_variant
@@ -71,7 +72,7 @@ def test_bad_table_is_refused_and_ignored_by_dispatch(tmp_path, text, user_table
     tables.user_table_path(GPU, "sm_90").write_text(text)
     policy.reset()
     p = Problem()
-    assert policy.choose_variant(p, 9, 1, 4160, "sm_90", GPU) == policy.heuristic_variant(p, 9, "sm_90")
+    assert policy.choose_variant(p, 9, 1, 4160, "sm_90", GPU) == policy.heuristic_variant(p, 9, "sm_90", H200)
 
 
 def test_gpu_slug_and_default_path():
@@ -93,7 +94,7 @@ def test_without_table_dispatch_is_the_untuned_pick():
     p = Problem(heads=64)
     for s in (1, 9, 33, 64):
         for cap in (1024, 8192):
-            untuned = policy.untuned_variant(p, s, 1, cap, "sm_90")
+            untuned = policy.untuned_variant(p, s, 1, cap, "sm_90", H200)
             assert policy.choose_variant(p, s, 1, cap, "sm_90", GPU) == untuned
 
 
@@ -103,19 +104,19 @@ def test_untuned_short_one_wave_launches_run_the_p_exchange_on_sm90a():
     (H200: 0.58-0.97x the split's time on seven such shapes); not past either
     bound, and not on other archs."""
     p = Problem(heads=64)
-    base = policy.heuristic_variant(p, 9, "sm_90")
-    px = policy.untuned_variant(p, 9, 1, 320, "sm_90")
+    base = policy.heuristic_variant(p, 9, "sm_90", H200)
+    px = policy.untuned_variant(p, 9, 1, 320, "sm_90", H200)
     assert px == base.with_(kv_split=5, cluster=True, p_exchange=True, stages=1, part16=False)
     assert policy.choose_variant(p, 9, 2, 320, "sm_90", "Other GPU") == px         # a batch keeps it
-    assert policy.untuned_variant(p, 9, 1, 100, "sm_90").kv_split == 2
-    assert policy.untuned_variant(p, 9, 1, 512, "sm_90").kv_split == 8            # 6-8 tiles: 8 (6, 7 do not fit)
-    assert not policy.untuned_variant(p, 9, 2, 512, "sm_90").p_exchange            # 2 x 9 x 8 = 144 blocks
-    assert not policy.untuned_variant(p, 9, 1, 513, "sm_90").p_exchange            # 9 tiles
-    assert not policy.untuned_variant(p, 9, 3, 320, "sm_90").p_exchange            # 3 x 9 x 5 = 135 blocks
-    assert policy.untuned_variant(p.with_(heads=16), 4, 26, 320, "sm_90").p_exchange   # 130 blocks
-    assert not policy.untuned_variant(p.with_(heads=16), 4, 27, 320, "sm_90").p_exchange
+    assert policy.untuned_variant(p, 9, 1, 100, "sm_90", H200).kv_split == 2
+    assert policy.untuned_variant(p, 9, 1, 512, "sm_90", H200).kv_split == 8            # 6-8 tiles: 8 (6, 7 do not fit)
+    assert not policy.untuned_variant(p, 9, 2, 512, "sm_90", H200).p_exchange            # 2 x 9 x 8 = 144 blocks
+    assert not policy.untuned_variant(p, 9, 1, 513, "sm_90", H200).p_exchange            # 9 tiles
+    assert not policy.untuned_variant(p, 9, 3, 320, "sm_90", H200).p_exchange            # 3 x 9 x 5 = 135 blocks
+    assert policy.untuned_variant(p.with_(heads=16), 4, 26, 320, "sm_90", H200).p_exchange   # 130 blocks
+    assert not policy.untuned_variant(p.with_(heads=16), 4, 27, 320, "sm_90", H200).p_exchange
     for arch in ("sm_80", "sm_89", "sm_120"):
-        assert not policy.untuned_variant(p, 9, 1, 320, arch).p_exchange
+        assert not policy.untuned_variant(p, 9, 1, 320, arch, H200).p_exchange
 
 
 def test_short_launches_go_as_programmatic_dependents_in_graphs():
@@ -125,7 +126,7 @@ def test_short_launches_go_as_programmatic_dependents_in_graphs():
     seesaw = parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a")  # 9 at S=9, 33 at S=33
 
     def dependent(v: Variant, h: int, s: int, b: int, keys: int) -> bool:
-        return policy.dependent_in_graphs(v, h, s, b, keys, 132)
+        return policy.dependent_in_graphs(v, h, s, b, keys, H200)
 
     assert dependent(parse_variant(EXCHANGE), 64, 9, 1, 320)
     assert dependent(split, 64, 9, 1, 1024) and dependent(split, 64, 9, 1, 4096)
@@ -137,7 +138,7 @@ def test_short_launches_go_as_programmatic_dependents_in_graphs():
     assert not dependent(seesaw, 64, 1, 128, 4096)             # 8192: 62
     assert not dependent(parse_variant("mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_sm90a"), 16, 4, 64, 4096)  # 31
     assert not dependent(seesaw, 64, 9, 8, 4096)               # 4608: 35
-    assert policy.dependent_in_graphs(seesaw, 64, 9, 1, 16384, 264)   # a larger device takes more
+    assert policy.dependent_in_graphs(seesaw, 64, 9, 1, 16384, policy_for("sm_90", 264))   # a larger device takes more
 
 
 def test_untuned_long_launches_run_the_seesaw_on_sm90a():
@@ -145,25 +146,25 @@ def test_untuned_long_launches_run_the_seesaw_on_sm90a():
     SEESAW_TILES_PER_SM KV tiles of work per SM on; shorter launches, other archs and page sizes
     TMA cannot box keep the heuristic's tile as it is."""
     p = Problem(heads=64)
-    base = policy.heuristic_variant(p, 9, "sm_90")
+    base = policy.heuristic_variant(p, 9, "sm_90", H200)
     assert base.arch == "sm_90a" and (base.head_tile, base.q_tile) == (64, 1) and not base.seesaw
     groups = 9                                             # ht64 qt1 at S=9
-    edge = -(-policy.SEESAW_TILES_PER_SM * policy.HOPPER_SMS // groups) * base.block_n   # keys
-    assert policy.untuned_variant(p, 9, 1, edge - base.block_n, "sm_90") == base
-    long = policy.untuned_variant(p, 9, 1, edge, "sm_90")
+    edge = -(-H200.seesaw_tiles // groups) * base.block_n   # keys
+    assert policy.untuned_variant(p, 9, 1, edge - base.block_n, "sm_90", H200) == base
+    long = policy.untuned_variant(p, 9, 1, edge, "sm_90", H200)
     assert long == base.with_(tma=True, seesaw=True, kv_split="balanced")   # one wave, one request too
     validate(p, long)
-    assert policy.num_splits(long, 64, 1, 9, 131136, 132) == 132 // groups
+    assert policy.num_splits(long, 64, 1, 9, 131136, H200) == 132 // groups
     # the same work as a batch: by requests x tiles
-    assert policy.untuned_variant(p, 9, 8, 4160, "sm_90") == long
+    assert policy.untuned_variant(p, 9, 8, 4160, "sm_90", H200) == long
     assert policy.choose_variant(p, 9, 8, 4160, "sm_90", "Other GPU") == long
-    assert policy.untuned_variant(p, 9, 1, 4160, "sm_90") == base           # the 4096-key row: short
+    assert policy.untuned_variant(p, 9, 1, 4160, "sm_90", H200) == base           # the 4096-key row: short
     # no TMA box for pages of 16 keys: no seesaw
     small_pages = p.with_(page_size=16)
-    assert not policy.untuned_variant(small_pages, 9, 1, 65600, "sm_90").seesaw
+    assert not policy.untuned_variant(small_pages, 9, 1, 65600, "sm_90", H200).seesaw
     # other archs: the heuristic as it is
     for arch in ("sm_80", "sm_89", "sm_120"):
-        assert policy.untuned_variant(p, 9, 1, 65600, arch) == policy.heuristic_variant(p, 9, arch)
+        assert policy.untuned_variant(p, 9, 1, 65600, arch, H200) == policy.heuristic_variant(p, 9, arch, H200)
 
 
 @pytest.mark.parametrize("heads,seqlen_q", [(8, 9), (16, 2), (8, 4), (16, 1), (8, 6)])
@@ -172,29 +173,29 @@ def test_untuned_long_launches_take_the_transposed_tile_where_rows_fit_one(heads
     SEESAW_TILES_PER_SM KV tiles of work per SM (counted over that single row group), on devices
     that run sm_90a only; the tuner times that tile whatever the work."""
     p = Problem(heads=heads)
-    edge = policy.SEESAW_TILES_PER_SM * policy.HOPPER_SMS * 64        # keys of one request
-    tile = policy.transposed_tile(p, seqlen_q, "sm_90")
+    edge = H200.seesaw_tiles * 64        # keys of one request
+    tile = policy.transposed_tile(p, seqlen_q, "sm_90", H200)
     assert tile == Variant(family="mma", head_tile=heads, q_tile=seqlen_q, kv_split="balanced", block_n=64,
                            warps=8, stages=2, arch="sm_90a", part16=True, transposed=True)
     validate(p, tile)
-    assert policy.untuned_variant(p, seqlen_q, 1, edge, "sm_90") == tile
-    assert policy.untuned_variant(p, seqlen_q, 16, edge // 16, "sm_90a") == tile
-    assert not policy.untuned_variant(p, seqlen_q, 1, edge - 64, "sm_90").transposed
-    assert policy.untuned_variant(p, seqlen_q, 16, 4160, "sm_90") != tile        # H=8 S=9 at 4096 keys: short
+    assert policy.untuned_variant(p, seqlen_q, 1, edge, "sm_90", H200) == tile
+    assert policy.untuned_variant(p, seqlen_q, 16, edge // 16, "sm_90a", H200) == tile
+    assert not policy.untuned_variant(p, seqlen_q, 1, edge - 64, "sm_90", H200).transposed
+    assert policy.untuned_variant(p, seqlen_q, 16, 4160, "sm_90", H200) != tile        # H=8 S=9 at 4096 keys: short
     for arch in ("sm_80", "sm_89", "sm_120"):
-        assert not policy.untuned_variant(p, seqlen_q, 1, edge, arch).transposed
-        assert policy.transposed_tile(p, seqlen_q, arch) is None
-    assert tile in candidates(p, seqlen_q, 1, 4160, "sm_90", 24)
+        assert not policy.untuned_variant(p, seqlen_q, 1, edge, arch, H200).transposed
+        assert policy.transposed_tile(p, seqlen_q, arch, H200) is None
+    assert tile in candidates(p, seqlen_q, 1, 4160, "sm_90", 24, H200)
     assert tile.with_(tma=True) in twin_variants(p, [tile])          # the tuner times its TMA loads too
     assert tile.with_(tma=True) not in twin_variants(Problem(heads=heads, page_size=16), [tile])
-    assert not any(v.transposed for v in candidates(p, seqlen_q, 1, 4160, "sm_80", 24))
+    assert not any(v.transposed for v in candidates(p, seqlen_q, 1, 4160, "sm_80", 24, H200))
 
 
 @pytest.mark.parametrize("heads,seqlen_q", [(64, 1), (8, 8), (16, 9), (64, 9), (1, 9), (2, 4), (8, 1)])
 def test_rows_that_fill_64_row_groups_or_miss_the_range_take_no_transposed_tile(heads, seqlen_q):
     p = Problem(heads=heads)
-    assert policy.transposed_tile(p, seqlen_q, "sm_90") is None
-    assert not policy.untuned_variant(p, seqlen_q, 64, 65600, "sm_90").transposed
+    assert policy.transposed_tile(p, seqlen_q, "sm_90", H200) is None
+    assert not policy.untuned_variant(p, seqlen_q, 64, 65600, "sm_90", H200).transposed
 
 
 def test_dispatch_reads_the_table_then_neighbours_then_causal():
@@ -205,16 +206,17 @@ def test_dispatch_reads_the_table_then_neighbours_then_causal():
     assert policy.choose_variant(p, 9, 1, 4160, "sm_90", GPU).name == tuned
     assert policy.choose_variant(p, 9, 1, 8256, "sm_90", GPU).name == tuned            # one KV step longer
     assert policy.choose_variant(p.with_(mask="tree"), 9, 1, 4160, "sm_90", GPU).name == tuned
-    assert policy.choose_variant(p, 9, 1, 65600, "sm_90", GPU) == policy.untuned_variant(p, 9, 1, 65600, "sm_90")
+    assert policy.choose_variant(p, 9, 1, 65600, "sm_90", GPU) == policy.untuned_variant(p, 9, 1, 65600, "sm_90", H200)
     assert policy.choose_variant(p, 9, 64, 4160, "sm_90", GPU) == policy.balanced_for_batch(
-        p, policy.untuned_variant(p, 9, 64, 4160, "sm_90"), 64)
-    assert policy.choose_variant(p, 9, 1, 4160, "sm_90", "Other GPU") == policy.heuristic_variant(p, 9, "sm_90")
-    assert policy.family_variant(p, 9, 1, 4160, "sm_90", GPU, "naive").name == "naive_w8_sm90"
-    assert policy.family_variant(p, 9, 1, 4160, "sm_90", GPU, "flash") == policy.flash_heuristic(p, 9, "sm_90")
+        p, policy.untuned_variant(p, 9, 64, 4160, "sm_90", H200), 64, H200)
+    assert policy.choose_variant(p, 9, 1, 4160, "sm_90", "Other GPU") == policy.heuristic_variant(p, 9, "sm_90", H200)
+    assert policy.family_variant(p, 9, 1, 4160, "sm_90", GPU, "naive", H200).name == "naive_w8_sm90"
+    flash = policy.family_variant(p, 9, 1, 4160, "sm_90", GPU, "flash", H200)
+    assert flash == policy.flash_heuristic(p, 9, "sm_90", H200)
     # no table for another GPU: the mma column is the untuned pick, the seesaw on a long launch
-    assert policy.family_variant(p, 9, 1, 65600, "sm_90", "Other GPU", "mma").seesaw
-    sm80 = policy.family_variant(p, 9, 1, 4160, "sm_80", "Other GPU", "mma")
-    assert sm80 == policy.heuristic_variant(p, 9, "sm_80")
+    assert policy.family_variant(p, 9, 1, 65600, "sm_90", "Other GPU", "mma", H200).seesaw
+    sm80 = policy.family_variant(p, 9, 1, 4160, "sm_80", "Other GPU", "mma", H200)
+    assert sm80 == policy.heuristic_variant(p, 9, "sm_80", H200)
 
 
 @pytest.mark.parametrize("name", ["flash_ht3_qt9_bn32_w8_st2_spa_sm90",     # 3 does not divide 64
@@ -223,7 +225,7 @@ def test_dispatch_reads_the_table_then_neighbours_then_causal():
 def test_a_table_entry_that_does_not_fit_is_passed_over(name):
     p = Problem(heads=64)
     _save({tables.bucket_key(p, 9, 1, 4160): {"variant": name, "us": 1.0}})
-    assert policy.choose_variant(p, 9, 1, 4160, "sm_90", GPU) == policy.heuristic_variant(p, 9, "sm_90")
+    assert policy.choose_variant(p, 9, 1, 4160, "sm_90", GPU) == policy.heuristic_variant(p, 9, "sm_90", H200)
 
 
 @pytest.mark.parametrize("arch", CI_ARCHS)
@@ -239,10 +241,10 @@ def test_dispatched_variant_always_validates(arch):
 
 def test_num_splits_bounds():
     v = Variant(family="flash", head_tile=8, q_tile=9, arch="sm_90")
-    assert policy.num_splits(v, 64, 1, 9, 64, 132) == 1                 # too short to split
-    assert 1 < policy.num_splits(v, 64, 1, 9, 65600, 132) <= policy.MAX_SPLITS
-    assert policy.num_splits(v.with_(kv_split=5), 64, 1, 9, 64, 132) == 5
-    assert policy.num_splits(naive(), 64, 1, 9, 65600, 132) == 1
+    assert policy.num_splits(v, 64, 1, 9, 64, H200) == 1                 # too short to split
+    assert 1 < policy.num_splits(v, 64, 1, 9, 65600, H200) <= H200.max_splits
+    assert policy.num_splits(v.with_(kv_split=5), 64, 1, 9, 64, H200) == 5
+    assert policy.num_splits(naive(), 64, 1, 9, 65600, H200) == 1
 
 
 def test_num_splits_counts_the_seesaws_tiles_in_pairs():
@@ -254,10 +256,10 @@ def test_num_splits_counts_the_seesaws_tiles_in_pairs():
     seesaw = parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a")
     transposed = parse_variant("mma_ht8_qt9_bn64_w8_st2_spa_p16_tr_sm90a")
     assert policy.split_unit(seesaw) == policy.split_unit(transposed) == 2 and policy.split_unit(lockstep) == 1
-    assert [policy.num_splits(seesaw, 64, 1, 9, cap, 132) for cap in (4160, 4224)] == [11, 11]
-    assert [policy.num_splits(lockstep, 64, 1, 9, cap, 132) for cap in (4160, 4224)] == [13, 14]
+    assert [policy.num_splits(seesaw, 64, 1, 9, cap, H200) for cap in (4160, 4224)] == [11, 11]
+    assert [policy.num_splits(lockstep, 64, 1, 9, cap, H200) for cap in (4160, 4224)] == [13, 14]
     # S=33, 17 tiles over 33 row groups (at most 4 splits a wave): 3 splits of three pairs
-    assert policy.num_splits(seesaw, 64, 1, 33, 1088, 132) == 3
+    assert policy.num_splits(seesaw, 64, 1, 33, 1088, H200) == 3
 
 
 def test_space_candidates_validate_and_are_bounded():
@@ -265,10 +267,10 @@ def test_space_candidates_validate_and_are_bounded():
     for fam in FAMILIES:
         for v in structures(p, 33, "sm_90", fam, limit=12):
             validate(p, v)
-    cands = candidates(p, 9, 1, 4160, "sm_90", 10)
+    cands = candidates(p, 9, 1, 4160, "sm_90", 10, H200)
     assert len(cands) <= 10 and len(set(cands)) == len(cands)
-    assert cands[0] == policy.heuristic_variant(p, 9, "sm_90")
-    assert candidates(p, 9, 1, 65600, "sm_90", 10)[0] == policy.untuned_variant(p, 9, 1, 65600, "sm_90")
+    assert cands[0] == policy.heuristic_variant(p, 9, "sm_90", H200)
+    assert candidates(p, 9, 1, 65600, "sm_90", 10, H200)[0] == policy.untuned_variant(p, 9, 1, 65600, "sm_90", H200)
     assert any(v.family == "naive" for v in cands)
 
 
@@ -322,7 +324,7 @@ def test_tune_times_the_tables_previous_pick_second():
     the untuned pick, once; a name that does not parse, validate for the problem or run on the
     device's arch is left out, and the row is tuned without one."""
     problem = problem_for(Row(heads=64, batch=1, seqlen_q=9, prefix=1024), 64, "causal", "bf16")
-    cands = candidates(problem, 9, 1, 1088, "sm_90", 8)
+    cands = candidates(problem, 9, 1, 1088, "sm_90", 8, H200)
     old = parse_variant("mma_ht32_qt2_bn64_w8_st1_sp4_p16_sm90a")
     assert old not in cands
     got, incumbent = tune.with_incumbent(problem, "sm_90", cands, old.name)
@@ -355,8 +357,8 @@ def test_tune_times_knob_twins_of_the_fastest_last(monkeypatch):
         trial.samples.append(trial.us)
 
     monkeypatch.setattr(tune, "_time", fake_time)
-    cands = candidates(problem, 9, 1, 1088, "sm_90", 8)
-    result = tune._tune_one(work, cands, {}, tune.TuneConfig(), sm_count=132, advance=lambda more=0: None)
+    cands = candidates(problem, 9, 1, 1088, "sm_90", 8, H200)
+    result = tune._tune_one(work, cands, {}, tune.TuneConfig(), dispatch=H200, advance=lambda more=0: None)
     config = tune.TuneConfig()
     retimed = timed[-config.retime_top * config.retimes:]   # the last stage: the fastest 3, in turns
     assert retimed == retimed[:config.retime_top] * config.retimes
@@ -383,7 +385,7 @@ def test_tune_times_twins_of_the_fastest_structures_not_of_one_structures_splits
     row = Row(heads=64, batch=1, seqlen_q=9, prefix=1024)
     problem = problem_for(row, 64, "causal", "bf16")
     work = SimpleNamespace(row=row, problem=problem, kv_capacity=1088)
-    cands = candidates(problem, 9, 1, 1088, "sm_90", 20)
+    cands = candidates(problem, 9, 1, 1088, "sm_90", 20, H200)
     pick = cands[0]
     one_stage = pick.with_(stages=1, part16=False)
     assert pick.part16 and one_stage in cands
@@ -399,7 +401,7 @@ def test_tune_times_twins_of_the_fastest_structures_not_of_one_structures_splits
         trial.samples.append(trial.us)
 
     monkeypatch.setattr(tune, "_time", fake_time)
-    result = tune._tune_one(work, cands, {}, tune.TuneConfig(), sm_count=132, advance=lambda more=0: None)
+    result = tune._tune_one(work, cands, {}, tune.TuneConfig(), dispatch=H200, advance=lambda more=0: None)
     assert result.best.variant == one_stage.with_(part16=True)
 
 
@@ -424,8 +426,8 @@ def test_tune_ranks_the_fastest_by_the_median_of_their_timings(monkeypatch):
         trial.us = sorted(trial.samples)[len(trial.samples) // 2]
 
     monkeypatch.setattr(tune, "_time", fake_time)
-    result = tune._tune_one(work, [lucky] + candidates(problem, 9, 8, 4160, "sm_90", 6), {}, tune.TuneConfig(),
-                            sm_count=132, advance=lambda more=0: None)
+    result = tune._tune_one(work, [lucky] + candidates(problem, 9, 8, 4160, "sm_90", 6, H200), {}, tune.TuneConfig(),
+                            dispatch=H200, advance=lambda more=0: None)
     assert seen[lucky] == 3 and result.best.variant != lucky and result.best.us == 100.0
 
 
@@ -451,7 +453,8 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
                 kv_split="balanced", arch="sm_90a" if paired else "sm_90", tma=kernel == "seesaw",
                 seesaw=kernel == "seesaw", transposed=kernel == "transposed")
     parts = policy.balanced_parts(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count)
-    assert policy.num_splits(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count) == parts
+    device = policy_for("sm_90", sm_count)
+    assert policy.num_splits(v, heads, batch, seqlen_q, capacity_tiles * block_n, device) == parts
     plan = validate(Problem(heads=heads), v)
     groups = -(-seqlen_q // v.q_tile) * (heads // v.head_tile)
     assert parts * groups <= max(sm_count, groups)       # one wave, unless one group per SM is already more
@@ -525,10 +528,10 @@ def test_balanced_split_layout_of_uniform_and_ragged_batches(tiles, ranges, alig
 
 def test_batches_take_the_balanced_split_of_the_chosen_tile():
     p = Problem(heads=64)
-    base = policy.heuristic_variant(p, 9, "sm_90")
+    base = policy.heuristic_variant(p, 9, "sm_90", H200)
     assert base.family == "mma" and base.kv_split == "adaptive"
     for batch, cap in ((2, 4160), (32, 16384), (64, 8256)):
-        untuned = policy.untuned_variant(p, 9, batch, cap, "sm_90")
+        untuned = policy.untuned_variant(p, 9, batch, cap, "sm_90", H200)
         assert policy.choose_variant(p, 9, batch, cap, "sm_90", "Other GPU") == untuned.with_(kv_split="balanced")
     assert policy.choose_variant(p, 9, 1, 4160, "sm_90", "Other GPU") == base       # one request
     # a tuned tile keeps its shape; its split becomes balanced for a batch
@@ -538,24 +541,24 @@ def test_batches_take_the_balanced_split_of_the_chosen_tile():
     assert chosen == parse_variant(tuned).with_(kv_split="balanced")
     # a cluster split is sized by the capacity as well: a batch gets the balanced one instead
     clustered = parse_variant("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a")
-    assert policy.balanced_for_batch(p, clustered, 8) == parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_sm90a")
-    assert policy.balanced_for_batch(p, clustered, 1) == clustered
+    assert policy.balanced_for_batch(p, clustered, 8, H200) == parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_sm90a")
+    assert policy.balanced_for_batch(p, clustered, 1, H200) == clustered
     # the flash family has no balanced split: unchanged
-    flash = policy.flash_heuristic(p, 9, "sm_90")
-    assert policy.balanced_for_batch(p, flash, 8) == flash
+    flash = policy.flash_heuristic(p, 9, "sm_90", H200)
+    assert policy.balanced_for_batch(p, flash, 8, H200) == flash
 
 
 def test_tuner_times_a_batch_as_the_dispatcher_runs_it():
     from mlagen.tools.tune import as_dispatched
 
     p = Problem(heads=64)
-    cands = candidates(p, 9, 1, 4160, "sm_90", 24)
-    one = as_dispatched(p, 1, cands)
+    cands = candidates(p, 9, 1, 4160, "sm_90", 24, H200)
+    one = as_dispatched(p, 1, cands, H200)
     assert one == cands                                          # one request: as listed
-    many = as_dispatched(p, 8, cands)
+    many = as_dispatched(p, 8, cands, H200)
     assert all(v.kv_split == "balanced" for v in many if v.family == "mma")
     assert [v for v in many if v.family != "mma"] == [v for v in cands if v.family != "mma"]
-    assert len(many) == len(set(many)) and many[0] == policy.balanced_for_batch(p, cands[0], 8)
+    assert len(many) == len(set(many)) and many[0] == policy.balanced_for_batch(p, cands[0], 8, H200)
 
 
 EXCHANGE = "mma_ht64_qt1_bn64_w8_st1_sp5_cl_px_sm90a"
@@ -586,7 +589,7 @@ def test_a_p_exchange_entry_is_passed_over_where_the_table_holds_more_keys():
     assert policy.choose_variant(p, 9, 1, 320, "sm_90", GPU).name == EXCHANGE
     for capacity in (352, 640):
         assert policy.choose_variant(p, 9, 1, capacity, "sm_90", GPU) == policy.untuned_variant(
-            p, 9, 1, capacity, "sm_90")
+            p, 9, 1, capacity, "sm_90", H200)
 
 
 def test_a_p_exchange_entry_a_length_shorter_hands_over_to_the_p_exchange_for_these_keys():
@@ -603,7 +606,7 @@ def test_a_p_exchange_entry_a_length_shorter_hands_over_to_the_p_exchange_for_th
     assert eight.name == EXCHANGE.replace("_sp5_", "_sp8_")
     assert policy.choose_variant(p, 9, 1, 1024, "sm_90", GPU).name == split
     # B=2: 2 requests x 9 row groups x 8 blocks = 144 blocks, past one wave of 132 SMs
-    batched = policy.balanced_for_batch(p, parse_variant(split), 2)
+    batched = policy.balanced_for_batch(p, parse_variant(split), 2, H200)
     assert policy.choose_variant(p, 9, 2, 512, "sm_90", GPU) == batched
 
 
@@ -615,15 +618,16 @@ def test_a_call_picks_a_variant_that_runs_every_key_the_block_table_holds():
 
     p = Problem(heads=64)
     _save({tables.bucket_key(p, 9, 1, 320): {"variant": EXCHANGE, "us": 9.4}})
-    assert pick_variant(p, 9, 1, 320, 320, "sm_90", GPU, None).name == EXCHANGE
-    assert pick_variant(p, 9, 1, 320, 4096, "sm_90", GPU, None) == policy.choose_variant(p, 9, 1, 4096, "sm_90", GPU)
+    assert pick_variant(p, 9, 1, 320, 320, "sm_90", GPU, None, policy=H200).name == EXCHANGE
+    whole_table = policy.choose_variant(p, 9, 1, 4096, "sm_90", GPU, policy=H200)
+    assert pick_variant(p, 9, 1, 320, 4096, "sm_90", GPU, None, policy=H200) == whole_table
     named = parse_variant(EXCHANGE)
-    assert pick_variant(p, 9, 1, 4096, 320, "sm_90", GPU, named) == named
+    assert pick_variant(p, 9, 1, 4096, 320, "sm_90", GPU, named, policy=H200) == named
     with pytest.raises(InputError, match=r"variant: got .*_px_sm90a', a P exchange over 5 tiles of 64 keys, expected "
                                          r"a block_table that addresses at most 320 keys \(it addresses 4096\)"):
-        pick_variant(p, 9, 1, 320, 4096, "sm_90", GPU, named)
+        pick_variant(p, 9, 1, 320, 4096, "sm_90", GPU, named, policy=H200)
     with pytest.raises(InputError, match="variant.arch"):
-        pick_variant(p, 9, 1, 320, 320, "sm_80", GPU, named)
+        pick_variant(p, 9, 1, 320, 320, "sm_80", GPU, named, policy=H200)
 
 
 def test_a_balanced_split_whose_work_list_cannot_count_the_table_gives_way_or_is_refused():
@@ -639,10 +643,10 @@ def test_a_balanced_split_whose_work_list_cannot_count_the_table_gives_way_or_is
     assert policy.balanced_list_fits(spb, 2, edge) and not policy.balanced_list_fits(spb, 2, edge + 1)
     chosen = policy.choose_variant(p, 9, 2, 4096, "sm_90", GPU)
     assert chosen.kv_split == "balanced"
-    assert pick_variant(p, 9, 2, 4096, edge, "sm_90", GPU, None) == chosen
-    assert pick_variant(p, 9, 2, 4096, edge + 1, "sm_90", GPU, None) == chosen.with_(kv_split="adaptive")
-    assert pick_variant(p, 9, 2, 4096, edge, "sm_90", GPU, spb) == spb
+    assert pick_variant(p, 9, 2, 4096, edge, "sm_90", GPU, None, policy=H200) == chosen
+    assert pick_variant(p, 9, 2, 4096, edge + 1, "sm_90", GPU, None, policy=H200) == chosen.with_(kv_split="adaptive")
+    assert pick_variant(p, 9, 2, 4096, edge, "sm_90", GPU, spb, policy=H200) == spb
     with pytest.raises(InputError, match=r"variant: got 'mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a', a "
                                          r"balanced split, .* for each of 2 requests \(expected a fixed or adaptive "
                                          r"split, e\.g\. 'mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a'\)"):
-        pick_variant(p, 9, 2, 4096, edge + 1, "sm_90", GPU, spb)
+        pick_variant(p, 9, 2, 4096, edge + 1, "sm_90", GPU, spb, policy=H200)

@@ -34,7 +34,7 @@ def test_presets_cover_short_and_long_contexts():
     """Each preset's Hopper kernels are the dispatcher's untuned picks for a short and a long
     context: the lockstep wgmma tile and its seesaw twin with TMA loads and the balanced split;
     other archs have no seesaw (it is sm_90a only)."""
-    from mlagen.dispatch.policy import untuned_variant
+    from mlagen.dispatch.policy import H200, untuned_variant
     from mlagen.dispatch.presets import EMIT_KEYS
 
     for preset in PRESETS.values():
@@ -42,7 +42,7 @@ def test_presets_cover_short_and_long_contexts():
         seesaw = [v for v in hopper if v.seesaw]
         assert len(seesaw) == 1 and seesaw[0].tma and seesaw[0].kv_split == "balanced"
         assert seesaw[0].with_(tma=False, seesaw=False, kv_split="adaptive") in hopper
-        assert all(untuned_variant(preset.problem, s, 1, k, "sm_90") in hopper
+        assert all(untuned_variant(preset.problem, s, 1, k, "sm_90", H200) in hopper
                    for s in preset.seqlens_q for k in EMIT_KEYS)
         assert not any(v.seesaw for v in preset.variants("sm_120"))
 

@@ -9,6 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from cli import app
+from mlagen.dispatch.policy import H200
 from mlagen.dsl.spec import DTYPES, MASKS, parse_variant
 from mlagen.plan.validate import is_valid
 from mlagen.tools.fuzz import FuzzSpace, Shape, check, draw, draw_variant, fuzz
@@ -271,7 +272,7 @@ def test_kernels_are_queued_for_compiling_ahead_of_their_shapes(monkeypatch):
 
     pool = _RecordingPool()
     monkeypatch.setattr(fuzz_module._CompileAhead, "start",
-                        classmethod(lambda cls, workers, device: cls(pool, workers, "sm_90", "NVIDIA H200")))
+                        classmethod(lambda cls, workers, device: cls(pool, workers, "sm_90", "NVIDIA H200", H200)))
     named = parse_variant("mma_ht16_qt4_bn64_w8_st2_spa_sm90")          # fits the 16-head shapes only
     queued_at = []
 
@@ -284,7 +285,7 @@ def test_kernels_are_queued_for_compiling_ahead_of_their_shapes(monkeypatch):
     assert report.count("fail") == 0 and pool.closed
     per_shape = []
     for s in (draw(i, SMALL) for i in range(12)):
-        kernels = [fuzz_module.dispatched_variant(s, "sm_90", "NVIDIA H200"), named, draw_variant(s, "sm_90")]
+        kernels = [fuzz_module.dispatched_variant(s, "sm_90", "NVIDIA H200", H200), named, draw_variant(s, "sm_90")]
         per_shape.append([code_identity(s.problem, v) for v in kernels if v is not named or s.heads == 16])
     assert pool.jobs == list(dict.fromkeys(k for ks in per_shape for k in ks))   # each distinct code once, in order
     # When seed 0 runs, the kernels of the first 8 shapes (4 per worker) are queued already.

@@ -160,16 +160,17 @@ def flash_mla_kernels():
     shape) into the disk cache in parallel processes, before the first of those tests: about 90
     kernels, a minute and a half one after another."""
     from mlagen.codegen.precompile import precompile
-    from mlagen.runtime.op import device_info, device_name, pick_variant
+    from mlagen.runtime.op import device_info, device_name, device_policy, pick_variant
 
     index = torch.cuda.current_device()
-    arch, gpu = device_info(index)[0], device_name(index)
+    arch, gpu, dispatch = device_info(index)[0], device_name(index), device_policy(index)
     jobs = set()
     for p in [*FLASH_MLA_GRID, *FLASH_MLA_ZERO_LENGTH, *FLASH_MLA_SINKS, _GRAPH_CASE]:
         _, width = flash_mla_shape(p)
         problem = mlagen.Problem(heads=p.h_q // p.h_kv, dl=512, dr=64, dtype="bf16", page_size=64,
                                  mask="causal" if p.causal else "none", lse=True)
-        jobs.add((problem, pick_variant(problem, p.s_q, p.b, width * 64, width * 64, arch, gpu, None)))
+        jobs.add((problem, pick_variant(problem, p.s_q, p.b, width * 64, width * 64, arch, gpu, None,
+                                        policy=dispatch)))
     precompile(sorted(jobs, key=str))
 
 

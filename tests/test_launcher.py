@@ -12,7 +12,7 @@ import pytest
 
 from mlagen.codegen.render import render
 from mlagen.dispatch import policy
-from mlagen.dispatch.policy import dependent_in_graphs, num_splits
+from mlagen.dispatch.policy import dependent_in_graphs, num_splits, policy_for
 from mlagen.dsl.arch import nvcc_arch_flags
 from mlagen.dsl.spec import Problem, Variant, naive
 from mlagen.plan.params import FIELDS
@@ -122,11 +122,12 @@ def test_host_helpers_match_python(tmp_path):
     k = 0
     for p in PLANS:
         for B, S, pages, sms, occ in SHAPES:
-            n = num_splits(p.variant, p.problem.heads, B, S, pages * p.problem.page_size, sms, occ)
+            device = policy_for(p.variant.arch, sms)          # the C++ header takes the SM count at run time
+            n = num_splits(p.variant, p.problem.heads, B, S, pages * p.problem.page_size, device, occ)
             ws = p.partial_rows(B, S, n) * (p.problem.dl * (2 if p.variant.part16 else 4) + 2 * 4)
             counters = 4 * p.row_groups(B, S) if p.split_launch(n) else 0
             programmatic = p.arch.capability >= 90 and dependent_in_graphs(
-                p.variant, p.problem.heads, S, B, pages * p.problem.page_size, sms)
+                p.variant, p.problem.heads, S, B, pages * p.problem.page_size, device)
             want = [n, *p.grid(B, S, n), ws, counters, int(programmatic)]
             assert [int(x) for x in got[k].split()] == want, (p.variant.name, B, S, pages, sms, occ)
             k += 1

@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("dsl", ("dsl", "dsl.arch", "dsl.errors", "dsl.spec")),
     ("plan", ("plan", "plan.mma_plan", "plan.params", "plan.space", "plan.validate")),
     ("codegen", ("codegen", "codegen.build", "codegen.compiler", "codegen.precompile", "codegen.render")),
-    ("dispatch", ("dispatch", "dispatch.heuristic", "dispatch.policy", "dispatch.presets", "dispatch.tables")),
+    ("dispatch", ("dispatch", "dispatch.policy", "dispatch.presets", "dispatch.tables")),
     ("runtime", ("runtime", "runtime.inputs", "runtime.launch", "runtime.merge", "runtime.op", "runtime.ops",
                  "runtime.reference", "runtime.sinks", "runtime.tensormap", "runtime.varlen", "runtime.workspace",
                  "compat", "compat.flash_mla")),

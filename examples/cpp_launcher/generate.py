@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from mlagen.dispatch.policy import heuristic_variant
+from mlagen.dispatch.policy import H200, heuristic_variant
 from mlagen.dsl.spec import Problem, Variant
 from mlagen.plan.validate import validate
 from mlagen.tools.emit import emit_one
@@ -38,7 +38,7 @@ def generate(arch: str, out: Path, part16: bool = False, tma: bool = False, sees
         variant = Variant(family="mma", head_tile=8, q_tile=8, block_n=64, warps=8, stages=2, arch=arch,
                           part16=part16, tma=True, seesaw=seesaw)
     else:
-        variant = heuristic_variant(problem, SEQLEN_Q, arch).with_(part16=part16)
+        variant = heuristic_variant(problem, SEQLEN_Q, arch, H200).with_(part16=part16)
     plan = validate(problem, variant)
     emitted = emit_one(problem, plan.variant, out)
     emit_launcher(plan, out)

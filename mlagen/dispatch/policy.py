@@ -1,4 +1,10 @@
-"""Choosing a variant and a split for a shape, without touching the device.
+"""Choosing a variant and a split for a shape on a device, without touching the device.
+
+Every figure the choice compares a shape against is a field of one frozen dataclass,
+`DispatchPolicy`, built for a device by `policy_for(arch, sm_count, smem_per_block)`: the
+thresholds of work per SM count over the device's SMs, and every pick fits the device's shared
+memory per block. `H200` is the policy of the device the figures were measured on (132 SMs),
+the default of every caller without a device.
 
 `choose_variant` answers, in this order:
 1. The tuned table for this GPU and arch (`mlagen.dispatch.tables`: shipped defaults under the user's
@@ -6,62 +12,170 @@
    mask, S, log2 batch, log2 KV capacity); else the same bucket tuned with a causal mask (a mask
    changes only which scores are dropped, not the tiling that wins); else the bucket one KV
    length step (a factor of two) shorter or longer. An entry whose variant does not validate
-   for this problem (another problem's tables, a family that changed) is passed over.
+   for this problem (another problem's tables, a family that changed) or does not fit the
+   device's shared memory is passed over.
 2. The heuristic: the tensor-core (mma) family wherever one of its variants fits the arch, else
    the scalar flash family; put as many query rows (positions x heads) in a block as the
    family's register budget holds, so each KV tile is loaded for as many rows as possible
-   (`heuristic.heuristic_mma`, `flash_heuristic`); on sm_90a, a launch with many KV tiles of
+   (`heuristic_mma`, `flash_heuristic`); on sm_90a, a launch with many KV tiles of
    work per SM runs that tile on the seesaw schedule with TMA loads, and a short one that fits
    one wave as a P exchange (`untuned_variant`, `exchange_tile`); then
    split the key range by a small cost model of waves, tiles per block and the merge
    (`num_splits`).
 Then, whichever answered, a batch (B >= 2) on the mma family runs the chosen tile with the
-balanced split, whose ranges follow the real lengths on the device (`balanced_for_batch`).
+balanced split, whose ranges follow the real lengths on the device (`balanced_for_batch`); and
+the block table has its say: a P exchange whose cluster cannot hold the keys the table
+addresses gives way to the choice for the whole table, and a balanced split whose work list
+cannot count the table's tiles runs its tile with the adaptive split.
 Answers are memoized per shape: a call costs one cache lookup, no file I/O.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from dataclasses import dataclass
 
-from ..dsl.arch import runs_on
+from ..dsl.arch import get_arch, runs_on, specializations
 from ..dsl.errors import SpecError
 from ..dsl.spec import Problem, Variant, naive, parse_variant
 from ..plan.mma_plan import TRANSPOSED_ROWS
 from ..plan.space import exchange_variants
-from ..plan.validate import SEGMENT_TILES, is_valid, split_unit, validate
+from ..plan.validate import MAX_CLUSTER, SEGMENT_TILES, split_unit, validate
 from . import tables
-from .heuristic import heuristic_mma
 
-MAX_FLASH_ROWS = 64        # 8 warps x 8 rows: the scalar kernel's accumulator budget
-# The split-count model's costs, in KV-tile times of one block (~4 us on an H200 for the mma
-# family): the merge blocks' wait and start, and per query row and split the partial's 4 KB
-# written and read back (~3 TB/s).
-MERGE_TILES = 0.75
-SPLIT_TILES_PER_ROW = 3.4e-4
-MAX_SPLITS = 128
-# Without a table entry, an sm_90a tile runs the seesaw schedule (with TMA tile loads) from this
-# many KV tiles of work (row groups x requests x tiles) per SM of a 132-SM Hopper. Tuned over the
-# bench grid on the H200, the seesaw wins every row from 16 tiles per SM on but one (H=16 B=64 S=4
-# at 31, where the lockstep kernel with TMA wins and the seesaw runs 3% behind it), and on those
-# rows the heuristic's lockstep tile takes 1.2 to 1.55x the best time. At 4-5 tiles per SM the
-# tune, which charged TMA calls a descriptor copy, had the seesaw lose (H=64 S=9 at 4096 keys:
-# 26.4 against 22.7 µs); timed without that copy it wins there (20.4 against 22.0), so this
-# threshold may be conservative; the table covers those rows (docs/performance.md, "Dispatch
-# thresholds").
-SEESAW_TILES_PER_SM = 12
-HOPPER_SMS = 132
-# Captured into a CUDA graph, an sm_90+ launch of at most this many KV tiles of work per SM goes
-# as a programmatic dependent (`dependent_in_graphs`). H200, graph replay, same machine, every
-# launch a dependent (MLAGEN_PDL=1) against plain: 0.6-0.9 µs less from 1 to 18 tiles per SM
-# (S=9 at 1024 to 16384 keys, S=33 at 256 to 4096), no change at 31-35 (H=16 B=64 S=4, H=8 B=16
-# S=9, H=64 B=8 S=9 at 4096 keys), 0.7-6.6% more from 62 on (65536 keys and up, H=64 B=64 S=2,
-# H=64 B=128 S=1, H=128 B=32 S=4).
-PDL_TILES_PER_SM = 24
 # The balanced split's work list counts positions in int32 on the device (templates/merge.cuh.j2):
 # every request's KV tiles and SEGMENT_TILES more, and per range (fewer than 2^16) a few more, so
-# its requests' tiles must leave that margin below 2^31 (`balanced_list_fits`).
+# its requests' tiles must leave that margin below 2^31 (`balanced_list_fits`). A limit of the
+# rendered kernel, the same on every device, not a threshold of the policy.
 BALANCED_LIST_POSITIONS = 2**31 - 2**20
+
+
+@dataclass(frozen=True)
+class DispatchPolicy:
+    """The figures the dispatcher compares a shape against, for one device.
+
+    `sm_count` and `smem_per_block` describe the device. Of the thresholds, those of work per
+    SM (`seesaw_tiles_per_sm`, `pdl_tiles_per_sm`) and in waves (`exchange_waves`) are compared
+    with work over the whole device, `sm_count` times the figure (`seesaw_tiles`, `pdl_tiles`,
+    `exchange_blocks`): they say how full the device is, and a device with fewer SMs fills at
+    less work. The others count rows, tiles or time per block, which an SM runs the same
+    whatever the count, and hold on every device. Each figure was measured on the H200
+    (132 SMs); `policy_for` builds a device's policy, `H200` is that device's."""
+
+    # The device.
+    sm_count: int            # SMs: one wave runs sm_count blocks of one block per SM
+    smem_per_block: int      # dynamic shared memory a block may opt into, bytes: every pick fits it
+
+    # --- Scale with the SM count: compared with work over the whole device.
+
+    # Without a table entry, an sm_90a tile runs the seesaw schedule (with TMA tile loads) from
+    # this many KV tiles of work (row groups x requests x tiles) per SM, and a request whose rows
+    # fit one transposed tile runs that tile from as many over its one row group. Tuned over the
+    # bench grid on the H200, the seesaw wins every row from 16 tiles per SM on but one (H=16
+    # B=64 S=4 at 31, where the lockstep kernel with TMA wins and the seesaw runs 3% behind it),
+    # and on those rows the heuristic's lockstep tile takes 1.2 to 1.55x the best time. At 4-5
+    # tiles per SM the tune, which charged TMA calls a descriptor copy, had the seesaw lose (H=64
+    # S=9 at 4096 keys: 26.4 against 22.7 µs); timed without that copy it wins there (20.4
+    # against 22.0), so this threshold may be conservative; the table covers those rows
+    # (docs/performance.md, "Dispatch thresholds"). The transposed tile, against the seesaw or
+    # lockstep tile: 0.79-0.88x from 4096 key tiles of work (31 per SM), 0.97x at 2048 (15.5),
+    # 1.12-1.27x at 1024 and fewer (7.8). Scales: a per-SM count (the seesaw pays off once each
+    # SM has enough tiles to run its two warpgroups' pairs back to back).
+    seesaw_tiles_per_sm: int = 12
+    # Captured into a CUDA graph, an sm_90+ launch of at most this many KV tiles of work per SM
+    # goes as a programmatic dependent (`dependent_in_graphs`). H200, graph replay, same machine,
+    # every launch a dependent (MLAGEN_PDL=1) against plain: 0.6-0.9 µs less from 1 to 18 tiles
+    # per SM (S=9 at 1024 to 16384 keys, S=33 at 256 to 4096), no change at 31-35 (H=16 B=64
+    # S=4, H=8 B=16 S=9, H=64 B=8 S=9 at 4096 keys), 0.7-6.6% more from 62 on (65536 keys and
+    # up, H=64 B=64 S=2, H=64 B=128 S=1, H=128 B=32 S=4); 40 instead of 24 gained nothing.
+    # Scales: a per-SM count (the gain is the launch and tail hidden behind the kernel before,
+    # which a launch long for its SMs no longer has).
+    pdl_tiles_per_sm: int = 24
+    # A short launch runs as a P exchange (`exchange_tile`) where its blocks, row groups x
+    # requests x cluster size, fit this many waves of one block per SM. H200, S=9 H=64 with 256
+    # keys (5 tiles, 45 blocks): 9.4 µs against the split's 10.6-10.8; 120 blocks: 0.97x the
+    # split; S=33 (165 blocks, two waves): 18.2 against 15.0. Scales: in waves of sm_count blocks.
+    exchange_waves: int = 1
+
+    # --- Do not scale: per block, per row or per tile, the same on every device.
+
+    # A P exchange gives every KV tile of the block table a block of one cluster, so it runs
+    # where the table holds at most this many tiles of 64 keys: the largest cluster every sm_90
+    # GPU schedules (`validate.MAX_CLUSTER`; 6 and 7 do not fit shared memory, so 8 takes 6-8
+    # tiles). Does not scale: a cluster's size, not the device's.
+    exchange_max_tiles: int = MAX_CLUSTER
+    # The mma heuristic's tile (`heuristic_mma`): a block's KV stream costs about as much as this
+    # many rows of mma work (per key, a block reads 1152 bytes and each row does 2*1088 flops).
+    # Does not scale: the cost of one block against its own rows.
+    row_cost_of_a_block: int = 24
+    # Rows (q_tile x head_tile) an mma block holds at most: 8 warps of 128 fp32 accumulators a
+    # thread (`arch.accumulator_budget`), and the height of a wgmma tile. Does not scale: a block's
+    # register budget.
+    max_mma_rows: int = 64
+    # sm_90a's wgmma scores run rows 1.25-1.45x faster than mma.sync on the H200 (H=64 S=9 at
+    # 65536 keys: 345 µs against 453); the heuristic weighs wgmma tiles' costs by this. Does not
+    # scale: the speed of one SM's tensor cores.
+    wgmma_cost: float = 0.75
+    # Rows the scalar flash block holds at most: 8 warps x 8 rows, its accumulator budget. Does
+    # not scale: a block's register budget.
+    max_flash_rows: int = 64
+    # A batch of at least this many requests runs an mma pick with the balanced split
+    # (`balanced_for_batch`). H200, ragged batches (log-uniform lengths up to the capacity, graph
+    # replay): 0.35x the adaptive split's time at H=64 B=64 S=2, 0.50x at H=8 B=16 S=9, 0.53x at
+    # H=16 B=64 S=4, 0.64x at H=128 B=32 S=4, 0.83x at H=64 B=32 S=9; uniform batches pay 1-11%.
+    # Does not scale: ragged lengths idle SMs on any device; one request has no raggedness.
+    balanced_batch: int = 2
+    # The split-count model's costs (`num_splits`), in KV-tile times of one block (~4 us on an
+    # H200 for the mma family): the merge blocks' wait and start, and per query row and split the
+    # partial's 4 KB written and read back (~3 TB/s). Do not scale: the model counts the waves
+    # over sm_count itself; these are costs of one block and one row.
+    merge_tiles: float = 0.75
+    split_tiles_per_row: float = 3.4e-4
+    # The adaptive split's largest count. Does not scale: the C++ launchers' `default_num_splits`
+    # renders it as a constant and takes the SM count at run time, and every split adds partials
+    # the merge reads; the model's waves already weigh the SMs.
+    max_splits: int = 128
+
+    @property
+    def seesaw_tiles(self) -> int:
+        """KV tiles of work from which an sm_90a tile runs the seesaw (or the transposed tile)."""
+        return self.seesaw_tiles_per_sm * self.sm_count
+
+    @property
+    def pdl_tiles(self) -> int:
+        """KV tiles of work up to which a launch goes as a programmatic dependent in graphs."""
+        return self.pdl_tiles_per_sm * self.sm_count
+
+    @property
+    def exchange_blocks(self) -> int:
+        """Blocks a P exchange's launch may have."""
+        return self.exchange_waves * self.sm_count
+
+    def fits(self, problem: Problem, variant: Variant) -> bool:
+        """Whether `variant` validates for `problem` and its block fits `smem_per_block`."""
+        try:
+            return validate(problem, variant).smem_bytes <= self.smem_per_block
+        except SpecError:
+            return False
+
+
+# The device every figure was measured on: NVIDIA H200, 132 SMs, 227 KB of shared memory per block.
+H200 = DispatchPolicy(sm_count=132, smem_per_block=227 * 1024)
+
+
+def policy_for(arch: str, sm_count: int, smem_per_block: int | None = None) -> DispatchPolicy:
+    """The dispatch policy of a device of target `arch` with `sm_count` SMs and `smem_per_block`
+    bytes of shared memory a block may opt into (default, and at most: the arch's): `H200`'s
+    thresholds, those of work per SM counted over `sm_count`. Raises ValueError for an unknown
+    arch, fewer than one SM or no shared memory."""
+    limit = get_arch(arch).smem_per_block
+    if sm_count < 1:
+        raise ValueError(f"sm_count: got {sm_count}, expected at least 1")
+    if smem_per_block is not None and smem_per_block < 1:
+        raise ValueError(f"smem_per_block: got {smem_per_block}, expected a positive byte count")
+    smem = limit if smem_per_block is None else min(smem_per_block, limit)
+    return dataclasses.replace(H200, sm_count=sm_count, smem_per_block=smem)
 
 
 def _row_groups(variant: Variant, heads: int, seqlen_q: int) -> int:
@@ -73,97 +187,154 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@functools.lru_cache(maxsize=4096)
-def heuristic_variant(problem: Problem, seqlen_q: int, arch: str) -> Variant:
-    """The heuristic's pick: the tensor-core family where a variant fits (heuristic.heuristic_mma
-    says how it tiles), else the scalar flash family."""
-    return heuristic_mma(problem, seqlen_q, arch) or flash_heuristic(problem, seqlen_q, arch)
+def _tile_shapes(heads: int, seqlen_q: int, policy: DispatchPolicy) -> list[tuple[int, int, int]]:
+    """(cost, q_tile, head_tile) of the tiles holding at most `max_mma_rows` rows, cheapest first:
+    padded rows plus `row_cost_of_a_block` per block (each block streams the KV once)."""
+    shapes = []
+    for head_tile in _divisors(heads):
+        for q_tile in range(1, min(seqlen_q, policy.max_mma_rows // head_tile) + 1):
+            blocks = -(-seqlen_q // q_tile) * (heads // head_tile)
+            padded = blocks * (-(-(q_tile * head_tile) // 16) * 16)
+            shapes.append((padded + policy.row_cost_of_a_block * blocks, -q_tile * head_tile, q_tile, head_tile))
+    return [(cost, q, h) for cost, _, q, h in sorted(shapes)]
+
+
+def _fitting(problem: Problem, q_tile: int, head_tile: int, arch: str, policy: DispatchPolicy) -> Variant | None:
+    """The widest KV tile and deepest pipeline that fit `arch` and the device's shared memory for
+    this tile shape, or None. On sm_90a the splits exchange 16-bit partial rows (`part16`: on the
+    H200 1.5-2.8 µs less on short split rows, batched rows within noise)."""
+    m_pad = -(-(q_tile * head_tile) // 16) * 16
+    for block_n, stages in ((64, 2), (32, 3), (32, 2), (64, 1), (32, 1)):
+        v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, kv_split="adaptive",
+                    block_n=block_n, warps=max(4, m_pad // 8), stages=stages, arch=arch,
+                    part16=arch == "sm_90a")
+        if policy.fits(problem, v):
+            return v
+    return None
+
+
+def heuristic_mma(problem: Problem, seqlen_q: int, arch: str, policy: DispatchPolicy,
+                  specialize: bool = True) -> Variant | None:
+    """The mma variant for `problem` at S=seqlen_q on a device of target `arch`, or None.
+
+    Per target the device runs (`arch`, and with `specialize` sm_90a on Hopper), the cheapest
+    tile shape (padded rows plus `DispatchPolicy.row_cost_of_a_block` per block) that some variant fits;
+    across targets, wgmma's measured speed-up (`DispatchPolicy.wgmma_cost`) weighs in.
+    """
+    best: tuple[float, Variant] | None = None
+    shapes = _tile_shapes(problem.heads, seqlen_q, policy)
+    for target in (arch, *(specializations(arch) if specialize else ())):
+        weight = policy.wgmma_cost if target == "sm_90a" else 1.0
+        for cost, q_tile, head_tile in shapes:
+            v = _fitting(problem, q_tile, head_tile, target, policy)
+            if v is not None:
+                if best is None or cost * weight < best[0]:
+                    best = (cost * weight, v)
+                break
+    return None if best is None else best[1]
 
 
 @functools.lru_cache(maxsize=4096)
-def flash_heuristic(problem: Problem, seqlen_q: int, arch: str) -> Variant:
-    """The flash variant for `problem` at S=seqlen_q on `arch`: the largest row tile that fits."""
+def heuristic_variant(problem: Problem, seqlen_q: int, arch: str, policy: DispatchPolicy) -> Variant:
+    """The heuristic's pick: the tensor-core family where a variant fits (`heuristic_mma` says
+    how it tiles), else the scalar flash family."""
+    return heuristic_mma(problem, seqlen_q, arch, policy) or flash_heuristic(problem, seqlen_q, arch, policy)
+
+
+@functools.lru_cache(maxsize=4096)
+def flash_heuristic(problem: Problem, seqlen_q: int, arch: str, policy: DispatchPolicy) -> Variant:
+    """The flash variant for `problem` at S=seqlen_q on `arch`: the largest row tile that fits
+    (at most `DispatchPolicy.max_flash_rows` rows and the device's shared memory)."""
     q_tiles = -(-seqlen_q // 8)
     q_tile = -(-seqlen_q // q_tiles)            # balanced tiles of at most 8 positions
     last_error: SpecError | None = None
     # More rows per block beat a deeper pipeline: rows are KV reuse.
     for head_tile in sorted(_divisors(problem.heads), reverse=True):
-        if q_tile * head_tile > MAX_FLASH_ROWS:
+        if q_tile * head_tile > policy.max_flash_rows:
             continue
         for stages in (2, 1):
             v = Variant(family="flash", head_tile=head_tile, q_tile=q_tile, kv_split="adaptive",
                         block_n=32, warps=8, stages=stages, arch=arch)
             try:
-                validate(problem, v)
-                return v
+                smem = validate(problem, v).smem_bytes
             except SpecError as e:
                 last_error = e
+                continue
+            if smem <= policy.smem_per_block:
+                return v
+            last_error = SpecError("variant", v.name, f"at most {policy.smem_per_block} bytes of shared memory "
+                                                      f"per block on this device, this variant needs {smem}")
     raise SpecError("problem", problem.name, f"a shape some flash variant can hold on {arch} "
                     f"(last refusal: {last_error})")
 
 
 @functools.lru_cache(maxsize=4096)
-def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str) -> Variant:
+def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
+                    policy: DispatchPolicy) -> Variant:
     """The pick for a shape no table covers: on a Hopper, a short launch that fits one wave as a
     P exchange (`exchange_tile`); else the heuristic's tile (`heuristic_variant`), on the
-    seesaw schedule with TMA loads when it is an sm_90a mma tile with SEESAW_TILES_PER_SM or more
-    KV tiles of work per SM (and the seesaw fits it: 64 rows, a page size TMA can box). Where a
-    request's rows fit one transposed tile (`transposed_tile`) that tile runs instead, from the
-    same work per SM.
+    seesaw schedule with TMA loads when it is an sm_90a mma tile with `DispatchPolicy.seesaw_tiles` or
+    more KV tiles of work (`seesaw_tiles_per_sm` per SM; and the seesaw fits it: 64 rows, a
+    page size TMA can box). Where a request's rows fit one transposed tile (`transposed_tile`)
+    that tile runs instead, from the same work.
 
     Such a launch takes the balanced split, a single request too: one range per SM, so one wave.
     For a single request the adaptive split's model goes to two or three waves from ~2000 tiles
     per row group (29 splits at 131072 keys, H=64 S=9). On the H200 that runs 12-13% slower than
     one wave (280 against 250 µs; 283 against 250 at H=128 with 65536 keys). At one wave the two
     splits tie (65536 keys, H=64: 142.3 against 144.4 µs)."""
-    exchange = exchange_tile(problem, seqlen_q, batch, kv_capacity, arch)
+    exchange = exchange_tile(problem, seqlen_q, batch, kv_capacity, arch, policy)
     if exchange is not None:
         return exchange
-    v = heuristic_variant(problem, seqlen_q, arch)
-    transposed = transposed_tile(problem, seqlen_q, arch)
-    if transposed is not None and batch * -(-kv_capacity // transposed.block_n) >= SEESAW_TILES_PER_SM * HOPPER_SMS:
+    v = heuristic_variant(problem, seqlen_q, arch, policy)
+    transposed = transposed_tile(problem, seqlen_q, arch, policy)
+    if transposed is not None and batch * -(-kv_capacity // transposed.block_n) >= policy.seesaw_tiles:
         return transposed
     if v.family != "mma" or v.arch != "sm_90a":
         return v
     tiles = -(-kv_capacity // v.block_n)
-    if _row_groups(v, problem.heads, seqlen_q) * batch * tiles < SEESAW_TILES_PER_SM * HOPPER_SMS:
+    if _row_groups(v, problem.heads, seqlen_q) * batch * tiles < policy.seesaw_tiles:
         return v
     seesaw = v.with_(tma=True, seesaw=True, kv_split="balanced")
-    return seesaw if is_valid(problem, seesaw) else v
+    return seesaw if policy.fits(problem, seesaw) else v
 
 
-def exchange_tile(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str) -> Variant | None:
+def exchange_tile(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
+                  policy: DispatchPolicy) -> Variant | None:
     """The heuristic's sm_90a tile as a P exchange (`Variant.p_exchange`: a cluster with one KV
-    tile a block, `space.exchange_variants`) where the block table holds at most 8 tiles and
-    the launch's blocks, row groups x requests x cluster size, fit one wave of a 132-SM Hopper;
-    None elsewhere. H200, S=9 H=64 with 256 keys (5 tiles, 45 blocks): 9.4 µs against the
-    split's 10.6-10.8; S=33 (165 blocks, two waves): 18.2 against 15.0."""
-    if not runs_on("sm_90a", arch):
+    tile a block, `space.exchange_variants`) where the block table holds at most
+    `DispatchPolicy.exchange_max_tiles` tiles of 64 keys and the launch's blocks, row groups x
+    requests x cluster size, fit `DispatchPolicy.exchange_blocks` (one wave of the device's SMs); None elsewhere.
+    H200, S=9 H=64 with 256 keys (5 tiles, 45 blocks): 9.4 µs against the split's 10.6-10.8;
+    S=33 (165 blocks, two waves): 18.2 against 15.0."""
+    if not runs_on("sm_90a", arch) or -(-kv_capacity // 64) > policy.exchange_max_tiles:
         return None
-    v = heuristic_variant(problem, seqlen_q, arch)
+    v = heuristic_variant(problem, seqlen_q, arch, policy)
     if v.arch != "sm_90a":
         return None
-    found = exchange_variants(problem, v, kv_capacity)
-    if not found or batch * _row_groups(found[0], problem.heads, seqlen_q) * int(found[0].kv_split) > HOPPER_SMS:
+    found = [w for w in exchange_variants(problem, v, kv_capacity) if policy.fits(problem, w)]
+    if not found or batch * _row_groups(found[0], problem.heads, seqlen_q) * int(found[0].kv_split) > \
+            policy.exchange_blocks:
         return None
     return found[0]
 
 
 def dependent_in_graphs(variant: Variant, heads: int, seqlen_q: int, batch: int, kv_capacity: int,
-                        sm_count: int) -> bool:
+                        policy: DispatchPolicy) -> bool:
     """Whether a launch of `variant` for this shape goes as a programmatic dependent of the
     kernel before it while its stream is captured into a CUDA graph: launches of at most
-    PDL_TILES_PER_SM KV tiles of work (row groups x requests x tiles) per SM, P exchanges
-    included. Its blocks are then scheduled while that kernel drains, which hides the launch
-    and tail of a short kernel; on long and batched launches it costs up to 7% on the H200."""
+    `DispatchPolicy.pdl_tiles` KV tiles of work (row groups x requests x tiles; `pdl_tiles_per_sm` per
+    SM of the device), P exchanges included. Its blocks are then scheduled while that kernel
+    drains, which hides the launch and tail of a short kernel; on long and batched launches it
+    costs up to 7% on the H200."""
     tiles = _row_groups(variant, heads, seqlen_q) * batch * -(-kv_capacity // variant.block_n)
-    return tiles <= PDL_TILES_PER_SM * sm_count
+    return tiles <= policy.pdl_tiles
 
 
-def transposed_tile(problem: Problem, seqlen_q: int, arch: str) -> Variant | None:
+def transposed_tile(problem: Problem, seqlen_q: int, arch: str, policy: DispatchPolicy) -> Variant | None:
     """The transposed tile that holds all H*S rows of a request in one row group (16 to 72 rows,
     other than 64), balanced split with 16-bit partial rows, for a device of target `arch` that
-    runs sm_90a; None where there is none.
+    runs sm_90a; None where there is none (or it does not fit the device's shared memory).
 
     Such rows take a padded 64-row group on the other tiles (H=16 S=2: half of it padding) or two
     (H=8 S=9: 72 rows), and each group streams the request's keys. H200, graph replay, against
@@ -180,7 +351,7 @@ def transposed_tile(problem: Problem, seqlen_q: int, arch: str) -> Variant | Non
         return None
     v = Variant(family="mma", head_tile=problem.heads, q_tile=seqlen_q, kv_split="balanced", block_n=64,
                 warps=8, stages=2, arch="sm_90a", part16=True, transposed=True)
-    return v if is_valid(problem, v) else None
+    return v if policy.fits(problem, v) else None
 
 
 def covers(variant: Variant, kv_capacity: int) -> bool:
@@ -199,7 +370,7 @@ def _tuned_keys(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int) -
 
 
 def tuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
-                  gpu: str, family: str | None = None) -> Variant | None:
+                  gpu: str, policy: DispatchPolicy, family: str | None = None) -> Variant | None:
     """The tuned table's pick (within `family` if given) for this shape, or None.
 
     A P exchange entry (`Variant.p_exchange`) whose cluster holds fewer keys than the block
@@ -222,30 +393,50 @@ def tuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
             if not runs_on(v.arch, arch):
                 continue
             if not covers(v, kv_capacity):
-                v = exchange_tile(problem, seqlen_q, batch, kv_capacity, arch)
+                v = exchange_tile(problem, seqlen_q, batch, kv_capacity, arch, policy)
                 if v is None or (family is not None and v.family != family):
                     continue
-            validate(problem, v)
-            return v
-        except (ValueError, SpecError):
+        except ValueError:              # SpecError is one
             continue
+        if policy.fits(problem, v):
+            return v
     return None
+
+
+def _table_or_heuristic(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str, gpu: str,
+                        policy: DispatchPolicy) -> Variant:
+    """The tuned pick, else the untuned one, with the balanced split for a batch."""
+    tuned = tuned_variant(problem, seqlen_q, batch, kv_capacity, arch, gpu, policy)
+    return balanced_for_batch(problem, tuned if tuned is not None
+                              else untuned_variant(problem, seqlen_q, batch, kv_capacity, arch, policy), batch, policy)
 
 
 @functools.lru_cache(maxsize=8192)
 def choose_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
-                   gpu: str = "") -> Variant:
-    """The variant `verify_attention(variant=None)` runs for this shape on a `gpu` of `arch`.
+                   gpu: str = "", *, policy: DispatchPolicy = H200, table_capacity: int | None = None) -> Variant:
+    """The variant `verify_attention(variant=None)` runs for this shape on a `gpu` of `arch`
+    whose figures (SM count, shared memory per block) `policy` holds (`policy_for`; default
+    `H200`, 132 SMs).
 
-    kv_capacity: keys the block table addresses (max_pages * page_size), a bound on lengths.
+    kv_capacity: keys the plan is made for, a bound on every request's length (max_seqlen_k's,
+    else the block table's). table_capacity: keys the block table addresses (max_pages *
+    page_size), which a request may hold past that bound; default kv_capacity. A choice that
+    cannot run that many (a P exchange whose cluster holds fewer tiles) gives way to the choice
+    for the whole table; a balanced split whose work list cannot count the table's tiles over
+    the batch (`balanced_list_fits`, past ~2^37 keys) runs its tile with the adaptive split.
     """
-    tuned = tuned_variant(problem, seqlen_q, batch, kv_capacity, arch, gpu)
-    return balanced_for_batch(problem, tuned if tuned is not None
-                              else untuned_variant(problem, seqlen_q, batch, kv_capacity, arch), batch)
+    table = kv_capacity if table_capacity is None else table_capacity
+    v = _table_or_heuristic(problem, seqlen_q, batch, kv_capacity, arch, gpu, policy)
+    if not covers(v, table):
+        v = _table_or_heuristic(problem, seqlen_q, batch, table, arch, gpu, policy)
+    if v.kv_split == "balanced" and not balanced_list_fits(v, batch, table):
+        v = v.with_(kv_split="adaptive")
+    return v
 
 
-def balanced_for_batch(problem: Problem, variant: Variant, batch: int) -> Variant:
-    """`variant` with the balanced split when it runs a batch (B >= 2) on the mma family.
+def balanced_for_batch(problem: Problem, variant: Variant, batch: int, policy: DispatchPolicy) -> Variant:
+    """`variant` with the balanced split when it runs a batch (`DispatchPolicy.balanced_batch`, 2, or more
+    requests) on the mma family, where that fits the device.
 
     The host knows the block table's capacity, not the lengths; a serving batch mixes short and
     long requests, and the adaptive or a fixed split, sized by the capacity, then leaves most SMs
@@ -256,10 +447,10 @@ def balanced_for_batch(problem: Problem, variant: Variant, batch: int) -> Varian
     adaptive split (H=64 B=128 S=1 at 4096 keys: 212 against 193 µs; docs/performance.md). The
     tuner times batches this way (`tune.as_dispatched`). Pass `variant=` to pin a split.
     """
-    if batch < 2 or variant.family != "mma" or variant.kv_split == "balanced":
+    if batch < policy.balanced_batch or variant.family != "mma" or variant.kv_split == "balanced":
         return variant
     balanced = variant.with_(kv_split="balanced", cluster=False)   # a cluster's split is capacity-sized too
-    return balanced if is_valid(problem, balanced) else variant
+    return balanced if policy.fits(problem, balanced) else variant
 
 
 def balanced_list_fits(variant: Variant, batch: int, kv_capacity: int) -> bool:
@@ -269,20 +460,20 @@ def balanced_list_fits(variant: Variant, batch: int, kv_capacity: int) -> bool:
 
 
 def family_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
-                   gpu: str, family: str) -> Variant | None:
+                   gpu: str, family: str, policy: DispatchPolicy) -> Variant | None:
     """The dispatcher's choice restricted to one family (the bench's per-family column): the
     tuned one, else the family's default; None when no variant of the family validates."""
-    tuned = tuned_variant(problem, seqlen_q, batch, kv_capacity, arch, gpu, family)
+    tuned = tuned_variant(problem, seqlen_q, batch, kv_capacity, arch, gpu, policy, family)
     if tuned is not None:
         return tuned
     if family == "naive":
         return naive(arch=arch)
     if family == "mma":      # the untuned pick (seesaw on long launches), where an mma tile fits
-        if heuristic_mma(problem, seqlen_q, arch) is None:
+        if heuristic_mma(problem, seqlen_q, arch, policy) is None:
             return None
-        return untuned_variant(problem, seqlen_q, batch, kv_capacity, arch)
+        return untuned_variant(problem, seqlen_q, batch, kv_capacity, arch, policy)
     try:
-        return flash_heuristic(problem, seqlen_q, arch)
+        return flash_heuristic(problem, seqlen_q, arch, policy)
     except SpecError:
         return None
 
@@ -295,12 +486,14 @@ def reset() -> None:
 
 @functools.lru_cache(maxsize=8192)
 def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capacity: int,
-               sm_count: int, blocks_per_sm: int = 1) -> int:
-    """Splits of the key range for one launch; `kv_capacity` bounds every request's length.
+               policy: DispatchPolicy, blocks_per_sm: int = 1) -> int:
+    """Splits of the key range for one launch on the device of `policy` (its `sm_count`);
+    `kv_capacity` bounds every request's length.
 
     Time is modelled in KV tiles per block: the waves the grid needs (sm_count * blocks_per_sm
     blocks run at once) times the tiles each block streams, plus the merge when there is more
-    than one split (about a tile, and partials that grow with the split count). A
+    than one split (about a tile, `DispatchPolicy.merge_tiles`, and partials that grow with the split
+    count, `DispatchPolicy.split_tiles_per_row`), at most `DispatchPolicy.max_splits` splits. A
     ragged last wave is paid in full, so e.g. 9 row blocks on 132 SMs take 29 splits (261
     blocks, two full waves) rather than 30 (270 blocks, three waves). A seesaw block runs its
     tiles in pairs, and the kernel hands a split its tiles in whole pairs, so its tiles are
@@ -311,19 +504,19 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
     if variant.family == "naive":
         return 1
     if variant.kv_split == "balanced":
-        return balanced_parts(variant, heads, batch, seqlen_q, kv_capacity, sm_count, blocks_per_sm)
+        return balanced_parts(variant, heads, batch, seqlen_q, kv_capacity, policy.sm_count, blocks_per_sm)
     if variant.kv_split != "adaptive":
         return int(variant.kv_split)
     blocks = batch * _row_groups(variant, heads, seqlen_q)
-    per_wave = max(1, sm_count * blocks_per_sm)
+    per_wave = max(1, policy.sm_count * blocks_per_sm)
     tiles = max(1, -(-kv_capacity // variant.block_n))
     unit = split_unit(variant)
     best, best_cost = 1, float("inf")
-    for splits in range(1, min(MAX_SPLITS, tiles) + 1):
+    for splits in range(1, min(policy.max_splits, tiles) + 1):
         waves = -(-blocks * splits // per_wave)
-        partials = SPLIT_TILES_PER_ROW * batch * seqlen_q * heads * splits
+        partials = policy.split_tiles_per_row * batch * seqlen_q * heads * splits
         per_block = -(-tiles // (splits * unit)) * unit
-        cost = waves * per_block + (MERGE_TILES + partials if splits > 1 else 0)
+        cost = waves * per_block + (policy.merge_tiles + partials if splits > 1 else 0)
         if cost < best_cost - 1e-9:
             best, best_cost = splits, cost
     return best
@@ -332,7 +525,7 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
 @functools.lru_cache(maxsize=8192)
 def balanced_parts(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capacity: int,
                    sm_count: int, blocks_per_sm: int = 1) -> int:
-    """Ranges of a balanced-split launch (its num_splits).
+    """Ranges of a balanced-split launch (its num_splits) on `sm_count` SMs.
 
     On the device the requests' KV tiles (their lengths from `cache_seqlens`, in `block_n`-key
     tiles) form one list, each request preceded by `validate.SEGMENT_TILES` positions for the

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dsl.spec import Problem, Variant, naive
-from .heuristic import heuristic_mma
-from .policy import transposed_tile, untuned_variant
+from .policy import H200, heuristic_mma, transposed_tile, untuned_variant
 
 # Context lengths, short and long, whose dispatch `mlagen emit` covers for one request.
 EMIT_KEYS: tuple[int, ...] = (4096, 65536)
@@ -22,13 +21,14 @@ class Preset:
     # the long one runs the seesaw schedule), and, where that choice is arch-specific like
     # sm_90a's wgmma, the portable one for the plain arch too; on devices that run sm_90a, the
     # transposed tile where all of a request's rows fit one (the dispatcher's pick for long
-    # batched launches of such rows); plus the naive baseline.
+    # batched launches of such rows); plus the naive baseline. The dispatcher's choices are those
+    # for the H200's SM count (`policy.H200`), the device its thresholds were measured on.
     seqlens_q: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 33, 64)
 
     def variants(self, arch: str) -> list[Variant]:
-        chosen = {untuned_variant(self.problem, s, 1, keys, arch) for s in self.seqlens_q for keys in EMIT_KEYS}
-        chosen |= {v for s in self.seqlens_q if (v := heuristic_mma(self.problem, s, arch, specialize=False))}
-        chosen |= {v for s in self.seqlens_q if (v := transposed_tile(self.problem, s, arch))}
+        chosen = {untuned_variant(self.problem, s, 1, keys, arch, H200) for s in self.seqlens_q for keys in EMIT_KEYS}
+        chosen |= {v for s in self.seqlens_q if (v := heuristic_mma(self.problem, s, arch, H200, specialize=False))}
+        chosen |= {v for s in self.seqlens_q if (v := transposed_tile(self.problem, s, arch, H200))}
         return [naive(arch=arch)] + sorted(chosen, key=lambda v: v.name)
 
 

@@ -23,11 +23,13 @@ import torch
 
 from ..dispatch.policy import (
     BALANCED_LIST_POSITIONS,
+    DispatchPolicy,
     balanced_list_fits,
     choose_variant,
     covers,
     dependent_in_graphs,
     num_splits,
+    policy_for,
 )
 from ..dsl.arch import arch_for_capability, runs_on
 from ..dsl.spec import Problem, Variant
@@ -51,6 +53,14 @@ def device_name(index: int) -> str:
     return torch.cuda.get_device_properties(index).name
 
 
+def device_policy(index: int) -> DispatchPolicy:
+    """The dispatch policy of CUDA device `index` (`policy.policy_for`): its SM count and the
+    shared memory a block may opt into."""
+    arch, sm_count = device_info(index)
+    smem = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+    return policy_for(arch, sm_count, smem or None)
+
+
 @dataclass(frozen=True)
 class _Prepared:
     """Everything about a call that its shape decides, computed once per shape."""
@@ -64,21 +74,17 @@ class _Prepared:
 
 
 def pick_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, table_capacity: int, arch: str,
-                 gpu: str, variant: Variant | None) -> Variant:
-    """The variant a call runs: `variant` when given (checked against the device's `arch` and
-    the block table), else the dispatcher's choice for requests of up to kv_capacity keys. A
-    request may hold more keys than that bound (max_seqlen_k's), up to the table_capacity the
-    block table addresses, so a choice that cannot run them (a P exchange whose cluster holds
-    fewer tiles) gives way to the choice for the whole table. A balanced split whose work list
-    could not count the table's tiles over the batch (`policy.balanced_list_fits`, past ~2^37
-    keys) runs its tile with the adaptive split when dispatched, and is refused when given."""
+                 gpu: str, variant: Variant | None, *, policy: DispatchPolicy) -> Variant:
+    """The variant a call runs on a `gpu` of `arch` whose dispatch figures `policy` holds
+    (`device_policy`): `variant` when given, checked against the device's `arch` and the block
+    table, else the dispatcher's choice (`policy.choose_variant`) for requests of up to
+    kv_capacity keys under a block table that addresses table_capacity. A given variant that
+    cannot run every key the table addresses (a P exchange whose cluster holds fewer tiles) or
+    whose balanced work list could not count the table's tiles over the batch
+    (`policy.balanced_list_fits`, past ~2^37 keys) is refused."""
     if variant is None:
-        variant = choose_variant(problem, seqlen_q, batch, kv_capacity, arch, gpu)
-        if not covers(variant, table_capacity):
-            variant = choose_variant(problem, seqlen_q, batch, table_capacity, arch, gpu)
-        if variant.kv_split == "balanced" and not balanced_list_fits(variant, batch, table_capacity):
-            variant = variant.with_(kv_split="adaptive")
-        return variant
+        return choose_variant(problem, seqlen_q, batch, kv_capacity, arch, gpu, policy=policy,
+                              table_capacity=table_capacity)
     if not runs_on(variant.arch, arch):
         raise inputs.InputError(f"variant.arch: got {variant.arch!r}, expected a target that runs "
                                 f"on this {arch} device (e.g. {arch!r})")
@@ -104,16 +110,17 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
     memoized on plain values, since a serving step repeats the same shapes and each piece costs
     host time."""
     problem = Problem(heads=heads, dl=dl, dr=dr, dtype=dtype, page_size=page_size, mask=mask, lse=lse)
-    device_arch, sm_count = device_info(device)
+    device_arch = device_info(device)[0]
+    dispatch = device_policy(device)
     variant = pick_variant(problem, seqlen_q, batch, kv_capacity, table_capacity, device_arch, device_name(device),
-                           variant)
+                           variant, policy=dispatch)
     loaded = load(problem, variant, device)
-    splits = num_splits(variant, heads, batch, seqlen_q, kv_capacity, sm_count, loaded.blocks_per_sm)
+    splits = num_splits(variant, heads, batch, seqlen_q, kv_capacity, dispatch, loaded.blocks_per_sm)
     plan = loaded.plan
     split = plan.split_launch(splits)
     layout = workspace.Layout.of(plan.partial_rows(batch, seqlen_q, splits), dl * plan.part_elem_bytes,
                                  plan.row_groups(batch, seqlen_q)) if split else None
-    in_graphs = dependent_in_graphs(variant, heads, seqlen_q, batch, kv_capacity, sm_count)
+    in_graphs = dependent_in_graphs(variant, heads, seqlen_q, batch, kv_capacity, dispatch)
     return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, plan.grid(batch, seqlen_q, splits), in_graphs),
                      splits=splits, layout=layout, merge_blocks=plan.merge_blocks(batch, seqlen_q) if split else 0,
                      tma_rows=variant.block_n if variant.tma else 0)

@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..codegen.precompile import code_identity, precompile
-from ..dispatch.policy import choose_variant, family_variant
+from ..dispatch.policy import DispatchPolicy, choose_variant, family_variant
 from ..dsl.errors import SpecError
 from ..dsl.spec import FAMILIES, Problem, Variant
 from ..plan.validate import validate
-from ..runtime.op import device_info, device_name, verify_attention
+from ..runtime.op import device_info, device_name, device_policy, verify_attention
 from .floor import floor_us
 from .grids import Row
 from .peers import PEER_GPU, peer
@@ -128,15 +128,16 @@ def spec_error(problem: Problem, variant: Variant) -> str:
     return ""
 
 
-def row_variants(problem: Problem, row: Row, page_size: int, arch: str, gpu: str,
+def row_variants(problem: Problem, row: Row, page_size: int, arch: str, gpu: str, dispatch: DispatchPolicy,
                  extra: Sequence[Variant] = ()) -> dict[str, Variant]:
-    """{family, named variant or "dispatch": variant} for a row; families with no valid variant
-    and named variants invalid for `problem` (see `invalid_cells`) left out."""
+    """{family, named variant or "dispatch": variant} for a row on a `gpu` of `arch` whose
+    dispatch figures `dispatch` holds; families with no valid variant and named variants invalid
+    for `problem` (see `invalid_cells`) left out."""
     cap = row.kv_capacity(page_size)
-    chosen = {f: family_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu, f) for f in FAMILIES}
+    chosen = {f: family_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu, f, dispatch) for f in FAMILIES}
     found = {f: v for f, v in chosen.items() if v is not None}
     found |= {v.name: v for v in extra if not spec_error(problem, v)}
-    found[DISPATCH] = choose_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu)
+    found[DISPATCH] = choose_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu, policy=dispatch)
     return found
 
 
@@ -150,6 +151,7 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     device = torch.cuda.current_device()
     arch, _ = device_info(device)
     gpu = device_name(device)
+    dispatch = device_policy(device)
     meta = stamp(device) | {"page_size": config.page_size, "mask": config.mask, "dtype": config.dtype}
     ceilings = measure_ceilings(device)
     meta |= {"copy_tbps": ceilings.copy_bytes_per_s / 1e12, "matmul_tflops": ceilings.matmul_flops_per_s / 1e12}
@@ -158,7 +160,8 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     plans = []
     for row, grids in rows:
         problem = problem_for(row, config.page_size, config.mask, config.dtype)
-        plans.append((row, grids, problem, row_variants(problem, row, config.page_size, arch, gpu, config.extra)))
+        variants = row_variants(problem, row, config.page_size, arch, gpu, dispatch, config.extra)
+        plans.append((row, grids, problem, variants))
     families = [f for f in FAMILIES if any(f in vs for *_, vs in plans)]
 
     jobs = [(p, v) for *_, p, vs in plans for v in vs.values()]

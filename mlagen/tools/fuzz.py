@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..dispatch.policy import DispatchPolicy
 from ..dsl.arch import specializations
 from ..dsl.errors import SpecError
 from ..dsl.spec import DTYPES, MASKS, Problem, Variant, naive
@@ -349,25 +350,26 @@ def _outcomes(shape: Shape, variants: Sequence[Variant | None], any_variant: str
                else Outcome(shape, "any", "skip", f"no {any_variant} variant drawn fits this shape", drawn=True))
 
 
-def _device_target(device: str) -> tuple[str, str]:
-    """(compile target, name) of a CUDA device, as the dispatcher picks for it."""
-    from ..runtime.op import device_info, device_name
+def _device_target(device: str) -> tuple[str, str, DispatchPolicy]:
+    """(compile target, name, dispatch policy) of a CUDA device, as the dispatcher picks for it."""
+    from ..runtime.op import device_info, device_name, device_policy
 
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
-    return device_info(index)[0], device_name(index)
+    return device_info(index)[0], device_name(index), device_policy(index)
 
 
-def dispatched_variant(shape: Shape, arch: str, gpu: str) -> Variant:
+def dispatched_variant(shape: Shape, arch: str, gpu: str, dispatch: DispatchPolicy) -> Variant:
     """The variant `mlagen.verify_attention` picks for the shape's launch (`launch`: its
-    max_seqlen_k bound, its block table) on a `gpu` of `arch`."""
+    max_seqlen_k bound, its block table) on a `gpu` of `arch` whose dispatch figures (SM count,
+    shared memory) `dispatch` holds."""
     from ..runtime.inputs import key_bound
     from ..runtime.op import pick_variant
 
     table = shape.kv_capacity
     bound = key_bound(shape.max_seqlen_k)
     return pick_variant(shape.problem, shape.seqlen_q, shape.batch, table if bound is None else min(table, bound),
-                        table, arch, gpu, None)
+                        table, arch, gpu, None, policy=dispatch)
 
 
 class _CompileAhead:
@@ -377,17 +379,17 @@ class _CompileAhead:
     pool that breaks stops the compiling ahead, not the run (the launches compile what they
     need)."""
 
-    def __init__(self, pool: Executor, workers: int, arch: str, gpu: str) -> None:
-        self.pool, self.arch, self.gpu = pool, arch, gpu
+    def __init__(self, pool: Executor, workers: int, arch: str, gpu: str, dispatch: DispatchPolicy) -> None:
+        self.pool, self.arch, self.gpu, self.dispatch = pool, arch, gpu, dispatch
         self.lookahead = 4 * workers          # shapes planned ahead of the one running
         self.submitted: set[tuple[Problem, Variant]] = set()
 
     @classmethod
     def start(cls, workers: int, device: str) -> _CompileAhead:
         """A pool of `workers` spawned processes (the caller holds a CUDA context: no fork)."""
-        arch, gpu = _device_target(device)
+        arch, gpu, dispatch = _device_target(device)
         return cls(ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")),
-                   workers, arch, gpu)
+                   workers, arch, gpu, dispatch)
 
     def submit(self, shape: Shape, variants: Sequence[Variant | None], drawn: Variant | None) -> None:
         """Queue the kernels the shape will launch: the dispatcher's pick for a None in
@@ -396,7 +398,7 @@ class _CompileAhead:
 
         for v in [*variants, *([drawn] if drawn is not None else [])]:
             try:
-                v = dispatched_variant(shape, self.arch, self.gpu) if v is None else v
+                v = dispatched_variant(shape, self.arch, self.gpu, self.dispatch) if v is None else v
                 key = code_identity(shape.problem, v)
                 if key in self.submitted or not is_valid(shape.problem, v):
                     continue

@@ -15,7 +15,10 @@ The header is meant for a different translation unit than the .cu (see the heade
 it declares its own twin of the parameter block, rendered from the same field list
 (`mlagen.plan.params.FIELDS`), and the kernels as extern "C" symbols, so
 `nvcc -c kernel.cu engine.cu` builds and links, and the .cu still compiles alone under NVRTC.
-The launch geometry and split heuristic are rendered from the plan and `mlagen.dispatch.policy`.
+The launch geometry and split heuristic are rendered from the plan and `mlagen.dispatch.policy`:
+the figures of `policy.H200` that hold on every device (the split model's costs, its largest
+split count) as constants, the per-SM one (`pdl_tiles_per_sm`) times the SM count the header's
+functions take, so the header dispatches as `policy.policy_for` does for the device it runs on.
 """
 
 from __future__ import annotations
@@ -95,8 +98,8 @@ def render_launcher(plan: KernelPlan) -> str:
         fields=[_host_field(f) for f in FIELDS], params_size=PARAMS_SIZE, assign=_ASSIGN,
         grid=tuple(_c_expr(e) for e in plan.grid_expr()),
         max_seqlen_q=MAX_SEQLEN_Q, merge_target=MERGE_TARGET_BLOCKS,
-        merge_tiles=repr(policy.MERGE_TILES), split_tiles_per_row=repr(policy.SPLIT_TILES_PER_ROW),
-        max_splits=policy.MAX_SPLITS, pdl_tiles_per_sm=policy.PDL_TILES_PER_SM,
+        merge_tiles=repr(policy.H200.merge_tiles), split_tiles_per_row=repr(policy.H200.split_tiles_per_row),
+        max_splits=policy.H200.max_splits, pdl_tiles_per_sm=policy.H200.pdl_tiles_per_sm,
         balanced_list_positions=policy.BALANCED_LIST_POSITIONS, split_unit=plan.split_unit,
         default_smem=DEFAULT_SMEM_LIMIT, kv_map_bytes=tensormap.MAP_BYTES, kv_box_dims=tensormap.BOX_DIMS,
     )

@@ -24,13 +24,13 @@ import torch
 
 from ..codegen.precompile import code_identity, precompile
 from ..dispatch import policy, tables
-from ..dispatch.policy import balanced_for_batch, num_splits, transposed_tile, untuned_variant
+from ..dispatch.policy import DispatchPolicy, balanced_for_batch, num_splits, transposed_tile, untuned_variant
 from ..dsl.arch import runs_on, specializations
 from ..dsl.errors import SpecError
 from ..dsl.spec import FAMILIES, Problem, Variant, parse_variant
 from ..plan.space import split_variants, structure_of, structures, twin_variants
 from ..plan.validate import is_valid
-from ..runtime.op import device_info, device_name
+from ..runtime.op import device_info, device_name, device_policy
 from .grids import Row
 from .stamp import stamp
 from .timing import TimingConfig, l2_bytes, measure
@@ -99,17 +99,17 @@ class RowTune:
 
 
 def candidates(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
-               max_candidates: int) -> list[Variant]:
-    """The dispatcher's pick without a table first (`policy.untuned_variant`), then the
-    transposed tile of all a request's rows where the device runs one (`policy.transposed_tile`),
-    naive, then the other families' structures taking turns, `max_candidates` at most (naive and
-    those picks included)."""
+               max_candidates: int, dispatch: DispatchPolicy) -> list[Variant]:
+    """The dispatcher's pick without a table on the device of `dispatch` first
+    (`policy.untuned_variant`), then the transposed tile of all a request's rows where the device
+    runs one (`policy.transposed_tile`), naive, then the other families' structures taking turns,
+    `max_candidates` at most (naive and those picks included)."""
     found: list[Variant] = []
     try:
-        found.append(untuned_variant(problem, seqlen_q, batch, kv_capacity, arch))
+        found.append(untuned_variant(problem, seqlen_q, batch, kv_capacity, arch, dispatch))
     except SpecError:
         pass
-    transposed = transposed_tile(problem, seqlen_q, arch)
+    transposed = transposed_tile(problem, seqlen_q, arch, dispatch)
     found += [transposed] if transposed is not None else []
     found += structures(problem, seqlen_q, arch, "naive", limit=1)
     others = [f for f in FAMILIES if f != "naive"]
@@ -136,11 +136,11 @@ def with_incumbent(problem: Problem, arch: str, cands: list[Variant],
     return list(dict.fromkeys(cands[:1] + [v] + cands[1:])), v
 
 
-def as_dispatched(problem: Problem, batch: int, variants: list[Variant]) -> list[Variant]:
-    """`variants` as the dispatcher would run them for a batch of `batch` requests (a batch's
-    mma variants take the balanced split: policy.balanced_for_batch), each once, in order, so
-    that the table's pick is what was timed."""
-    return list(dict.fromkeys(balanced_for_batch(problem, v, batch) for v in variants))
+def as_dispatched(problem: Problem, batch: int, variants: list[Variant], dispatch: DispatchPolicy) -> list[Variant]:
+    """`variants` as the dispatcher would run them on the device of `dispatch` for a batch of
+    `batch` requests (a batch's mma variants take the balanced split: policy.balanced_for_batch),
+    each once, in order, so that the table's pick is what was timed."""
+    return list(dict.fromkeys(balanced_for_batch(problem, v, batch, dispatch) for v in variants))
 
 
 def _time(work: Workload, trial: Trial, timing: TimingConfig, give_up_us: float | None) -> None:
@@ -158,7 +158,8 @@ def tune_rows(rows: list[Row], config: TuneConfig, progress=None,
     """Tune every (row, mask) on the current CUDA device. `progress`: an optional rich Progress;
     `incumbents`: the variant names a table holds, by bucket key (each timed for its row)."""
     device = torch.cuda.current_device()
-    arch, sm_count = device_info(device)
+    arch = device_info(device)[0]
+    dispatch = device_policy(device)
     l2 = l2_bytes(device)
     plans = []
     for row in rows:
@@ -166,7 +167,7 @@ def tune_rows(rows: list[Row], config: TuneConfig, progress=None,
             problem = problem_for(row, config.page_size, mask, config.dtype)
             capacity = row.kv_capacity(config.page_size)
             cands = as_dispatched(problem, row.batch, candidates(problem, row.seqlen_q, row.batch, capacity, arch,
-                                                                   config.max_candidates))
+                                                                   config.max_candidates, dispatch), dispatch)
             key = tables.bucket_key(problem, row.seqlen_q, row.batch, capacity)
             cands, incumbent = with_incumbent(problem, arch, cands, (incumbents or {}).get(key))
             plans.append((row, mask, problem, cands, incumbent))
@@ -191,7 +192,7 @@ def tune_rows(rows: list[Row], config: TuneConfig, progress=None,
             progress.update(time_task, description=f"timing H={row.heads} B={row.batch} S={row.seqlen_q} "
                                                    f"prefix={row.prefix} {mask}")
         work = make_workload(row, config.page_size, mask, config.dtype, l2)
-        results.append(_tune_one(work, cands, errors, config, sm_count, advance, incumbent))
+        results.append(_tune_one(work, cands, errors, config, dispatch, advance, incumbent))
         del work
         torch.cuda.empty_cache()
     return results
@@ -209,11 +210,12 @@ def _run_trials(work: Workload, result: RowTune, variants: list[Variant], errors
 
 
 def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, Variant], str],
-              config: TuneConfig, sm_count: int, advance: Callable[..., None],
+              config: TuneConfig, dispatch: DispatchPolicy, advance: Callable[..., None],
               incumbent: Variant | None = None) -> RowTune:
-    """Structures first, then fixed splits of the fastest few structures (same code: compiled
-    already), then the knob twins of the fastest few structures (16-bit partials, TMA loads:
-    their own kernels, compiled when first run); last, the fastest few trials again."""
+    """On the device of `dispatch`: structures first, then fixed splits of the fastest few
+    structures (same code: compiled already), then the knob twins of the fastest few structures
+    (16-bit partials, TMA loads: their own kernels, compiled when first run); last, the fastest
+    few trials again."""
     row = work.row
     result = RowTune(row=row, mask=work.problem.mask,
                      key=tables.bucket_key(work.problem, row.seqlen_q, row.batch, work.kv_capacity),
@@ -236,13 +238,13 @@ def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, 
 
     def run_untried(variants: list[Variant]) -> None:
         tried = {t.variant for t in result.trials}
-        variants = [v for v in as_dispatched(work.problem, row.batch, variants) if v not in tried]
+        variants = [v for v in as_dispatched(work.problem, row.batch, variants, dispatch) if v not in tried]
         advance(len(variants))
         _run_trials(work, result, variants, errors, config, advance)
 
     splits = []
     for v in fastest():
-        adaptive = num_splits(v, row.heads, row.batch, row.seqlen_q, work.kv_capacity, sm_count)
+        adaptive = num_splits(v, row.heads, row.batch, row.seqlen_q, work.kv_capacity, dispatch)
         splits += split_variants(work.problem, v, work.kv_capacity, skip=adaptive)
     run_untried(splits)
     run_untried(twin_variants(work.problem, fastest(clear_knobs=True)))
