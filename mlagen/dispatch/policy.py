@@ -80,8 +80,8 @@ class DispatchPolicy:
     # against 22.0), so this threshold may be conservative; the table covers those rows
     # (docs/performance.md, "Dispatch thresholds"). The transposed tile, against the seesaw or
     # lockstep tile: 0.79-0.88x from 4096 key tiles of work (31 per SM), 0.97x at 2048 (15.5),
-    # 1.12-1.27x at 1024 and fewer (7.8). Scales: a per-SM count (the seesaw pays off once each
-    # SM has enough tiles to run its two warpgroups' pairs back to back).
+    # 1.12-1.27x at 1024 and fewer (7.8). Scales: the figures are work per SM, and the same launch
+    # gives each SM of a device with fewer SMs more tiles.
     seesaw_tiles_per_sm: int = 12
     # Captured into a CUDA graph, an sm_90+ launch of at most this many KV tiles of work per SM
     # goes as a programmatic dependent (`dependent_in_graphs`). H200, graph replay, same machine,
@@ -89,8 +89,8 @@ class DispatchPolicy:
     # per SM (S=9 at 1024 to 16384 keys, S=33 at 256 to 4096), no change at 31-35 (H=16 B=64
     # S=4, H=8 B=16 S=9, H=64 B=8 S=9 at 4096 keys), 0.7-6.6% more from 62 on (65536 keys and
     # up, H=64 B=64 S=2, H=64 B=128 S=1, H=128 B=32 S=4); 40 instead of 24 gained nothing.
-    # Scales: a per-SM count (the gain is the launch and tail hidden behind the kernel before,
-    # which a launch long for its SMs no longer has).
+    # Scales: the gain is a short kernel's launch and tail hidden behind the kernel before it, and
+    # how short a launch runs is its work per SM.
     pdl_tiles_per_sm: int = 24
     # A short launch runs as a P exchange (`exchange_tile`) where its blocks, row groups x
     # requests x cluster size, fit this many waves of one block per SM. H200, S=9 H=64 with 256
