@@ -802,3 +802,21 @@ def test_a_balanced_split_whose_work_list_cannot_count_the_table_gives_way_or_is
                                          r"balanced split, .* for each of 2 requests \(expected a fixed or adaptive "
                                          r"split, e\.g\. 'mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a'\)"):
         pick_variant(p, 9, 2, 4096, edge + 1, "sm_90", GPU, spb, policy=H200)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90", "sm_120"])
+def test_the_batch_invariant_pick_follows_the_problem_alone(arch):
+    """The same variant whatever the device's SM count; a fixed split (each request's own keys
+    in INVARIANT_SPLITS ranges), never a split that follows the batch or the table; valid."""
+    from mlagen.dispatch.policy import INVARIANT_SPLITS, batch_invariant_variant, policy_for
+
+    for heads, seqlen_q in [(1, 1), (8, 9), (16, 2), (16, 4), (64, 1), (64, 9), (64, 33), (128, 4), (3, 64)]:
+        for mask in ("causal", "tree", "none"):
+            for page in (1, 16, 64):
+                problem = Problem(heads=heads, page_size=page, mask=mask, lse=True)
+                picks = {batch_invariant_variant(problem, seqlen_q, arch, policy_for(arch, sms))
+                         for sms in (78, 114, 132, 170)}
+                assert len(picks) == 1, picks
+                v, = picks
+                assert v.kv_split in (INVARIANT_SPLITS, 1) and not v.cluster and not v.p_exchange, v.name
+                validate(problem, v)

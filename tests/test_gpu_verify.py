@@ -688,3 +688,38 @@ def test_attention_sinks_in_varlen_and_the_custom_op():
     packed = mlagen.verify_attention_varlen(case.q.flatten(0, 1), case.kv_cache, case.block_table, case.cache_seqlens,
                                             cu, 4, attn_sink=sink, **case.kwargs())
     assert torch.equal(packed, out.flatten(0, 1))
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_batch_invariant_bits_follow_the_request_alone(mask):
+    """batch_invariant=True: request 0's out and lse bits are the same alone, among 3 or 17
+    requests of other lengths, under a block table twice as wide, and through varlen with
+    neighbours of other draft counts; and it matches the reference."""
+    S, H = 9, 16
+    big = make_case(batch=17, seqlen_q=S, heads=H, prefixes=[3000] + [37 * k for k in range(1, 17)], page_size=16,
+                    mask=mask, per_request_tree=True, seed=11, table_pages=400)
+    kw = dict(big.kwargs(), return_lse=True, batch_invariant=True)
+
+    def request0(batch: int, width: int | None = None):
+        mask_b = big.tree_mask[:batch] if big.tree_mask is not None and big.tree_mask.dim() == 3 else big.tree_mask
+        table = big.block_table[:batch, :width] if width else big.block_table[:batch]
+        out, lse = mlagen.verify_attention(big.q[:batch].contiguous(), big.kv_cache, table.contiguous(),
+                                           big.cache_seqlens[:batch].contiguous(), **dict(kw, tree_mask=mask_b))
+        return out[0], lse[0]
+
+    alone = request0(1)
+    for got in (request0(3), request0(17), request0(1, width=-(-(3000 + S) // 16))):
+        assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1])
+    from mlagen.tools.testing import compare_rows
+
+    ref_out, ref_lse = big.reference(torch.float64)
+    problem = compare_rows(alone[0][None], alone[1][None].transpose(1, 2), ref_out[:1], ref_lse[:1].transpose(1, 2))
+    assert problem is None, problem
+    if mask != "tree":        # varlen: request 0's 9 rows beside requests of 1 and 5 draft tokens
+        counts = [S, 1, 5]
+        cu = torch.tensor([0, 9, 10, 15], dtype=torch.int32, device="cuda")
+        q = torch.cat([big.q[b, :c] for b, c in enumerate(counts)])
+        out, lse = mlagen.verify_attention_varlen(q, big.kv_cache, big.block_table[:3].contiguous(),
+                                                  big.cache_seqlens[:3].contiguous(), cu, S,
+                                                  **dict(kw, tree_mask=None))
+        assert torch.equal(out[:S], alone[0]) and torch.equal(lse[:, :S], alone[1])

@@ -52,8 +52,9 @@ def fake_gpu(monkeypatch):
     kernel = launch.KernelLaunch(args=MAIN, name="main_k")
 
     def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, table_capacity, device,
-                variant):
-        prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, device, variant))
+                variant, invariant=False):
+        prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, device, variant,
+                         invariant))
         rows, value_bytes = 2 * batch * seqlen_q * heads, 2 if variant and variant.part16 else 4
         return op._Prepared(loaded=None, kernel=kernel, splits=2, merge_blocks=3,
                                  layout=workspace.Layout.of(rows, dl * value_bytes, GROUPS))
@@ -441,3 +442,18 @@ def test_parameter_blocks_are_per_thread(monkeypatch):
 def test_tail_names_missing_fields():
     with pytest.raises(KeyError, match="missing"):
         tail({"batch": 1})
+
+
+def test_batch_invariant_calls_plan_apart_and_follow_the_environment(fake_gpu, monkeypatch):
+    """batch_invariant=True reaches the plan and keys a call of its own; None takes
+    MLAGEN_BATCH_INVARIANT's default; a named variant still reaches the plan as given."""
+    a = make_args()
+    call(a)
+    call(a, batch_invariant=True)
+    call(a, batch_invariant=True)
+    assert [p[-1] for p in fake_gpu.prepared] == [False, True] and len(op._calls) == 2
+    monkeypatch.setattr(op, "BATCH_INVARIANT_DEFAULT", True)
+    call(a)                                                            # the same call as batch_invariant=True
+    assert len(fake_gpu.prepared) == 2
+    call(a, batch_invariant=False)
+    assert len(fake_gpu.prepared) == 2 and len(op._calls) == 2          # the same call as the first

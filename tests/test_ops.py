@@ -22,7 +22,7 @@ def test_schema():
     assert schema.startswith("mlagen::verify_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
                              "Tensor cache_seqlens, float? softmax_scale=None, bool causal=True, "
                              "Tensor? tree_mask=None, bool return_lse=False, str? variant=None")
-    assert schema.endswith("max_seqlen_k=None, Tensor? attn_sink=None) -> (Tensor, Tensor)")
+    assert schema.endswith("Tensor? attn_sink=None, bool? batch_invariant=None) -> (Tensor, Tensor)")
 
 
 @pytest.mark.parametrize("return_lse", [False, True])

@@ -354,6 +354,33 @@ def transposed_tile(problem: Problem, seqlen_q: int, arch: str, policy: Dispatch
     return v if policy.fits(problem, v) else None
 
 
+# Splits of every request's keys in batch-invariant mode: the kernels cut each request's own
+# tiles into this many equal ranges and merge them in split order, so a request's bits follow
+# from its own inputs and this number. A constant, not a function of the batch or the SM count.
+# Modelled on the H200's batched rows (H=64 S=9 at 4096 keys, 64 tiles a request): 8 splits of
+# 8 tiles run B=8 in 5 waves of 8 tiles (40 tile times against the balanced split's 35) and
+# B=32 in 18 waves (144 against 140); 4 splits would take 48 and 2 splits 64 at B=8. A single
+# long request leaves SMs idle (65536 keys, H=64 S=9: 72 blocks on 132 SMs).
+INVARIANT_SPLITS = 8
+
+
+@functools.lru_cache(maxsize=4096)
+def batch_invariant_variant(problem: Problem, seqlen_q: int, arch: str, policy: DispatchPolicy) -> Variant:
+    """The variant of batch-invariant mode: chosen from the problem, S and the arch alone (never
+    the batch, the lengths, the table or the SM count), with a fixed split (`INVARIANT_SPLITS`),
+    so that a request's output and lse bits depend only on its own queries, keys and length.
+    The tile is the heuristic's (`heuristic_variant`), or the transposed tile where a request's
+    rows fit one (`transposed_tile`); an sm_90a 64-row tile runs on the seesaw schedule with TMA
+    loads where it fits. No balanced or adaptive split (their ranges follow the batch), no
+    cluster or P exchange (their cluster sizes follow the table)."""
+    v = transposed_tile(problem, seqlen_q, arch, policy) or heuristic_variant(problem, seqlen_q, arch, policy)
+    if v.family == "mma" and v.arch == "sm_90a" and not v.transposed:
+        seesaw = v.with_(tma=True, seesaw=True)
+        v = seesaw if policy.fits(problem, seesaw.with_(kv_split=INVARIANT_SPLITS)) else v
+    fixed = v.with_(kv_split=INVARIANT_SPLITS)
+    return fixed if policy.fits(problem, fixed) else v.with_(kv_split=1)
+
+
 def covers(variant: Variant, kv_capacity: int) -> bool:
     """Whether `variant` runs requests of up to `kv_capacity` keys: every variant but a P
     exchange (`Variant.p_exchange`), whose cluster holds one block_n-key tile a block."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from ..dispatch.policy import (
     BALANCED_LIST_POSITIONS,
     DispatchPolicy,
     balanced_list_fits,
+    batch_invariant_variant,
     choose_variant,
     covers,
     dependent_in_graphs,
@@ -104,14 +106,16 @@ def pick_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, 
 @functools.lru_cache(maxsize=4096)
 def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str, lse: bool,
              batch: int, seqlen_q: int, kv_capacity: int, table_capacity: int, device: int,
-             variant: Variant | None) -> _Prepared:
-    """Problem, variant (given or dispatched), loaded kernels, split and grids of a shape, planned
-    for requests of up to kv_capacity keys (of the table_capacity the block table addresses):
-    memoized on plain values, since a serving step repeats the same shapes and each piece costs
-    host time."""
+             variant: Variant | None, invariant: bool = False) -> _Prepared:
+    """Problem, variant (given, batch-invariant, or dispatched), loaded kernels, split and grids
+    of a shape, planned for requests of up to kv_capacity keys (of the table_capacity the block
+    table addresses): memoized on plain values, since a serving step repeats the same shapes and
+    each piece costs host time."""
     problem = Problem(heads=heads, dl=dl, dr=dr, dtype=dtype, page_size=page_size, mask=mask, lse=lse)
     device_arch = device_info(device)[0]
     dispatch = device_policy(device)
+    if variant is None and invariant:
+        variant = batch_invariant_variant(problem, seqlen_q, device_arch, dispatch)
     variant = pick_variant(problem, seqlen_q, batch, kv_capacity, table_capacity, device_arch, device_name(device),
                            variant, policy=dispatch)
     loaded = load(problem, variant, device)
@@ -147,15 +151,18 @@ class _Call:
 _calls: dict[tuple, _Call] = {}
 _MAX_CALLS = 1024
 
+# MLAGEN_BATCH_INVARIANT=1: every call that names no variant runs in batch-invariant mode.
+BATCH_INVARIANT_DEFAULT: bool = os.environ.get("MLAGEN_BATCH_INVARIANT", "") not in ("", "0")
+
 
 def _lookup(q: object, kv_cache: object, block_table: object, cache_seqlens: object, tree_mask: object,
             out: object, head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
-            variant: Variant | None, bound: int | None) -> tuple[tuple | None, _Call | None]:
+            variant: Variant | None, bound: int | None, invariant: bool) -> tuple[tuple | None, _Call | None]:
     """(key, remembered _Call or None) for these arguments; the key is None for arguments that
     are not tensors or not hashable (the full checks name those)."""
     try:
         key = (inputs.signature(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale),
-               causal, return_lse, variant, bound)
+               causal, return_lse, variant, bound, invariant)
         return key, _calls.get(key)
     except (AttributeError, TypeError, RuntimeError):
         return None, None
@@ -169,7 +176,8 @@ def _require_cuda(q: object) -> None:
 
 def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: object, cache_seqlens: object,
                   tree_mask: object, out: object, head_dim_v: int, softmax_scale: float | None, causal: bool,
-                  return_lse: bool, variant: Variant | None, check_values: bool | None, bound: int | None) -> _Call:
+                  return_lse: bool, variant: Variant | None, check_values: bool | None, bound: int | None,
+                  invariant: bool = False) -> _Call:
     """Every check, in the op's order (each names the bad argument), then the _Call, which is
     remembered under `key` (from `_lookup`). bound: `inputs.key_bound(max_seqlen_k)`."""
     _require_cuda(q)
@@ -181,7 +189,8 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     capacity = shapes.max_pages * shapes.page_size
     prep = _prepare(H, dl, shapes.head_dim - dl, shapes.dtype, shapes.page_size, mask,
-                    return_lse, B, S, capacity if bound is None else min(capacity, bound), capacity, device, variant)
+                    return_lse, B, S, capacity if bound is None else min(capacity, bound), capacity, device, variant,
+                    invariant)
     if out is not None:
         inputs.check_out(out, q, shapes)
     out_size = (B, S, H, dl)
@@ -226,6 +235,7 @@ def verify_attention(
     out: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
     attn_sink: torch.Tensor | None = None,
+    batch_invariant: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA verify attention over a paged latent KV cache.
 
@@ -254,6 +264,11 @@ def verify_attention(
         attn_sink: optional [H] fp32 attention sinks on q's device: row (b, i, h) of out is
             scaled by exp(lse) / (exp(lse) + exp(attn_sink[h])) (`mlagen.runtime.sinks`); lse
             is unchanged. Runs the lse variant of the kernel, then one elementwise pass over out.
+        batch_invariant: a request's out and lse bits depend only on its own queries, keys and
+            length, never on the batch around it, the block table's width or the GPU's SM count
+            (`policy.batch_invariant_variant`: a kernel chosen from the problem and S alone, each
+            request's keys in a fixed number of splits). Default from MLAGEN_BATCH_INVARIANT. A
+            named `variant` runs as given.
 
     Returns:
         out [B, S, H, Dl] in q's dtype, and lse if return_lse. A row that sees no key gives
@@ -265,12 +280,13 @@ def verify_attention(
         result = verify_attention(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale,
                                   causal=causal, tree_mask=tree_mask, return_lse=True, variant=variant,
                                   head_dim_v=head_dim_v, check_values=check_values, out=out,
-                                  max_seqlen_k=max_seqlen_k)
+                                  max_seqlen_k=max_seqlen_k, batch_invariant=batch_invariant)
         sinks.apply_attn_sink_(result[0], result[1].transpose(1, 2), attn_sink)
         return result if return_lse else result[0]
     bound = inputs.key_bound(max_seqlen_k) if max_seqlen_k is not None else None
+    invariant = BATCH_INVARIANT_DEFAULT if batch_invariant is None else bool(batch_invariant)
     key, call = _lookup(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale, causal,
-                        return_lse, variant, bound)
+                        return_lse, variant, bound, invariant)
     if call is not None:
         # Pointers change from call to call, so alignment is checked every time; a misaligned
         # one goes through the full checks, which name it.
@@ -279,7 +295,7 @@ def verify_attention(
             call = None
     if call is None:
         call = _checked_call(key, q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v,
-                             softmax_scale, causal, return_lse, variant, check_values, bound)
+                             softmax_scale, causal, return_lse, variant, check_values, bound, invariant)
         q_ptr, kv_ptr = q.data_ptr(), kv_cache.data_ptr()
     elif check_values or (check_values is None and inputs.CHECK_VALUES_DEFAULT):   # values_requested, inlined
         inputs.check_values(call.shapes, block_table, cache_seqlens)

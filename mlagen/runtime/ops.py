@@ -35,11 +35,13 @@ def _verify_attention(
     head_dim_v: int = 512,
     max_seqlen_k: int | None = None,
     attn_sink: torch.Tensor | None = None,
+    batch_invariant: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     result = verify_attention(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale,
                               causal=causal, tree_mask=tree_mask, return_lse=return_lse,
                               variant=parse_variant(variant) if variant is not None else None,
-                              head_dim_v=head_dim_v, max_seqlen_k=max_seqlen_k, attn_sink=attn_sink)
+                              head_dim_v=head_dim_v, max_seqlen_k=max_seqlen_k, attn_sink=attn_sink,
+                              batch_invariant=batch_invariant)
     if return_lse:
         return result
     return result, q.new_empty(0, dtype=torch.float32)
@@ -48,7 +50,7 @@ def _verify_attention(
 @_verify_attention.register_fake
 def _verify_attention_fake(q, kv_cache, block_table, cache_seqlens, softmax_scale=None, causal=True,
                            tree_mask=None, return_lse=False, variant=None, head_dim_v=512, max_seqlen_k=None,
-                           attn_sink=None):
+                           attn_sink=None, batch_invariant=None):
     B, S, H, _ = q.shape
     out = q.new_empty(B, S, H, head_dim_v)
     lse = q.new_empty((B, H, S) if return_lse else (0,), dtype=torch.float32)
@@ -69,6 +71,7 @@ def verify_attention_op(
     head_dim_v: int = 512,
     max_seqlen_k: int | None = None,
     attn_sink: torch.Tensor | None = None,
+    batch_invariant: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`verify_attention` through the registered custom op: use this inside torch.compile'd
     code and CUDA graphs.
@@ -85,5 +88,5 @@ def verify_attention_op(
     name = variant.name if isinstance(variant, Variant) else variant
     out, lse = torch.ops.mlagen.verify_attention(q, kv_cache, block_table, cache_seqlens,
                                                  softmax_scale, causal, tree_mask, return_lse, name,
-                                                 head_dim_v, max_seqlen_k, attn_sink)
+                                                 head_dim_v, max_seqlen_k, attn_sink, batch_invariant)
     return (out, lse) if return_lse else out
