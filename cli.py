@@ -30,6 +30,7 @@ from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import DTYPES, MASKS, Variant, parse_variant
 from mlagen.plan.validate import KernelPlan, validate
 from mlagen.tools.report import FORMATS, text_table
+from mlagen.tools.workload import MASKS as BENCH_MASKS
 
 try:        # recent typer carries its own copy of click
     from typer._click import exceptions as click_errors
@@ -480,13 +481,25 @@ def check(
     _say(console, f"{_plural(len(jobs), 'variant')} compiled for {', '.join(archs)}: no spills beyond the allowed")
 
 
+def _bench_masks(given: list[str] | None) -> tuple[str, ...]:
+    """bench's --mask values, each a comma list, in order, repeats dropped; default causal alone."""
+    names = [m.strip() for text in given or ["causal"] for m in text.split(",")]
+    for m in names:
+        _choice("--mask", m, BENCH_MASKS)
+    return tuple(dict.fromkeys(names))
+
+
 @app.command()
 def bench(
     grid: list[str] | None = typer.Option(None, metavar="NAME", help=GRID_HELP + "; default seed"),
     row: list[str] | None = typer.Option(None, metavar="H,B,S,PREFIX", help=ROW_HELP),
     page_size: int = typer.Option(64, metavar="N", help="KV cache rows (keys) per page: a power of two"),
-    mask: str = typer.Option("causal", "--mask", metavar="MASK",
-                             help=f"the draft tokens' mask: one of {', '.join(MASKS)}"),
+    mask: list[str] | None = typer.Option(
+        None, "--mask", metavar="MASK[,MASK...]",
+        help=f"the draft tokens' masks (comma-separated, or the option repeated): {', '.join(BENCH_MASKS)} (tree: "
+        "one random draft tree for the batch; tree-per-request: one per request). The first is the base, under which "
+        "every column is timed; each further one times the dispatcher's pick alone, on the same inputs, in a column "
+        "dispatch:MASK with its ratio over the base's (e.g. tree/causal). Default causal"),
     dtype: str = typer.Option("bf16", "--dtype", metavar="DTYPE", help=DTYPE_HELP),
     target_ms: float = typer.Option(15.0, metavar="MS", help="GPU time in ms of each timed batch of calls; more "
                                     "gives steadier figures and a longer run"),
@@ -494,6 +507,9 @@ def bench(
         None, metavar="NAME", help="a variant to time on every shape too, in a column after the families "
         "(repeatable; e.g. mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a). It counts toward 'dispatch vs best'; where it "
         "does not fit a shape, its cell says why"),
+    batch_invariant: bool = typer.Option(
+        False, "--batch-invariant", help="also time the pick of batch-invariant mode (verify_attention("
+        "batch_invariant=True)) under the base mask, in a column 'invariant' with its ratio over dispatch"),
     out: Path = typer.Option(Path("benchmarks/latest"), metavar="FOLDER",
                              help="the folder for bench.json, bench.md and bench.png"),
     format_: str = typer.Option("table", "--format", metavar="FORMAT", help=FORMAT_HELP),
@@ -502,11 +518,14 @@ def bench(
 
     Per shape: each kernel family, the dispatcher's pick and PyTorch eager, in µs per call and as
     a multiple of the floor (the least time the GPU's measured memory bandwidth and matmul rate
-    allow). Writes bench.json, bench.md and bench.png into the --out folder too.
+    allow); the dispatcher's pick under each further --mask, and batch-invariant mode's pick with
+    --batch-invariant. Writes bench.json, bench.md and bench.png into the --out folder too.
     """
     fmt = _format(format_)
     rows = _rows(grid, row, ["seed"])
-    _problem_options(page_size, [mask], dtype)
+    masks = _bench_masks(mask)
+    _page_size("--page-size", page_size)
+    _choice("--dtype", dtype, DTYPES)
     _at_least("--target-ms", target_ms, 0, strict=True)
     extra = _variants(variant)
     _folder(out, "--out")
@@ -516,8 +535,8 @@ def bench(
     from mlagen.tools.timing import TimingConfig
 
     info = _info(fmt)
-    config = BenchConfig(page_size=page_size, mask=mask, dtype=dtype, timing=TimingConfig(target_ms=target_ms),
-                         extra=extra)
+    config = BenchConfig(page_size=page_size, masks=masks, dtype=dtype, timing=TimingConfig(target_ms=target_ms),
+                         extra=extra, batch_invariant=batch_invariant)
     with _progress(info) as progress:
         result = run_bench(rows, config, progress)
     if fmt == "table":

@@ -16,7 +16,8 @@
 #   racecheck  racecheck1 racecheck2 (two calls)
 #   sanitize   memcheck synccheck racecheck1 racecheck2 (three calls)
 #   tune       mlagen tune, seed and serving grids, into mlagen/dispatch/tables/  under 5 min      420 s
-#   bench      mlagen bench, seed and serving grids                   under 7 min         480 s
+#   bench      mlagen bench, seed and serving grids; the dispatcher's about 9 min           585 s
+#              pick under tree masks too, and batch-invariant mode's
 #   ragged     benchmarks/ragged.py on three batch shapes             1-3 min             150 s each
 #   host       benchmarks/host_cost.py                                10 s warm           120 s
 #   fuzz       mlagen fuzz for 4 minutes                              4.5 min             330 s
@@ -41,7 +42,7 @@ DEFAULT_STEPS="tests sanitize bench"
 # Each step's timeout in seconds (ragged: all three shapes), and the groups of steps that share one
 # device call: each group's timeouts add up to less than the call's 600 s.
 declare -A LIMIT=([tests]=540 [memcheck]=300 [synccheck]=150 [racecheck1]=360 [racecheck2]=480 [tune]=420
-                  [bench]=480 [ragged]=450 [host]=120 [fuzz]=330 [facts]=0)
+                  [bench]=585 [ragged]=450 [host]=120 [fuzz]=330 [facts]=0)
 CALLS=("tests" "memcheck synccheck" "racecheck1" "racecheck2" "tune" "bench" "ragged host" "fuzz")
 
 usage() {
@@ -147,7 +148,8 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         timeout ${LIMIT[tune]} python3 cli.py tune --grid seed --grid serving --write-default 2>&1 | tee "$results/tune.log"
         rc=${PIPESTATUS[0]}; written+=(tune.log); tables=(mlagen/dispatch/tables/*.json) ;;
       bench)
-        timeout ${LIMIT[bench]} python3 cli.py bench --grid seed --grid serving --out "$results"
+        timeout ${LIMIT[bench]} python3 cli.py bench --grid seed --grid serving --mask causal,tree,tree-per-request \
+          --batch-invariant --out "$results"
         rc=$?; written+=(bench.json bench.md bench.png) ;;
       ragged)   # batches of mixed lengths (the bench's rows are uniform): dispatch vs adaptive vs balanced
         for shape in "64 32 9 256 16384" "64 64 2 256 16384" "8 16 9 256 16384"; do

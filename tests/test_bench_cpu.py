@@ -13,15 +13,27 @@ from mlagen.codegen.precompile import code_identity, precompile
 from mlagen.dispatch import policy
 from mlagen.dsl.spec import Problem, Variant, naive, parse_variant
 from mlagen.plan.validate import validate
-from mlagen.tools.bench import DISPATCH, EAGER, BenchResult, Cell, RowResult, invalid_cells, row_variants
+from mlagen.tools.bench import (
+    DISPATCH,
+    EAGER,
+    INVARIANT,
+    BenchConfig,
+    BenchResult,
+    Cell,
+    RowResult,
+    invalid_cells,
+    mask_cell,
+    row_variants,
+    side_variants,
+)
 from mlagen.tools.eager import eager_attention, eager_visible
 from mlagen.tools.floor import Ceilings, floor_bytes, floor_flops, floor_us
 from mlagen.tools.grids import SEED, SERVING, Row, parse_row, select_rows
 from mlagen.tools.peers import PEERS, peer
-from mlagen.tools.report import FILES, from_json, markdown, plot, rich_table, to_json, write_all
+from mlagen.tools.report import FILES, from_json, markdown, plot, rich_table, summary_markdown, to_json, write_all
 from mlagen.tools.testing import make_case
 from mlagen.tools.timing import rotation_count
-from mlagen.tools.workload import draft_tree
+from mlagen.tools.workload import InputSet, Workload, draft_tree, eager_call, problem_for, with_mask
 
 H200 = Ceilings(copy_bytes_per_s=4.25e12, matmul_flops_per_s=785e12)   # the ceilings of PEERS' floor_us
 PVM = "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a"     # a named variant (--variant): valid for H=64 only
@@ -84,10 +96,34 @@ def test_eager_matches_reference(mask):
     assert torch.allclose(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_draft_tree_is_an_ancestor_mask():
-    t = draft_tree(7)
-    assert t.diagonal().all() and not t.triu(1).any()
-    assert t[6].nonzero().flatten().tolist() == [0, 2, 6]     # 6 -> 2 -> 0
+def _ancestors(parents: list[int], k: int) -> set[int]:
+    seen = {k}
+    while k:
+        k = parents[k]
+        seen.add(k)
+    return seen
+
+
+@pytest.mark.parametrize("batch", [None, 5])
+def test_draft_tree_is_a_random_ancestor_mask(batch):
+    """Each token sees itself and its ancestors only; its parent is its lowest other visible
+    token, an earlier one; the root sees only itself."""
+    trees = draft_tree(16, batch, seed=3)
+    assert trees.dtype == torch.bool and trees.shape == ((16, 16) if batch is None else (batch, 16, 16))
+    for t in trees.view(-1, 16, 16):
+        assert t.diagonal().all() and not t.triu(1).any() and t[0].tolist() == [True] + [False] * 15
+        parents = [0] + [int(t[k, :k].nonzero().max()) for k in range(1, 16)]
+        for k in range(16):
+            assert set(t[k].nonzero().flatten().tolist()) == _ancestors(parents, k), (k, parents)
+    if batch is not None:       # per-request trees differ (with this seed, every one)
+        assert len({tuple(t.flatten().tolist()) for t in trees}) == batch
+
+
+def test_draft_tree_is_reproducible_by_seed():
+    assert torch.equal(draft_tree(9, 4, seed=7), draft_tree(9, 4, seed=7))
+    assert torch.equal(draft_tree(9), draft_tree(9, seed=0))
+    assert not torch.equal(draft_tree(33, 4, seed=7), draft_tree(33, 4, seed=8))
+    assert draft_tree(1).tolist() == [[True]] and draft_tree(1, 3).shape == (3, 1, 1)
 
 
 def test_precompile_reports_errors_without_raising():
@@ -220,6 +256,123 @@ def test_row_variants_takes_valid_named_variants():
         assert {n for n in found if n not in ("naive", "flash", "mma", DISPATCH)} == timed
         assert set(invalid_cells(problem, named)) == {v.name for v in named} - timed
         assert all(found[v.name] == v for v in named if v.name in timed)
+
+
+def _with_side_cells() -> BenchResult:
+    """_synthetic() with the dispatcher's pick under two further masks and batch-invariant mode's:
+    the H=8 row is a batched row of the serving grid, and its tree-per-request cell failed."""
+    result = _synthetic()
+    result.other_masks, result.invariant = ["tree", "tree-per-request"], True
+    r0, r1, r2 = result.rows
+    r2.grids = ["serving"]
+    for r, tree, per_request, invariant in ((r0, 12.0, 13.0, 9.0), (r1, 33.0, 36.0, 31.5), (r2, 30.0, None, 35.0)):
+        r.cells[mask_cell("tree")] = Cell(tree, "mma_tree")
+        r.cells[mask_cell("tree-per-request")] = (Cell(per_request, "mma_tree") if per_request else
+                                                  Cell(variant="mma_tree", error="RuntimeError: boom"))
+        r.cells[INVARIANT] = Cell(invariant, "mma_invariant")
+    return result
+
+
+def test_side_cells_are_no_candidates():
+    """The further masks' and the invariant cells are no candidates for the base problem: an
+    invariant pick faster than dispatch leaves 'dispatch vs best' alone."""
+    r0, _, r2 = _with_side_cells().rows
+    assert r0.best_us == 10.0 and r0.dispatch_ok and r0.over_dispatch(INVARIANT) == 0.9
+    assert r0.over_dispatch(mask_cell("tree")) == 1.2 and r2.over_dispatch(mask_cell("tree-per-request")) is None
+
+
+def test_side_cell_columns(tmp_path):
+    result = _with_side_cells()
+    summary = summary_markdown(result)
+    assert summary[0].endswith("| mlagen / FlashMLA | tree/causal | tree-per-request/causal | invariant/dispatch |")
+    assert summary[2].endswith("| 0.57× | 1.20× | 1.30× | 0.90× |")
+    assert summary[4].endswith("| — | 1.20× | — | 1.40× |")
+    paths = write_all(result, tmp_path)
+    back = from_json(paths[0].read_text())
+    assert back == result and to_json(back) == to_json(result) and back.side_cells == result.side_cells
+    md = paths[1].read_text()
+    header = next(line for line in md.split("## Every cell", 1)[1].splitlines() if line.startswith("| H |"))
+    assert ("| dispatch vs best | dispatch:tree µs | tree/causal | dispatch:tree-per-request µs | "
+            "tree-per-request/causal | invariant µs | invariant/dispatch | FlashMLA µs |") in header
+    assert "| 1.25× ! | 30.0 (15.0×) | 1.20× | failed | — | 35.0 (17.5×) | 1.40× | — |" in md
+    assert "mask causal (the dispatcher's pick also under tree, tree-per-request, on the same inputs: " \
+           "dispatch:tree, dispatch:tree-per-request), bf16" in md
+    assert "target at most 1.25× dispatch on the serving grid's batched rows: over the 1 timed, median 1.40×, " \
+           "worst 1.40× (8,16,9,1024), 1 over the target" in md
+    assert "- 8,16,9,1024 dispatch:tree-per-request: RuntimeError: boom" in md
+    assert [c.header for c in rich_table(result).columns][11:13] == ["dispatch:tree µs", "tree/causal"]
+    assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_results_without_side_cells_render_as_before():
+    """A result without side cells has no side columns, and bench.json written before the mask
+    axis (no "other_masks" or "invariant" key) loads and renders the same."""
+    result = _synthetic()
+    assert summary_markdown(result)[0] == ("| H | B | S | prefix | floor µs | mlagen µs | × floor | torch eager µs | "
+                                           "FlashMLA µs | mlagen / FlashMLA |")
+    data = json.loads(to_json(result))
+    del data["other_masks"], data["invariant"]
+    back = from_json(json.dumps(data))
+    assert back == result and markdown(back) == markdown(result) and summary_markdown(back) == summary_markdown(result)
+    assert "/causal" not in markdown(result) and "invariant" not in markdown(result)
+
+
+def test_plot_shows_the_side_cells(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot(_with_side_cells(), tmp_path / "bench.png")
+    (fig,) = figures
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["naive", "flash", EAGER, DISPATCH, mask_cell("tree"), mask_cell("tree-per-request"), INVARIANT,
+                      "floor", "FlashMLA (H200)"]
+    plt.close(fig)
+
+
+def test_side_variants():
+    row = Row(64, 8, 9, 4096)
+    cap = row.kv_capacity(64)
+    assert side_variants(row, BenchConfig(), "sm_90a", "NVIDIA H200", policy.H200) == {}
+    config = BenchConfig(masks=("causal", "tree", "tree-per-request"), batch_invariant=True)
+    side = side_variants(row, config, "sm_90a", "NVIDIA H200", policy.H200)
+    assert list(side) == [mask_cell("tree"), mask_cell("tree-per-request"), INVARIANT]
+    tree = problem_for(row, 64, "tree", "bf16")
+    picked = policy.choose_variant(tree, 9, 8, cap, "sm_90a", "NVIDIA H200", policy=policy.H200)
+    assert side[mask_cell("tree")] == ("tree", tree, picked)
+    assert side[mask_cell("tree-per-request")] == ("tree-per-request", tree, picked)
+    mask, problem, invariant = side[INVARIANT]
+    assert mask == "causal" and problem == problem_for(row, 64, "causal", "bf16")
+    assert invariant == policy.batch_invariant_variant(problem, 9, "sm_90a", policy.H200)
+    assert invariant.kv_split in (policy.INVARIANT_SPLITS, 1)
+
+
+def _cpu_workload(row: Row) -> Workload:
+    def one() -> InputSet:
+        return InputSet(q=torch.zeros(row.batch, row.seqlen_q, row.heads, 576), kv_cache=torch.zeros(4, 64, 576),
+                        block_table=torch.arange(4, dtype=torch.int32).view(row.batch, -1),
+                        cache_seqlens=torch.full((row.batch,), row.keys, dtype=torch.int32), tree_mask=None,
+                        out=torch.zeros(row.batch, row.seqlen_q, row.heads, 512))
+    return Workload(row=row, problem=problem_for(row, 64, "causal", "bf16"), sets=[one(), one()],
+                    visible=eager_visible(row.keys, row.seqlen_q, True, None, "cpu"), scale=1.0)
+
+
+def test_with_mask_swaps_only_the_mask():
+    row = Row(4, 2, 5, 60)
+    work = _cpu_workload(row)
+    tree, per_request, none = (with_mask(work, m) for m in ("tree", "tree-per-request", "none"))
+    for other in (tree, per_request, none):
+        for a, b in zip(work.sets, other.sets, strict=True):
+            assert all(getattr(a, f) is getattr(b, f) for f in ("q", "kv_cache", "block_table", "cache_seqlens", "out"))
+        assert other.row == row and other.scale == work.scale and len(other.sets) == len(work.sets)
+    assert tree.problem == work.problem.with_(mask="tree") == per_request.problem
+    assert none.problem.mask == "none" and none.sets[0].tree_mask is None and bool(none.visible.all())
+    assert torch.equal(tree.sets[1].tree_mask, draft_tree(5)) and tree.sets[0].tree_mask is tree.sets[1].tree_mask
+    assert torch.equal(tree.visible, eager_visible(row.keys, 5, False, draft_tree(5), "cpu"))
+    assert torch.equal(per_request.sets[0].tree_mask, draft_tree(5, 2)) and per_request.visible is None
+    assert torch.equal(with_mask(per_request, "causal").visible, work.visible)
+    with pytest.raises(ValueError, match="per-request trees"):
+        eager_call(per_request)
 
 
 def test_empty_result_writes(tmp_path):

@@ -89,7 +89,9 @@ BAD = [
     (["bench", "--target-ms=fast"], "--target-ms: got 'fast', expected a number"),
     (["bench", "--target-ms", "-1"], "--target-ms: got -1.0, expected > 0"),
     (["bench", "--target-ms", "nan"], "--target-ms: got nan, expected a finite number > 0"),
-    (["bench", "--mask", "diagonal"], "--mask: got 'diagonal', expected one of causal, tree, none"),
+    (["bench", "--mask", "diagonal"], "--mask: got 'diagonal', expected one of causal, none, tree, tree-per-request"),
+    (["bench", "--mask", "causal,tree,diagonal"], "--mask: got 'diagonal', expected one of causal, none, tree,"),
+    (["bench", "--mask", "causal", "--mask", "tree,,none"], "--mask: got '', expected one of causal, none, tree,"),
     (["bench", "--dtype", "fp8"], "--dtype: got 'fp8', expected one of bf16, fp16"),
     (["bench", "--format", "xml"], "--format: got 'xml', expected one of table, markdown, json"),
     (["bench", "--out", "{file}"], "--out: got '{file}', expected a folder (it is a file)"),
@@ -288,6 +290,25 @@ def test_markdown_table_escapes_pipes():
 
 
 # ---- bench, tune and fuzz results in each format, through the CLI with the GPU work faked
+
+@pytest.mark.parametrize("args,masks,invariant", [
+    ([], ("causal",), False),
+    (["--mask", "tree", "--batch-invariant"], ("tree",), True),
+    (["--mask", "causal,tree,tree-per-request"], ("causal", "tree", "tree-per-request"), False),
+    (["--mask", "none, tree", "--mask", "tree-per-request,none"], ("none", "tree", "tree-per-request"), False),
+])
+def test_bench_masks_and_invariant_reach_the_config(args, masks, invariant, tmp_path, monkeypatch, fake_gpu):
+    """--mask takes comma lists and repeats, in order, each mask once; the first is the base."""
+    import mlagen.tools.bench
+
+    configs = []
+    monkeypatch.setattr(mlagen.tools.bench, "run_bench",
+                        lambda rows, config, progress: configs.append(config) or _bench_result())
+    done = runner.invoke(app, ["bench", "--row", "8,1,2,64", "--format", "json", "--out", str(tmp_path), *args])
+    assert done.exit_code == 0, done.output
+    (config,) = configs
+    assert config.masks == masks and config.mask == masks[0] and config.batch_invariant is invariant
+
 
 @pytest.fixture
 def fake_gpu(monkeypatch):

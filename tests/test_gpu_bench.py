@@ -9,12 +9,13 @@ import pytest
 from mlagen.dispatch import policy, tables
 from mlagen.dsl.spec import parse_variant
 from mlagen.runtime import tensormap
-from mlagen.tools.bench import DISPATCH, EAGER, BenchConfig, run_bench
+from mlagen.runtime.op import device_info, device_policy
+from mlagen.tools.bench import DISPATCH, EAGER, INVARIANT, BenchConfig, mask_cell, run_bench
 from mlagen.tools.grids import Row
-from mlagen.tools.report import write_all
+from mlagen.tools.report import from_json, summary_markdown, to_json, write_all
 from mlagen.tools.timing import TimingConfig, l2_bytes, measure
 from mlagen.tools.tune import TuneConfig, tune
-from mlagen.tools.workload import make_workload, mlagen_call
+from mlagen.tools.workload import make_workload, mlagen_call, problem_for, with_mask
 
 pytestmark = pytest.mark.gpu
 
@@ -38,6 +39,42 @@ def test_tiny_bench_row(tmp_path, user_tables):
     assert row.floor_us > 0 and result.meta["copy_tbps"] > 0 and result.meta["matmul_tflops"] > 0
     assert result.meta["host"]["us_per_call_out_given"] > 0
     assert all(p.exists() for p in write_all(result, tmp_path / "bench"))
+
+
+def test_bench_side_cells(tmp_path, user_tables):
+    """The dispatcher's pick under each further mask and batch-invariant mode's pick, timed on the
+    base mask's inputs; their ratios reach the summary."""
+    import torch
+
+    masks = ("causal", "tree", "tree-per-request")
+    config = BenchConfig(masks=masks, batch_invariant=True, timing=QUICK, host_calls=100)
+    result = run_bench([(Row(64, 4, 9, 1000), ("serving",))], config)
+    (row,) = result.rows
+    assert result.other_masks == ["tree", "tree-per-request"] and result.invariant
+    for name in (DISPATCH, mask_cell("tree"), mask_cell("tree-per-request"), INVARIANT):
+        cell = row.cells[name]
+        assert cell.us is not None and math.isfinite(cell.us) and cell.us > 0, (name, cell)
+        assert row.over_dispatch(name) is not None
+    device = torch.cuda.current_device()
+    causal = problem_for(row.row, 64, "causal", "bf16")
+    invariant = policy.batch_invariant_variant(causal, 9, device_info(device)[0], device_policy(device))
+    assert row.cells[INVARIANT].variant == invariant.name
+    assert row.cells[mask_cell("tree")].variant == row.cells[mask_cell("tree-per-request")].variant   # one problem
+    assert summary_markdown(result)[0].endswith("| tree/causal | tree-per-request/causal | invariant/dispatch |")
+    assert from_json(to_json(result)) == result
+    assert all(p.exists() for p in write_all(result, tmp_path / "bench"))
+
+
+def test_with_mask_shares_the_inputs_and_runs():
+    """A workload under another mask runs on the same tensors: only the tree mask differs."""
+    import torch
+
+    work = make_workload(Row(8, 3, 5, 200), 64, "causal", "bf16", l2=0)
+    for mask in ("tree", "tree-per-request", "none"):
+        other = with_mask(work, mask)
+        assert other.sets[0].kv_cache is work.sets[0].kv_cache and other.sets[0].q is work.sets[0].q
+        out = mlagen_call(other, None)(other.sets[0])
+        assert out is other.sets[0].out and bool(torch.isfinite(out).all())
 
 
 def test_tiny_tune_writes_a_table_dispatch_uses(tmp_path, user_tables):

@@ -1,10 +1,13 @@
 """`mlagen bench`: every family, torch eager, the floor and the peers, per benchmark row.
 
-Per row: each family's variant as the dispatcher would pick it within that family (tuned
-table, else the family default), the variants named with `--variant` (A/B columns), the
-dispatcher's own choice, torch eager, the floor from the ceilings measured in the same run, and
-FlashMLA's figure where the peer table (`mlagen.tools.peers`) has the row. A cell that raises, or a
-named variant that is invalid for the row's problem, shows its error; the run goes on.
+Per row, under the base mask (the first of `BenchConfig.masks`): each family's variant as the
+dispatcher would pick it within that family (tuned table, else the family default), the
+variants named with `--variant` (A/B columns), the dispatcher's own choice, torch eager, the
+floor from the ceilings measured in the same run, and FlashMLA's figure where the peer table
+(`mlagen.tools.peers`) has the row. Beside them, on the same inputs: the dispatcher's pick under
+each further mask (cell `dispatch:<mask>`) and, when asked, batch-invariant mode's pick
+(`INVARIANT`). A cell that raises, or a named variant that is invalid for the row's problem,
+shows its error; the run goes on.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..codegen.precompile import code_identity, precompile
-from ..dispatch.policy import DispatchPolicy, choose_variant, family_variant
+from ..dispatch.policy import DispatchPolicy, batch_invariant_variant, choose_variant, family_variant
 from ..dsl.errors import SpecError
 from ..dsl.spec import FAMILIES, Problem, Variant
 from ..plan.validate import validate
@@ -26,10 +29,23 @@ from .grids import Row
 from .peers import PEER_GPU, peer
 from .stamp import stamp
 from .timing import TimingConfig, host_us_per_call, l2_bytes, measure, measure_ceilings
-from .workload import Workload, eager_call, make_workload, mlagen_call, problem_for
+from .workload import Workload, eager_call, make_workload, mlagen_call, problem_for, with_mask
 
 EAGER, DISPATCH = "eager", "dispatch"
+INVARIANT = "invariant"    # the cell of batch-invariant mode's pick (`verify_attention(batch_invariant=True)`)
 DISPATCH_SLACK = 1.05      # the dispatched choice may be this much slower than the best
+INVARIANT_TARGET = 1.25    # batch-invariant mode's aim on the serving grid's batched rows: at most this x dispatch
+
+
+def mask_cell(mask: str) -> str:
+    """The cell of the dispatcher's pick under a further mask: "dispatch:tree"."""
+    return f"{DISPATCH}:{mask}"
+
+
+def is_side_cell(name: str) -> bool:
+    """Whether a cell times the dispatcher's pick under a further mask or in batch-invariant
+    mode: it is no candidate for the row's base problem."""
+    return name == INVARIANT or name.startswith(mask_cell(""))
 
 
 @dataclass
@@ -47,7 +63,7 @@ class RowResult:
     prefix: int
     grids: list[str]
     floor_us: float
-    cells: dict[str, Cell]      # family names, named variants, "eager", "dispatch"
+    cells: dict[str, Cell]      # family names, named variants, "eager", "dispatch", side cells (`is_side_cell`)
     flashmla_us: float | None = None
 
     @property
@@ -66,10 +82,16 @@ class RowResult:
 
     @property
     def best_us(self) -> float | None:
-        """The fastest mlagen variant timed for this row (every family, every named variant and
-        the dispatcher's)."""
-        times = [c.us for n, c in self.cells.items() if n != EAGER and c.us is not None]
+        """The fastest mlagen variant timed for this row's base problem (every family, every
+        named variant and the dispatcher's)."""
+        times = [c.us for n, c in self.cells.items() if n != EAGER and not is_side_cell(n) and c.us is not None]
         return min(times) if times else None
+
+    def over_dispatch(self, name: str) -> float | None:
+        """Cell `name`'s time over the dispatched one (e.g. "dispatch:tree": the tree mask's cost
+        over the base mask's)."""
+        t, d = self.us(name), self.us(DISPATCH)
+        return t / d if t and d else None
 
     @property
     def dispatch_vs_best(self) -> float | None:
@@ -98,6 +120,17 @@ class BenchResult:
     families: list[str]         # family columns, in FAMILIES order
     rows: list[RowResult] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)     # named variant columns (`--variant`), in order
+    other_masks: list[str] = field(default_factory=list)   # the masks after the base one: a `mask_cell` each
+    invariant: bool = False                            # whether rows have an INVARIANT cell
+
+    @property
+    def base_mask(self) -> str:
+        return self.meta.get("mask", "causal")
+
+    @property
+    def side_cells(self) -> list[str]:
+        """The side cells' names (`is_side_cell`), in column order."""
+        return [*map(mask_cell, self.other_masks), *([INVARIANT] if self.invariant else [])]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,18 +138,25 @@ class BenchResult:
     @classmethod
     def from_dict(cls, data: dict) -> BenchResult:
         rows = [RowResult(**{**r, "cells": {k: Cell(**c) for k, c in r["cells"].items()}}) for r in data["rows"]]
-        return cls(meta=data["meta"], families=list(data["families"]), rows=rows,
-                   extra=list(data.get("extra", [])))    # results written before --variant have none
+        # results written before --variant, or before the mask axis and --batch-invariant, lack those keys
+        return cls(meta=data["meta"], families=list(data["families"]), rows=rows, extra=list(data.get("extra", [])),
+                   other_masks=list(data.get("other_masks", [])), invariant=bool(data.get("invariant", False)))
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     page_size: int = 64
-    mask: str = "causal"
+    masks: tuple[str, ...] = ("causal",)   # `workload.MASKS`: the base mask, then those timing dispatch alone
     dtype: str = "bf16"
     timing: TimingConfig = TimingConfig()
     host_calls: int = 2000
     extra: tuple[Variant, ...] = ()     # named variants timed on every row, besides the families
+    batch_invariant: bool = False       # also time batch-invariant mode's pick (INVARIANT) on the base mask
+
+    @property
+    def mask(self) -> str:
+        """The base mask: every cell but the further masks' is timed under it."""
+        return self.masks[0]
 
 
 def spec_error(problem: Problem, variant: Variant) -> str:
@@ -141,6 +181,23 @@ def row_variants(problem: Problem, row: Row, page_size: int, arch: str, gpu: str
     return found
 
 
+def side_variants(row: Row, config: BenchConfig, arch: str, gpu: str,
+                  dispatch: DispatchPolicy) -> dict[str, tuple[str, Problem, Variant]]:
+    """{side cell: (mask, problem, variant)} for a row: the dispatcher's pick under each mask of
+    `config.masks` after the first (`mask_cell`), then with `config.batch_invariant` the variant
+    `verify_attention(batch_invariant=True)` runs under the base mask (INVARIANT)."""
+    cap = row.kv_capacity(config.page_size)
+    side = {}
+    for mask in config.masks[1:]:
+        problem = problem_for(row, config.page_size, mask, config.dtype)
+        side[mask_cell(mask)] = (mask, problem, choose_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu,
+                                                               policy=dispatch))
+    if config.batch_invariant:
+        problem = problem_for(row, config.page_size, config.mask, config.dtype)
+        side[INVARIANT] = (config.mask, problem, batch_invariant_variant(problem, row.seqlen_q, arch, dispatch))
+    return side
+
+
 def invalid_cells(problem: Problem, extra: Sequence[Variant]) -> dict[str, Cell]:
     """{name: failed cell} for the named variants that are invalid for `problem`."""
     return {v.name: Cell(variant=v.name, error=err) for v in extra if (err := spec_error(problem, v))}
@@ -161,10 +218,11 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     for row, grids in rows:
         problem = problem_for(row, config.page_size, config.mask, config.dtype)
         variants = row_variants(problem, row, config.page_size, arch, gpu, dispatch, config.extra)
-        plans.append((row, grids, problem, variants))
-    families = [f for f in FAMILIES if any(f in vs for *_, vs in plans)]
+        plans.append((row, grids, problem, variants, side_variants(row, config, arch, gpu, dispatch)))
+    families = [f for f in FAMILIES if any(f in vs for *_, vs, _ in plans)]
 
-    jobs = [(p, v) for *_, p, vs in plans for v in vs.values()]
+    jobs = [(p, v) for *_, p, vs, _ in plans for v in vs.values()]
+    jobs += [(p, v) for *_, side in plans for _, p, v in side.values()]
     compile_task = progress.add_task("compiling", total=None) if progress else None
 
     def compiled(total: int) -> None:
@@ -173,20 +231,21 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     errors = precompile(jobs, on_done=compiled)
     row_task = progress.add_task("timing rows", total=len(plans)) if progress else None
 
-    result = BenchResult(meta=meta, families=families, extra=[v.name for v in config.extra])
+    result = BenchResult(meta=meta, families=families, extra=[v.name for v in config.extra],
+                         other_masks=list(config.masks[1:]), invariant=config.batch_invariant)
     # The peer figures were measured on one GPU, page 64, causal: show them only for the same.
     show_peers = (torch.cuda.get_device_name() == PEER_GPU and config.page_size == 64
                   and config.mask == "causal")
-    for row, grids, problem, variants in plans:
+    for row, grids, problem, variants, side in plans:
         if progress:
             progress.update(row_task, description=f"timing H={row.heads} B={row.batch} S={row.seqlen_q} "
                                                   f"prefix={row.prefix}")
         try:
             work = make_workload(row, config.page_size, config.mask, config.dtype, l2)
         except Exception as e:   # e.g. out of memory: every cell of the row fails, the run goes on
-            cells = {n: Cell(error=f"inputs: {type(e).__name__}: {e}"[:300]) for n in [*variants, EAGER]}
+            cells = {n: Cell(error=f"inputs: {type(e).__name__}: {e}"[:300]) for n in [*variants, EAGER, *side]}
         else:
-            cells = _time_row(work, problem, variants, errors, config.timing)
+            cells = _time_row(work, config.mask, problem, variants, side, errors, config.timing)
             del work
         cells |= invalid_cells(problem, config.extra)
         p = peer(row.heads, row.batch, row.seqlen_q, row.prefix)
@@ -203,18 +262,28 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     return result
 
 
-def _time_row(work: Workload, problem: Problem, variants: dict[str, Variant],
-              compile_errors: dict[tuple[Problem, Variant], str], timing: TimingConfig) -> dict[str, Cell]:
-    """Cells of one row: each distinct variant timed once, then torch eager."""
-    cells: dict[str, Cell] = {}
-    by_variant: dict[Variant, Cell] = {}     # the dispatcher's pick is often a family's variant
-    for name, v in variants.items():
-        if v not in by_variant:
-            why = compile_errors.get(code_identity(problem, v), "")
-            by_variant[v] = _timed(lambda v=v: measure(mlagen_call(work, v), work.sets, timing).us, v.name, why)
-        cells[name] = by_variant[v]
+def _time_row(work: Workload, mask: str, problem: Problem, variants: dict[str, Variant],
+              side: dict[str, tuple[str, Problem, Variant]], compile_errors: dict[tuple[Problem, Variant], str],
+              timing: TimingConfig) -> dict[str, Cell]:
+    """Cells of one row whose inputs `work` are under `mask`: the base problem's variants, torch
+    eager, then the side cells, each further mask on `work`'s input sets (`with_mask`). Each
+    distinct (mask, variant) is timed once."""
+    works = {mask: work}
+    by_variant: dict[tuple[str, Variant], Cell] = {}     # the dispatcher's pick is often a family's variant
+
+    def run(m: str, v: Variant) -> float:
+        if m not in works:
+            works[m] = with_mask(work, m)
+        return measure(mlagen_call(works[m], v), works[m].sets, timing).us
+
+    def timed(m: str, p: Problem, v: Variant) -> Cell:
+        if (m, v) not in by_variant:
+            by_variant[m, v] = _timed(lambda: run(m, v), v.name, compile_errors.get(code_identity(p, v), ""))
+        return by_variant[m, v]
+
+    cells = {name: timed(mask, problem, v) for name, v in variants.items()}
     cells[EAGER] = _timed(lambda: measure(eager_call(work), work.sets, timing).us, "", "")
-    return cells
+    return cells | {name: timed(m, p, v) for name, (m, p, v) in side.items()}
 
 
 def _timed(run: Callable[[], float], variant: str, compile_error: str) -> Cell:

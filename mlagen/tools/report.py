@@ -2,7 +2,9 @@
 results of `mlagen tune` and `mlagen fuzz` as a terminal table, markdown and JSON.
 
 Bench time cells read "µs (×floor)": the median device time per call and its ratio to the row's
-floor. Named variants (`mlagen bench --variant`) get a column each, after the families.
+floor. Named variants (`mlagen bench --variant`) get a column each, after the families; the side
+cells (the dispatcher's pick under each further `--mask`, batch-invariant mode's pick) a time
+column and a column of their ratio over the dispatched time each, in the summary too.
 No cell of a terminal table is ever cut short: a cell too long for its column folds onto more lines.
 """
 
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 from rich.text import Text
 
-from .bench import DISPATCH, DISPATCH_SLACK, EAGER, BenchResult, RowResult
+from .bench import DISPATCH, DISPATCH_SLACK, EAGER, INVARIANT, INVARIANT_TARGET, BenchResult, RowResult, mask_cell
 
 if TYPE_CHECKING:
     from .fuzz import Outcome, Report
@@ -53,9 +55,20 @@ def _timed_columns(result: BenchResult) -> list[str]:
     return [*result.families, *result.extra]
 
 
+def _ratio_column(result: BenchResult, name: str) -> str:
+    """The header of a side cell's ratio over the dispatched time: "tree/causal", "invariant/dispatch"."""
+    masks = {mask_cell(m): m for m in result.other_masks}
+    return f"{masks[name]}/{result.base_mask}" if name in masks else f"{name}/{DISPATCH}"
+
+
+def _side_columns(result: BenchResult) -> list[str]:
+    return [c for n in result.side_cells for c in (f"{n} µs", _ratio_column(result, n))]
+
+
 def _columns(result: BenchResult) -> list[str]:
     return ["H", "B", "S", "prefix", "floor µs", *[f"{n} µs" for n in _timed_columns(result)], "naive/flash",
-            "eager µs", "dispatch µs", "dispatch vs best", "FlashMLA µs", "dispatch vs FlashMLA", "dispatch variant"]
+            "eager µs", "dispatch µs", "dispatch vs best", *_side_columns(result), "FlashMLA µs",
+            "dispatch vs FlashMLA", "dispatch variant"]
 
 
 def _time(row: RowResult, name: str) -> str:
@@ -77,6 +90,7 @@ def row_cells(result: BenchResult, row: RowResult) -> list[str]:
     return [str(row.heads), str(row.batch), str(row.seqlen_q), str(row.prefix), f"{row.floor_us:.1f}",
             *[_time(row, n) for n in _timed_columns(result)], _ratio(row.speedup), _time(row, EAGER),
             _time(row, DISPATCH), _ratio(row.dispatch_vs_best) + ("" if row.dispatch_ok else " !"),
+            *[c for n in result.side_cells for c in (_time(row, n), _ratio(row.over_dispatch(n)))],
             f"{row.flashmla_us:.1f}" if row.flashmla_us is not None else "—", _ratio(row.dispatch_vs_flashmla),
             dispatch.variant if dispatch else "—"]
 
@@ -86,8 +100,8 @@ def _header_lines(result: BenchResult) -> list[str]:
     lines = [f"{m.get('gpu', '?')} ({m.get('arch', '?')}, {m.get('sm_count', '?')} SMs), driver "
              f"{m.get('driver', '?')}, torch {m.get('torch', '?')}, cupy {m.get('cupy', '?')}, "
              f"NVRTC {m.get('nvrtc', '?')}, {m.get('date_utc', '?')}",
-             f"page size {m.get('page_size')}, mask {m.get('mask')}, {m.get('dtype')}; ceilings measured "
-             f"now: copy {m.get('copy_tbps', 0):.2f} TB/s (read+write), bf16 matmul "
+             f"page size {m.get('page_size')}, mask {m.get('mask')}{_other_masks(result)}, {m.get('dtype')}; "
+             f"ceilings measured now: copy {m.get('copy_tbps', 0):.2f} TB/s (read+write), bf16 matmul "
              f"{m.get('matmul_tflops', 0):.0f} TFLOP/s"]
     host = m.get("host")
     if host:
@@ -98,10 +112,34 @@ def _header_lines(result: BenchResult) -> list[str]:
     if peers:
         lines.append(f"dispatch vs FlashMLA over the {len(peers)} rows with its figure: best {peers[0][0]:.2f}×, "
                      f"median {peers[len(peers) // 2][0]:.2f}×, worst {peers[-1][0]:.2f}× ({peers[-1][1]})")
+    if result.invariant:
+        lines.append(_invariant_line(result))
     lines.append(f"'!': the dispatched variant is slower than naive or torch eager, or more than "
                  f"{DISPATCH_SLACK - 1:.0%} slower than the best variant timed for the row"
                  + (" (named variants included)" if result.extra else ""))
     return lines
+
+
+def _other_masks(result: BenchResult) -> str:
+    """The header's note of the further masks, '' without them."""
+    if not result.other_masks:
+        return ""
+    return (f" (the dispatcher's pick also under {', '.join(result.other_masks)}, on the same inputs: "
+            f"{', '.join(mask_cell(m) for m in result.other_masks)})")
+
+
+def _invariant_line(result: BenchResult) -> str:
+    """The header's line on batch-invariant mode: its pick over the dispatched one on the serving
+    grid's batched rows, against INVARIANT_TARGET."""
+    ratios = sorted((x, r.row) for r in result.rows if "serving" in r.grids and r.batch > 1
+                    and (x := r.over_dispatch(INVARIANT)) is not None)
+    line = (f"{INVARIANT}: batch-invariant mode's pick (verify_attention(batch_invariant=True)); "
+            f"target at most {INVARIANT_TARGET:.2f}× dispatch on the serving grid's batched rows")
+    if not ratios:
+        return line + " (none timed)"
+    over = sum(x > INVARIANT_TARGET for x, _ in ratios)
+    return (line + f": over the {len(ratios)} timed, median {ratios[len(ratios) // 2][0]:.2f}×, worst "
+            f"{ratios[-1][0]:.2f}× ({ratios[-1][1]}), {over} over the target")
 
 
 def rich_table(result: BenchResult) -> Table:
@@ -116,8 +154,9 @@ SUMMARY_COLUMNS = ("H", "B", "S", "prefix", "floor µs", "mlagen µs", "× floor
                    "mlagen / FlashMLA")
 
 
-def summary_cells(row: RowResult) -> list[str]:
-    """One row of the summary table: the dispatched kernel's time beside the floor and the peers."""
+def summary_cells(result: BenchResult, row: RowResult) -> list[str]:
+    """One row of the summary table: the dispatched kernel's time beside the floor and the peers,
+    then each side cell's ratio over it."""
     def us(name: str) -> str:
         cell = row.cells.get(name)
         return f"{cell.us:.1f}" if cell is not None and cell.us is not None else "—"
@@ -127,12 +166,14 @@ def summary_cells(row: RowResult) -> list[str]:
                and row.floor_us > 0 else "—")
     return [str(row.heads), str(row.batch), str(row.seqlen_q), str(row.prefix), f"{row.floor_us:.1f}", us(DISPATCH),
             x_floor, us(EAGER), f"{row.flashmla_us:.1f}" if row.flashmla_us is not None else "—",
-            _ratio(row.dispatch_vs_flashmla)]
+            _ratio(row.dispatch_vs_flashmla), *[_ratio(row.over_dispatch(n)) for n in result.side_cells]]
 
 
 def summary_markdown(result: BenchResult) -> list[str]:
-    """The summary table's markdown lines (the README's performance table is a copy of them)."""
-    return markdown_table(list(SUMMARY_COLUMNS), [summary_cells(r) for r in result.rows])
+    """The summary table's markdown lines (the README's performance table is a copy of them): the
+    side cells' ratio columns only where the result has side cells."""
+    return markdown_table([*SUMMARY_COLUMNS, *(_ratio_column(result, n) for n in result.side_cells)],
+                          [summary_cells(result, r) for r in result.rows])
 
 
 def markdown(result: BenchResult) -> str:
@@ -179,7 +220,7 @@ def plot(result: BenchResult, path: Path) -> None:
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
     for ax in axes.flat[len(groups):]:
         ax.set_visible(False)
-    names = [*_timed_columns(result), EAGER, DISPATCH]      # one colour each, the same in every panel
+    names = [*_timed_columns(result), EAGER, DISPATCH, *result.side_cells]   # one colour each, the same in every panel
     for ax, (group, rows) in zip(axes.flat, groups.items(), strict=False):
         prefixes = [r.prefix for r in rows]
         for i, name in enumerate(names):

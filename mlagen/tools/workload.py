@@ -1,14 +1,16 @@
 """Benchmark inputs on the GPU and the calls timed on them (shared by bench and tune).
 
 Every request of a row has the same length N = prefix + S; its pages are scattered over the
-cache in a random order, as a serving engine's allocator leaves them.
+cache in a random order, as a serving engine's allocator leaves them. A workload's mask is one
+of MASKS: causal, none, one random draft tree shared by the batch ("tree") or one per request
+("tree-per-request"); `with_mask` puts the same inputs under another mask.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,10 +18,15 @@ from ..dsl.spec import Problem, Variant
 from ..runtime.op import verify_attention
 from .eager import eager_attention, eager_visible
 from .grids import Row
+from .testing import random_tree
 from .timing import rotation_count
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DL, DR = 512, 64
+PER_REQUEST = "tree-per-request"
+# A workload's mask -> the kernel's (`Problem.mask`): both tree masks run the tree kernels.
+PROBLEM_MASKS: dict[str, str] = {"causal": "causal", "none": "none", "tree": "tree", PER_REQUEST: "tree"}
+MASKS: tuple[str, ...] = tuple(PROBLEM_MASKS)
 
 
 @dataclass
@@ -28,7 +35,7 @@ class InputSet:
     kv_cache: torch.Tensor       # [B * pages, page_size, Dl+Dr]
     block_table: torch.Tensor    # [B, pages] int32
     cache_seqlens: torch.Tensor  # [B] int32, all N
-    tree_mask: torch.Tensor | None
+    tree_mask: torch.Tensor | None   # bool [S, S] (tree), [B, S, S] (tree-per-request), else None
     out: torch.Tensor            # [B, S, H, Dl]
 
     @property
@@ -41,7 +48,7 @@ class Workload:
     row: Row
     problem: Problem
     sets: list[InputSet]
-    visible: torch.Tensor        # bool [S, N], for torch eager
+    visible: torch.Tensor | None  # bool [S, N], for torch eager; None under per-request trees (it takes one mask)
     scale: float
 
     @property
@@ -49,27 +56,45 @@ class Workload:
         return self.sets[0].block_table.shape[1] * self.problem.page_size
 
 
-def draft_tree(seqlen_q: int) -> torch.Tensor:
-    """A fixed binary draft tree as a bool [S, S] ancestor mask: token k's parent is (k-1)//2."""
-    mask = torch.zeros(seqlen_q, seqlen_q, dtype=torch.bool)
-    for k in range(seqlen_q):
-        mask[k, k] = True
-        if k:
-            mask[k] |= mask[(k - 1) // 2]
-    return mask
+def draft_tree(seqlen_q: int, batch: int | None = None, seed: int = 0) -> torch.Tensor:
+    """Random EAGLE-style draft trees as bool ancestor masks on the CPU (`testing.random_tree`):
+    one tree [S, S] when `batch` is None, else one per request [batch, S, S]. Token 0 is the root;
+    token k's parent is drawn uniformly from 0..k-1; token k sees itself and its ancestors. The
+    same seed draws the same trees."""
+    gen = torch.Generator().manual_seed(seed)
+    if batch is None:
+        return random_tree(seqlen_q, gen)
+    return torch.stack([random_tree(seqlen_q, gen) for _ in range(batch)])
+
+
+def tree_for(row: Row, mask: str, device: torch.device | str, seed: int = 0) -> torch.Tensor | None:
+    """The tree mask `mask` (one of MASKS) puts on `row`'s inputs, on `device`: bool [S, S] for
+    "tree", [B, S, S] for "tree-per-request", None for causal and none."""
+    if PROBLEM_MASKS[mask] != "tree":
+        return None
+    return draft_tree(row.seqlen_q, row.batch if mask == PER_REQUEST else None, seed).to(device)
+
+
+def _visible(row: Row, mask: str, tree: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
+    """Bool [S, N] on `device` for torch eager (`eager_visible`); None under per-request trees."""
+    if mask == PER_REQUEST:
+        return None
+    return eager_visible(row.keys, row.seqlen_q, mask == "causal", tree, device)
 
 
 def problem_for(row: Row, page_size: int, mask: str, dtype: str) -> Problem:
-    return Problem(heads=row.heads, dl=DL, dr=DR, dtype=dtype, page_size=page_size, mask=mask)
+    """The kernel's problem for `row` under `mask` (one of MASKS)."""
+    return Problem(heads=row.heads, dl=DL, dr=DR, dtype=dtype, page_size=page_size, mask=PROBLEM_MASKS[mask])
 
 
 def make_workload(row: Row, page_size: int, mask: str, dtype: str, l2: int, seed: int = 0) -> Workload:
-    """Enough input sets of `row` on the current device to exceed twice the L2 together."""
+    """Enough input sets of `row` on the current device to exceed twice the L2 together, under
+    `mask` (one of MASKS); `seed` draws the inputs and the trees."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     B, S, H, N = row.batch, row.seqlen_q, row.heads, row.keys
     pages = -(-N // page_size)
     dt = TORCH_DTYPES[dtype]
-    tree = draft_tree(S).cuda() if mask == "tree" else None
+    tree = tree_for(row, mask, "cuda", seed)
 
     def one() -> InputSet:
         return InputSet(
@@ -82,8 +107,17 @@ def make_workload(row: Row, page_size: int, mask: str, dtype: str, l2: int, seed
     sets = [one()]
     sets += [one() for _ in range(rotation_count(sets[0].nbytes, l2) - 1)]
     return Workload(row=row, problem=problem_for(row, page_size, mask, dtype), sets=sets,
-                    visible=eager_visible(N, S, mask == "causal", tree, "cuda"),
-                    scale=1.0 / math.sqrt(DL + DR))
+                    visible=_visible(row, mask, tree, "cuda"), scale=1.0 / math.sqrt(DL + DR))
+
+
+def with_mask(work: Workload, mask: str, seed: int = 0) -> Workload:
+    """`work` under `mask` (one of MASKS): the same input sets (q, KV cache, block table, lengths
+    and out, shared, not copied), only the mask and the problem swapped; `seed` draws the trees."""
+    device = work.sets[0].q.device
+    tree = tree_for(work.row, mask, device, seed)
+    return Workload(row=work.row, problem=work.problem.with_(mask=PROBLEM_MASKS[mask]),
+                    sets=[replace(s, tree_mask=tree) for s in work.sets],
+                    visible=_visible(work.row, mask, tree, device), scale=work.scale)
 
 
 def mlagen_call(work: Workload, variant: Variant | None,
@@ -100,8 +134,11 @@ def mlagen_call(work: Workload, variant: Variant | None,
 
 
 def eager_call(work: Workload) -> Callable[[InputSet], object]:
-    """The torch eager reference as a user writes it, on a set."""
+    """The torch eager reference as a user writes it, on a set. Raises ValueError under
+    per-request trees: `eager_attention` takes one [S, N] mask for the batch."""
     keys = work.row.keys
+    if work.visible is None:
+        raise ValueError("torch eager takes one [S, N] mask for the batch, not per-request trees")
 
     def call(s: InputSet) -> object:
         return eager_attention(s.q, s.kv_cache, s.block_table, keys, work.visible, work.scale, DL)
