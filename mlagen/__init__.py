@@ -7,15 +7,24 @@ codegen (Jinja, NVRTC, disk cache) -> dispatch (which variant runs a shape) -> r
 op) -> tools (emit, launchers, bench, tune, fuzz); a module imports only from its own layer and
 lower ones. `reference` is the PyTorch reference.
 Drop-in pieces for serving engines: `verify_attention_varlen` (ragged draft counts),
-`merge_states` (cascades), `verify_attention_op` (the `mlagen::verify_attention` custom op,
-registered on import, for torch.compile and CUDA graphs), `mlagen.compat.flash_mla`
-(FlashMLA's API) and `mlagen.tools.launcher` (C++ launchers for emitted kernels).
+`merge_states` (cascades), `verify_attention_cp_shard` (context-parallel shards),
+`verify_attention_op` (the `mlagen::verify_attention` custom op, registered on import, for
+torch.compile and CUDA graphs), `mlagen.compat.flash_mla` (FlashMLA's API) and
+`mlagen.tools.launcher` (C++ launchers for emitted kernels).
 """
 
 from .codegen.compiler import CompileError
 from .dsl.errors import SpecError
 from .dsl.spec import Problem, Variant, naive
 from .plan.validate import KernelPlan, validate
+from .runtime.context_parallel import (
+    cp_global_positions,
+    cp_local_seqlens,
+    cp_shard_cache,
+    cp_shard_mask,
+    verify_attention_cp_shard,
+    verify_attention_varlen_cp_shard,
+)
 from .runtime.inputs import InputError
 from .runtime.merge import merge_states, merge_states_
 from .runtime.op import verify_attention
@@ -30,13 +39,19 @@ __all__ = [
     "Problem",
     "SpecError",
     "Variant",
+    "cp_global_positions",
+    "cp_local_seqlens",
+    "cp_shard_cache",
+    "cp_shard_mask",
     "merge_states",
     "merge_states_",
     "naive",
     "reference",
     "validate",
     "verify_attention",
+    "verify_attention_cp_shard",
     "verify_attention_op",
     "verify_attention_varlen",
+    "verify_attention_varlen_cp_shard",
 ]
 __version__ = "0.2.0"

@@ -15,7 +15,8 @@ def _defaults(fn) -> dict:
 
 def test_shared_keyword_defaults_agree():
     base = _defaults(mlagen.verify_attention)
-    for fn in (mlagen.verify_attention_op, mlagen.verify_attention_varlen, reference):
+    for fn in (mlagen.verify_attention_op, mlagen.verify_attention_varlen, mlagen.verify_attention_cp_shard,
+               mlagen.verify_attention_varlen_cp_shard, reference):
         other = _defaults(fn)
         for name in SHARED:
             if name in other:
