@@ -272,7 +272,8 @@ def test_kernels_are_queued_for_compiling_ahead_of_their_shapes(monkeypatch):
 
     pool = _RecordingPool()
     monkeypatch.setattr(fuzz_module._CompileAhead, "start",
-                        classmethod(lambda cls, workers, device: cls(pool, workers, "sm_90", "NVIDIA H200", H200)))
+                        classmethod(lambda cls, workers, device: cls(lambda: pool, workers, "sm_90", "NVIDIA H200",
+                                                                     H200)))
     named = parse_variant("mma_ht16_qt4_bn64_w8_st2_spa_sm90")          # fits the 16-head shapes only
     queued_at = []
 
@@ -292,3 +293,21 @@ def test_kernels_are_queued_for_compiling_ahead_of_their_shapes(monkeypatch):
     assert queued_at[0] == (0, len(dict.fromkeys(k for ks in per_shape[:8] for k in ks)))
     workers = fuzz_module._compile_workers
     assert workers(None, None, "cpu") == 0 and workers(None, kernel, "cuda") == 0 and workers(3, kernel, "cpu") == 3
+
+
+def test_no_compile_workers_start_when_every_kernel_is_loaded(monkeypatch):
+    """A run whose kernels this process has loaded already (a second pass over the same seeds)
+    starts no worker pool: spawning workers costs seconds that fuzzing at 20 shapes/s cannot pay."""
+    from mlagen.runtime import launch
+    from mlagen.tools import fuzz as fuzz_module
+
+    made = []
+    monkeypatch.setattr(fuzz_module._CompileAhead, "start",
+                        classmethod(lambda cls, workers, device: cls(lambda: made.append(1) or _RecordingPool(),
+                                                                     workers, "sm_90", "NVIDIA H200", H200)))
+    monkeypatch.setattr(launch, "is_loaded", lambda problem, variant, device_index: True)
+    report = fuzz(range(6), [None], SMALL, device="cpu", kernel=_reference_kernel, compile_workers=2)
+    assert report.count("fail") == 0 and report.count("ok") > 0 and made == []
+    monkeypatch.setattr(launch, "is_loaded", lambda problem, variant, device_index: False)
+    fuzz(range(6), [None], SMALL, device="cpu", kernel=_reference_kernel, compile_workers=2)
+    assert made == [1]                                  # one pool, made on the first code to compile

@@ -57,6 +57,11 @@ def _driver():
     return driver
 
 
+def is_loaded(problem: Problem, variant: Variant, device_index: int) -> bool:
+    """Whether `load` already holds (problem, variant) on the device: its next load is free."""
+    return (problem, variant, device_index) in _loaded
+
+
 def load(problem: Problem, variant: Variant, device_index: int) -> Loaded:
     """Compile (through the disk cache) and load one (problem, variant) on a device, once."""
     key = (problem, variant, device_index)

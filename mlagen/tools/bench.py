@@ -203,6 +203,24 @@ def invalid_cells(problem: Problem, extra: Sequence[Variant]) -> dict[str, Cell]
     return {v.name: Cell(variant=v.name, error=err) for v in extra if (err := spec_error(problem, v))}
 
 
+def plan_rows(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, arch: str, gpu: str,
+              dispatch: DispatchPolicy) -> list[tuple]:
+    """Per row: (row, grids, base problem, {cell: variant}, `side_variants`), as `run_bench`
+    times them on a `gpu` of `arch` whose dispatch figures `dispatch` holds."""
+    plans = []
+    for row, grids in rows:
+        problem = problem_for(row, config.page_size, config.mask, config.dtype)
+        variants = row_variants(problem, row, config.page_size, arch, gpu, dispatch, config.extra)
+        plans.append((row, grids, problem, variants, side_variants(row, config, arch, gpu, dispatch)))
+    return plans
+
+
+def compile_jobs(plans: list[tuple]) -> list[tuple[Problem, Variant]]:
+    """Every (problem, variant) that the planned rows (`plan_rows`) launch."""
+    jobs = [(p, v) for *_, p, vs, _ in plans for v in vs.values()]
+    return jobs + [(p, v) for *_, side in plans for _, p, v in side.values()]
+
+
 def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, progress=None) -> BenchResult:
     """Time every row on the current CUDA device. `progress`: an optional rich Progress."""
     device = torch.cuda.current_device()
@@ -214,15 +232,9 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     meta |= {"copy_tbps": ceilings.copy_bytes_per_s / 1e12, "matmul_tflops": ceilings.matmul_flops_per_s / 1e12}
     l2 = l2_bytes(device)
 
-    plans = []
-    for row, grids in rows:
-        problem = problem_for(row, config.page_size, config.mask, config.dtype)
-        variants = row_variants(problem, row, config.page_size, arch, gpu, dispatch, config.extra)
-        plans.append((row, grids, problem, variants, side_variants(row, config, arch, gpu, dispatch)))
+    plans = plan_rows(rows, config, arch, gpu, dispatch)
     families = [f for f in FAMILIES if any(f in vs for *_, vs, _ in plans)]
-
-    jobs = [(p, v) for *_, p, vs, _ in plans for v in vs.values()]
-    jobs += [(p, v) for *_, side in plans for _, p, v in side.values()]
+    jobs = compile_jobs(plans)
     compile_task = progress.add_task("compiling", total=None) if progress else None
 
     def compiled(total: int) -> None:

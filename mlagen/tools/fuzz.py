@@ -379,33 +379,42 @@ class _CompileAhead:
     pool that breaks stops the compiling ahead, not the run (the launches compile what they
     need)."""
 
-    def __init__(self, pool: Executor, workers: int, arch: str, gpu: str, dispatch: DispatchPolicy) -> None:
-        self.pool, self.arch, self.gpu, self.dispatch = pool, arch, gpu, dispatch
+    def __init__(self, make_pool: Callable[[], Executor], workers: int, arch: str, gpu: str,
+                 dispatch: DispatchPolicy, device_index: int = 0) -> None:
+        self.make_pool, self.arch, self.gpu, self.dispatch = make_pool, arch, gpu, dispatch
+        self.device_index = device_index
+        self.pool: Executor | None = None     # made for the first code that needs compiling
         self.lookahead = 4 * workers          # shapes planned ahead of the one running
         self.submitted: set[tuple[Problem, Variant]] = set()
 
     @classmethod
     def start(cls, workers: int, device: str) -> _CompileAhead:
-        """A pool of `workers` spawned processes (the caller holds a CUDA context: no fork)."""
+        """Compiling ahead in `workers` spawned processes (the caller holds a CUDA context: no
+        fork), started when a shape first needs a kernel this process has not loaded: a run
+        whose kernels are all loaded spends no time starting them."""
         arch, gpu, dispatch = _device_target(device)
-        return cls(ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")),
-                   workers, arch, gpu, dispatch)
+        index = torch.device(device).index
+        return cls(lambda: ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")),
+                   workers, arch, gpu, dispatch, torch.cuda.current_device() if index is None else index)
 
     def submit(self, shape: Shape, variants: Sequence[Variant | None], drawn: Variant | None) -> None:
         """Queue the kernels the shape will launch: the dispatcher's pick for a None in
         `variants`, the named variants that fit it, and its random variant `drawn` (if any)."""
         from ..codegen.precompile import code_identity, compile_one
+        from ..runtime.launch import is_loaded
 
         for v in [*variants, *([drawn] if drawn is not None else [])]:
             try:
                 v = dispatched_variant(shape, self.arch, self.gpu, self.dispatch) if v is None else v
                 key = code_identity(shape.problem, v)
-                if key in self.submitted or not is_valid(shape.problem, v):
+                if key in self.submitted or not is_valid(shape.problem, v) or is_loaded(*key, self.device_index):
                     continue
             except Exception:       # the launch reports what went wrong
                 continue
             self.submitted.add(key)
             try:
+                if self.pool is None:
+                    self.pool = self.make_pool()
                 self.pool.submit(compile_one, *key)
             except Exception:       # a broken pool: the launches compile on their own
                 self.lookahead = 1
@@ -413,7 +422,8 @@ class _CompileAhead:
 
     def close(self) -> None:
         """Drop what is still queued; workers finish the compile in hand."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _compile_workers(requested: int | None, kernel: Kernel | None, device: str) -> int:
