@@ -141,12 +141,26 @@ __device__ __forceinline__ const elem_t* kv_row(const VerifyParams& p, int b, in
   return kv_row_in(p, kv_page(p, b, j), j);
 }
 
-// Draft-tree rows as bit sets: bit k of tree_bits(p, b, i) says query i sees draft token k.
-__device__ __forceinline__ unsigned long long tree_bits(const VerifyParams& p, int b, int i) {
+// Draft-tree rows as bit sets: bit k of tree_bits(p, b, i, lane) says query i sees draft token k.
+// A whole warp calls it: lane k reads bytes k and k + 32 of the row and two ballots gather them,
+// one round trip to memory where a loop over the row's bytes pays one per byte (~1 µs a block at
+// S = 9, on every work item of a persistent block).
+__device__ __forceinline__ unsigned long long tree_bits(const VerifyParams& p, int b, int i, int lane) {
   const unsigned char* row = p.tree_mask + (long long)b * p.mask_stride_b + (long long)i * p.mask_stride_q;
-  unsigned long long bits = 0;
-  for (int k = 0; k < p.seqlen_q; ++k) bits |= (unsigned long long)(row[k] != 0) << k;
-  return bits;
+  const bool lo = lane < p.seqlen_q && row[lane] != 0;
+  const bool hi = lane + 32 < p.seqlen_q && row[lane + 32] != 0;
+  return (unsigned long long)__ballot_sync(0xffffffffu, lo) | (unsigned long long)__ballot_sync(0xffffffffu, hi) << 32;
+}
+
+// The tree-mask rows of queries q0 .. q0 + ROWS_Q - 1 into bits[0, ROWS_Q), 0 past S: one warp
+// a row, every warp of the block calling.
+template <int ROWS_Q, int WARPS_Q>
+__device__ __forceinline__ void load_tree_rows(const VerifyParams& p, int b, int q0, int S, unsigned long long* bits,
+                                               int warp, int lane) {
+  for (int r = warp; r < ROWS_Q; r += WARPS_Q) {
+    const unsigned long long row = q0 + r < S ? tree_bits(p, b, q0 + r, lane) : 0ull;
+    if (lane == 0) bits[r] = row;
+  }
 }
 
 // Whether query i (of S) sees key j (of n keys): prefix keys always, draft keys by the mask.
@@ -732,7 +746,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       cp_async_commit();
     }
     prepare_kv(kb_begin + STAGES - 1);
-    if (MASK_TREE && threadIdx.x < QT) sBits[threadIdx.x] = q0 + threadIdx.x < S ? tree_bits(p, b, q0 + threadIdx.x) : 0ull;
+    if (MASK_TREE) load_tree_rows<QT, WARPS>(p, b, q0, S, sBits, warp, lane);
     if (threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;
 
     float o[MT_O][NT_O][4] = {};
