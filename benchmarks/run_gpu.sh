@@ -3,10 +3,11 @@
 # host cost and fuzzing, as named steps. Each group below fits one 10-minute device call:
 #
 #   bash benchmarks/run_gpu.sh STEP...
-#   bash benchmarks/run_gpu.sh          # tests sanitize bench: about 25 min, more than one call
+#   bash benchmarks/run_gpu.sh          # tests verify sanitize bench: about 30 min, more than one call
 #
 #   step       what                                                   time on the H200    timeout
-#   tests      pytest -m gpu tests/                                   5-7 min             540 s
+#   tests      pytest -m gpu tests/, all but test_gpu_verify.py       5-6 min             540 s
+#   verify     pytest -m gpu tests/test_gpu_verify.py                 5-6 min             540 s
 #   memcheck   compute-sanitizer memcheck on benchmarks/sanitize.py  2.5 min             300 s
 #   synccheck  synccheck on the transposed tile (--only _tr_)         under 1 min         150 s
 #   racecheck1 racecheck, all but the transposed tile (--skip _tr_),  3.5 min, cold       360 s
@@ -24,26 +25,26 @@
 #   facts      only gpu.txt (every run writes it first)
 #
 # "Cold" is a fresh machine, whose kernels all compile first (the sanitizer steps compile them
-# again, with line info). One call per group (CALLS below): `tests`, `memcheck synccheck`,
+# again, with line info). One call per group (CALLS below): `tests`, `verify`, `memcheck synccheck`,
 # `racecheck1`, `racecheck2`, `tune`, `bench`, `ragged host`, `fuzz`. Run `tune` before
 # `bench`: bench times the dispatcher's picks from the table tune writes.
 #
 # Outputs rewrite the files in benchmarks/results/<gpu>/ (gpu: the GPU's name as a short slug,
 # "NVIDIA H200" -> h200; RESULTS=dir overrides): gpu.txt (name, driver, clocks, date, torch, cupy
-# and NVRTC versions), gpu_tests.log, sanitize_<step>.log, tune.log, bench.json/.md/.png,
+# and NVRTC versions), gpu_tests.log, gpu_verify.log, sanitize_<step>.log, tune.log, bench.json/.md/.png,
 # ragged.log, host_cost.log, fuzz.log. Where $OUT is set (the device tool returns the files under
 # it: at most 8, two folders deep), the files a step wrote are copied to $OUT/<gpu>/ as it ends
 # (so a call cut short returns the steps it finished), and tune's table to $OUT/tables/. Exits
 # non-zero when a step fails or times out; later steps still run.
 set -uo pipefail
 
-STEPS="tests memcheck synccheck racecheck1 racecheck2 racecheck sanitize tune bench ragged host fuzz facts"
-DEFAULT_STEPS="tests sanitize bench"
+STEPS="tests verify memcheck synccheck racecheck1 racecheck2 racecheck sanitize tune bench ragged host fuzz facts"
+DEFAULT_STEPS="tests verify sanitize bench"
 # Each step's timeout in seconds (ragged: all three shapes), and the groups of steps that share one
 # device call: each group's timeouts add up to less than the call's 600 s.
-declare -A LIMIT=([tests]=540 [memcheck]=300 [synccheck]=150 [racecheck1]=360 [racecheck2]=480 [tune]=420
+declare -A LIMIT=([tests]=540 [verify]=540 [memcheck]=300 [synccheck]=150 [racecheck1]=360 [racecheck2]=480 [tune]=420
                   [bench]=585 [ragged]=450 [host]=120 [fuzz]=330 [facts]=0)
-CALLS=("tests" "memcheck synccheck" "racecheck1" "racecheck2" "tune" "bench" "ragged host" "fuzz")
+CALLS=("tests" "verify" "memcheck synccheck" "racecheck1" "racecheck2" "tune" "bench" "ragged host" "fuzz")
 
 usage() {
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -81,7 +82,7 @@ main() {
   fi
   if [[ $# -eq 0 ]]; then
     set -- $DEFAULT_STEPS
-    echo "run_gpu.sh: no steps named, so $DEFAULT_STEPS (about 25 min; one group a device call: see --help)" >&2
+    echo "run_gpu.sh: no steps named, so $DEFAULT_STEPS (about 30 min; one group a device call: see --help)" >&2
   fi
   local steps
   steps=$(expand_steps "$@") || return 2
@@ -130,8 +131,12 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
     echo "== $step (results in $results)"
     case $step in
       tests)
-        timeout ${LIMIT[tests]} python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$results/gpu_tests.log"
+        timeout ${LIMIT[tests]} python3 -m pytest -q -m gpu tests/ --ignore=tests/test_gpu_verify.py 2>&1 |
+          tee "$results/gpu_tests.log"
         rc=${PIPESTATUS[0]}; written+=(gpu_tests.log) ;;
+      verify)   # the kernels against the fp64 reference, family by family: a call of its own
+        timeout ${LIMIT[verify]} python3 -m pytest -q -m gpu tests/test_gpu_verify.py 2>&1 | tee "$results/gpu_verify.log"
+        rc=${PIPESTATUS[0]}; written+=(gpu_verify.log) ;;
       memcheck | synccheck | racecheck1 | racecheck2)
         # -lineinfo: each report names its source lines. racecheck does not pair bar.arrive with
         # bar.sync: the transposed tile (_tr_), whose warpgroups hand over through them, gets
