@@ -456,8 +456,8 @@ def test_run_gpu_parses_and_checks_its_steps(tmp_path):
     assert usage.returncode == 0 and "bash benchmarks/run_gpu.sh STEP..." in usage.stdout
     bad = _bash("bash benchmarks/run_gpu.sh tests bogus")            # checked before any GPU is looked for
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        "run_gpu.sh: unknown step 'bogus' (steps: tests verify memcheck synccheck racecheck1 racecheck2 racecheck sanitize "
-        "tune bench ragged host fuzz facts)")
+        "run_gpu.sh: unknown step 'bogus' (steps: tests verify memcheck synccheck racecheck1 racecheck2 racecheck "
+        "sanitize tune bench ragged host fuzz facts)")
     nogpu = subprocess.run([shutil.which("bash"), "benchmarks/run_gpu.sh", "tests"], cwd=ROOT, capture_output=True,
                            text=True, timeout=60, env={"PATH": str(tmp_path)})   # a PATH without nvidia-smi
     assert nogpu.returncode == 1 and nogpu.stderr.strip() == (
@@ -465,7 +465,8 @@ def test_run_gpu_parses_and_checks_its_steps(tmp_path):
     default = subprocess.run([shutil.which("bash"), "benchmarks/run_gpu.sh"], cwd=ROOT, capture_output=True,
                              text=True, timeout=60, env={"PATH": str(tmp_path)})
     assert default.returncode == 1 and default.stderr.splitlines() == [
-        "run_gpu.sh: no steps named, so tests verify sanitize bench (about 30 min; one group a device call: see --help)",
+        "run_gpu.sh: no steps named, so tests verify sanitize bench (about 30 min; one group a device call: "
+        "see --help)",
         "run_gpu.sh: no GPU here (nvidia-smi not found); run it on the GPU machine"]
     got = _bash("source benchmarks/run_gpu.sh; gpu_slug 'NVIDIA H200'; gpu_slug 'NVIDIA H100 80GB HBM3'; "
                 "expand_steps sanitize bench racecheck")
