@@ -16,6 +16,7 @@ from mlagen.dsl.spec import Problem, Variant, naive, parse_variant
 from mlagen.plan.validate import is_valid, validate
 from mlagen.runtime import workspace
 from mlagen.tools.testing import (
+    TREE_SHAPES,
     assert_matches,
     make_case,
     pinned_balanced_ranges,
@@ -303,6 +304,22 @@ def test_dispatched_matches_reference(shape):
     case = make_case(**shape)
     out, lse_out = _run(case, None, lse)
     assert_matches(out, lse_out, case)
+
+
+@pytest.mark.parametrize("heads", [16, 64])
+@pytest.mark.parametrize("seqlen_q", [1, 9, 33, 64])
+def test_every_tree_shape_matches_reference(seqlen_q, heads):
+    """Chains, stars, binary and random trees, and trees with rows that see no draft token, one
+    for the batch and one per request, through the dispatcher's pick: a long request, one whose
+    cache holds only its drafts (the blind rows see no key at all), a short one and an empty
+    one, each row against the reference."""
+    for i, shape in enumerate(TREE_SHAPES):
+        for per_request in (False, True):
+            case = make_case(batch=4, seqlen_q=seqlen_q, heads=heads, prefixes=[3000, 0, 130, 64], page_size=64,
+                             mask="tree", tree_shape=shape, per_request_tree=per_request,
+                             empty=[False, False, False, True], seed=100 * seqlen_q + 10 * i + per_request)
+            out, lse = _run(case, None, True)
+            assert_matches(out, lse, case)
 
 
 @pytest.mark.parametrize("scale", [0.3, 2.0])

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from mlagen.runtime.reference import reference, reference_naive, visible_keys
 from mlagen.tools.testing import (
+    TREE_SHAPES,
     Tolerance,
     assert_matches,
     compare_rows,
@@ -20,6 +21,7 @@ from mlagen.tools.testing import (
     random_tree,
     rel_error,
     tolerance,
+    tree_of_shape,
 )
 
 
@@ -158,6 +160,35 @@ def test_random_tree_is_an_ancestor_mask():
         parent = max(j for j in range(k) if tree[k, j])          # its nearest ancestor
         assert torch.equal(tree[k, :k], tree[parent, :k])          # sees what its parent sees
     assert torch.equal(tree, random_tree(24, torch.Generator().manual_seed(3)))
+
+
+@pytest.mark.parametrize("shape", TREE_SHAPES)
+def test_tree_shapes_are_the_trees_they_name(shape):
+    """Every shape sees no later token and is closed under ancestors (a token sees what its
+    nearest ancestor sees); chain, star and binary have their named parents; blind drops the
+    whole row of some tokens and keeps the rest of a random tree."""
+    S = 33
+    tree = tree_of_shape(shape, S, torch.Generator().manual_seed(5))
+    assert tree.shape == (S, S) and tree.dtype == torch.bool and not tree.triu(1).any()
+    seeing = [k for k in range(S) if tree[k].any()]
+    full = random_tree(S, torch.Generator().manual_seed(5)) if shape == "blind" else tree
+    for k in range(1, S):
+        below = max(j for j in range(k) if full[k, j])
+        assert torch.equal(full[k, :k], full[below, :k] | (torch.arange(k) == below))
+    expect = {"chain": lambda k: k - 1, "star": lambda k: 0, "binary": lambda k: (k - 1) // 2}
+    if shape in expect:
+        assert tree.diagonal().all()
+        assert all(max(j for j in range(k) if tree[k, j]) == expect[shape](k) for k in range(1, S))
+    if shape == "chain":
+        assert torch.equal(tree, torch.ones(S, S, dtype=torch.bool).tril())
+    if shape == "blind":
+        assert 0 < len(seeing) < S and all(torch.equal(tree[k], full[k]) for k in seeing)
+    assert torch.equal(tree, tree_of_shape(shape, S, torch.Generator().manual_seed(5)))
+
+
+def test_an_unknown_tree_shape_is_named():
+    with pytest.raises(ValueError, match="tree shape: got 'ring'"):
+        tree_of_shape("ring", 4, torch.Generator())
 
 
 # The row-by-row comparison. A case whose rows differ in length: a long request, a short one and

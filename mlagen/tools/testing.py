@@ -58,16 +58,41 @@ def random_tree(seqlen_q: int, gen: torch.Generator) -> torch.Tensor:
     return torch.tensor([[bool(row >> j & 1) for j in range(seqlen_q)] for row in seen], dtype=torch.bool)
 
 
+# Draft-tree shapes `tree_of_shape` draws: EAGLE's random trees, a chain (the causal mask), a star
+# (every token a child of token 0), a full binary tree (deep and bushy), and "blind" (a random
+# tree whose rows, some of them, see no draft token at all, not even their own).
+TREE_SHAPES = ("random", "chain", "star", "binary", "blind")
+
+
+def tree_of_shape(shape: str, seqlen_q: int, gen: torch.Generator) -> torch.Tensor:
+    """A bool [S, S] draft-tree mask of one of `TREE_SHAPES`; row i: the draft tokens query i
+    sees. gen: a CPU generator (random and blind shapes)."""
+    if shape == "random":
+        return random_tree(seqlen_q, gen)
+    if shape == "blind":
+        tree = random_tree(seqlen_q, gen)
+        blind = torch.rand(seqlen_q, generator=gen) < 0.5
+        return tree & ~blind[:, None]
+    parent = {"chain": lambda k: k - 1, "star": lambda k: 0, "binary": lambda k: (k - 1) // 2}.get(shape)
+    if parent is None:
+        raise ValueError(f"tree shape: got {shape!r}, expected one of {', '.join(TREE_SHAPES)}")
+    tree = torch.eye(seqlen_q, dtype=torch.bool)
+    for k in range(1, seqlen_q):
+        tree[k] |= tree[parent(k)]
+    return tree
+
+
 def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], page_size: int,
               mask: str, seed: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
               dl: int = 512, dr: int = 64, empty: list[bool] | None = None,
-              spare_pages: int = 3, per_request_tree: bool = False, table_pages: int = 0) -> Case:
+              spare_pages: int = 3, per_request_tree: bool = False, table_pages: int = 0,
+              tree_shape: str = "random") -> Case:
     """A paged case: request b holds prefixes[b] + S keys (0 where empty[b]) on shuffled pages.
 
     q is [B, S, H, dl+dr] and the cache [pages, page_size, dl+dr], both standard normal in `dtype`
     on `device`, drawn there by a generator seeded with `seed`; the layout (page order, trees,
     scale) comes from a CPU generator seeded with `seed`. The same seed and device give the same
-    case. mask: "causal", "tree" (one random draft tree, or one per request with
+    case. mask: "causal", "tree" (one draft tree of `tree_shape`, or one per request with
     per_request_tree) or "none". The softmax scale is 1/sqrt(dl+dr) times a random factor in
     [0.5, 2]. NaN fills the unused pages (spare_pages of them), each request's keys past its
     length, and the block table's entries past a request's pages (they point at unused pages).
@@ -107,9 +132,9 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
     tree = None
     if mask == "tree":
         if per_request_tree:
-            tree = torch.stack([random_tree(seqlen_q, gen) for _ in range(batch)])
+            tree = torch.stack([tree_of_shape(tree_shape, seqlen_q, gen) for _ in range(batch)])
         else:
-            tree = random_tree(seqlen_q, gen)
+            tree = tree_of_shape(tree_shape, seqlen_q, gen)
         tree = tree.to(device)
     scale = (1.0 / math.sqrt(D)) * float(torch.empty(1).uniform_(0.5, 2.0, generator=gen))
     return Case(q=q, kv_cache=kv, block_table=table,
