@@ -17,8 +17,8 @@
 #   racecheck  racecheck1 racecheck2 (two calls)
 #   sanitize   memcheck synccheck racecheck1 racecheck2 (three calls)
 #   tune       mlagen tune, seed and serving grids, into mlagen/dispatch/tables/  under 5 min      420 s
-#   bench      mlagen bench, seed and serving grids; the dispatcher's about 9 min           585 s
-#              pick under tree masks too, and batch-invariant mode's
+#   bench      mlagen bench, seed, serving and trees grids; the      under 3 min warm    585 s
+#              dispatcher's pick under tree masks too, and batch-invariant mode's
 #   ragged     benchmarks/ragged.py on three batch shapes             1-3 min             150 s each
 #   host       benchmarks/host_cost.py                                10 s warm           120 s
 #   fuzz       mlagen fuzz for 4 minutes                              4.5 min             330 s
@@ -153,7 +153,7 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         timeout ${LIMIT[tune]} python3 cli.py tune --grid seed --grid serving --write-default 2>&1 | tee "$results/tune.log"
         rc=${PIPESTATUS[0]}; written+=(tune.log); tables=(mlagen/dispatch/tables/*.json) ;;
       bench)
-        timeout ${LIMIT[bench]} python3 cli.py bench --grid seed --grid serving --mask causal,tree,tree-per-request \
+        timeout ${LIMIT[bench]} python3 cli.py bench --grid seed --grid serving --grid trees --mask causal,tree,tree-per-request \
           --batch-invariant --out "$results"
         rc=$?; written+=(bench.json bench.md bench.png) ;;
       ragged)   # batches of mixed lengths (the bench's rows are uniform): dispatch vs adaptive vs balanced

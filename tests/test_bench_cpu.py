@@ -28,7 +28,7 @@ from mlagen.tools.bench import (
 )
 from mlagen.tools.eager import eager_attention, eager_visible
 from mlagen.tools.floor import Ceilings, floor_bytes, floor_flops, floor_us
-from mlagen.tools.grids import SEED, SERVING, Row, parse_row, select_rows
+from mlagen.tools.grids import SEED, SERVING, TREES, Row, parse_row, select_rows
 from mlagen.tools.peers import PEERS, peer
 from mlagen.tools.report import FILES, from_json, markdown, plot, rich_table, summary_markdown, to_json, write_all
 from mlagen.tools.testing import make_case
@@ -60,6 +60,9 @@ def test_grids():
     assert [(r.heads, r.batch, r.seqlen_q, r.prefix) for r in SERVING] == [p.shape for p in PEERS]
     assert max(r.batch for r in SERVING) == 128 and {r.heads for r in SERVING} == {8, 16, 64, 128}
     assert peer(64, 1, 9, 65536).flashmla_us == 136.2 and peer(64, 1, 9, 7) is None
+    # The trees grid: wide trees only (S = 33 batched, S = 64), none of them in the other grids.
+    assert {r.seqlen_q for r in TREES} == {33, 64} and not set(TREES) & (set(SEED) | set(SERVING))
+    assert all(r.seqlen_q == 64 or r.batch > 1 for r in TREES)
 
 
 def test_select_rows_dedupes_and_keeps_membership():

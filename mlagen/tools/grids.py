@@ -38,7 +38,11 @@ SEED: tuple[Row, ...] = tuple(
     Row(64, 1, s, p) for s in (9, 33) for p in (256, 1024, 4096, 16384, 65536)
 )
 SERVING: tuple[Row, ...] = tuple(Row(*p.shape) for p in PEERS)
-GRIDS: dict[str, tuple[Row, ...]] = {"seed": SEED, "serving": SERVING}
+# Wide draft trees, which the other grids lack: S = 33 on a batch and S = 64, the most a tree mask
+# holds, where a tree's draft-token tiles are the largest share of the work.
+TREES: tuple[Row, ...] = (Row(64, 8, 33, 4096), Row(64, 1, 64, 4096), Row(64, 8, 64, 4096),
+                          Row(64, 1, 64, 65536), Row(16, 64, 64, 4096), Row(8, 16, 64, 16384))
+GRIDS: dict[str, tuple[Row, ...]] = {"seed": SEED, "serving": SERVING, "trees": TREES}
 
 
 def parse_row(text: str) -> Row:
