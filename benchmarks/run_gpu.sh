@@ -19,7 +19,8 @@
 #   tune       mlagen tune, seed and serving grids, into mlagen/dispatch/tables/  under 5 min      420 s
 #   bench      mlagen bench, seed, serving and trees grids; the      under 3 min warm    585 s
 #              dispatcher's pick under tree masks too, and batch-invariant mode's
-#   ragged     benchmarks/ragged.py on three batch shapes             1-3 min             150 s each
+#   ragged     benchmarks/ragged.py on three batch shapes, then       1-4 min             450 s
+#              ragged_drafts.py with trees and causal
 #   host       benchmarks/host_cost.py                                10 s warm           120 s
 #   fuzz       mlagen fuzz for 4 minutes                              4.5 min             330 s
 #   facts      only gpu.txt (every run writes it first)
@@ -40,7 +41,7 @@ set -uo pipefail
 
 STEPS="tests verify memcheck synccheck racecheck1 racecheck2 racecheck sanitize tune bench ragged host fuzz facts"
 DEFAULT_STEPS="tests verify sanitize bench"
-# Each step's timeout in seconds (ragged: all three shapes), and the groups of steps that share one
+# Each step's timeout in seconds (ragged: all its runs together), and the groups of steps that share one
 # device call: each group's timeouts add up to less than the call's 600 s.
 declare -A LIMIT=([tests]=540 [verify]=540 [memcheck]=300 [synccheck]=150 [racecheck1]=360 [racecheck2]=480 [tune]=420
                   [bench]=585 [ragged]=450 [host]=120 [fuzz]=330 [facts]=0)
@@ -156,12 +157,19 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         timeout ${LIMIT[bench]} python3 cli.py bench --grid seed --grid serving --grid trees --mask causal,tree,tree-per-request \
           --batch-invariant --out "$results"
         rc=$?; written+=(bench.json bench.md bench.png) ;;
-      ragged)   # batches of mixed lengths (the bench's rows are uniform): dispatch vs adaptive vs balanced
-        for shape in "64 32 9 256 16384" "64 64 2 256 16384" "8 16 9 256 16384"; do
-          # shellcheck disable=SC2086
-          timeout $((LIMIT[ragged] / 3)) python3 benchmarks/ragged.py $shape 2>&1 || echo "ragged.py $shape: rc $?" >&2
-        done 2>&1 | tee "$results/ragged.log"
-        rc=0; grep -q "^ragged.py .*: rc " "$results/ragged.log" && rc=1
+      ragged)   # batches of mixed lengths (the bench's rows are uniform): dispatch vs adaptive vs balanced;
+                # then mixed draft counts against even ones, with trees and causal
+        {
+          for shape in "64 32 9 256 16384" "64 64 2 256 16384" "8 16 9 256 16384"; do
+            # shellcheck disable=SC2086
+            timeout $((LIMIT[ragged] / 4)) python3 benchmarks/ragged.py $shape 2>&1 || echo "ragged.py $shape: rc $?" >&2
+          done
+          for mask in tree causal; do
+            timeout $((LIMIT[ragged] / 8)) python3 benchmarks/ragged_drafts.py --mask $mask 2>&1 ||
+              echo "ragged_drafts.py --mask $mask: rc $?" >&2
+          done
+        } 2>&1 | tee "$results/ragged.log"
+        rc=0; grep -q "^ragged.*py .*: rc " "$results/ragged.log" && rc=1
         written+=(ragged.log) ;;
       host)
         timeout ${LIMIT[host]} python3 benchmarks/host_cost.py 2>&1 | tee "$results/host_cost.log"

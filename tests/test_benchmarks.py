@@ -28,6 +28,7 @@ import host_cost  # noqa: E402
 import hot_loop  # noqa: E402
 import profile_row  # noqa: E402
 import ragged  # noqa: E402
+import ragged_drafts  # noqa: E402
 import sanitize  # noqa: E402
 import sass_histogram  # noqa: E402
 import trace_blocks  # noqa: E402
@@ -58,6 +59,7 @@ GPU_RUNS = {
     "sanitize.py": ["--only", "_w4_"],
     "host_cost.py": ["--calls", "200"],
     "ragged.py": ["8", "4", "9", "256", "2048"],
+    "ragged_drafts.py": ["8", "4", "9", "256"],
     "wide_table.py": ["8", "1", "9", "256", "16384"],
     "profile_row.py": ["8", "1", "9", "1024"],
     "trace_blocks.py": ["64", "2", "9", "2048", "mma_ht32_qt2_bn64_w8_st2_spa_p16_tma_sm90a"],
@@ -67,8 +69,8 @@ GPU_RUNS = {
     "ab_constant.py": ["1", "MERGE_TARGET_BLOCKS=128,144", "8,1,9,1024"],
     "cold_code.py": ["1", "main=.", "8,1,9,1024=main/dispatch"],
 }
-HELP = ["ab_constant", "ab_trees", "cold_code", "host_cost", "hot_loop", "profile_row", "ragged", "sanitize",
-        "sass_histogram", "trace_blocks", "trace_exchange", "trace_seesaw", "wide_table"]
+HELP = ["ab_constant", "ab_trees", "cold_code", "host_cost", "hot_loop", "profile_row", "ragged", "ragged_drafts",
+        "sanitize", "sass_histogram", "trace_blocks", "trace_exchange", "trace_seesaw", "wide_table"]
 
 
 def _script(name: str, *args: str, env: dict[str, str] | None = None,
@@ -230,6 +232,24 @@ def test_ragged_compares_the_pick_with_its_splits():
     assert all(v.head_tile == picked.head_tile and v.q_tile == picked.q_tile for v in others)
     _, named = ragged.compared(problem, 9, 32, 16384, *H200, [SEESAW])
     assert named == [parse_variant(SEESAW)]
+
+
+# ---- ragged_drafts.py
+
+def test_ragged_drafts_spreads_the_same_tokens_evenly():
+    counts = ragged_drafts.ragged_counts(64, 16, torch.Generator().manual_seed(0))
+    assert len(counts) == 64 and min(counts) >= 1 and max(counts) <= 16 and len(set(counts)) > 8
+    even = ragged_drafts.even_counts(64, sum(counts))
+    assert sum(even) == sum(counts) and max(even) - min(even) <= 1
+    trees = ragged_drafts.packed_trees([1, 4, 3], 4, torch.Generator().manual_seed(1))
+    assert trees.shape == (3, 4, 4) and trees.dtype == torch.bool
+    for b, s in enumerate([1, 4, 3]):
+        assert trees[b, :s, :s].diagonal().all() and not trees[b, :s, :s].triu(1).any()
+        assert not trees[b, s:].any() and not trees[b, :, s:].any()      # outside the corner: nothing
+    args = ragged_drafts.parse_args([])
+    assert (args.heads, args.batch, args.seqlen_q, args.prefix, args.mask) == (64, 32, 16, 4096, "tree")
+    with pytest.raises(SystemExit):
+        ragged_drafts.parse_args(["8", "4", "65"])
 
 
 # ---- wide_table.py
@@ -555,6 +575,7 @@ EXERCISED = {   # every file under benchmarks/ but results/ (and the bench's def
     "host_cost.py": [test_host_cost_calls_are_valid_calls, test_gpu_script_runs],
     "ragged.py": [test_ragged_lengths_are_log_uniform_in_range, test_ragged_compares_the_pick_with_its_splits,
                   test_gpu_script_runs],
+    "ragged_drafts.py": [test_ragged_drafts_spreads_the_same_tokens_evenly, test_gpu_script_runs],
     "wide_table.py": [test_wide_table_widens_the_block_table_only, test_wide_table_plans_each_run_as_the_runtime_does,
                       test_gpu_script_runs],
     "profile_row.py": [test_profile_row_arguments, test_gpu_script_runs],
