@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from ..dsl.arch import MAX_ACCUMULATORS, accumulator_budget
 from ..dsl.spec import Problem, Variant
 
-BLOCK_NS = (32, 64, 128)
+# block_n values the mma family's layouts accept (keys of a KV tile).
+MMA_BLOCK_NS = (32, 64, 128)
 # Padding of a staged output row, in values (templates/mma.cu.j2's epilogue): 8 puts the staging
 # stores on 32 distinct banks (fp32: a half-warp's float2 stores, 4 rows x 4 lanes; part16: a
 # warp's 4-byte pairs, 8 rows x 4 lanes).
@@ -156,8 +157,8 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
     m_pad = -(-rows // 16) * 16
     if p.head_dim % 64:
         return f"Dl+Dr a multiple of 64 for the mma family (the swizzle spans 8 chunks), got {p.head_dim}"
-    if v.block_n not in BLOCK_NS:
-        return f"block_n one of {BLOCK_NS} for the mma family, got {v.block_n}"
+    if v.block_n not in MMA_BLOCK_NS:
+        return f"block_n one of {MMA_BLOCK_NS} for the mma family, got {v.block_n}"
     if p.dl % (16 * v.warps):
         return f"Dl={p.dl} divisible by 16*warps={16 * v.warps} (each warp owns 16-dim output slabs)"
     dims_w = p.dl // v.warps

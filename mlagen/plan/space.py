@@ -17,11 +17,11 @@ import itertools
 from ..dsl.spec import Problem, Variant, naive
 from .validate import MAX_CLUSTER, is_valid
 
-BLOCK_NS = (32, 64)
+SEARCH_BLOCK_NS = (32, 64)     # block_n the tuner tries: FLASH_BLOCK_NS (MMA_BLOCK_NS adds 128)
 WARPS = (8, 4, 16)
 STAGES = (2, 1, 3)
 MMA_PV = (False, True)         # sm_90a: P·V on wgmma, or on mma.sync (valid nowhere else)
-MAX_ROWS = 128                 # q_tile * head_tile beyond this fits no family's block
+MAX_ROWS = 128                 # q_tile * head_tile beyond this fits no family's block (at Dl=256; wider Dl, fewer)
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 CLUSTER_SIZES = (2, 4, 8)   # cluster splits the tuner times (each size is its own kernel)
 KNOB_TILE_SHAPES = 3           # tile shapes whose knob variations are searched
@@ -41,7 +41,7 @@ def structures(problem: Problem, seqlen_q: int, arch: str, family: str,
     if family == "naive":
         found = [v for v in (naive(arch=arch, warps=4), naive(arch=arch, warps=8)) if is_valid(problem, v)]
         return found[:limit]
-    knobs = list(itertools.product(BLOCK_NS, WARPS, STAGES, MMA_PV))
+    knobs = list(itertools.product(SEARCH_BLOCK_NS, WARPS, STAGES, MMA_PV))
     shapes = tile_shapes(problem.heads, seqlen_q)
 
     def make(shape: tuple[int, int], knob: tuple[int, int, int, bool]) -> Variant:

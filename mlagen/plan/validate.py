@@ -19,6 +19,7 @@ MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree mas
 MERGE_TARGET_BLOCKS = 128  # merge blocks a split launch aims for in all (about one wave on big GPUs)
 CHUNK = 8                  # elements per 16-byte load
 MAX_CLUSTER = 8            # blocks per thread-block cluster that every sm_90 GPU can schedule
+FLASH_BLOCK_NS = (32, 64)  # block_n values the flash family accepts (each lane owns block_n/32 keys)
 
 
 # What the balanced split counts a segment as (a range's share of one request: its Q, its first
@@ -233,8 +234,8 @@ def _check_tiles(p: Problem, v: Variant) -> None:
 
 def _plan_flash(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
     _check_tiles(p, v)
-    require(v.block_n in (32, 64), "variant.block_n", v.block_n,
-            "32 or 64 for the flash family (each lane owns block_n/32 keys)")
+    require(v.block_n in FLASH_BLOCK_NS, "variant.block_n", v.block_n,
+            f"{' or '.join(map(str, FLASH_BLOCK_NS))} for the flash family (each lane owns block_n/32 keys)")
     rows = v.q_tile * v.head_tile
     rpw = -(-rows // v.warps)
     acc = rpw * p.dl // 32
