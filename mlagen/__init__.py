@@ -26,6 +26,7 @@ from .runtime.context_parallel import (
     verify_attention_varlen_cp_shard,
 )
 from .runtime.inputs import InputError
+from .runtime.kv_formats import KVFormat, dequantize_kv, kv_format_of, quantize_kv
 from .runtime.merge import merge_states, merge_states_
 from .runtime.op import verify_attention
 from .runtime.ops import verify_attention_op
@@ -35,6 +36,7 @@ from .runtime.varlen import verify_attention_varlen
 __all__ = [
     "CompileError",
     "InputError",
+    "KVFormat",
     "KernelPlan",
     "Problem",
     "SpecError",
@@ -43,9 +45,12 @@ __all__ = [
     "cp_local_seqlens",
     "cp_shard_cache",
     "cp_shard_mask",
+    "dequantize_kv",
+    "kv_format_of",
     "merge_states",
     "merge_states_",
     "naive",
+    "quantize_kv",
     "reference",
     "validate",
     "verify_attention",

@@ -1,9 +1,10 @@
-"""The op's entry points repeat the same keyword arguments; their defaults must agree."""
+"""The op's entry points repeat the same keyword arguments; their defaults must agree. The FP8
+cache functions' signatures are pinned, and their scales default to None wherever they appear."""
 
 import inspect
 
 import mlagen
-from mlagen.runtime.reference import reference
+from mlagen.runtime.reference import gather_kv, reference, reference_naive
 
 SHARED = ("softmax_scale", "causal", "tree_mask", "return_lse", "variant", "head_dim_v")
 
@@ -22,3 +23,28 @@ def test_shared_keyword_defaults_agree():
             if name in other:
                 assert other[name] == base[name], f"{fn.__name__}.{name}: {other[name]!r} != {base[name]!r}"
     assert all(name in base for name in SHARED)
+
+
+FP8_SIGNATURES = {
+    mlagen.quantize_kv: "(kv_cache, layout='e4m3', kv_scale=None)",
+    mlagen.dequantize_kv: "(kv_cache, layout, kv_scale=None, dtype=torch.float32)",
+    mlagen.kv_format_of: "(kv_cache, kv_scale=None, *, check_values=False)",
+}
+
+
+def _bare(fn) -> str:
+    """The signature without annotations."""
+    return str(inspect.signature(fn).replace(
+        parameters=[p.replace(annotation=p.empty) for p in inspect.signature(fn).parameters.values()],
+        return_annotation=inspect.Signature.empty))
+
+
+def test_fp8_signatures():
+    for fn, expected in FP8_SIGNATURES.items():
+        assert _bare(fn) == expected, fn.__name__
+    for fn in (*FP8_SIGNATURES, reference, reference_naive, gather_kv):
+        defaults = _defaults(fn)
+        for name in ("kv_scale", "q_scale"):
+            if name in inspect.signature(fn).parameters:
+                assert defaults[name] is None, f"{fn.__name__}.{name}"
+    assert {"kv_scale", "q_scale"} <= set(_defaults(reference)) & set(_defaults(reference_naive))

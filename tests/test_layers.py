@@ -20,9 +20,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("plan", ("plan", "plan.mma_plan", "plan.params", "plan.space", "plan.validate")),
     ("codegen", ("codegen", "codegen.build", "codegen.compiler", "codegen.precompile", "codegen.render")),
     ("dispatch", ("dispatch", "dispatch.policy", "dispatch.presets", "dispatch.tables")),
-    ("runtime", ("runtime", "runtime.context_parallel", "runtime.inputs", "runtime.launch", "runtime.merge",
-                 "runtime.op", "runtime.ops", "runtime.reference", "runtime.sinks", "runtime.tensormap",
-                 "runtime.varlen", "runtime.workspace", "compat", "compat.flash_mla")),
+    ("runtime", ("runtime", "runtime.context_parallel", "runtime.inputs", "runtime.kv_formats", "runtime.launch",
+                 "runtime.merge", "runtime.op", "runtime.ops", "runtime.reference", "runtime.sinks",
+                 "runtime.tensormap", "runtime.varlen", "runtime.workspace", "compat", "compat.flash_mla")),
     # the package's public API: what `import mlagen` gives (__all__, __version__)
     ("api", ("",)),
     ("tools", ("tools", "tools.bench", "tools.eager", "tools.emit", "tools.files", "tools.floor", "tools.fuzz",

@@ -10,6 +10,12 @@ the request in one matrix product against its gathered keys, masked by an [S, n]
 matrix, softmax in `dtype`. It runs on whatever device the inputs are (fp64 works on the GPU).
 `reference_naive` is the same definition one row and one key at a time, for checking
 `reference` itself on small cases.
+
+Both take FP8 inputs too (`kv_formats`): a float8_e4m3fn cache with its kv_scale, a uint8 cache
+of DeepSeek's 656-byte rows, and float8_e4m3fn queries with a q_scale. They are dequantized
+exactly as `kv_formats.dequantize_kv` specifies (stored value x scale, in fp32) and the rest is
+computed as for any cache. `reference` dequantizes only the rows it gathers, so bytes elsewhere
+(unused pages, rows past a length, those rows' ds_mla scales) are never decoded.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .inputs import InputError
+from .kv_formats import QUANTIZED_DTYPES, check_scale, dequantize_e4m3, dequantize_kv, kv_format_of
 
 
 def visible_keys(n: int, seqlen_q: int, causal: bool, tree_mask: torch.Tensor | None,
@@ -39,13 +48,38 @@ def visible_keys(n: int, seqlen_q: int, causal: bool, tree_mask: torch.Tensor | 
     return seen | (draft < 0)[None, :]
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, b: int, n: int) -> torch.Tensor:
-    """The first n KV rows of request b, [n, Dl+Dr], in the cache's dtype. Only the request's
-    first ceil(n / page_size) pages are read; rows past n on its last page are dropped."""
+def fp8_layout(kv_cache: torch.Tensor, kv_scale: float | torch.Tensor | None) -> str | None:
+    """"e4m3" or "ds_mla" for an FP8 cache (checked with its kv_scale by
+    `kv_formats.kv_format_of`), None for any other cache, which takes no kv_scale. Raises
+    InputError."""
+    if kv_cache.dtype in QUANTIZED_DTYPES or kv_scale is not None:
+        return kv_format_of(kv_cache, kv_scale).name
+    return None
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, b: int, n: int,
+              kv_scale: float | torch.Tensor | None = None) -> torch.Tensor:
+    """The first n KV rows of request b, [n, Dl+Dr]: in the cache's dtype, or for an FP8 cache
+    (float8_e4m3fn with kv_scale, or uint8 656-byte ds_mla rows) dequantized to fp32 [n, 576].
+    Only the request's first ceil(n / page_size) pages are read, and rows past n on its last
+    page are dropped before any dequantizing."""
+    layout = fp8_layout(kv_cache, kv_scale)
     kv = kv_cache.reshape(kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[-1])
     page_size = kv.shape[1]
     pages = block_table[b, : -(-n // page_size)].long()
-    return kv[pages].reshape(-1, kv.shape[-1])[:n]
+    rows = kv[pages].reshape(-1, kv.shape[-1])[:n]
+    return rows if layout is None else dequantize_kv(rows[None], layout, kv_scale)[0]
+
+
+def _queries(q: torch.Tensor, q_scale: float | torch.Tensor | None) -> torch.Tensor:
+    """q as it is, or float8_e4m3fn q dequantized with q_scale to fp32 (kv_formats' e4m3 rule)."""
+    if q.dtype != torch.float8_e4m3fn and q_scale is None:
+        return q
+    if q.dtype != torch.float8_e4m3fn:
+        raise InputError(f"q_scale: got a {type(q_scale).__name__}, expected None for a {q.dtype} q "
+                         "(only float8_e4m3fn queries take one)")
+    check_scale("q_scale", q_scale, q.device)
+    return dequantize_e4m3(q, q_scale)
 
 
 def _request_mask(tree_mask: torch.Tensor | None, b: int) -> torch.Tensor | None:
@@ -66,6 +100,8 @@ def reference(
     tree_mask: torch.Tensor | None = None,
     head_dim_v: int = 512,
     dtype: torch.dtype = torch.float32,
+    kv_scale: float | torch.Tensor | None = None,
+    q_scale: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference MLA verify attention, on q's device.
 
@@ -73,20 +109,28 @@ def reference(
     int; cache_seqlens: [B] int; tree_mask: bool [S, S] or [B, S, S] (overrides causal).
     Returns out [B, S, H, Dl] and lse [B, H, S] (natural log), both in `dtype`.
 
-    Per request b with n keys: its keys are gathered once ([n, D], `gather_kv`), the scores of
-    all S * H query rows are one matrix product ([S * H, n]), keys a query does not see
-    (`visible_keys`) are set to -inf, and the softmax runs in `dtype`. Nothing past a request's
-    n keys is read, so NaN there (unused pages, the tail of the last page) cannot leak in.
+    FP8 inputs (`kv_formats`): kv_cache float8_e4m3fn [num_pages, page_size, (1,) 576] with
+    kv_scale (a float or a one-element fp32 tensor on the cache's device), or uint8
+    [num_pages, page_size, (1,) 656] in DeepSeek's ds_mla rows (no kv_scale); q float8_e4m3fn
+    with q_scale (likewise). Each is dequantized (stored value x scale, in fp32) and then used
+    as any cache or q, so the result equals the reference on `kv_formats.dequantize_kv`'s cache.
+
+    Per request b with n keys: its keys are gathered once ([n, D], `gather_kv`, which
+    dequantizes them), the scores of all S * H query rows are one matrix product ([S * H, n]),
+    keys a query does not see (`visible_keys`) are set to -inf, and the softmax runs in `dtype`.
+    Nothing past a request's n keys is read, so NaN or any other bytes there (unused pages, the
+    tail of the last page, those rows' ds_mla scales) cannot leak in.
     """
     B, S, H, D = q.shape
+    fp8_layout(kv_cache, kv_scale)                              # its InputError before any work
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     out = torch.zeros(B, S, H, head_dim_v, dtype=dtype, device=q.device)
     lse = torch.full((B, H, S), -math.inf, dtype=dtype, device=q.device)
-    queries = q.to(dtype).reshape(B, S * H, D)
+    queries = _queries(q, q_scale).to(dtype).reshape(B, S * H, D)
     for b, n in enumerate(cache_seqlens.tolist()):          # the one host sync
         if n <= 0:
             continue
-        kv = gather_kv(kv_cache, block_table, b, n).to(device=q.device, dtype=dtype)      # [n, D]
+        kv = gather_kv(kv_cache, block_table, b, n, kv_scale).to(device=q.device, dtype=dtype)   # [n, D]
         seen = visible_keys(n, S, causal, _request_mask(tree_mask, b), q.device)           # [S, n]
         s = (queries[b] @ kv.T).view(S, H, n).mul_(scale)
         s.masked_fill_(~seen[:, None, :], -math.inf)
@@ -108,17 +152,23 @@ def reference_naive(
     causal: bool = True,
     tree_mask: torch.Tensor | None = None,
     head_dim_v: int = 512,
+    kv_scale: float | torch.Tensor | None = None,
+    q_scale: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition, one query row and one key at a time, in fp64 on the CPU: slow, for
     checking `reference` on small cases.
 
-    Same arguments as `reference`. Returns out [B, S, H, Dl] and lse [B, H, S], fp64. Key j of
+    Same arguments as `reference`; an FP8 cache is dequantized whole (`kv_formats.dequantize_kv`),
+    and only the keys below read. Returns out [B, S, H, Dl] and lse [B, H, S], fp64. Key j of
     request b (0 <= j < cache_seqlens[b]) is row j % page_size of page block_table[b, j //
     page_size]; the last S keys are the draft tokens, the others the prefix. Query i sees every
     prefix key, and draft key k when tree_mask[(b,) i, k] (with a tree mask), k <= i (causal)
     or always (neither).
     """
-    q, kv_cache = q.double().cpu(), kv_cache.double().cpu()
+    layout = fp8_layout(kv_cache, kv_scale)
+    if layout is not None:
+        kv_cache = dequantize_kv(kv_cache, layout, kv_scale)
+    q, kv_cache = _queries(q, q_scale).double().cpu(), kv_cache.double().cpu()
     kv_cache = kv_cache.reshape(kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[-1])
     table, lengths = block_table.cpu().tolist(), cache_seqlens.cpu().tolist()
     B, S, H, _ = q.shape
