@@ -1,7 +1,8 @@
 """Rendering: a validated `KernelPlan` becomes one self-contained CUDA C++ source.
 
 Templates live in `templates/` (shared fragments are `*.cuh.j2`, one `<family>.cu.j2` per
-kernel family). They carry constants and `static_assert`s; every number comes from the plan.
+kernel family). They carry constants and `static_assert`s; every number and flag comes from the
+plan: templates read `plan` attributes only, never its variant.
 """
 
 from __future__ import annotations
@@ -42,8 +43,5 @@ def environment() -> jinja2.Environment:
 @functools.lru_cache(maxsize=512)
 def render(plan: KernelPlan) -> str:
     """The CUDA C++ source of `plan`: its kernel (with the merge blocks of split families)."""
-    # the transposed tile and the P exchange are kernels of their own in the mma family
-    v = plan.variant
-    name = "mma_transposed" if v.transposed else "mma_exchange" if v.p_exchange else v.family
-    template = environment().get_template(f"{name}.cu.j2")
+    template = environment().get_template(plan.template)
     return template.render(plan=plan, fields=FIELDS, arch_flags=nvcc_arch_flags(plan.arch.name))

@@ -100,10 +100,12 @@ def stack_budget(v: Variant) -> int:
     return TRANSPOSED_STACK if v.transposed and v.q_tile * v.head_tile > 32 else 0
 
 
-# The seesaw's mbarriers: its tile pair loads in four parts, each with one (stage 0's
-# value-left blocks and the rest, stage 1's value-right blocks and the rest, each refilled by
-# the warpgroup that reads it last), and each warpgroup hands its P and row maxima over on one.
-SEESAW_BARRIERS = 6
+# The seesaw's mbarriers: its tile pair loads in SEESAW_LOAD_PARTS parts, each with one (stage
+# 0's value-left blocks and the rest, stage 1's value-right blocks and the rest, each refilled
+# by the warpgroup that reads it last), and each of the two warpgroups hands its P and row
+# maxima over on one.
+SEESAW_LOAD_PARTS = 4
+SEESAW_BARRIERS = SEESAW_LOAD_PARTS + 2
 
 
 # The P exchange (Variant.p_exchange, templates/mma_exchange.cu.j2): a block's slot holds its
@@ -111,6 +113,27 @@ SEESAW_BARRIERS = 6
 # maxima go first, in slots of 64 floats.
 EXCHANGE_SLOT = 9 * 1024
 EXCHANGE_MAX_SLOT = 64 * 4
+
+
+def mbarriers(v: Variant) -> int:
+    """The mbarriers `v`'s kernel keeps after its tree-mask rows in shared memory, 8 bytes each:
+    with the P exchange one for the cluster's row maxima and one a slot, with the seesaw
+    SEESAW_BARRIERS, with TMA loads one per stage, else none. (The transposed tile keeps its
+    stages' mbarriers inside its 1 KB blocks: none of its own.)"""
+    if v.p_exchange:
+        return 1 + int(v.kv_split)
+    if v.transposed:
+        return 0
+    return SEESAW_BARRIERS if v.seesaw else v.stages if v.tma else 0
+
+
+def load_mbarriers(v: Variant) -> int:
+    """Those of `mbarriers(v)` that count KV bytes landing (one TMA arrival each): the seesaw's
+    SEESAW_LOAD_PARTS, one per stage with TMA loads, else none. The seesaw's others count a
+    warpgroup's arrivals; the P exchange's count its peers' bulk copies."""
+    if v.p_exchange or v.transposed:
+        return 0
+    return SEESAW_LOAD_PARTS if v.seesaw else mbarriers(v)
 
 
 def exchange_units(p: Problem, cluster: int) -> int:
@@ -142,7 +165,7 @@ def exchange_layout(p: Problem, v: Variant) -> MmaLayout | str:
     tile = 64 * p.head_dim * 2
     slices = exchange_units(p, k) * (k - 1) * KV_COLUMN_BLOCK
     smem = (max(tile, k * EXCHANGE_SLOT) + tile + slices + k * EXCHANGE_MAX_SLOT + 4 * 64 * 4 + 64 * 8
-            + 8 + k * 8)
+            + mbarriers(v) * 8)
     return MmaLayout(m_pad=64, wmq=4, wnq=2, rows_w=16, keys_w=32, dims_w=64, p_stride=64,
                      smem_bytes=smem, wgmma=True, pv_wgmma=True)
 
@@ -182,12 +205,11 @@ def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
                 "pieces for the scores")
     wmq, wnq = split
     p_stride = v.block_n + 8
-    # Q, the KV stages, P, the row max / sum parts, the running max, the tree-mask rows, and with
-    # tma one mbarrier per stage, or with seesaw one per part of a tile pair (in the dynamic
-    # block: a static one would be padded to the dynamic block's 1024-byte alignment).
-    barriers = SEESAW_BARRIERS if v.seesaw else v.stages if v.tma else 0
+    # Q, the KV stages, P, the row max / sum parts, the running max, the tree-mask rows, and the
+    # mbarriers (in the dynamic block: a static one would be padded to the dynamic block's
+    # 1024-byte alignment).
     smem = (m_pad * p.head_dim * 2 + v.stages * v.block_n * p.head_dim * 2 + m_pad * p_stride * 2
-            + wnq * m_pad * 4 + m_pad * 4 + 64 * 8 + barriers * 8)
+            + wnq * m_pad * 4 + m_pad * 4 + 64 * 8 + mbarriers(v) * 8)
     return MmaLayout(m_pad=m_pad, wmq=wmq, wnq=wnq, rows_w=m_pad // wmq, keys_w=v.block_n // wnq,
                      dims_w=dims_w, p_stride=p_stride, smem_bytes=smem, wgmma=wgmma,
                      pv_wgmma=wgmma and not v.mma_pv)

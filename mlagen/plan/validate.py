@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ..dsl.arch import MAX_ACCUMULATORS, Arch, accumulator_budget, get_arch
 from ..dsl.errors import SpecError, require, require_smem
 from ..dsl.spec import DTYPES, FAMILIES, MASKS, Problem, Variant, kernel_name
-from .mma_plan import STAGE_PAD, MmaLayout, mma_layout
+from .mma_plan import STAGE_PAD, MmaLayout, load_mbarriers, mbarriers, mma_layout
 
 MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
 MERGE_TARGET_BLOCKS = 128  # merge blocks a split launch aims for in all (about one wave on big GPUs)
@@ -55,11 +55,169 @@ class KernelPlan:
 
     @property
     def main_kernel(self) -> str:
+        """The main kernel's C symbol: <name>_main."""
         return f"{self.name}_main"
 
     @property
     def uses_split(self) -> bool:
+        """Whether the kernel splits a row group's keys (every family but the naive one): it
+        then has the workspace's partial rows and merge code."""
         return self.variant.family != "naive"
+
+    # What the templates read of the variant, and the flags derived from it: templates read the
+    # plan's attributes only, never its variant.
+
+    @property
+    def template(self) -> str:
+        """File name of the main kernel's template in templates/: the family's, or the
+        transposed tile's and the P exchange's own kernels of the mma family."""
+        v = self.variant
+        name = "mma_transposed" if v.transposed else "mma_exchange" if v.p_exchange else v.family
+        return f"{name}.cu.j2"
+
+    @property
+    def head_tile(self) -> int:
+        """HT: query heads per block (Variant.head_tile; 1 for the naive family)."""
+        return self.variant.head_tile
+
+    @property
+    def q_tile(self) -> int:
+        """QT: query positions per block (Variant.q_tile; 1 for the naive family)."""
+        return self.variant.q_tile
+
+    @property
+    def block_n(self) -> int:
+        """Keys per KV tile staged in shared memory (Variant.block_n)."""
+        return self.variant.block_n
+
+    @property
+    def warps(self) -> int:
+        """Warps per block of the main kernel: threads / 32."""
+        return self.threads // 32
+
+    @property
+    def stages(self) -> int:
+        """KV tiles of shared memory the tile pipeline cycles through (Variant.stages)."""
+        return self.variant.stages
+
+    @property
+    def part16(self) -> bool:
+        """Whether a split's partial output rows are 16-bit, divided by their own row sum, in the
+        output's dtype (Variant.part16), rather than unnormalized fp32."""
+        return self.variant.part16
+
+    @property
+    def tma(self) -> bool:
+        """Whether KV tiles load as TMA boxes counted by mbarriers (Variant.tma)."""
+        return self.variant.tma
+
+    @property
+    def seesaw(self) -> bool:
+        """Whether the tile loop runs the seesaw schedule, a tile pair at a time (Variant.seesaw)."""
+        return self.variant.seesaw
+
+    @property
+    def cluster(self) -> bool:
+        """Whether a row group's splits run as one thread-block cluster (Variant.cluster)."""
+        return self.variant.cluster
+
+    @property
+    def cluster_size(self) -> int:
+        """Blocks per thread-block cluster, the row group's splits; 0 without a cluster."""
+        return int(self.variant.kv_split) if self.variant.cluster else 0
+
+    @property
+    def kv_split_kind(self) -> str:
+        """How the launch splits a row group's keys: "adaptive" (the count is a launch parameter
+        the dispatcher picks), "balanced" (equal ranges of the list of all requests' tiles) or
+        "fixed" (the count `fixed_splits`; a cluster's is its size)."""
+        return self.variant.kv_split if isinstance(self.variant.kv_split, str) else "fixed"
+
+    @property
+    def balanced(self) -> bool:
+        """Whether the split is the balanced one (kv_split_kind "balanced")."""
+        return self.variant.kv_split == "balanced"
+
+    @property
+    def fixed_splits(self) -> int:
+        """The split count of a fixed split (kv_split_kind "fixed"); 0 for the others."""
+        return self.variant.kv_split if isinstance(self.variant.kv_split, int) else 0
+
+    @property
+    def max_keys(self) -> int:
+        """Most keys the block table may address (max_pages * page size), in keys: for the P
+        exchange one block_n tile per block of its cluster; 0 for no bound."""
+        return self.cluster_size * self.block_n if self.variant.p_exchange else 0
+
+    @property
+    def merge_blocks_in_grid(self) -> bool:
+        """Whether a split launch's grid holds merge blocks after the split blocks: every family
+        that splits, but for a cluster split, whose blocks combine their rows themselves."""
+        return self.uses_split and not self.variant.cluster
+
+    @property
+    def merge_after_ranges(self) -> bool:
+        """Whether merge blocks run the balanced split's (empty) range loop and merge after it, so
+        that their code is laid out after the tile loop (templates/mma_ops.cuh.j2,
+        balanced_ranges_loop): the balanced seesaw and transposed tile, whose long tile loops
+        would otherwise reach past the kernel's first 64 KB of code."""
+        return self.balanced and (self.variant.seesaw or self.variant.transposed)
+
+    @property
+    def merge_at_top(self) -> bool:
+        """Whether merge blocks branch off at the top of the main kernel, before any split work:
+        where the grid holds merge blocks and they do not merge after the range loop."""
+        return self.merge_blocks_in_grid and not self.merge_after_ranges
+
+    @property
+    def part16_workspace(self) -> bool:
+        """Whether 16-bit partial rows (`part16`) travel through the global workspace, as they do
+        without a cluster; the kernel then has the pair merge's code (templates/merge.cuh.j2,
+        end_pair)."""
+        return self.variant.part16 and not self.variant.cluster
+
+    @property
+    def pair_merge(self) -> bool:
+        """Whether a row group split in two ends as a pair, the second block merging both rows
+        into the output with no merge block (templates/merge.cuh.j2, PAIR_MERGE):
+        `part16_workspace` kernels, but for the transposed tile, whose rows split in more than
+        two."""
+        return self.part16_workspace and not self.variant.transposed
+
+    @property
+    def programmatic_launch(self) -> bool:
+        """Whether the kernel takes part in programmatic dependent launch (griddepcontrol, sm_90
+        and newer): it lets the stream's next kernel be scheduled early and waits for the
+        previous one's writes, so a launch may start it as a programmatic dependent."""
+        return self.arch.capability >= 90
+
+    @property
+    def prefetches_inputs(self) -> bool:
+        """Whether the kernel, launched as a programmatic dependent, prefetches its Q rows and
+        first KV tile into L2 while the previous grid drains: the P exchange, and the mma
+        family's lockstep kernels (templates/mma.cu.j2) where `programmatic_launch`, but for the
+        balanced split (its ranges need every request's length) and the seesaw (its first TMA
+        boxes go out right after the wait)."""
+        v = self.variant
+        if not self.programmatic_launch or v.family != "mma" or v.transposed:
+            return False
+        return v.p_exchange or not (self.balanced or v.seesaw)
+
+    @property
+    def arch_specific(self) -> bool:
+        """Whether the target is an arch-specific one (sm_90a): its PTX (wgmma, TMA) is in no
+        other target's, so an nvcc build for another target must stop."""
+        return self.arch.name.endswith("a")
+
+    @property
+    def mbarriers(self) -> int:
+        """mbarriers in shared memory after the tree-mask rows, 8 bytes each (`mma_plan.mbarriers`)."""
+        return mbarriers(self.variant)
+
+    @property
+    def load_mbarriers(self) -> int:
+        """Those of `mbarriers` that count a KV load's bytes (`mma_plan.load_mbarriers`)."""
+        return load_mbarriers(self.variant)
 
     @property
     def max_merge_blocks(self) -> int:
