@@ -94,13 +94,14 @@ def render_launcher(plan: KernelPlan) -> str:
     if missing:
         raise KeyError(f"launcher: no assignment for parameter fields {sorted(missing)}")
     return environment().get_template("launcher.h.j2").render(
-        plan=plan, version=__version__, short_name=namespace(plan), arch_flags=nvcc_arch_flags(plan.arch.name),
+        plan=plan, variant_name=plan.variant.name, version=__version__, short_name=namespace(plan),
+        arch_flags=nvcc_arch_flags(plan.arch.name),
         fields=[_host_field(f) for f in FIELDS], params_size=PARAMS_SIZE, assign=_ASSIGN,
         grid=tuple(_c_expr(e) for e in plan.grid_expr()),
         max_seqlen_q=MAX_SEQLEN_Q, merge_target=MERGE_TARGET_BLOCKS,
         merge_tiles=repr(policy.H200.merge_tiles), split_tiles_per_row=repr(policy.H200.split_tiles_per_row),
         max_splits=policy.H200.max_splits, pdl_tiles_per_sm=policy.H200.pdl_tiles_per_sm,
-        balanced_list_positions=policy.BALANCED_LIST_POSITIONS, split_unit=plan.split_unit,
+        balanced_list_positions=policy.BALANCED_LIST_POSITIONS,
         default_smem=DEFAULT_SMEM_LIMIT, kv_map_bytes=tensormap.MAP_BYTES, kv_box_dims=tensormap.BOX_DIMS,
     )
 
