@@ -1,0 +1,74 @@
+"""The templates read the plan only: every number and flag they use is a `KernelPlan` attribute
+(or one of its problem's, arch's or tensor-core layout's), never the variant behind it, so what
+a kernel depends on is declared, documented and derived once in Python."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from mlagen.codegen.render import template_dir
+from mlagen.dsl.arch import Arch
+from mlagen.dsl.spec import Problem
+from mlagen.plan.mma_plan import MmaLayout
+from mlagen.plan.validate import KernelPlan
+
+TEMPLATES = sorted(template_dir().glob("*.j2"))
+# Jinja expressions and statements: where a template reads its context.
+JINJA = re.compile(r"\{\{.*?\}\}|\{%.*?%\}", re.S)
+# a read of the plan: one attribute of it, and that attribute's own where it has one
+READ = re.compile(r"(?<![\w.])plan\.(\w+)(?:\.(\w+))?")
+# names templates bind to a plan attribute with a Jinja `set`
+BOUND = re.compile(r"\{%-?\s*set\s+(\w+)\s*=\s*plan\.(\w+)\s*-?%\}")
+# The plan attributes that are objects, by the class whose attributes a template may read on.
+NESTED = {"problem": Problem, "arch": Arch, "mma": MmaLayout}
+
+
+def _declares(cls: type, name: str) -> bool:
+    return name in {f.name for f in dataclasses.fields(cls)} or hasattr(cls, name)
+
+
+def _reads(path: Path) -> list[tuple[str, str | None]]:
+    """(attribute, its attribute or None) for each plan attribute `path` reads, through a name
+    bound to one as well."""
+    text = path.read_text()
+    blocks = JINJA.findall(text)
+    bound = {name: attr for name, attr in BOUND.findall(text)}
+    found = [(m.group(1), m.group(2)) for b in blocks for m in READ.finditer(b)]
+    for name, attr in bound.items():
+        found += [(attr, m.group(1)) for b in blocks for m in re.finditer(rf"(?<![\w.]){name}\.(\w+)", b)]
+    return found
+
+
+def test_templates_found():
+    assert {p.name for p in TEMPLATES} >= {"mma.cu.j2", "merge.cuh.j2", "launcher.h.j2"}
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.name)
+def test_template_reads_no_variant(path: Path):
+    text = path.read_text()
+    hits = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1)
+            if re.search(r"plan\.variant", line)]
+    hits += [f"{path.name}: {b}" for b in JINJA.findall(text) if re.search(r"\bvariant\b", b)]
+    assert not hits, "templates read the plan, not its variant:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.name)
+def test_template_reads_declared_plan_attributes(path: Path):
+    missing = []
+    for attr, sub in _reads(path):
+        if not _declares(KernelPlan, attr):
+            missing.append(f"plan.{attr}")
+        elif sub is not None and attr in NESTED and not _declares(NESTED[attr], sub):
+            missing.append(f"plan.{attr}.{sub}")
+    assert not missing, f"{path.name} reads what KernelPlan does not declare: {sorted(set(missing))}"
+
+
+def test_plan_properties_templates_read_are_documented():
+    read = {attr for path in TEMPLATES for attr, _ in _reads(path)}
+    undocumented = sorted(a for a in read if isinstance(getattr(KernelPlan, a, None), property)
+                          and not (getattr(KernelPlan, a).__doc__ or "").strip())
+    assert not undocumented, f"KernelPlan properties the templates read without a docstring: {undocumented}"
