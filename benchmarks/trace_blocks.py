@@ -4,15 +4,16 @@ tile has landed, when it has the balanced split's work list, when it enters its 
 a cluster split's blocks also when their cluster has staged its rows), or when it enters the
 merge, when its wait for the splits ends and when it is done (merge blocks).
 
-Stamps (globaltimer at a block's start and end, clock64 between) are patched into the rendered
-source of this run only, at landmarks of templates/mma.cu.j2 (or mma_transposed.cu.j2) and
-merge.cuh.j2 or of the cluster split's epilogue (the seesaw's tile loop has no tile-0
-landmark: that column shows nan); a landmark that moved fails loudly. The last lines give the
+The stamps (globaltimer at a block's start and end, clock64 between) are the trace points of
+templates/mma.cu.j2, mma_transposed.cu.j2, mma_seesaw.cuh.j2, mma_ops.cuh.j2 and merge.cuh.j2
+(`MLAGEN_TRACE(point)`, nothing in an untraced kernel): this run's source defines
+MLAGEN_TRACE_ON and each point's stamps (`BLOCK_POINTS`) ahead of the rendered kernel. The
+seesaw's tile loop has no tile_landed point: that column shows nan. The last lines give the
 split and merge blocks' start, stamps and end as min/median/max over the launch. On the GPU
 machine:
 
     python3 benchmarks/trace_blocks.py 64 1 9 256 [variant name; default: the dispatcher's] [--warm] [--gt]
-    python3 benchmarks/trace_blocks.py 64 1 9 256 VARIANT --source > patched.cu   # no GPU: the patched source
+    python3 benchmarks/trace_blocks.py 64 1 9 256 VARIANT --source > traced.cu   # no GPU: the traced source
 
 The launch traced is cold (its code and inputs out of the caches, as in a model between other
 layers' kernels), or with --warm right after an untraced one (as in the bench's graph replay).
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import cupy
 import numpy as np
@@ -43,11 +44,54 @@ from mlagen.runtime import launch
 from mlagen.tools.testing import make_case
 
 SLOTS, MAX_BLOCKS, GHZ = 13, 8192, 1.98
-START, TILE0, LOOP_END, MERGE_WAIT, DONE, CLUSTER_MET, END, ENTRY, WORK_LIST = 0, 2, 3, 4, 5, 6, 7, 8, 9   # 1: clock64
+START, CLOCK0, TILE0, LOOP_END, MERGE_WAIT, DONE, CLUSTER_MET, END, ENTRY, WORK_LIST = range(10)
 STAGED, WRITTEN = 10, 11   # a split block's rows staged, its partial stores issued (before its count)
 Q_LANDED = 12              # a TMA kernel's Q rows landed (its cp.async group), in its first segment
 # --gt: every stamp from globaltimer (32 ns steps on the H200), so the phases need no clock rate:
 # clock64 runs at the SM clock, which under graph replay is not always the 1.98 GHz boost.
+
+# A trace point in the rendered source: `MLAGEN_TRACE(name);` on a line of its own.
+TRACE_POINT = re.compile(r"^\s*MLAGEN_TRACE\((\w+)\);", re.MULTILINE)
+
+# Each trace point's stamps, by thread 0 of the block: TR overwrites its slot, TR_FIRST keeps the
+# block's first (a balanced range's later segments pass the point again).
+BLOCK_POINTS = {
+    "start": f"TR({START}); TR({CLOCK0})",
+    "work_list": f"TR({WORK_LIST})",                   # a balanced split's work list, every block
+    "merge_begin": f"TR({ENTRY})",
+    "merge_wait": f"TR({MERGE_WAIT})",                 # the merge's wait for the splits' partials over
+    "merge_end": f"TR({DONE}); TR({END})",
+    "segment": f"TR_FIRST({ENTRY})",
+    "q_landed": f"TR_FIRST({Q_LANDED})",               # a TMA kernel's Q copies waited for
+    "tile_landed": f"if (kb == kb_begin) TR({TILE0})",   # a segment's first tile (the block's last segment's)
+    "loop_end": f"TR({LOOP_END})",
+    "cluster_met": f"TR({CLUSTER_MET})",               # the cluster's blocks have staged their rows
+    "cluster_done": f"TR({DONE}); TR({END})",
+    "staged": f"TR({STAGED})",                         # the barrier after the rows are staged
+    "written": f"TR({WRITTEN})",                       # their stores issued
+    "counted": f"TR({DONE}); TR({END})",               # the split's count (a pair's block ends later)
+    "pair_done": f"TR({DONE}); TR({END})",             # a pair's merge after the range
+}
+REQUIRED_POINTS = ("start", "segment", "loop_end")   # in every mma kernel but the P exchange
+
+
+def points_of(source: str) -> list[str]:
+    """The trace points of a rendered `source`, in order, each once."""
+    return list(dict.fromkeys(TRACE_POINT.findall(source)))
+
+
+def traced(source: str, prelude: str, points: Mapping[str, str], required: tuple[str, ...] = ()) -> str:
+    """`source` with MLAGEN_TRACE_ON, `prelude` (the stamps' buffer and macros) and each of its
+    trace points defined ahead of it: those in `points` as their code (statements in the scope
+    of the point, the last one's semicolon the template's), the others as nothing. A point of
+    `required` missing from the source exits."""
+    found = points_of(source)
+    missing = [point for point in required if point not in found]
+    if missing:
+        raise SystemExit(f"trace points not in the kernel (the template changed): {', '.join(missing)}")
+    lines = [f"#define MLAGEN_TRACE_{point} {points[point]}" if point in points
+             else f"#define MLAGEN_TRACE_{point}" for point in found]
+    return "#define MLAGEN_TRACE_ON\n" + prelude + "\n".join(lines) + "\n" + source
 
 
 def header(globaltimer_only: bool = False) -> str:
@@ -63,90 +107,22 @@ def header(globaltimer_only: bool = False) -> str:
             f"mlagen_trace[TR_ID * {SLOTS} + (k)] = {'tr_gt()' if globaltimer_only else 'clock64()'}; }} while (0)\n")
 
 
-PATCHES = [   # (landmark, replacement): the first occurrence of each
-    (re.compile(r"(merge_block\(p(?:, wl)?\);)"), rf"{{ TR({ENTRY}); \1 TR({DONE}); TR({END}); }}"),   # the merge call
-    ("  auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {\n",
-     f"  auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {{ TR_FIRST({ENTRY});\n"),
-    ("__syncthreads();   // the partials thread 0 acquired",
-     f"TR({MERGE_WAIT}); __syncthreads();   // the partials thread 0 acquired"),
-    # tile kb landed: the cp.async loop's barrier (its comment dropped), the TMA loop's wait, or
-    # the transposed tile's warpgroup barrier (thread 0's warpgroup: tile kb_begin)
-    (re.compile(r"(__syncthreads\(\);)\s+// tile kb landed; tile kb-1 fully used|(mbar_wait\(full\(kb\), [^;\n]*;)"
-                r"|(named_sync\(WG0 \+ me, 128\);)\s+// its rows have landed"),
-     lambda m: f"{m.group(1) or m.group(2) or m.group(3)} if (kb == kb_begin) TR({TILE0});"),
-    (re.compile(r"(    // ---- epilogue: (?:row|column) sums)"), rf"    TR({LOOP_END});\n\1"),
-    (re.compile(r"(    if \(!direct(?: && !in_pair)?\) count_split_done\([^\n]*;)"),   # a pair's block ends later
-     rf"\1\n    TR({DONE}); TR({END});"),
-]
-CLUSTER_PATCHES = [PATCHES[1], *PATCHES[3:5]] + [   # no merge blocks, no counter: the cluster barriers instead
-    ("      cluster_sync();\n      constexpr int CR",
-     f"      cluster_sync(); TR({CLUSTER_MET});\n      constexpr int CR"),
-    ("      cluster_sync();\n    } else {", f"      cluster_sync(); TR({DONE}); TR({END});\n    }} else {{"),
-]
-
-
-# Stamped where the kernel has one: a balanced split's work list computed (every block), a pair's
-# merge done.
-OPTIONAL_PATCHES = [   # (a 16-bit kernel's work list takes the lanes' tiles too)
-    (re.compile(r"(  const WorkList wl = balanced_ranges\(p, (?:lt, )?lane\);)"), rf"\1 TR({WORK_LIST});"),
-    # a pair's merge after the range: its block ends there, not at its count
-    (re.compile(r"(    end_pair<[^;]*;)"), rf"\1 TR({DONE}); TR({END});"),
-    # a part16 split's staged rows: after the barrier that staged them, around their stores
-    (re.compile(r"(finish_staged_rows<ROWS, HT, WARPS>\(p, split, direct[^;]*;)"),
-     rf"{{ TR({STAGED}); \1 TR({WRITTEN}); }}"),
-    # a TMA kernel's wait for Q's copies (the lockstep loop's first tile, or before the seesaw's loop)
-    (re.compile(r"(cp_async_wait<0>\(\);)(\s+// Q's copies)"), rf"\1 TR_FIRST({Q_LANDED});\2"),
-]
-# The transposed tile's rows staged (the barrier before its row loop) and its partial stores
-# issued (before its count): its epilogue has no finish_staged_rows.
-TRANSPOSED_PATCHES = [
-    ("    __syncthreads();\n    for (int row = warp; row < N; row += THREADS / 32) {",
-     f"    __syncthreads(); TR({STAGED});\n    for (int row = warp; row < N; row += THREADS / 32) {{"),
-    ("\n    if (!direct) count_split_done(p, b, x, splits);\n",
-     f"\n    TR({WRITTEN});\n    if (!direct) count_split_done(p, b, x, splits);\n"),
-]
-SEESAW_MARK = "s < 4 ? 1 : 128"   # the seesaw's mbarrier set-up (templates/mma.cu.j2)
-TRANSPOSED_MARK = "// family mma, transposed tile"
-EXCHANGE_MARK = "// family mma, P exchange"
-
-
-def patch(source: str, globaltimer_only: bool = False) -> str:
-    """The rendered `source` with the trace buffer and stamps at its landmarks (`header`)."""
-    if EXCHANGE_MARK in source:
+def block_trace(plan: KernelPlan, source: str, globaltimer_only: bool = False) -> str:
+    """`plan`'s rendered `source`, traced: the trace buffer and each block's stamps (`header`)."""
+    if plan.variant.p_exchange:
         raise SystemExit("a P exchange kernel: benchmarks/trace_exchange.py traces those")
-    if "// family mma" not in source:
+    if plan.variant.family != "mma":
         raise SystemExit("not an mma kernel (naive or flash): trace_blocks.py traces mma kernels; pass an mma variant")
-    start = source.index("const int wmq = warp % WMQ" if "const int wmq" in source else "const int me = __shfl_sync")
-    start = source.index("\n", start) + 1
-    source = source[:start] + f"  TR({START}); TR(1);\n" + source[start:]
-    seesaw = SEESAW_MARK in source
-    for landmark, replacement in CLUSTER_PATCHES if "cluster_sync();" in source else PATCHES:
-        if seesaw and landmark == PATCHES[3][0]:
-            continue                    # the seesaw's tile loop has no such barrier: tile 0 shows as nan
-        if isinstance(landmark, re.Pattern):     # text that differs by split or kernel
-            source, found = landmark.subn(replacement, source, count=1)
-        else:
-            found = landmark in source
-            source = source.replace(landmark, replacement, 1)
-        if not found:
-            raise SystemExit(f"landmark not found (the template changed): {landmark!r}")
-    for landmark, replacement in OPTIONAL_PATCHES:
-        source = landmark.sub(replacement, source, count=1)
-    if TRANSPOSED_MARK in source:
-        for landmark, replacement in TRANSPOSED_PATCHES:
-            if landmark not in source:
-                raise SystemExit(f"landmark not found (the template changed): {landmark!r}")
-            source = source.replace(landmark, replacement, 1)
-    return header(globaltimer_only) + source
+    return traced(source, header(globaltimer_only), BLOCK_POINTS, REQUIRED_POINTS)
 
 
-def patched_row(patch: Callable[[KernelPlan, str], str], heads: int, batch: int, seqlen_q: int, prefix: int,
-                variant: str | None = None) -> tuple[object, Callable[[], None]]:
+def traced_row(trace: Callable[[KernelPlan, str], str], heads: int, batch: int, seqlen_q: int, prefix: int,
+               variant: str | None = None) -> tuple[object, Callable[[], None]]:
     """One benchmark row (page 64, causal) through the dispatched kernel or `variant`, its source
-    rewritten by `patch(plan, source)`: called three times (compiled, loaded, warm); returns the
+    traced by `trace(plan, source)`: called three times (compiled, loaded, warm); returns the
     loaded kernel and a function that calls it again. Kernels built after this one render as usual."""
     render = build.render
-    build.render = lambda plan: patch(plan, render(plan))
+    build.render = lambda plan: trace(plan, render(plan))
     try:
         case = make_case(batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=[prefix] * batch,
                          page_size=64, mask="causal", seed=0)
@@ -172,7 +148,7 @@ def device_array(loaded, name: str, shape: tuple[int, ...]) -> cupy.ndarray:
 
 
 def traced_blocks(loaded, call: Callable[[], None], warm: bool = False) -> list[tuple[int, list[int]]]:
-    """One launch through `call` of the patched kernel `loaded`: (block, its SLOTS stamps) for
+    """One launch through `call` of the traced kernel `loaded`: (block, its SLOTS stamps) for
     every block that stamped its start. Cold: the inputs out of the L2 and a torch kernel run
     just before, so the SMs' instruction caches hold its code, not this one's. Warm: right after
     an untraced launch on the same inputs, as each call of a graph replay follows the last."""
@@ -194,14 +170,15 @@ def traced_blocks(loaded, call: Callable[[], None], warm: bool = False) -> list[
 
 def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None, warm: bool = False,
          gt: bool = False) -> None:
-    loaded, call = patched_row(lambda plan, source: patch(source, gt), heads, batch, seqlen_q, prefix, variant)
+    loaded, call = traced_row(lambda plan, source: block_trace(plan, source, gt), heads, batch, seqlen_q, prefix,
+                              variant)
     rows = traced_blocks(loaded, call, warm)
     t0 = min(r[START] for _, r in rows)
 
     def us(r: list[int], k: int) -> float:
         if not r[k]:
             return float("nan")
-        return (r[k] - r[START]) / 1e3 if gt else (r[k] - r[1]) / (GHZ * 1e3)
+        return (r[k] - r[START]) / 1e3 if gt else (r[k] - r[CLOCK0]) / (GHZ * 1e3)
 
     print(loaded.plan.name, "blocks", len(rows))
     print("kind  block  start  wall | split: entry, tile 0 landed, loop end, [cluster staged,] done | merge: entry, "
@@ -245,18 +222,18 @@ def row_parser(script: str, doc: str | None, variant_help: str):
     return p
 
 
-def patched_source(variant: str, heads: int, patch: Callable[[KernelPlan, str], str]) -> str:
-    """`variant`'s rendered source for `heads` heads (page 64, causal), rewritten by `patch`: what
-    a traced launch compiles, shown without a GPU."""
+def traced_source(variant: str, heads: int, trace: Callable[[KernelPlan, str], str]) -> str:
+    """`variant`'s rendered source for `heads` heads (page 64, causal), traced by `trace`: what a
+    traced launch compiles, shown without a GPU."""
     plan = validate(Problem(heads=heads), parse_variant(variant))
-    return patch(plan, render(plan))
+    return trace(plan, render(plan))
 
 
 def parse_args(argv: list[str]):
     p = row_parser(__file__, __doc__, "a variant name (default: the dispatcher's pick)")
     p.add_argument("--warm", action="store_true", help="trace a launch right after an untraced one")
     p.add_argument("--gt", action="store_true", help="every stamp from globaltimer")
-    p.add_argument("--source", action="store_true", help="print the patched source of VARIANT and exit (no GPU)")
+    p.add_argument("--source", action="store_true", help="print the traced source of VARIANT and exit (no GPU)")
     return p.parse_args(argv)
 
 
@@ -265,7 +242,7 @@ if __name__ == "__main__":
     if args.source:
         if not args.variant:
             raise SystemExit("--source needs a variant name")
-        print(patched_source(args.variant, args.heads, lambda plan, source: patch(source, args.gt)), end="")
+        print(traced_source(args.variant, args.heads, lambda plan, source: block_trace(plan, source, args.gt)), end="")
         raise SystemExit(0)
     require_gpu(__file__)
     main(args.heads, args.batch, args.seqlen_q, args.prefix, args.variant, warm=args.warm, gt=args.gt)

@@ -2,14 +2,14 @@
 warpgroup reaches each step of each pair of KV tiles, so that the time of a pair splits into
 waits, matrix work and softmax.
 
-Clock64 stamps, taken by the first thread of each warpgroup, are patched into the rendered
-source of this run only, at landmarks of templates/mma_seesaw.cuh.j2 or
-templates/mma_transposed.cu.j2 (a `Schedule` each); a landmark that moved fails loudly. On the
-GPU machine:
+Clock64 stamps, taken by the first thread of each warpgroup, at the trace points of
+templates/mma_seesaw.cuh.j2 or templates/mma_transposed.cu.j2 (`MLAGEN_TRACE(point)`, nothing
+in an untraced kernel; a `Schedule` each): this run's source defines MLAGEN_TRACE_ON and each
+point's stamp ahead of the rendered kernel. On the GPU machine:
 
     python3 benchmarks/trace_seesaw.py 64 1 9 65536 [variant name; default: the dispatcher's]
     python3 benchmarks/trace_seesaw.py 8 16 9 16384 mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a
-    python3 benchmarks/trace_seesaw.py 8 16 9 16384 VARIANT --source > patched.cu   # no GPU
+    python3 benchmarks/trace_seesaw.py 8 16 9 16384 VARIANT --source > traced.cu   # no GPU
 
 The variant must be a seesaw or a transposed one. Printed: each phase's mean over the pairs of
 the blocks (first and last pair left out: they carry the prologue and the tail), where a
@@ -22,45 +22,59 @@ which is also stamped at each pair's start) and converts the clock64 deltas to Â
 
 from __future__ import annotations
 
-import re
 import statistics
 import sys
 from dataclasses import dataclass
 
 import torch
 from bench_cli import require_gpu
-from trace_blocks import device_array, patched_row, patched_source, row_parser
+from trace_blocks import device_array, row_parser, traced, traced_row, traced_source
 
 from mlagen.dsl.spec import Variant, parse_variant
+from mlagen.plan.validate import KernelPlan
 
 MAX_BLOCKS, MAX_PAIRS, WARMUP = 512, 96, 20
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """Where one paired schedule's stamps go. A step is ((warpgroup, event), landmark, label):
-    stamped after the landmark by the first thread of that warpgroup, or of both when the
-    warpgroup is None (code the two run alike: the stamp then reads `me`); each warpgroup's
-    steps, in the order listed, are its pair's sequence. A boundary step is (k, landmark (text or
-    a pattern), label, stamp before it?), by thread 0 into the segment's last pair. A pair's
-    stamps are `events` slots: warpgroup w's event e at stride * w + e, the global timer at `global_slot`,
-    boundary step k at boundary_slot + k. `pair` is the block's pair index so far (C), and
-    `last_pair` that of the last pair before a segment's boundary; `extra` inserts code at
-    landmarks (landmark, code, before it?), e.g. a pair counter."""
+    """The stamps of one paired schedule, at its template's trace points. A step is ((warpgroup,
+    event), point, label): stamped at the point by the first thread of that warpgroup, or of both
+    when the warpgroup is None (code the two run alike: the stamp then reads `me`); each
+    warpgroup's steps, in the order listed, are its pair's sequence. A boundary step is (k, point,
+    label), by thread 0 into the segment's last pair. A pair's stamps are `events` slots:
+    warpgroup w's event e at stride * w + e, the global timer at `global_slot`, boundary step k at
+    boundary_slot + k. `pair` is the block's pair index so far (C), and `last_pair` that of the
+    last pair before a segment's boundary; `state` is code run at points, (point, code), e.g. a
+    pair counter."""
 
     steps: tuple[tuple[tuple[int | None, int], str, str], ...]
-    boundary: tuple[tuple[int, str | re.Pattern, str, bool], ...]
+    boundary: tuple[tuple[int, str, str], ...]
     stride: int
     global_slot: int
     boundary_slot: int
     events: int
     pair: str
     last_pair: str
-    extra: tuple[tuple[str, str, bool], ...] = ()
+    state: tuple[tuple[str, str], ...] = ()
 
     def sequence(self, w: int) -> list[tuple[int, str]]:
         """Warpgroup w's steps in order: (slot, label)."""
         return [(self.stride * w + e, label) for (ww, e), _, label in self.steps if ww in (None, w)]
+
+    def points(self) -> dict[str, str]:
+        """Each trace point's code: a step's stamp (warpgroup 0's first step also stamps the
+        global timer), a boundary step's, or state."""
+        first = next(key for key, _, _ in self.steps if key[0] in (None, 0))   # warpgroup 0's first step
+        out: dict[str, str] = {}
+        for (w, e), point, _ in self.steps:
+            timer = "" if (w, e) != first else "; GT()" if w is not None else "; if (me == 0) GT()"
+            out[point] = f"TS({'me' if w is None else w}, {e}){timer}"
+        out.update((point, f"TB({k})") for k, point, _ in self.boundary)
+        out.update(self.state)
+        if len(out) != len(self.steps) + len(self.boundary) + len(self.state):
+            raise ValueError("two stamps of a schedule share a trace point")
+        return out
 
     def header(self) -> str:
         at = f"(SS_BLOCK * {MAX_PAIRS} + SS_PAIR) * {self.events}"
@@ -80,48 +94,39 @@ class Schedule:
         )
 
 
-# The seesaw's boundary step 1: the barrier after its rows are staged, before they are ended (or,
-# in a 16-bit kernel's pair, kept for after the range). Steps 2 and 3 of both templates: a split
-# segment ends through merge.cuh.j2's count_split_done, after its rows are stored.
-STAGED = re.compile(r"      __syncthreads\(\);\n      "
-                    r"(?:for \(int row = warp; row < ROWS; row \+= WARPS\) \{|if \(in_pair\))")
-COUNT = re.compile(r"    if \(!direct(?: && !in_pair)?\) count_split_done\(")
+# Boundary steps 2 and 3 of both templates: a split segment ends through merge.cuh.j2's
+# count_split_done, after its rows are stored.
 RELEASE = (
-    (2, COUNT, "rows stored (issued)", True),
-    (3, COUNT, "released (fence, count)", False),
+    (2, "counting", "rows stored (issued)"),
+    (3, "counted", "released (fence, count)"),
 )
 
-# The seesaw (templates/mma_seesaw.cuh.j2): each warpgroup's own code, all of it.
+# The seesaw (templates/mma_seesaw.cuh.j2): each warpgroup's own code, all of it. Its boundary
+# step 1 is the barrier after its rows are staged (templates/mma.cu.j2's epilogue), before they
+# are ended (or, in a 16-bit kernel's pair, kept for after the range).
 SEESAW = Schedule(
     steps=(
-        ((0, 0), "        mbar_wait(bars + 8 * K0_HI, parity);\n", "K0 landed"),
-        ((0, 1), "        scores(s, buf0);\n", "S0 issued"),
-        (
-            (0, 2),
-            "        named_sync(S0_ISSUED, 256);                         // S1 queues behind S0 on the tensor cores\n"
-            "        wait_all();\n",
-            "S0 done",
-        ),
-        ((0, 3), "        mbar_arrive(bars + 8 * P0_FULL);\n", "P0 stored (softmax 0 done)"),
-        ((0, 4), "        pv_regs(s, buf0);\n        wait_all();\n", "P0 V0_L done"),
-        ((0, 5), "        mbar_wait(bars + 8 * P1_FULL, parity);\n", "P1 received"),
-        ((0, 6), "        pv_smem(buf1);\n        wait_all();\n", "P1 V1_L done"),
-        ((1, 0), "      } else {\n        named_sync(S0_ISSUED, 256);\n", "S0 issued (seen)"),
-        ((1, 1), "        mbar_wait(bars + 8 * K1_REST, parity);\n", "K1 landed"),
-        ((1, 2), "        scores(s, buf1);\n", "S1 issued"),
-        ((1, 3), "        wait_all();                                         // S1 done", "S1 done"),
-        ((1, 4), "        mbar_wait(bars + 8 * P0_FULL, parity);\n", "P0 received (S1 masked)"),
-        ((1, 5), "        mbar_arrive(bars + 8 * P1_FULL);\n", "P1 stored (softmax 1 done)"),
-        ((1, 6), "        mbar_arrive(bars + 8 * P1_FULL);\n        wait_all();\n", "P0 V0_R done"),
-        ((1, 7), "        pv_regs(s, buf1);\n        wait_all();\n", "P1 V1_R done"),
+        ((0, 0), "k0_landed", "K0 landed"),
+        ((0, 1), "s0_issued", "S0 issued"),
+        ((0, 2), "s0_done", "S0 done"),
+        ((0, 3), "p0_stored", "P0 stored (softmax 0 done)"),
+        ((0, 4), "p0_v0l_done", "P0 V0_L done"),
+        ((0, 5), "p1_received", "P1 received"),
+        ((0, 6), "p1_v1l_done", "P1 V1_L done"),
+        ((1, 0), "s0_seen", "S0 issued (seen)"),
+        ((1, 1), "k1_landed", "K1 landed"),
+        ((1, 2), "s1_issued", "S1 issued"),
+        ((1, 3), "s1_done", "S1 done"),
+        ((1, 4), "p0_received", "P0 received (S1 masked)"),
+        ((1, 5), "p1_stored", "P1 stored (softmax 1 done)"),
+        ((1, 6), "p0_v0r_done", "P0 V0_R done"),
+        ((1, 7), "p1_v1r_done", "P1 V1_R done"),
     ),
     boundary=(
-        (0, "    cp_async_commit();\n    cp_async_wait<0>();\n    __syncthreads();\n", "epilogue begun (synced)",
-         False),
-        (1, STAGED, "rows staged", True),
+        (0, "epilogue", "epilogue begun (synced)"),
+        (1, "stage_sync", "rows staged"),
         *RELEASE,
-        (4, "    __syncthreads();                                        // Q and the tree-mask rows\n",
-         "next segment: Q landed", False),
+        (4, "q_ready", "next segment: Q landed"),
     ),
     stride=8, global_slot=7, boundary_slot=16, events=24,
     pair="t_base / 2 + pi", last_pair="tiles_done / 2 - 1",
@@ -129,78 +134,50 @@ SEESAW = Schedule(
 
 # The transposed tile (templates/mma_transposed.cu.j2): the scores and the softmax are code both
 # warpgroups run (`me` picks the tile), the P.V hand-offs each warpgroup's own. Its segments
-# keep no count of tiles before them, so the patch adds one (tr_pairs).
+# keep no count of tiles before them, so the trace keeps one (tr_pairs).
 TRANSPOSED = Schedule(
     steps=(
-        ((1, 8), "        if (take_other_max(MA, f)) rescale(f);", "m_A received"),
-        ((1, 9), "        named_arrive(FREE0, 256);\n", "P_A V_A done (FREE0)"),
-        ((None, 0), "      named_sync(WG0 + me, 128);                            // its rows have landed\n",
-         "tile landed"),
-        ((None, 1), '      asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory");\n'
-                    '      asm volatile("wgmma.wait_group.sync.aligned 0;\\n" ::: "memory");\n', "scores done"),
-        ((None, 2), "      const bool moved = warpgroup_any(WG0 + me, over);\n", "masked, max voted"),
-        ((None, 3), "      named_arrive(me == 0 ? MA : MB, 256);\n", "max handed over"),
-        ((None, 4), "      named_sync(me == 0 ? ACKA : ACKB, 256);", "P exponentiated, max read"),
-        ((None, 5), "      named_arrive(me == 0 ? PA : PB, 256);\n", "P^T stored"),
-        ((0, 6), "        if (moved) rescale(f);\n        pv(0, true);\n", "own P_A V_A done"),
-        ((0, 7), "        named_sync(FREE0, 256);                             // warpgroup 1's P_A V_A is done\n",
-         "wg1's P_A V_A done (FREE0)"),
-        ((0, 8), "        named_sync(FREE0, 256);                             // warpgroup 1's P_A V_A is done\n"
-                 "        if (more) load_tile(kb + 2);\n", "next A issued"),
-        ((0, 9), "        if (take_other_max(MB, f)) rescale(f);", "m_B received"),
-        ((0, 10), "        named_sync(PB, 256);\n        pv(1, true);\n", "P_B V_B done"),
-        ((1, 6), "        if (moved) rescale(f);                              // O_R (P_A V_A in it) to m_B\n"
-                 "        pv(1, true);\n", "P_B V_B done"),
-        ((1, 7), "        named_sync(FREE1, 256);                             // warpgroup 0's P_B V_B is done\n"
-                 "        if (more) load_tile(kb + 2);\n", "next B issued"),
+        ((1, 8), "ma_received", "m_A received"),
+        ((1, 9), "pv_a_right_done", "P_A V_A done (FREE0)"),
+        ((None, 0), "tile_landed", "tile landed"),
+        ((None, 1), "scores_done", "scores done"),
+        ((None, 2), "max_voted", "masked, max voted"),
+        ((None, 3), "max_handed", "max handed over"),
+        ((None, 4), "max_read", "P exponentiated, max read"),
+        ((None, 5), "pt_stored", "P^T stored"),
+        ((0, 6), "pv_a_left_done", "own P_A V_A done"),
+        ((0, 7), "free0_seen", "wg1's P_A V_A done (FREE0)"),
+        ((0, 8), "next_a_issued", "next A issued"),
+        ((0, 9), "mb_received", "m_B received"),
+        ((0, 10), "pv_b_left_done", "P_B V_B done"),
+        ((1, 6), "pv_b_right_done", "P_B V_B done"),
+        ((1, 7), "next_b_issued", "next B issued"),
     ),
     boundary=(
-        (0, "    cp_async_wait<0>();\n    __syncthreads();                                        "
-            "// every wgmma and copy is done\n", "epilogue begun (synced)", False),
-        (1, "    __syncthreads();\n    for (int row = warp; row < N; row += THREADS / 32) {\n", "rows staged", True),
+        (0, "epilogue", "epilogue begun (synced)"),
+        (1, "stage_sync", "rows staged"),
         *RELEASE,
-        (4, "    __syncthreads();                                        // Q from every thread's copies\n",
-         "next segment: Q and its first tiles landed", False),
+        (4, "q_ready", "next segment: Q and its first tiles landed"),
     ),
     stride=12, global_slot=23, boundary_slot=24, events=32,
     pair="tr_pairs + pi", last_pair="tr_pairs - 1",
-    extra=(("  auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {\n",
-            "  int tr_pairs = 0;   // trace: the block's pairs before this segment\n", True),
-           ("    // ---- epilogue: column sums and maxima meet in shared memory", "    tr_pairs += pairs;\n", True)),
+    state=(("pairs_before", "int tr_pairs = 0"),      # the block's pairs before this segment
+           ("loop_end", "tr_pairs += pairs")),
 )
 
 
 def schedule_of(variant: Variant) -> Schedule | None:
-    """The schedule whose landmarks `variant`'s template has, or None for an unpaired kernel."""
+    """The schedule whose trace points `variant`'s template has, or None for an unpaired kernel."""
     return SEESAW if variant.seesaw else TRANSPOSED if variant.transposed else None
 
 
-def _insert(source: str, landmark: str | re.Pattern, code: str, before: bool) -> str:
-    """`code` inserted at `landmark` (text, or a pattern matching once), or after the line it ends in."""
-    pattern = landmark if isinstance(landmark, re.Pattern) else re.compile(re.escape(landmark))
-    found = list(pattern.finditer(source))
-    if len(found) != 1:
-        raise SystemExit(f"landmark not found once (the template changed): {landmark!r}")
-    at, end = found[0].start(), found[0].end()
-    if not before:
-        at = end if source[end - 1] == "\n" else source.index("\n", end - 1) + 1
-    return source[:at] + code + source[at:]
-
-
-def patch(source: str, schedule: Schedule) -> str:
-    """`source` with a stamp after each landmark of the schedule's steps and boundary."""
-    first = next(key for key, _, _ in schedule.steps if key[0] in (None, 0))   # warpgroup 0's first step
-    # longest landmark first: one landmark may hold another (the seesaw's "P0 V0_R done" holds
-    # its "P1 stored")
-    for (w, e), landmark, _ in sorted(schedule.steps, key=lambda s: -len(s[1])):
-        timer = "" if (w, e) != first else " GT();" if w is not None else " if (me == 0) GT();"
-        stamp = f"TS({'me' if w is None else w}, {e});{timer}"
-        source = _insert(source, landmark, f"        {stamp}\n", False)
-    for k, landmark, _, before in schedule.boundary:
-        source = _insert(source, landmark, f"    TB({k});\n", before)
-    for landmark, code, before in schedule.extra:
-        source = _insert(source, landmark, code, before)
-    return schedule.header() + source
+def paired_trace(plan: KernelPlan, source: str) -> str:
+    """`plan`'s rendered `source` traced for its schedule; unchanged for an unpaired variant
+    (`main` then refuses it)."""
+    schedule = schedule_of(plan.variant)
+    if schedule is None:
+        return source
+    return traced(source, schedule.header(), schedule.points(), tuple(schedule.points()))
 
 
 def phases(stamps: list[list[int]], ghz: float, schedule: Schedule) -> dict[str, list[float]]:
@@ -228,7 +205,7 @@ def boundaries(stamps: list[list[int]], ghz: float, schedule: Schedule) -> dict[
     clock64 deltas at `ghz`."""
     seq0 = schedule.sequence(0)
     (first, first_label), (last, last_label) = seq0[0], seq0[-1]
-    labels = ([f"wg0 {last_label}"] + [label for _, _, label, _ in schedule.boundary]
+    labels = ([f"wg0 {last_label}"] + [label for _, _, label in schedule.boundary]
               + [f"next segment: {first_label}"])
     b0, count = schedule.boundary_slot, len(schedule.boundary)
     out: dict[str, list[float]] = {}
@@ -244,8 +221,7 @@ def boundaries(stamps: list[list[int]], ghz: float, schedule: Schedule) -> dict[
 
 
 def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None = None) -> None:
-    loaded, call = patched_row(lambda plan, source: patch_paired(source, plan.variant),
-                               heads, batch, seqlen_q, prefix, variant)
+    loaded, call = traced_row(paired_trace, heads, batch, seqlen_q, prefix, variant)
     schedule = schedule_of(loaded.plan.variant)
     if schedule is None:
         raise SystemExit(f"{loaded.plan.name} is neither a seesaw nor a transposed variant: pass one")
@@ -298,16 +274,9 @@ def main(heads: int, batch: int, seqlen_q: int, prefix: int, variant: str | None
         print(f"pair {i:3d}: {wg0} | {wg1}")
 
 
-def patch_paired(source: str, variant: Variant) -> str:
-    """`source` patched for `variant`'s schedule; unchanged for an unpaired variant (`main` then
-    refuses it)."""
-    schedule = schedule_of(variant)
-    return patch(source, schedule) if schedule else source
-
-
 def parse_args(argv: list[str]):
     p = row_parser(__file__, __doc__, "a seesaw or transposed variant (default: the dispatcher's pick)")
-    p.add_argument("--source", action="store_true", help="print the patched source of VARIANT and exit (no GPU)")
+    p.add_argument("--source", action="store_true", help="print the traced source of VARIANT and exit (no GPU)")
     args = p.parse_args(argv)
     if args.source and (args.variant is None or schedule_of(parse_variant(args.variant)) is None):
         p.error("--source needs a seesaw (_ss_) or transposed (_tr_) variant name")
@@ -317,8 +286,7 @@ def parse_args(argv: list[str]):
 if __name__ == "__main__":
     args = parse_args(sys.argv[1:])
     if args.source:
-        print(patched_source(args.variant, args.heads, lambda plan, source: patch_paired(source, plan.variant)),
-              end="")
+        print(traced_source(args.variant, args.heads, paired_trace), end="")
         raise SystemExit(0)
     require_gpu(__file__)
     main(args.heads, args.batch, args.seqlen_q, args.prefix, args.variant)

@@ -1,5 +1,5 @@
 """The scripts in benchmarks/ keep working: each one's command line, its CPU part (plans, rendered
-and patched sources, parsers), its one-line exit where no GPU is visible, and on a GPU the script
+and traced sources, parsers), its one-line exit where no GPU is visible, and on a GPU the script
 itself on a small shape. EXERCISED (at the end) maps every file under benchmarks/ (results/ aside)
 to the tests that exercise it, and must match the folder: a script no test runs fails here."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -313,27 +314,81 @@ def test_sass_histogram_counts_opcodes(tmp_path, capsys):
     assert out[2].split() == ["HGMMA", "2,000", "83.3%", "90.0%"]
 
 
-# ---- trace_blocks.py, trace_exchange.py, trace_seesaw.py (compiled too in tests/test_sass.py)
+# ---- trace_blocks.py, trace_exchange.py, trace_seesaw.py
 
-def test_block_trace_patches_every_landmark():
-    """The stamps land at every landmark of the templates (a moved landmark exits): the seesaw's
-    15 (no tile-0 stamp; a pair's merge, rows staged and written), the transposed tile's 14."""
-    for name, heads, stamps in ((SEESAW, 64, 15), ("mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a", 8, 14),
-                                ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 64, 8)):
-        source = trace_blocks.patched_source(name, heads, lambda plan, source: trace_blocks.patch(source))
-        assert source.count("TR(") == stamps, name
-        assert "mlagen_trace[" in source and "clock64()" in source
-    timed = trace_blocks.patched_source(SEESAW, 64, lambda plan, source: trace_blocks.patch(source, True))
-    assert "clock64()" not in timed
+BLOCK_TRACE = GPU_RUNS["trace_blocks.py"][-1]           # its GPU run's variant
+TRANSPOSED_TMA = "mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a"
+CLUSTER = "mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a"
+
+
+def _rendered(name: str, heads: int):
+    plan = validate(Problem(heads=heads), parse_variant(name))
+    return plan, render(plan)
+
+
+def _defined(source: str) -> dict[str, str]:
+    """The trace points a traced `source` defines, and each one's code."""
+    out: dict[str, str] = {}
+    for line in source.splitlines():
+        if line.startswith("#define MLAGEN_TRACE_") and line != "#define MLAGEN_TRACE_ON":
+            point, _, code = line.removeprefix("#define MLAGEN_TRACE_").partition(" ")
+            assert point not in out, point
+            out[point] = code
+    return out
+
+
+@pytest.mark.parametrize("name,heads", [(SEESAW, 64), (TRANSPOSED, 8), (TRANSPOSED_TMA, 8), (EXCHANGE, 64),
+                                        (BLOCK_TRACE, 64), (CLUSTER, 64), ("flash_ht8_qt8_bn32_w8_st2_spa_sm90", 64)])
+def test_trace_points_are_nothing_untraced(name, heads):
+    """A rendered kernel holds trace points (mma ones) and none of the trace code: common.cuh.j2
+    defines MLAGEN_TRACE as nothing unless the source defines MLAGEN_TRACE_ON before it."""
+    _, source = _rendered(name, heads)
+    assert "MLAGEN_TRACE_ON" in source and "#define MLAGEN_TRACE(point)\n" in source
+    assert not re.search(r"^#define MLAGEN_TRACE_ON", source, re.MULTILINE)
+    assert "mlagen_trace" not in source and "mlagen_ss_trace" not in source and "clock64" not in source
+    points = trace_blocks.points_of(source)
+    assert "start" in points or not name.startswith("mma_")
+    assert all(point in trace_blocks.BLOCK_POINTS or point in trace_exchange.EXCHANGE_POINTS
+               or any(point in schedule.points() for schedule in (trace_seesaw.SEESAW, trace_seesaw.TRANSPOSED))
+               for point in points), points                   # no point that no tool stamps
+
+
+def test_block_trace_defines_every_point():
+    """trace_blocks.py defines each point of the kernel, its own as their stamps and the others as
+    nothing: the seesaw has no tile_landed point (a nan column), the transposed tile no Q landing
+    of its own, a cluster split its cluster's barriers instead of a count."""
+    expected = {
+        SEESAW: {"start", "work_list", "segment", "q_landed", "loop_end", "staged", "written", "counted",
+                 "merge_begin", "merge_end", "merge_wait", "pair_done"},
+        TRANSPOSED_TMA: {"start", "work_list", "segment", "tile_landed", "loop_end", "staged", "written", "counted",
+                         "merge_begin", "merge_end", "merge_wait"},
+        BLOCK_TRACE: {"start", "segment", "q_landed", "tile_landed", "loop_end", "staged", "written", "counted",
+                      "merge_begin", "merge_end", "merge_wait", "pair_done"},
+        CLUSTER: {"start", "segment", "tile_landed", "loop_end", "cluster_met", "cluster_done",
+                  "merge_wait"},          # (merge.cuh.j2's merge, which a cluster split never runs)
+    }
+    for name, points in expected.items():
+        heads = 8 if "_tr_" in name else 64
+        source = trace_blocks.traced_source(name, heads, trace_blocks.block_trace)
+        assert source.startswith("#define MLAGEN_TRACE_ON\n") and "mlagen_trace[" in source and "clock64()" in source
+        defined = _defined(source)
+        assert set(defined) == set(trace_blocks.points_of(source)), name
+        assert {point for point, code in defined.items() if code} == points, name
+        assert all(defined[point] == trace_blocks.BLOCK_POINTS[point] for point in points), name
+    timed = trace_blocks.traced_source(SEESAW, 64, lambda plan, source: trace_blocks.block_trace(plan, source, True))
+    assert "clock64()" not in timed and "tr_gt()" in timed
     for other, message in ((EXCHANGE, "trace_exchange.py"), ("flash_ht8_qt8_bn32_w8_st2_spa_sm90", "not an mma")):
-        with pytest.raises(SystemExit, match=message):               # one line, not a failed landmark
-            trace_blocks.patched_source(other, 64, lambda plan, source: trace_blocks.patch(source))
+        with pytest.raises(SystemExit, match=message):               # one line
+            trace_blocks.traced_source(other, 64, trace_blocks.block_trace)
+    plan, source = _rendered(CLUSTER, 64)
+    with pytest.raises(SystemExit, match="trace points not in the kernel.*segment"):
+        trace_blocks.block_trace(plan, source.replace("MLAGEN_TRACE(segment);", ""))
     args = trace_blocks.parse_args(["64", "1", "9", "256", "--warm", "--gt"])
     assert (args.variant, args.warm, args.gt, args.source) == (None, True, True, False)
 
 
 def test_block_trace_restores_rendering(monkeypatch):
-    """patched_row's source rewrite ends with its warm-up: kernels built later render as usual."""
+    """traced_row's source rewrite ends with its warm-up: kernels built later render as usual."""
     import mlagen.codegen.build as build
 
     def no_case(**kwargs):
@@ -342,29 +397,58 @@ def test_block_trace_restores_rendering(monkeypatch):
     render_before = build.render
     monkeypatch.setattr(trace_blocks, "make_case", no_case)
     with pytest.raises(RuntimeError, match="no GPU"):
-        trace_blocks.patched_row(lambda plan, source: source, 64, 1, 9, 256)
+        trace_blocks.traced_row(lambda plan, source: source, 64, 1, 9, 256)
     assert build.render is render_before
 
 
-def test_exchange_trace_patches_every_landmark():
-    source = trace_exchange.patched_source(EXCHANGE, 64, lambda plan, source: trace_exchange.patch(source))
-    assert source.count("TR(") == len(trace_exchange.PATCHES) + 1     # and the macro's definition
+def test_exchange_trace_defines_every_point():
+    source = trace_blocks.traced_source(EXCHANGE, 64, trace_exchange.exchange_trace)
+    defined = _defined(source)
+    assert {point: code for point, code in defined.items() if code} == trace_exchange.EXCHANGE_POINTS
     assert "clock64()" not in source
+    with pytest.raises(SystemExit, match="not a P exchange"):
+        trace_blocks.traced_source(BLOCK_TRACE, 64, trace_exchange.exchange_trace)
     with pytest.raises(SystemExit):
         trace_exchange.parse_args(["64", "1", "9", "256"])             # the variant is required
 
 
-def test_seesaw_trace_patches_both_schedules():
+def test_seesaw_trace_defines_both_schedules():
+    """Every stamp of a schedule is a trace point of its template, in no two slots at once; the
+    transposed tile's trace keeps its pair count across a balanced range's segments."""
     for name, heads, schedule in ((SEESAW, 64, trace_seesaw.SEESAW), (TRANSPOSED, 8, trace_seesaw.TRANSPOSED)):
         assert trace_seesaw.schedule_of(parse_variant(name)) is schedule
-        source = trace_seesaw.patched_source(name, heads,
-                                             lambda plan, source: trace_seesaw.patch_paired(source, plan.variant))
-        assert source.count("        TS(") == len(schedule.steps), name
-        assert source.count("    TB(") == len(schedule.boundary), name
-    plain = "mma_ht8_qt8_bn64_w8_st2_sp2_sm90a"
-    assert trace_seesaw.patch_paired("unchanged", parse_variant(plain)) == "unchanged"
+        source = trace_blocks.traced_source(name, heads, trace_seesaw.paired_trace)
+        defined = _defined(source)
+        assert {point: code for point, code in defined.items() if code} == schedule.points(), name
+        assert sum(code.startswith("TS(") for code in defined.values()) == len(schedule.steps), name
+        assert sum(code.startswith("TB(") for code in defined.values()) == len(schedule.boundary), name
+        assert sum("GT()" in code for code in defined.values()) == 1, name   # the global timer, once a pair
+        slots = [slot for w in (0, 1) for slot, _ in schedule.sequence(w)] + [schedule.global_slot]
+        slots += [schedule.boundary_slot + k for k in range(len(schedule.boundary))]
+        assert len(set(slots)) == len(slots) and max(slots) < schedule.events, name
+    assert trace_seesaw.TRANSPOSED.points()["pairs_before"] == "int tr_pairs = 0"
+    plan, plain = _rendered("mma_ht8_qt8_bn64_w8_st2_sp2_sm90a", 64)
+    assert trace_seesaw.paired_trace(plan, plain) == plain
+    seesaw = trace_seesaw.SEESAW
+    with pytest.raises(SystemExit, match="trace points not in the kernel"):
+        trace_blocks.traced(plain, seesaw.header(), seesaw.points(), tuple(seesaw.points()))
     with pytest.raises(SystemExit):
-        trace_seesaw.parse_args(["8", "16", "9", "16384", plain, "--source"])
+        trace_seesaw.parse_args(["8", "16", "9", "16384", "mma_ht8_qt8_bn64_w8_st2_sp2_sm90a", "--source"])
+
+
+@pytest.mark.parametrize("name,heads,trace", [
+    (BLOCK_TRACE, 64, trace_blocks.block_trace), (EXCHANGE, 64, trace_exchange.exchange_trace),
+    (TRANSPOSED, 8, trace_seesaw.paired_trace), (SEESAW, 64, trace_seesaw.paired_trace)])
+def test_traced_source_compiles(name, heads, trace):
+    """Each tool's traced source of its default variant (and the seesaw's) compiles with NVRTC,
+    its wgmmas still asynchronous and without spills (the 72-row transposed tile spills a little
+    untraced too): a stamp that cost either would distort what it measures."""
+    source = trace_blocks.traced_source(name, heads, trace)
+    plan = validate(Problem(heads=heads), parse_variant(name))
+    module = compile_source(source, plan.name, plan.arch.name)
+    assert module.cubin[:4] == b"\x7fELF"
+    assert "C751" not in module.log and "serialized" not in module.log, module.log
+    assert plan.variant.transposed or all(not r.spills for r in module.resources.values()), module.resources
 
 
 def test_seesaw_trace_phases_from_stamps():
@@ -580,11 +664,11 @@ EXERCISED = {   # every file under benchmarks/ but results/ (and the bench's def
                       test_gpu_script_runs],
     "profile_row.py": [test_profile_row_arguments, test_gpu_script_runs],
     "sass_histogram.py": [test_sass_histogram_counts_opcodes],
-    "trace_blocks.py": [test_block_trace_patches_every_landmark, test_block_trace_restores_rendering,
-                        test_gpu_script_runs],
-    "trace_exchange.py": [test_exchange_trace_patches_every_landmark, test_gpu_script_runs],
-    "trace_seesaw.py": [test_seesaw_trace_patches_both_schedules, test_seesaw_trace_phases_from_stamps,
-                        test_gpu_script_runs],
+    "trace_blocks.py": [test_trace_points_are_nothing_untraced, test_block_trace_defines_every_point,
+                        test_block_trace_restores_rendering, test_traced_source_compiles, test_gpu_script_runs],
+    "trace_exchange.py": [test_exchange_trace_defines_every_point, test_traced_source_compiles, test_gpu_script_runs],
+    "trace_seesaw.py": [test_seesaw_trace_defines_both_schedules, test_seesaw_trace_phases_from_stamps,
+                        test_traced_source_compiles, test_gpu_script_runs],
     "ab_trees.py": [test_ab_trees_parses_rows_and_trees, test_ab_trees_renders_from_the_chosen_tree,
                     test_gpu_script_runs],
     "ab_constant.py": [test_ab_constant_sets_and_restores_a_constant, test_gpu_script_runs],

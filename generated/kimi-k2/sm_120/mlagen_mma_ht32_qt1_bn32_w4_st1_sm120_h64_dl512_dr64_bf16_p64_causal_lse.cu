@@ -14,6 +14,16 @@
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// Trace points: MLAGEN_TRACE(point) marks where one phase of the kernel ends. It is nothing
+// unless the source defines MLAGEN_TRACE_ON and, for each point in it, MLAGEN_TRACE_<point>:
+// the stamps there, which may read the variables in scope (benchmarks/trace_blocks.py,
+// trace_exchange.py and trace_seesaw.py prepend those and the buffers the stamps go to).
+#ifdef MLAGEN_TRACE_ON
+#define MLAGEN_TRACE(point) MLAGEN_TRACE_##point
+#else
+#define MLAGEN_TRACE(point)
+#endif
+
 typedef __nv_bfloat16 elem_t;
 typedef __nv_bfloat162 elem2_t;
 __device__ __forceinline__ float2 to_float2(elem2_t v) { return __bfloat1622float2(v); }
@@ -497,6 +507,7 @@ __device__ void merge_block(const VerifyParams& p) {
     while (load_acquire(counter) < (unsigned)splits) __nanosleep(100);
     atomicInc(counter, splits + p.merge_blocks - 1);
   }
+  MLAGEN_TRACE(merge_wait);
   __syncthreads();   // the partials thread 0 acquired are visible to the whole block
   const int per = (GROUP_ROWS + p.merge_blocks - 1) / p.merge_blocks;
   const int end = (part + 1) * per < GROUP_ROWS ? (part + 1) * per : GROUP_ROWS;
@@ -692,8 +703,11 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates
   // wnq through a lane-0 broadcast: the same value, but ptxas then knows it is warp-uniform.
   const int wmq = warp % WMQ, wnq = __shfl_sync(0xffffffffu, warp / WMQ, 0);   // wgmma: wnq is the warpgroup
+  MLAGEN_TRACE(start);
   if (blockIdx.z >= merge_z0(p)) {  // a merge block (split launches only; the balanced seesaw's merge at the end)
+    MLAGEN_TRACE(merge_begin);
     merge_block(p);
+    MLAGEN_TRACE(merge_end);
     return;
   }
   auto row_sum = [&](int row) {                          // a row's sum, once the epilogue met its parts
@@ -706,6 +720,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   // balanced split's range; otherwise split `split`'s share of the group's keys), ending as
   // workspace slot `split` of the group's `splits`, or written out directly when `direct`.
   auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {
+    MLAGEN_TRACE(segment);
     const int h0 = (x % HEAD_TILES) * HT, q0 = (x / HEAD_TILES) * QT;
     const int S = p.seqlen_q;
     const int n = request_keys(p, b);
@@ -765,6 +780,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       }
       cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
       __syncthreads();                                      // tile kb landed; tile kb-1 fully used
+      MLAGEN_TRACE(tile_landed);
       const int kr = kb + STAGES - 1;                       // refilled this iteration, into tile kb-1's buffer
       const unsigned tileA = stage(kb);
 
@@ -898,12 +914,14 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       if (threadIdx.x < M_PAD)      // after P V's issue, off its path; read after the next tile's barriers
         sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
     }
+    MLAGEN_TRACE(loop_end);
     // ---- epilogue: row sums meet in shared memory; write out/lse or the split's partial ----
     // The commit puts Q's copies in a group when no tile ran (an empty split with one stage
     // commits nothing before this): the wait must cover them, the epilogue reuses their buffer.
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
+    MLAGEN_TRACE(epilogue);
 #pragma unroll
     for (int mt = 0; mt < MTQ; ++mt)
 #pragma unroll
@@ -934,6 +952,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
               *reinterpret_cast<float2*>(at) = make_float2(o[mt][nt][2 * half], o[mt][nt][2 * half + 1]);
           }
         }
+      MLAGEN_TRACE(stage_sync);
       __syncthreads();
       for (int row = warp; row < ROWS; row += WARPS) {
         const int i = q0 + row / HT, h = h0 + row % HT;
@@ -964,7 +983,9 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
           }
         }
     }
+    MLAGEN_TRACE(counting);
     if (!direct) count_split_done(p, b, x, splits);
+    MLAGEN_TRACE(counted);
   };
 
   segment(blockIdx.z, blockIdx.x, 0, 0, blockIdx.y, p.num_splits == 1, p.num_splits);

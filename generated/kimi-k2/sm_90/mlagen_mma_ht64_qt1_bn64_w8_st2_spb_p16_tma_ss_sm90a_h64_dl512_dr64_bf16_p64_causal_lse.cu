@@ -21,6 +21,16 @@
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// Trace points: MLAGEN_TRACE(point) marks where one phase of the kernel ends. It is nothing
+// unless the source defines MLAGEN_TRACE_ON and, for each point in it, MLAGEN_TRACE_<point>:
+// the stamps there, which may read the variables in scope (benchmarks/trace_blocks.py,
+// trace_exchange.py and trace_seesaw.py prepend those and the buffers the stamps go to).
+#ifdef MLAGEN_TRACE_ON
+#define MLAGEN_TRACE(point) MLAGEN_TRACE_##point
+#else
+#define MLAGEN_TRACE(point)
+#endif
+
 typedef __nv_bfloat16 elem_t;
 typedef __nv_bfloat162 elem2_t;
 __device__ __forceinline__ float2 to_float2(elem2_t v) { return __bfloat1622float2(v); }
@@ -845,6 +855,7 @@ __device__ void merge_block(const VerifyParams& p, const WorkList& wl) {
     while (load_acquire(counter) < (unsigned)splits) __nanosleep(100);
     atomicInc(counter, splits + p.merge_blocks - 1);
   }
+  MLAGEN_TRACE(merge_wait);
   __syncthreads();   // the partials thread 0 acquired are visible to the whole block
   const int per = (GROUP_ROWS + p.merge_blocks - 1) / p.merge_blocks;
   const int end = (part + 1) * per < GROUP_ROWS ? (part + 1) * per : GROUP_ROWS;
@@ -1159,8 +1170,10 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates
   // wnq through a lane-0 broadcast: the same value, but ptxas then knows it is warp-uniform.
   const int wmq = warp % WMQ, wnq = __shfl_sync(0xffffffffu, warp / WMQ, 0);   // wgmma: wnq is the warpgroup
+  MLAGEN_TRACE(start);
   const LaneRequests lt = lane_tiles(p, lane);             // the requests' tiles, for the work list and the range's lookup
   const WorkList wl = balanced_ranges(p, lt, lane);     // once, for the merge and the split blocks alike
+  MLAGEN_TRACE(work_list);
   // One mbarrier per KV stage; tiles_done counts this block's tiles over its segments, so tile
   // k (in that count) uses stage k % STAGES and completes phase k / STAGES % 2 of its mbarrier.
   unsigned long long* sFull = sBits + 64;                                 // (6,) after the tree-mask rows
@@ -1186,6 +1199,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   // balanced split's range; otherwise split `split`'s share of the group's keys), ending as
   // workspace slot `split` of the group's `splits`, or written out directly when `direct`.
   auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {
+    MLAGEN_TRACE(segment);
     const int h0 = (x % HEAD_TILES) * HT, q0 = (x / HEAD_TILES) * QT;
     const int S = p.seqlen_q;
     const int n = request_keys(p, b);
@@ -1271,8 +1285,10 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
       issue_part(buf1, kb_begin + 1, page1, K1_REST, 0, VB, 2 * VB, NBLK);
     }
     cp_async_wait<0>();                                     // Q's copies
+    MLAGEN_TRACE(q_landed);
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();                                        // Q and the tree-mask rows
+    MLAGEN_TRACE(q_ready);
 
     const int wt = threadIdx.x % 128;                       // thread in the warpgroup
     int rows[2], qi[2];
@@ -1413,10 +1429,13 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
       if (wnq == 0) {
         mbar_wait(bars + 8 * K0_LO, parity);
         mbar_wait(bars + 8 * K0_HI, parity);
+        MLAGEN_TRACE(k0_landed);
         zero_rows(buf0, k0);
         scores(s, buf0);
+        MLAGEN_TRACE(s0_issued);
         named_sync(S0_ISSUED, 256);                         // S1 queues behind S0 on the tensor cores
         wait_all();
+        MLAGEN_TRACE(s0_done);
         mask_scale(s, k0, mx);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -1429,11 +1448,14 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
         for (int half = 0; half < 2; ++half) lpart[0][half] = lpart[0][half] * f[half] + sum[half];
         store_p(buf0, s);
         mbar_arrive(bars + 8 * P0_FULL);
+        MLAGEN_TRACE(p0_stored);
         rescale(f);
         pv_regs(s, buf0);
         wait_all();
+        MLAGEN_TRACE(p0_v0l_done);
         if (more && wt == 0) issue_part(buf0, k0 + 2, page0, K0_LO, 0, VB, 0, 0);   // K0's value-left blocks are read
         mbar_wait(bars + 8 * P1_FULL, parity);
+        MLAGEN_TRACE(p1_received);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           m1[half] = sMax[M_PAD + rows[half]];
@@ -1443,16 +1465,22 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
         rescale(f);
         pv_smem(buf1);
         wait_all();
+        MLAGEN_TRACE(p1_v1l_done);
         if (more && wt == 0) issue_part(buf1, k1 + 2, page1, K1_REST, 0, VB, 2 * VB, NBLK);   // and K1's, with P1
       } else {
         named_sync(S0_ISSUED, 256);
+        MLAGEN_TRACE(s0_seen);
         mbar_wait(bars + 8 * K1_MID, parity);
         mbar_wait(bars + 8 * K1_REST, parity);
+        MLAGEN_TRACE(k1_landed);
         zero_rows(buf1, k1);
         scores(s, buf1);
+        MLAGEN_TRACE(s1_issued);
         wait_all();                                         // S1 done: o is touched with no wgmma in flight
+        MLAGEN_TRACE(s1_done);
         mask_scale(s, k1, mx);                              // while P0 is on its way
         mbar_wait(bars + 8 * P0_FULL, parity);
+        MLAGEN_TRACE(p0_received);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           m0[half] = sMax[rows[half]];
@@ -1470,13 +1498,16 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
         for (int half = 0; half < 2; ++half) lpart[0][half] = lpart[0][half] * factor(m[half], m1[half]) + sum[half];
         store_p(buf1, s);
         mbar_arrive(bars + 8 * P1_FULL);
+        MLAGEN_TRACE(p1_stored);
         wait_all();
+        MLAGEN_TRACE(p0_v0r_done);
         if (more && wt == 0) issue_part(buf0, k0 + 2, page0, K0_HI, VB, NBLK, 0, 0);   // K0's value-right and rope blocks
 #pragma unroll
         for (int half = 0; half < 2; ++half) f[half] = factor(m0[half], m1[half]);
         rescale(f);
         pv_regs(s, buf1);
         wait_all();
+        MLAGEN_TRACE(p1_v1r_done);
         if (more && wt == 0) issue_part(buf1, k1 + 2, page1, K1_MID, VB, 2 * VB, 0, 0);   // K1's value-right blocks
       }
 #pragma unroll
@@ -1487,6 +1518,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
       for (int half = 0; half < 2; ++half) sM[rows[half]] = m[half];
     tiles_done += 2 * pairs;
 
+    MLAGEN_TRACE(loop_end);
     // ---- epilogue: row sums meet in shared memory; write out/lse or the split's partial ----
     const bool in_pair = !direct && pair_merge(splits, wl);   // (uniform)
     // The commit puts Q's copies in a group when no tile ran (an empty split with one stage
@@ -1494,6 +1526,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
+    MLAGEN_TRACE(epilogue);
 #pragma unroll
     for (int mt = 0; mt < MTQ; ++mt)
 #pragma unroll
@@ -1524,11 +1557,15 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
               *reinterpret_cast<float2*>(at) = make_float2(o[mt][nt][2 * half], o[mt][nt][2 * half + 1]);
           }
         }
+      MLAGEN_TRACE(stage_sync);
       __syncthreads();
-      if (in_pair)                                        // it ends after its range, rows staged
+      if (in_pair) {                                      // it ends after its range, rows staged
         pair_at = 2 * b + (t0 == 0);
-      else
+      } else {
+        MLAGEN_TRACE(staged);
         finish_staged_rows<ROWS, HT, WARPS>(p, split, direct, b, q0, h0, sStage, STAGE_STRIDE, sM, row_sum, warp, lane);
+        MLAGEN_TRACE(written);
+      }
     } else {
 #pragma unroll
       for (int mt = 0; mt < MT_O; ++mt)
@@ -1546,7 +1583,9 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
           }
         }
     }
+    MLAGEN_TRACE(counting);
     if (!direct && !in_pair) count_split_done(p, b, x, splits);
+    MLAGEN_TRACE(counted);
   };
 
 // Every value of the range goes through a lane-0 broadcast: the same values, but ptxas then
@@ -1579,7 +1618,11 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
     }
     start += uniform(request_span(wl, tiles));
   }
-  if (merging) merge_block(p, wl);
+  if (merging) {
+    MLAGEN_TRACE(merge_begin);
+    merge_block(p, wl);
+    MLAGEN_TRACE(merge_end);
+  }
   if (pair_at >= 0) {                                     // its rows are still staged: its range ran one segment
     // its slot and the other block's: a fixed split's two; a balanced request's ranges have
     // consecutive slots, y + b
@@ -1587,5 +1630,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
     end_pair<ROWS, HT, WARPS>(p, b, blockIdx.x, own, other, (blockIdx.x / HEAD_TILES) * QT,
                               (blockIdx.x % HEAD_TILES) * HT, reinterpret_cast<const elem_t*>(smem_raw), STAGE_STRIDE,
                               sM, row_sum, reinterpret_cast<unsigned*>(sP), warp, lane);   // (sP: free now)
+    MLAGEN_TRACE(pair_done);
   }
 }

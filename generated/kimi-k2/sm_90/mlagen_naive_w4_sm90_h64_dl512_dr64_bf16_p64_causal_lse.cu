@@ -8,6 +8,16 @@
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// Trace points: MLAGEN_TRACE(point) marks where one phase of the kernel ends. It is nothing
+// unless the source defines MLAGEN_TRACE_ON and, for each point in it, MLAGEN_TRACE_<point>:
+// the stamps there, which may read the variables in scope (benchmarks/trace_blocks.py,
+// trace_exchange.py and trace_seesaw.py prepend those and the buffers the stamps go to).
+#ifdef MLAGEN_TRACE_ON
+#define MLAGEN_TRACE(point) MLAGEN_TRACE_##point
+#else
+#define MLAGEN_TRACE(point)
+#endif
+
 typedef __nv_bfloat16 elem_t;
 typedef __nv_bfloat162 elem2_t;
 __device__ __forceinline__ float2 to_float2(elem2_t v) { return __bfloat1622float2(v); }
