@@ -66,7 +66,8 @@ def compared(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch
         return picked, [parse_variant(name) for name in names]
     if picked.family != "mma":
         return picked, []
-    return picked, [picked.with_(kv_split="adaptive", cluster=False), picked.with_(kv_split="balanced", cluster=False)]
+    return picked, [picked.with_(kv_split="adaptive", combine="merge"),
+                    picked.with_(kv_split="balanced", combine="merge")]
 
 
 def parse_args(argv: list[str]):

@@ -58,27 +58,27 @@ def variants_for(arch: str) -> tuple[list[Variant | None], list[Variant]]:
         return variants, []
     # sm_90a: P·V on wgmma or mma.sync; balanced, cluster split; each split also with 16-bit
     # partial rows; TMA loads, and the seesaw on them
-    for knobs in ({}, {"mma_pv": True}, {"kv_split": "balanced"}, {"cluster": True}, {"part16": True},
-                  {"kv_split": "balanced", "part16": True}, {"cluster": True, "part16": True},
-                  {"tma": True}, {"kv_split": "balanced", "tma": True}, {"mma_pv": True, "tma": True},
-                  {"tma": True, "seesaw": True},
-                  {"kv_split": "balanced", "tma": True, "seesaw": True, "part16": True}):
+    for knobs in ({}, {"mma_pv": True}, {"kv_split": "balanced"}, {"combine": "cluster"}, {"partials": "16bit"},
+                  {"kv_split": "balanced", "partials": "16bit"}, {"combine": "cluster", "partials": "16bit"},
+                  {"loads": "tma"}, {"kv_split": "balanced", "loads": "tma"}, {"mma_pv": True, "loads": "tma"},
+                  {"loads": "tma", "schedule": "seesaw"},
+                  {"kv_split": "balanced", "loads": "tma", "schedule": "seesaw", "partials": "16bit"}):
         variants.append(Variant(family="mma", head_tile=8, q_tile=8, block_n=64, warps=8, stages=2,
                                 arch="sm_90a", **({"kv_split": 2} | knobs)))
     # the short rows' kernel: its epilogue stages 64 output rows over nearly all its shared memory
     for part16 in (False, True):
         variants.append(Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1,
-                                mma_pv=True, part16=part16, arch="sm_90a"))
+                                mma_pv=True, partials="16bit" if part16 else "fp32", arch="sm_90a"))
     # the transposed tile: 72 rows (all of the shared memory; its q tile overhangs S=3 and 5)
     # and 32, with a fixed and a balanced split, and TMA loads (whose mbarriers share #0/#1)
-    for tile, knobs in (((8, 9), {"kv_split": 2}), ((8, 9), {"kv_split": "balanced", "part16": True}),
-                        ((8, 4), {"kv_split": "balanced"}), ((8, 9), {"kv_split": 2, "tma": True}),
-                        ((8, 9), {"kv_split": "balanced", "part16": True, "tma": True})):
+    for tile, knobs in (((8, 9), {"kv_split": 2}), ((8, 9), {"kv_split": "balanced", "partials": "16bit"}),
+                        ((8, 4), {"kv_split": "balanced"}), ((8, 9), {"kv_split": 2, "loads": "tma"}),
+                        ((8, 9), {"kv_split": "balanced", "partials": "16bit", "loads": "tma"})):
         variants.append(Variant(family="mma", head_tile=tile[0], q_tile=tile[1], block_n=64, warps=8, stages=2,
-                                arch="sm_90a", transposed=True, **knobs))
+                                arch="sm_90a", schedule="transposed", **knobs))
     # the P exchange (the SHORT case only): 5 tiles in 5 and in 8 blocks
     exchange = [Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1, arch="sm_90a",
-                        kv_split=k, cluster=True, p_exchange=True) for k in (5, 8)]
+                        kv_split=k, combine="cluster", schedule="p_exchange") for k in (5, 8)]
     return variants, exchange
 
 
@@ -104,8 +104,8 @@ def plan_runs(variants: list[Variant | None], exchange: list[Variant]) -> list[R
 
 def fits(shape: dict, variant: Variant | None) -> bool:
     """Whether `variant` runs on the case: its head tile divides the heads, TMA boxes fit a page."""
-    return variant is None or not (shape["heads"] % variant.head_tile or (variant.tma and
-                                                                         shape["page_size"] % variant.block_n))
+    return variant is None or not (shape["heads"] % variant.head_tile
+                                   or (variant.loads == "tma" and shape["page_size"] % variant.block_n))
 
 
 def problem_of(shape: dict) -> Problem:

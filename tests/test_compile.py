@@ -32,9 +32,8 @@ def _rows(v: Variant) -> int:
 def _kind(v: Variant) -> tuple:
     """What sets a kernel's code apart from another's, but for the size of its tile (a fixed split
     is a launch parameter; a cluster's size is compiled in)."""
-    split = v.kv_split if v.cluster or not isinstance(v.kv_split, int) else "fixed"
-    return (v.arch, v.family, v.warps, v.block_n, v.stages, split, v.mma_pv, v.part16, v.tma, v.seesaw, v.transposed,
-            v.p_exchange)
+    split = v.kv_split if v.combine == "cluster" or not isinstance(v.kv_split, int) else "fixed"
+    return (v.arch, v.family, v.warps, v.block_n, v.stages, split, v.mma_pv, v.partials, v.loads, v.schedule)
 
 
 def largest_of_each_kind(jobs: list[tuple]) -> list:
@@ -116,15 +115,15 @@ def test_preset_variants_compile_without_spills(preset, variant):
 # The transposed tiles take none of these knobs but the split and part16, which
 # test_transposed_variants_compile_with_asynchronous_wgmmas covers.)
 MMA_JOBS = [(p, v) for p, v in PRESET_JOBS if v.family == "mma" and not v.seesaw and not v.transposed]
-PART16_JOBS = [(p, v.with_(part16=True)) for p, v in MMA_JOBS]
+PART16_JOBS = [(p, v.with_(partials="16bit")) for p, v in MMA_JOBS]
 KNOB_JOBS = ([("_spb_", p, v.with_(kv_split="balanced")) for p, v in MMA_JOBS]
-             + [("_cl_", p, v.with_(kv_split=k, cluster=True)) for p, v in MMA_JOBS for k in (2, 8)
+             + [("_cl_", p, v.with_(kv_split=k, combine="cluster")) for p, v in MMA_JOBS for k in (2, 8)
                 if v.arch in ("sm_90", "sm_90a")]
              + [("_p16_", p, v) for p, v in PART16_JOBS]
-             + [("_p16_", p, v.with_(kv_split=k, cluster=c)) for p, v in PART16_JOBS if v.arch == "sm_90a"
-                for k, c in (("balanced", False), (8, True))]
-             + [("_tma_", p, v.with_(tma=True, kv_split=k, part16=part16)) for p, v in MMA_JOBS if v.arch == "sm_90a"
-                for k, part16 in (("adaptive", False), ("balanced", True))])
+             + [("_p16_", p, v.with_(kv_split=k, combine=c)) for p, v in PART16_JOBS if v.arch == "sm_90a"
+                for k, c in (("balanced", "merge"), (8, "cluster"))]
+             + [("_tma_", p, v.with_(loads="tma", kv_split=k, partials=partials)) for p, v in MMA_JOBS
+                if v.arch == "sm_90a" for k, partials in (("adaptive", "fp32"), ("balanced", "16bit"))])
 
 
 @pytest.mark.parametrize("tag,preset,variant", largest_of_each_kind(KNOB_JOBS))
@@ -187,7 +186,7 @@ def test_seesaw_variants_compile_without_spills_or_serialized_wgmmas(dtype, mask
     in each thread: close to the 255 registers, so every build checks for spills, and for the
     waits or serialization ptxas adds around wgmmas."""
     v = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=2, arch="sm_90a", kv_split=split,
-                part16=part16, tma=True, seesaw=True)
+                partials="16bit" if part16 else "fp32", loads="tma", schedule="seesaw")
     built = build(Problem(heads=64, dtype=dtype, mask=mask), v)
     assert "scores_wgmma64" in built.source and "wgmma_pv_regs" in built.source
     for name, r in built.module.resources.items():
@@ -213,7 +212,7 @@ def test_transposed_variants_compile_with_asynchronous_wgmmas(dtype, mask, heads
     the H200 timed), and a tree mask's byte reads a few more (88-96 bytes at 72 rows, 8 at 64):
     more than 128 bytes means something grew; 32 rows fit with room."""
     v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2, arch="sm_90a",
-                kv_split=split, part16=part16, transposed=True)
+                kv_split=split, partials="16bit" if part16 else "fp32", schedule="transposed")
     built = build(Problem(heads=heads, dtype=dtype, mask=mask), v)
     rows = head_tile * q_tile
     assert f"m64n{rows}k16" in built.source and "stmatrix.sync.aligned.m8n8.x4.trans" in built.source
@@ -238,7 +237,7 @@ def test_p_exchange_variants_compile_without_spills_or_serialized_wgmmas(dtype, 
     between the blocks' shared memory, the value product from shared memory on m64n64, no
     spills, and ptxas neither serializes nor waits around its wgmmas."""
     v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=1, arch="sm_90a",
-                kv_split=size, cluster=True, p_exchange=True)
+                kv_split=size, combine="cluster", schedule="p_exchange")
     built = build(Problem(heads=heads, dtype=dtype, mask=mask, lse=lse), v)
     assert "cp.async.bulk.shared::cluster.shared::cta" in built.source and "m64n64k16" in built.source
     for name, r in built.module.resources.items():

@@ -183,7 +183,7 @@ def test_the_sm_count_moves_the_thresholds_of_work_per_sm():
     SMs. So the same launch is long on a device with fewer SMs and short on one with more."""
     p = Problem(heads=64)                      # ht64 qt1: 9 row groups at S=9
     base = policy.heuristic_variant(p, 9, "sm_90", H200)
-    seesaw = base.with_(tma=True, seesaw=True, kv_split="balanced")
+    seesaw = base.with_(loads="tma", schedule="seesaw", kv_split="balanced")
     h20, pcie, big = (policy_for("sm_90", n) for n in (78, 114, 170))
 
     def untuned(problem: Problem, s: int, b: int, keys: int, device: policy.DispatchPolicy) -> Variant:
@@ -274,7 +274,7 @@ def test_untuned_short_one_wave_launches_run_the_p_exchange_on_sm90a():
     p = Problem(heads=64)
     base = policy.heuristic_variant(p, 9, "sm_90", H200)
     px = policy.untuned_variant(p, 9, 1, 320, "sm_90", H200)
-    assert px == base.with_(kv_split=5, cluster=True, p_exchange=True, stages=1, part16=False)
+    assert px == base.with_(kv_split=5, combine="cluster", schedule="p_exchange", stages=1, partials="fp32")
     assert policy.choose_variant(p, 9, 2, 320, "sm_90", "Other GPU") == px         # a batch keeps it
     assert policy.untuned_variant(p, 9, 1, 100, "sm_90", H200).kv_split == 2
     assert policy.untuned_variant(p, 9, 1, 512, "sm_90", H200).kv_split == 8            # 6-8 tiles: 8 (6, 7 do not fit)
@@ -319,7 +319,7 @@ def test_untuned_long_launches_run_the_seesaw_on_sm90a():
     base = policy.heuristic_variant(p, 9, "sm_90", H200)
     assert base.arch == "sm_90a" and (base.head_tile, base.q_tile) == (64, 1) and not base.seesaw
     long = policy.untuned_variant(p, 9, 1, 131136, "sm_90", H200)
-    assert long == base.with_(tma=True, seesaw=True, kv_split="balanced")   # one wave, one request too
+    assert long == base.with_(loads="tma", schedule="seesaw", kv_split="balanced")   # one wave, one request too
     validate(p, long)
     assert policy.num_splits(long, 64, 1, 9, 131136, H200) == 132 // 9      # 9 row groups
     # no TMA box for pages of 16 keys: no seesaw
@@ -339,7 +339,7 @@ def test_untuned_long_launches_take_the_transposed_tile_where_rows_fit_one(heads
     edge = H200.seesaw_tiles * 64        # keys of one request
     tile = policy.transposed_tile(p, seqlen_q, "sm_90", H200)
     assert tile == Variant(family="mma", head_tile=heads, q_tile=seqlen_q, kv_split="balanced", block_n=64,
-                           warps=8, stages=2, arch="sm_90a", part16=True, transposed=True)
+                           warps=8, stages=2, arch="sm_90a", partials="16bit", schedule="transposed")
     validate(p, tile)
     assert policy.untuned_variant(p, seqlen_q, 1, edge, "sm_90", H200) == tile
     assert policy.untuned_variant(p, seqlen_q, 16, edge // 16, "sm_90a", H200) == tile
@@ -349,8 +349,8 @@ def test_untuned_long_launches_take_the_transposed_tile_where_rows_fit_one(heads
         assert not policy.untuned_variant(p, seqlen_q, 1, edge, arch, H200).transposed
         assert policy.transposed_tile(p, seqlen_q, arch, H200) is None
     assert tile in candidates(p, seqlen_q, 1, 4160, "sm_90", 24, H200)
-    assert tile.with_(tma=True) in twin_variants(p, [tile])          # the tuner times its TMA loads too
-    assert tile.with_(tma=True) not in twin_variants(Problem(heads=heads, page_size=16), [tile])
+    assert tile.with_(loads="tma") in twin_variants(p, [tile])          # the tuner times its TMA loads too
+    assert tile.with_(loads="tma") not in twin_variants(Problem(heads=heads, page_size=16), [tile])
     assert not any(v.transposed for v in candidates(p, seqlen_q, 1, 4160, "sm_80", 24, H200))
 
 
@@ -445,17 +445,17 @@ def test_split_variants():
     assert splits == [1, 4, 8]           # at most 256/32 = 8 tiles; the adaptive one skipped
     mma = v.with_(family="mma", q_tile=8)
     found = split_variants(p, mma, 256, skip=2)
-    assert [w.kv_split for w in found if not w.cluster] == [1, 4, 8, "balanced"]
-    assert [w.kv_split for w in found if w.cluster] == [2, 4, 8]     # cluster sizes, one kernel each
+    assert [w.kv_split for w in found if w.combine == "merge"] == [1, 4, 8, "balanced"]
+    assert [w.kv_split for w in found if w.combine == "cluster"] == [2, 4, 8]     # cluster sizes, one kernel each
     # 128 keys: 4 tiles, so no cluster of 8; sm_80 has no clusters
-    assert [w.kv_split for w in split_variants(p, mma, 128, skip=2) if w.cluster] == [2, 4]
-    assert not [w for w in split_variants(p, mma.with_(arch="sm_80"), 256, skip=2) if w.cluster]
+    assert [w.kv_split for w in split_variants(p, mma, 128, skip=2) if w.combine == "cluster"] == [2, 4]
+    assert not [w for w in split_variants(p, mma.with_(arch="sm_80"), 256, skip=2) if w.combine == "cluster"]
 
 
 def test_twin_variants_are_the_knobs_that_make_kernels_of_their_own():
     p = Problem(heads=64)
     mma = parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_sm90a")
-    found = twin_variants(p, [mma, mma.with_(kv_split=1), mma.with_(kv_split=4, cluster=True, part16=True),
+    found = twin_variants(p, [mma, mma.with_(kv_split=1), mma.with_(kv_split=4, combine="cluster", partials="16bit"),
                               parse_variant("flash_ht8_qt8_bn32_w8_st2_sp4_sm90"), naive(),
                               parse_variant("mma_ht64_qt1_bn32_w8_st2_spa_sm80")])
     assert [v.name for v in found] == [
@@ -468,7 +468,7 @@ def test_twin_variants_are_the_knobs_that_make_kernels_of_their_own():
         "mma_ht64_qt1_bn32_w8_st2_spa_p16_sm80",                     # sm_80: no TMA
     ]
     # pages shorter than a tile: no TMA twin
-    assert twin_variants(Problem(heads=64, page_size=16), [mma]) == [mma.with_(part16=True)]
+    assert twin_variants(Problem(heads=64, page_size=16), [mma]) == [mma.with_(partials="16bit")]
 
 
 def test_tune_times_the_tables_previous_pick_second():
@@ -505,7 +505,8 @@ def test_tune_times_knob_twins_of_the_fastest_last(monkeypatch):
     def fake_time(work, trial, timing, give_up_us):
         timed.append(trial.variant)
         v = trial.variant
-        trial.us = 10.0 + v.block_n / 64 + (v.kv_split == 4) * -1 + v.part16 * -0.5 + (v.family != "mma") * 50
+        trial.us = (10.0 + v.block_n / 64 + (v.kv_split == 4) * -1 + (v.partials == "16bit") * -0.5
+                    + (v.family != "mma") * 50)
         trial.samples.append(trial.us)
 
     monkeypatch.setattr(tune, "_time", fake_time)
@@ -519,10 +520,11 @@ def test_tune_times_knob_twins_of_the_fastest_last(monkeypatch):
     # the stage before: knob twins (part16, tma, both) of variants timed earlier (the
     # heuristic's own pick may be part16 already, and so its splits)
     twins = [v for i, v in enumerate(searched)
-             if (v.part16 or v.tma) and v.with_(part16=False, tma=False, seesaw=False) in searched[:i]]
+             if (v.partials == "16bit" or v.loads == "tma")
+             and v.with_(partials="fp32", loads="cp_async", schedule="lockstep") in searched[:i]]
     assert twins and len(twins) <= 5 * config.split_top
     assert searched[-len(twins):] == twins
-    assert result.best.variant.part16 and result.best.variant.kv_split == 4
+    assert result.best.variant.partials == "16bit" and result.best.variant.kv_split == 4
     assert result.entry()["variant"] == result.best.variant.name
     assert all(len(t.samples) == 1 + config.retimes for t in result.trials if t.variant in retimed)
 
@@ -539,8 +541,8 @@ def test_tune_times_twins_of_the_fastest_structures_not_of_one_structures_splits
     work = SimpleNamespace(row=row, problem=problem, kv_capacity=1088)
     cands = candidates(problem, 9, 1, 1088, "sm_90", 20, H200)
     pick = cands[0]
-    one_stage = pick.with_(stages=1, part16=False)
-    assert pick.part16 and one_stage in cands
+    one_stage = pick.with_(stages=1, partials="fp32")
+    assert pick.partials == "16bit" and one_stage in cands
 
     def fake_time(work, trial, timing, give_up_us):
         v = trial.variant
@@ -548,13 +550,14 @@ def test_tune_times_twins_of_the_fastest_structures_not_of_one_structures_splits
         if not same_shape:
             trial.us = 14.0 + (v.family != "mma") * 50
         else:
-            trial.us = ((12.8 - 1.1 * v.part16) if v.stages == 2 else (12.6 - 1.4 * v.part16)) \
-                + 0.1 * (v.kv_split != "adaptive") + 0.5 * v.tma + 0.3 * v.mma_pv
+            p16 = v.partials == "16bit"
+            trial.us = ((12.8 - 1.1 * p16) if v.stages == 2 else (12.6 - 1.4 * p16)) \
+                + 0.1 * (v.kv_split != "adaptive") + 0.5 * (v.loads == "tma") + 0.3 * v.mma_pv
         trial.samples.append(trial.us)
 
     monkeypatch.setattr(tune, "_time", fake_time)
     result = tune._tune_one(work, cands, {}, tune.TuneConfig(), dispatch=H200, advance=lambda more=0: None)
-    assert result.best.variant == one_stage.with_(part16=True)
+    assert result.best.variant == one_stage.with_(partials="16bit")
 
 
 def test_tune_ranks_the_fastest_by_the_median_of_their_timings(monkeypatch):
@@ -573,7 +576,7 @@ def test_tune_ranks_the_fastest_by_the_median_of_their_timings(monkeypatch):
         if trial.variant == lucky:
             us = 50.0 if n == 1 else 120.0          # a fluke, then its real figure
         else:
-            us = 100.0 + 10 * trial.variant.part16 + (trial.variant.family != "mma") * 100
+            us = 100.0 + 10 * (trial.variant.partials == "16bit") + (trial.variant.family != "mma") * 100
         trial.samples.append(us)
         trial.us = sorted(trial.samples)[len(trial.samples) // 2]
 
@@ -602,8 +605,8 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
     heads, block_n = 64, 64
     paired = kernel != "lockstep"
     v = Variant(family="mma", head_tile=shape[0], q_tile=shape[1], block_n=block_n, warps=8, stages=2,
-                kv_split="balanced", arch="sm_90a" if paired else "sm_90", tma=kernel == "seesaw",
-                seesaw=kernel == "seesaw", transposed=kernel == "transposed")
+                kv_split="balanced", arch="sm_90a" if paired else "sm_90",
+                loads="tma" if kernel == "seesaw" else "cp_async", schedule=kernel)
     parts = policy.balanced_parts(v, heads, batch, seqlen_q, capacity_tiles * block_n, sm_count)
     device = policy_for("sm_90", sm_count)
     assert policy.num_splits(v, heads, batch, seqlen_q, capacity_tiles * block_n, device) == parts
@@ -729,7 +732,7 @@ def test_split_variants_offer_the_p_exchange_where_the_table_holds_few_tiles():
     assert exchange(320) == ["mma_ht32_qt2_bn64_w8_st1_sp5_cl_px_sm90a"]       # one stage, no part16
     assert exchange(100) == ["mma_ht32_qt2_bn64_w8_st1_sp2_cl_px_sm90a"]
     assert exchange(384) == exchange(512) == ["mma_ht32_qt2_bn64_w8_st1_sp8_cl_px_sm90a"]
-    assert exchange(513) == [] and exchange(320, v.with_(arch="sm_90", part16=False)) == []
+    assert exchange(513) == [] and exchange(320, v.with_(arch="sm_90", partials="fp32")) == []
 
 
 def test_a_p_exchange_entry_is_passed_over_where_the_table_holds_more_keys():
@@ -818,5 +821,5 @@ def test_the_batch_invariant_pick_follows_the_problem_alone(arch):
                          for sms in (78, 114, 132, 170)}
                 assert len(picks) == 1, picks
                 v, = picks
-                assert v.kv_split in (INVARIANT_SPLITS, 1) and not v.cluster and not v.p_exchange, v.name
+                assert v.kv_split in (INVARIANT_SPLITS, 1) and v.combine == "merge" and not v.p_exchange, v.name
                 validate(problem, v)

@@ -40,8 +40,8 @@ def test_presets_cover_short_and_long_contexts():
     for preset in PRESETS.values():
         hopper = preset.variants("sm_90")
         seesaw = [v for v in hopper if v.seesaw]
-        assert len(seesaw) == 1 and seesaw[0].tma and seesaw[0].kv_split == "balanced"
-        assert seesaw[0].with_(tma=False, seesaw=False, kv_split="adaptive") in hopper
+        assert len(seesaw) == 1 and seesaw[0].loads == "tma" and seesaw[0].kv_split == "balanced"
+        assert seesaw[0].with_(loads="cp_async", schedule="lockstep", kv_split="adaptive") in hopper
         assert all(untuned_variant(preset.problem, s, 1, k, "sm_90", H200) in hopper
                    for s in preset.seqlens_q for k in EMIT_KEYS)
         assert not any(v.seesaw for v in preset.variants("sm_120"))

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from mlagen.dispatch.policy import H200
-from mlagen.dsl.spec import DTYPES, MASKS, parse_variant
+from mlagen.dsl.spec import DTYPES, MASKS, SCHEDULES, parse_variant
 from mlagen.plan.validate import is_valid
 from mlagen.tools.fuzz import FuzzSpace, Shape, check, draw, draw_variant, fuzz
 from mlagen.tools.testing import Case
@@ -57,9 +57,10 @@ def test_a_random_variant_is_valid_for_its_shape_and_reaches_every_knob():
     assert hopper == [draw_variant(s, "sm_90") for s in shapes]
     assert all(v is not None and is_valid(s.problem, v) for s, v in zip(shapes, hopper, strict=True))
     assert {v.family for v in hopper} == {"naive", "flash", "mma"} and {v.arch for v in hopper} == {"sm_90", "sm_90a"}
-    for knob in ("tma", "seesaw", "cluster", "part16", "mma_pv", "transposed", "p_exchange"):
-        assert any(getattr(v, knob) for v in hopper), knob
-    assert any(v.transposed and v.tma for v in hopper)
+    for field, value in (("loads", "tma"), ("combine", "cluster"), ("partials", "16bit"), ("mma_pv", True),
+                         *(("schedule", name) for name in SCHEDULES)):
+        assert any(getattr(v, field) == value for v in hopper), (field, value)
+    assert any(v.transposed and v.loads == "tma" for v in hopper)
     assert any(v.kv_split == "balanced" for v in hopper) and any(v.kv_split == "adaptive" for v in hopper)
     ampere = [draw_variant(s, "sm_80") for s in shapes[:100]]
     assert {v.arch for v in ampere} == {"sm_80"}

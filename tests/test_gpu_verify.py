@@ -63,7 +63,7 @@ def tiled_variants(draw, family: str, heads: int, arch: str):
                    q_tile=draw(st.integers(1, 16)), block_n=draw(st.sampled_from([32, 64, 128])),
                    warps=draw(st.sampled_from([2, 4, 8, 16])), stages=draw(st.integers(1, 3)),
                    kv_split=draw(st.sampled_from(["adaptive", 1, 2, 5, "balanced"])), arch=arch,
-                   part16=family == "mma" and draw(st.booleans()))
+                   partials="16bit" if family == "mma" and draw(st.booleans()) else "fp32")
 
 
 def _run(case, variant, lse: bool):
@@ -118,7 +118,9 @@ def test_wgmma_schedules_match_reference(shape, schedule, kv_split, part16, tma,
     case = make_case(**shape)
     tma = tma and shape["page_size"] % 64 == 0     # a TMA tile is one page's run of rows
     seesaw = seesaw and tma and schedule == "wgmma"
-    variant = _wgmma_variant(shape["heads"], schedule, kv_split).with_(part16=part16, tma=tma, seesaw=seesaw)
+    variant = _wgmma_variant(shape["heads"], schedule, kv_split).with_(
+        partials="16bit" if part16 else "fp32", loads="tma" if tma else "cp_async",
+        schedule="seesaw" if seesaw else "lockstep")
     out, lse_out = _run(case, variant, lse)
     assert_matches(out, lse_out, case)
 
@@ -143,8 +145,8 @@ def test_transposed_tile_matches_reference(shape, data, kv_split, part16, dtype,
     lse = shape.pop("lse")
     head_tile, q_tile = data.draw(st.sampled_from(_transposed_tiles(shape["heads"])))
     variant = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2,
-                      arch="sm_90a", kv_split=kv_split, part16=part16, transposed=True,
-                      tma=tma and shape["page_size"] % 64 == 0)
+                      arch="sm_90a", kv_split=kv_split, partials="16bit" if part16 else "fp32",
+                      schedule="transposed", loads="tma" if tma and shape["page_size"] % 64 == 0 else "cp_async")
     case = make_case(dtype=dtype, **shape)
     out, lse_out = _run(case, variant, lse)
     assert_matches(out, lse_out, case)
@@ -217,7 +219,9 @@ def test_cluster_split_matches_reference(shape, size, schedule, part16):
     and empty requests (the shapes strategy)."""
     lse = shape.pop("lse")
     case = make_case(**shape)
-    out, lse_out = _run(case, _wgmma_variant(shape["heads"], schedule, size).with_(cluster=True, part16=part16), lse)
+    variant = _wgmma_variant(shape["heads"], schedule, size).with_(combine="cluster",
+                                                                   partials="16bit" if part16 else "fp32")
+    out, lse_out = _run(case, variant, lse)
     assert_matches(out, lse_out, case)
 
 
@@ -242,7 +246,7 @@ def _exchange_case(data, size: int, dtype: torch.dtype = torch.bfloat16):
                      per_request_tree=data.draw(st.booleans()), seed=data.draw(st.integers(0, 2**31 - 1)))
     head_tile, q_tile = data.draw(st.sampled_from(_exchange_tiles(heads)))
     return case, Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=1,
-                         arch="sm_90a", kv_split=size, cluster=True, p_exchange=True)
+                         arch="sm_90a", kv_split=size, combine="cluster", schedule="p_exchange")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -292,7 +296,7 @@ def test_part16_costs_at_most_a_rounding(kv_split):
     ref, _ = case.reference(torch.float64)
     errors = {}
     for part16 in (False, True):
-        out, lse = _run(case, base.with_(part16=part16), True)
+        out, lse = _run(case, base.with_(partials="16bit" if part16 else "fp32"), True)
         assert_matches(out, lse, case)
         errors[part16] = rel_error(out, ref)
     assert errors[True] <= errors[False] + 2**-8, errors
@@ -349,7 +353,7 @@ def test_fp16_and_uncommon_widths():
         case = make_case(batch=3, seqlen_q=5, heads=16, prefixes=[300, 0, 77], page_size=16,
                          mask="causal", seed=dl + dr, dtype=dtype, dl=dl, dr=dr)
         mma = Variant(family="mma", head_tile=16, q_tile=1, block_n=64, warps=4, stages=2, arch=_arch())
-        for variant in (None, naive(arch=_arch()), mma, mma.with_(kv_split=3, part16=True)):
+        for variant in (None, naive(arch=_arch()), mma, mma.with_(kv_split=3, partials="16bit")):
             if variant is not None and variant.family == "mma" and (dl + dr) % 64:
                 continue
             out, lse = _run(case, variant, True)
@@ -390,7 +394,7 @@ def test_tma_descriptor_under_capture_and_across_streams():
     records its copy in the graph, and an eager call with that cache, the graph never replayed,
     still reads a written descriptor; later captures of either cache replay right; a first eager
     call's descriptor is on the device before a call on another stream reads it."""
-    variant = _wgmma_variant(64, kv_split=3).with_(tma=True)
+    variant = _wgmma_variant(64, kv_split=3).with_(loads="tma")
 
     def new_case(seed):
         return make_case(batch=2, seqlen_q=9, heads=64, prefixes=[300, 1000], page_size=64, mask="causal",
@@ -443,7 +447,8 @@ def test_split_merge_across_calls_streams_and_graphs(kv_split):
     streams), and per graph (two graphs replayed at once on two streams). "pair": a split of two
     with 16-bit partials, whose second block merges (its tickets and its reset of the counter)."""
     split = Variant(family="mma", head_tile=16, q_tile=2, block_n=64, warps=8, stages=2,
-                    kv_split=2 if kv_split == "pair" else kv_split, part16=kv_split == "pair", arch=_arch())
+                    kv_split=2 if kv_split == "pair" else kv_split,
+                    partials="16bit" if kv_split == "pair" else "fp32", arch=_arch())
     cases = [make_case(batch=3, seqlen_q=5, heads=16, prefixes=[3000, 700, 0], page_size=64,
                        mask="tree", empty=[False, False, True], seed=s) for s in (11, 12)]
 
@@ -509,12 +514,13 @@ def test_back_to_back_launches_read_what_the_previous_one_wrote(kv_split, pdl, m
         if _arch() != "sm_90":
             pytest.skip("the P exchange runs on sm_90a")
         variant = Variant(family="mma", head_tile=16, q_tile=4, block_n=64, warps=8, stages=1, kv_split=8,
-                          cluster=True, p_exchange=True, arch="sm_90a")
+                          combine="cluster", schedule="p_exchange", arch="sm_90a")
         prefixes = [400, 30]
     else:
         variant = None if kv_split is None else Variant(
             family="mma", head_tile=16, q_tile=2, block_n=64, warps=8, stages=2,
-            kv_split=2 if kv_split == "pair" else kv_split, part16=kv_split == "pair", arch=_arch())
+            kv_split=2 if kv_split == "pair" else kv_split,
+            partials="16bit" if kv_split == "pair" else "fp32", arch=_arch())
         prefixes = [2500, 300]
     cases = [make_case(batch=2, seqlen_q=5, heads=16, prefixes=prefixes, page_size=64, mask="causal", seed=s)
              for s in (21, 22, 23)]

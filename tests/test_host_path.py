@@ -55,7 +55,7 @@ def fake_gpu(monkeypatch):
                 variant, invariant=False):
         prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, device, variant,
                          invariant))
-        rows, value_bytes = 2 * batch * seqlen_q * heads, 2 if variant and variant.part16 else 4
+        rows, value_bytes = 2 * batch * seqlen_q * heads, 2 if variant and variant.partials == "16bit" else 4
         return op._Prepared(loaded=None, kernel=kernel, splits=2, merge_blocks=3,
                                  layout=workspace.Layout.of(rows, dl * value_bytes, GROUPS))
 

@@ -25,7 +25,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolk
 
 TMA_PLAN = validate(Problem(heads=64, lse=True),
                     Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=2, kv_split="balanced",
-                            arch="sm_90a", part16=True, tma=True, seesaw=True))
+                            arch="sm_90a", partials="16bit", loads="tma", schedule="seesaw"))
 PLANS = [
     validate(Problem(heads=16, mask="causal", lse=True), naive(arch="sm_80")),
     validate(Problem(heads=64, page_size=16, mask="none"), Variant(head_tile=8, q_tile=4, arch="sm_90")),
@@ -34,14 +34,15 @@ PLANS = [
     validate(Problem(heads=64), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, kv_split="balanced",
                                         arch="sm_90a")),
     validate(Problem(heads=64, lse=True), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, kv_split=4,
-                                                  cluster=True, arch="sm_90a")),
+                                                  combine="cluster", arch="sm_90a")),
     validate(Problem(heads=16, dtype="fp16"), Variant(family="mma", head_tile=16, q_tile=4, block_n=64, warps=8,
-                                                      arch="sm_90a", part16=True)),
+                                                      arch="sm_90a", partials="16bit")),
     validate(Problem(heads=64), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=2,
-                                        arch="sm_90a", part16=True, tma=True, seesaw=True)),   # adaptive, pairs
+                                        arch="sm_90a", partials="16bit", loads="tma",
+                                        schedule="seesaw")),   # adaptive, pairs
     TMA_PLAN,
     validate(Problem(heads=16, dtype="fp16", page_size=128), Variant(family="mma", head_tile=16, q_tile=4, block_n=64,
-                                                                     warps=8, arch="sm_90a", tma=True)),
+                                                                     warps=8, arch="sm_90a", loads="tma")),
 ]
 # (batch, seqlen_q, max_pages, sm_count, blocks_per_sm)
 SHAPES = [(1, 1, 1, 132, 1), (1, 9, 64, 132, 2), (3, 33, 5, 188, 1), (64, 4, 300, 78, 3), (2, 64, 2048, 132, 1),
@@ -124,7 +125,7 @@ def test_host_helpers_match_python(tmp_path):
         for B, S, pages, sms, occ in SHAPES:
             device = policy_for(p.variant.arch, sms)          # the C++ header takes the SM count at run time
             n = num_splits(p.variant, p.problem.heads, B, S, pages * p.problem.page_size, device, occ)
-            ws = p.partial_rows(B, S, n) * (p.problem.dl * (2 if p.variant.part16 else 4) + 2 * 4)
+            ws = p.partial_rows(B, S, n) * (p.problem.dl * (2 if p.part16 else 4) + 2 * 4)
             counters = 4 * p.row_groups(B, S) if p.split_launch(n) else 0
             programmatic = p.arch.capability >= 90 and dependent_in_graphs(
                 p.variant, p.problem.heads, S, B, pages * p.problem.page_size, device)

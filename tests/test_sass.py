@@ -325,7 +325,7 @@ def _block_trace_patch(name: str, stamps: int, **options) -> str:
     assert source.count("TR(") == stamps
     # its definition, the segment's entry, and with TMA Q's landing (not the transposed tile's:
     # its Q and first tile share one wait)
-    assert source.count("TR_FIRST(") == (3 if plan.variant.tma and not plan.variant.transposed else 2)
+    assert source.count("TR_FIRST(") == (3 if plan.tma and plan.variant.schedule != "transposed" else 2)
     return source
 
 
@@ -467,7 +467,7 @@ def test_transposed_tile_stores_its_fragments_by_stmatrix(name, heads):
     b = build(Problem(heads=heads), v)
     code = sass.disassemble(b.module.cubin, b.plan.main_kernel, b.plan.arch.name)
     groups = -(-v.q_tile * v.head_tile // 16)
-    assert code.count("STSM") == groups * (5 if v.part16 else 1)
+    assert code.count("STSM") == groups * (5 if v.partials == "16bit" else 1)
 
 
 @pytest.mark.parametrize("name,heads", [("mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", 8),

@@ -1,12 +1,15 @@
 """The DSL: names are stable identities, validation names the field, value and limit."""
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mlagen.dsl.arch import ARCHS
 from mlagen.dsl.errors import SpecError
-from mlagen.dsl.spec import Problem, Variant, kernel_name, naive, parse_variant
+from mlagen.dsl.spec import COMBINES, LOADS, PARTIALS, SCHEDULES, Problem, Variant, kernel_name, naive, parse_variant
+from mlagen.plan.schedules import SCHEDULES as REGISTRY
 from mlagen.plan.validate import is_valid, validate
 
 variants = st.builds(
@@ -19,13 +22,11 @@ variants = st.builds(
     warps=st.integers(1, 16),
     stages=st.integers(1, 4),
     arch=st.sampled_from(sorted(ARCHS)),
+    schedule=st.sampled_from(SCHEDULES),
+    loads=st.sampled_from(LOADS),
+    combine=st.sampled_from(COMBINES),
+    partials=st.sampled_from(PARTIALS),
     mma_pv=st.booleans(),
-    cluster=st.booleans(),
-    part16=st.booleans(),
-    tma=st.booleans(),
-    seesaw=st.booleans(),
-    transposed=st.booleans(),
-    p_exchange=st.booleans(),
 )
 
 
@@ -50,7 +51,7 @@ def test_names_are_readable_and_distinct():
     w = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", mma_pv=True)
     assert w.name == "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a"
     assert w.code_name == "mma_ht64_qt1_bn64_w8_st2_pvm_sm90a" != w.with_(mma_pv=False).code_name
-    c = w.with_(kv_split=4, cluster=True, part16=True, tma=True)
+    c = w.with_(kv_split=4, combine="cluster", partials="16bit", loads="tma")
     assert c.name == c.code_name == "mma_ht64_qt1_bn64_w8_st2_sp4_pvm_cl_p16_tma_sm90a"
 
 
@@ -63,16 +64,16 @@ def test_bad_names_say_what_was_expected(bad):
 
 # a valid transposed tile for H=8 S=9, and a valid P exchange for H=64, which the cases below
 # break one rule of
-TRANSPOSED = Variant(family="mma", head_tile=8, q_tile=9, block_n=64, arch="sm_90a", transposed=True)
+TRANSPOSED = Variant(family="mma", head_tile=8, q_tile=9, block_n=64, arch="sm_90a", schedule="transposed")
 EXCHANGE = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1, arch="sm_90a", kv_split=5,
-                   cluster=True, p_exchange=True)
+                   combine="cluster", schedule="p_exchange")
 
 
 @pytest.mark.parametrize("problem,variant,field", [
     (Problem(heads=64), Variant(head_tile=7), "variant.head_tile"),
     (Problem(heads=64), Variant(block_n=48), "variant.block_n"),
     (Problem(heads=64), Variant(q_tile=65), "variant.q_tile"),
-    (Problem(heads=64), Variant(q_tile=16, head_tile=16, warps=4), "variant"),     # accumulators
+    (Problem(heads=64), Variant(q_tile=16, head_tile=16, warps=4), "variant"),            # accumulators
     (Problem(heads=64), Variant(q_tile=8, head_tile=8, stages=2, arch="sm_120"), "variant"),  # smem
     (Problem(heads=64), Variant(arch="sm_70"), "variant.arch"),
     (Problem(heads=64), Variant(kv_split=0), "variant.kv_split"),
@@ -83,40 +84,42 @@ EXCHANGE = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, st
     (Problem(mask="sliding"), Variant(), "problem.mask"),
     (Problem(dtype="fp8"), Variant(), "problem.dtype"),
     (Problem(), naive().with_(head_tile=2), "variant.head_tile"),
-    (Problem(), Variant(mma_pv=True), "variant.mma_pv"),                           # flash family
+    (Problem(), Variant(mma_pv=True), "variant.mma_pv"),                                  # flash family
     (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, mma_pv=True), "variant"),  # sm_90
-    (Problem(), Variant(kv_split=4, cluster=True), "variant.cluster"),                # flash family
-    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, cluster=True), "variant.cluster"),  # adaptive
-    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, kv_split=9, cluster=True),
-     "variant.cluster"),                                                            # more than 8 blocks
-    (Problem(), Variant(family="mma", head_tile=8, q_tile=8, block_n=32, kv_split=4, cluster=True, arch="sm_80"),
-     "variant.cluster"),                                                            # no clusters before sm_90
-    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=32, stages=1, kv_split=4, cluster=True),
-     "variant.cluster"),                                                            # staged rows do not fit
-    (Problem(), Variant(kv_split=4, part16=True), "variant.part16"),                  # flash family
-    (Problem(), Variant(tma=True), "variant.tma"),                                   # flash family
-    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, tma=True), "variant.tma"),  # sm_90
-    (Problem(page_size=16), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", tma=True),
-     "variant.tma"),                                                                # a tile spans pages
-    (Problem(), Variant(seesaw=True), "variant.seesaw"),                             # flash family
-    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", seesaw=True),
-     "variant.seesaw"),                                                             # needs tma
-    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", tma=True, mma_pv=True,
-                        seesaw=True), "variant.seesaw"),                             # P·V on mma.sync
-    (Problem(heads=8), Variant(transposed=True), "variant.transposed"),                # flash family
-    (Problem(heads=8), TRANSPOSED.with_(arch="sm_90"), "variant"),                    # no wgmma
-    (Problem(heads=16), TRANSPOSED.with_(head_tile=16, q_tile=5), "variant"),          # 80 rows
-    (Problem(heads=8), TRANSPOSED.with_(head_tile=1), "variant"),                      # 9 rows
-    (Problem(heads=8, dr=32), TRANSPOSED, "variant"),                                 # P^T needs Dr=64
-    (Problem(heads=8), TRANSPOSED.with_(tma=True, seesaw=True), "variant"),           # its own schedule
-    (Problem(heads=8, page_size=16), TRANSPOSED.with_(tma=True), "variant.tma"),      # a tile is one page's run
-    (Problem(), Variant(p_exchange=True), "variant.p_exchange"),                      # flash family
-    (Problem(), EXCHANGE.with_(arch="sm_90"), "variant"),                             # no wgmma
-    (Problem(), EXCHANGE.with_(cluster=False), "variant"),                            # the exchange is a cluster's
-    (Problem(), EXCHANGE.with_(head_tile=32), "variant"),                             # 32 rows
-    (Problem(), EXCHANGE.with_(stages=2), "variant"),                                 # one tile a block
-    (Problem(), EXCHANGE.with_(part16=True), "variant"),                              # nothing partial
-    (Problem(), EXCHANGE.with_(kv_split=6), "variant"),                               # 10 value slices: no room
+    (Problem(), Variant(kv_split=4, combine="cluster"), "variant.combine"),               # flash family
+    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, combine="cluster"),
+     "variant.combine"),                                                                  # adaptive
+    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, kv_split=9, combine="cluster"),
+     "variant.combine"),                                                                  # more than 8 blocks
+    (Problem(), Variant(family="mma", head_tile=8, q_tile=8, block_n=32, kv_split=4, combine="cluster", arch="sm_80"),
+     "variant.combine"),                                                                  # no clusters before sm_90
+    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=32, stages=1, kv_split=4, combine="cluster"),
+     "variant.combine"),                                                                  # staged rows do not fit
+    (Problem(), Variant(kv_split=4, partials="16bit"), "variant.partials"),               # flash family
+    (Problem(), Variant(loads="tma"), "variant.loads"),                                   # flash family
+    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, loads="tma"), "variant.loads"),  # sm_90
+    (Problem(page_size=16), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", loads="tma"),
+     "variant.loads"),                                                                    # a tile spans pages
+    (Problem(), Variant(schedule="seesaw"), "variant.schedule"),                          # flash family
+    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", schedule="seesaw"),
+     "variant.schedule"),                                                                 # needs tma
+    (Problem(), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", loads="tma", mma_pv=True,
+                        schedule="seesaw"), "variant.schedule"),                          # P·V on mma.sync
+    (Problem(heads=8), Variant(schedule="transposed"), "variant.schedule"),               # flash family
+    (Problem(heads=8), TRANSPOSED.with_(arch="sm_90"), "variant.schedule"),               # no wgmma
+    (Problem(heads=16), TRANSPOSED.with_(head_tile=16, q_tile=5), "variant"),             # 80 rows
+    (Problem(heads=8), TRANSPOSED.with_(head_tile=1), "variant"),                         # 9 rows
+    (Problem(heads=8, dr=32), TRANSPOSED, "variant"),                                     # P^T needs Dr=64
+    (Problem(heads=8), TRANSPOSED.with_(kv_split=4, combine="cluster"), "variant.schedule"),  # no cluster
+    (Problem(heads=8), TRANSPOSED.with_(mma_pv=True), "variant.schedule"),                # both products on wgmma
+    (Problem(heads=8, page_size=16), TRANSPOSED.with_(loads="tma"), "variant.loads"),     # a tile is one page's run
+    (Problem(), Variant(schedule="p_exchange"), "variant.schedule"),                      # flash family
+    (Problem(), EXCHANGE.with_(arch="sm_90"), "variant.schedule"),                        # no wgmma
+    (Problem(), EXCHANGE.with_(combine="merge"), "variant.schedule"),                     # the exchange is a cluster's
+    (Problem(), EXCHANGE.with_(head_tile=32), "variant"),                                 # 32 rows
+    (Problem(), EXCHANGE.with_(stages=2), "variant.schedule"),                            # one tile a block
+    (Problem(), EXCHANGE.with_(partials="16bit"), "variant.schedule"),                    # nothing partial
+    (Problem(), EXCHANGE.with_(kv_split=6), "variant"),                                   # 10 value slices: no room
 ])
 def test_validation_names_field_value_and_limit(problem, variant, field):
     with pytest.raises(SpecError) as info:
@@ -172,13 +175,13 @@ def test_plan_derives_the_template_numbers():
     assert bal.grid(batch=3, seqlen_q=9, num_splits=14) == (2 * 8, 14, 1 + 1)
     assert bal.partial_rows(batch=3, seqlen_q=9, num_splits=14) == (14 + 3 - 1) * 9 * 64
     assert bal.partial_row_bytes == 512 * 4 + 8             # fp32 values, then (max, sum)
-    assert validate(Problem(heads=64), bal.variant.with_(part16=True)).partial_row_bytes == 512 * 2 + 8
+    assert validate(Problem(heads=64), bal.variant.with_(partials="16bit")).partial_row_bytes == 512 * 2 + 8
     n = validate(Problem(heads=16), naive())
     assert n.grid(batch=2, seqlen_q=3, num_splits=1) == (16, 3, 2)
 
 
 def test_cluster_split_is_a_kernel_of_its_own_without_workspace():
-    v = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, kv_split=4, cluster=True, arch="sm_90a")
+    v = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, kv_split=4, combine="cluster", arch="sm_90a")
     assert v.name == "mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a" and parse_variant(v.name) == v
     assert v.code_name == "mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a" != v.with_(kv_split=8).code_name
     plan = validate(Problem(heads=64), v)
@@ -187,7 +190,7 @@ def test_cluster_split_is_a_kernel_of_its_own_without_workspace():
     assert plan.grid_expr() == ("ceil(S / 1) * 1", "num_splits", "B")
     # 16-bit staged rows take half the shared memory: this tile's buffers hold them, not fp32 ones
     small = v.with_(block_n=32, stages=1, arch="sm_90")
-    assert validate(Problem(heads=64), small.with_(part16=True)).smem_bytes > 0
+    assert validate(Problem(heads=64), small.with_(partials="16bit")).smem_bytes > 0
     with pytest.raises(SpecError, match="staged output rows"):
         validate(Problem(heads=64), small)
 
@@ -198,3 +201,19 @@ def test_p_exchange_fits_sizes_two_to_five_and_eight():
     fits = {k: is_valid(Problem(), EXCHANGE.with_(kv_split=k)) for k in range(2, 9)}
     assert fits == {2: True, 3: True, 4: True, 5: True, 6: False, 7: False, 8: True}
     assert validate(Problem(), EXCHANGE).smem_bytes == 9 * 8192 * 2 + 8 * 8192 + 5 * 256 + 1024 + 512 + 8 + 5 * 8
+
+
+def test_every_schedule_is_registered_with_its_template_and_rules():
+    """The registry holds each `Variant.schedule` value once, with a template that exists; a
+    schedule's rules name the field a variant breaks."""
+    root = Path(__file__).resolve().parent.parent
+    assert tuple(REGISTRY) == SCHEDULES
+    for name, schedule in REGISTRY.items():
+        assert schedule.name == name and (root / "templates" / schedule.template).is_file()
+    assert [name for name, s in REGISTRY.items() if s.split_unit == 2] == ["seesaw", "transposed"]
+    seesaw = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", loads="tma", schedule="seesaw")
+    assert REGISTRY["seesaw"].check(seesaw) is None
+    assert REGISTRY["seesaw"].check(seesaw.with_(loads="cp_async")).startswith("loads 'tma'")
+    assert validate(Problem(), seesaw).template == "mma.cu.j2"
+    assert validate(Problem(heads=8), TRANSPOSED).template == "mma_transposed.cu.j2"
+    assert validate(Problem(), EXCHANGE).template == "mma_exchange.cu.j2"

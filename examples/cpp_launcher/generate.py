@@ -31,14 +31,15 @@ def generate(arch: str, out: Path, part16: bool = False, tma: bool = False, sees
     64-row pages; the transposed tile of all 32 rows: `transposed`, sm_90a); returns the kernel
     source's path."""
     problem = dataclasses.replace(PROBLEM, page_size=64) if tma else PROBLEM
+    partials = "16bit" if part16 else "fp32"
     if transposed:   # the sm_90a tile whose wgmma N is the 8 heads x 4 positions themselves
         variant = Variant(family="mma", head_tile=8, q_tile=SEQLEN_Q, block_n=64, warps=8, stages=2, arch=arch,
-                          part16=part16, transposed=True)
+                          partials=partials, schedule="transposed")
     elif tma:   # the sm_90a wgmma kernel, all 8 heads of 8 positions a block
         variant = Variant(family="mma", head_tile=8, q_tile=8, block_n=64, warps=8, stages=2, arch=arch,
-                          part16=part16, tma=True, seesaw=seesaw)
+                          partials=partials, loads="tma", schedule="seesaw" if seesaw else "lockstep")
     else:
-        variant = heuristic_variant(problem, SEQLEN_Q, arch, H200).with_(part16=part16)
+        variant = heuristic_variant(problem, SEQLEN_Q, arch, H200).with_(partials=partials)
     plan = validate(problem, variant)
     emitted = emit_one(problem, plan.variant, out)
     emit_launcher(plan, out)

@@ -201,13 +201,13 @@ def _tile_shapes(heads: int, seqlen_q: int, policy: DispatchPolicy) -> list[tupl
 
 def _fitting(problem: Problem, q_tile: int, head_tile: int, arch: str, policy: DispatchPolicy) -> Variant | None:
     """The widest KV tile and deepest pipeline that fit `arch` and the device's shared memory for
-    this tile shape, or None. On sm_90a the splits exchange 16-bit partial rows (`part16`: on the
-    H200 1.5-2.8 µs less on short split rows, batched rows within noise)."""
+    this tile shape, or None. On sm_90a the splits exchange 16-bit partial rows (`partials`
+    "16bit": on the H200 1.5-2.8 µs less on short split rows, batched rows within noise)."""
     m_pad = -(-(q_tile * head_tile) // 16) * 16
     for block_n, stages in ((64, 2), (32, 3), (32, 2), (64, 1), (32, 1)):
         v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, kv_split="adaptive",
                     block_n=block_n, warps=max(4, m_pad // 8), stages=stages, arch=arch,
-                    part16=arch == "sm_90a")
+                    partials="16bit" if arch == "sm_90a" else "fp32")
         if policy.fits(problem, v):
             return v
     return None
@@ -295,7 +295,7 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
     tiles = -(-kv_capacity // v.block_n)
     if _row_groups(v, problem.heads, seqlen_q) * batch * tiles < policy.seesaw_tiles:
         return v
-    seesaw = v.with_(tma=True, seesaw=True, kv_split="balanced")
+    seesaw = v.with_(loads="tma", schedule="seesaw", kv_split="balanced")
     return seesaw if policy.fits(problem, seesaw) else v
 
 
@@ -343,14 +343,14 @@ def transposed_tile(problem: Problem, seqlen_q: int, arch: str, policy: Dispatch
     1.12-1.27x at 1024 and fewer: a block's fixed costs over too few tiles. Hence the seesaw's
     threshold, counted over this tile's single row group.
 
-    Its tiles load by cp.async: TMA loads (`tma`, pages of 64) run 32- and 16-row tiles 2-5%
+    Its tiles load by cp.async: TMA loads (`loads` "tma", pages of 64) run 32- and 16-row tiles 2-5%
     slower on the H200, and 72-row ones anywhere from 3% faster to 4% slower from one timing to
     the next, so they are left to the tuner."""
     rows = problem.heads * seqlen_q
     if rows not in TRANSPOSED_ROWS or rows % 64 == 0 or not runs_on("sm_90a", arch):
         return None
     v = Variant(family="mma", head_tile=problem.heads, q_tile=seqlen_q, kv_split="balanced", block_n=64,
-                warps=8, stages=2, arch="sm_90a", part16=True, transposed=True)
+                warps=8, stages=2, arch="sm_90a", partials="16bit", schedule="transposed")
     return v if policy.fits(problem, v) else None
 
 
@@ -375,7 +375,7 @@ def batch_invariant_variant(problem: Problem, seqlen_q: int, arch: str, policy: 
     cluster or P exchange (their cluster sizes follow the table)."""
     v = transposed_tile(problem, seqlen_q, arch, policy) or heuristic_variant(problem, seqlen_q, arch, policy)
     if v.family == "mma" and v.arch == "sm_90a" and not v.transposed:
-        seesaw = v.with_(tma=True, seesaw=True)
+        seesaw = v.with_(loads="tma", schedule="seesaw")
         v = seesaw if policy.fits(problem, seesaw.with_(kv_split=INVARIANT_SPLITS)) else v
     fixed = v.with_(kv_split=INVARIANT_SPLITS)
     return fixed if policy.fits(problem, fixed) else v.with_(kv_split=1)
@@ -476,7 +476,7 @@ def balanced_for_batch(problem: Problem, variant: Variant, batch: int, policy: D
     """
     if batch < policy.balanced_batch or variant.family != "mma" or variant.kv_split == "balanced":
         return variant
-    balanced = variant.with_(kv_split="balanced", cluster=False)   # a cluster's split is capacity-sized too
+    balanced = variant.with_(kv_split="balanced", combine="merge")   # a cluster's split is capacity-sized too
     return balanced if policy.fits(problem, balanced) else variant
 
 

@@ -2,7 +2,8 @@
 
 A `Problem` fixes everything about the tensors that changes the generated code (head count,
 latent and rope widths, dtype, page size, mask kind, whether LSE is written). A `Variant` fixes
-how the kernel is built (family, tiling, split, warps, pipeline depth, target arch). Both are
+how the kernel is built (family, tiling, split and how the splits combine, warps, pipeline depth,
+target arch, the tile loop's schedule, how KV tiles load, the partials' type). Both are
 plain values: `validate.validate(problem, variant)` decides whether the pair can work and
 derives every number the templates need.
 
@@ -19,10 +20,18 @@ Dtype = Literal["bf16", "fp16"]
 MaskKind = Literal["causal", "tree", "none"]
 Family = Literal["naive", "flash", "mma"]
 Split = int | Literal["adaptive", "balanced"]
+Schedule = Literal["lockstep", "seesaw", "transposed", "p_exchange"]
+Loads = Literal["cp_async", "tma"]
+Combine = Literal["merge", "cluster"]
+Partials = Literal["fp32", "16bit"]
 
 DTYPES: tuple[str, ...] = ("bf16", "fp16")
 MASKS: tuple[str, ...] = ("causal", "tree", "none")
 FAMILIES: tuple[str, ...] = ("naive", "flash", "mma")
+SCHEDULES: tuple[str, ...] = ("lockstep", "seesaw", "transposed", "p_exchange")
+LOADS: tuple[str, ...] = ("cp_async", "tma")
+COMBINES: tuple[str, ...] = ("merge", "cluster")
+PARTIALS: tuple[str, ...] = ("fp32", "16bit")
 
 
 @dataclass(frozen=True)
@@ -80,37 +89,44 @@ class Variant:
     warps: warps per block.
     stages: depth of the cp.async pipeline that stages KV tiles (naive: 1).
     arch: target, one of mlagen.dsl.arch.ARCHS ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_120").
+    schedule: how the mma family's tile loop runs (SCHEDULES; naive and flash: "lockstep"):
+        "lockstep": every warp takes each KV tile in turn (scores, softmax, output product).
+        "seesaw": sm_90a mma with TMA loads, both products on wgmma (no mma_pv), two stages, 64
+            rows, 64-key tiles and the "merge" combine: the KV tiles go in pairs, each warpgroup
+            computing one tile's scores and softmax while the other runs matrix work (P·V of both
+            tiles per warpgroup on half the value dims; P through the tile's rope block). Named
+            `_ss`.
+        "transposed": sm_90a mma, q_tile*head_tile rows a multiple of 8 from 16 to 72, Dl=512 and
+            Dr=64: the products run transposed, S^T = K Q^T and O^T = V^T P^T, so wgmma's N is the
+            rows themselves and no row is padded to a 64-row group (H=8 S=9, H=16 S=2). The tiles
+            go in pairs as in the seesaw, with a column softmax whose running max moves only when
+            a score passes it by more than 8 (log2 units). cp.async or TMA loads, 64-key tiles,
+            8 warps, two stages; shared memory is all of sm_90a's 227 KB for 72 rows. Named `_tr`.
+        "p_exchange": a cluster split (combine "cluster") on sm_90a for short requests, whose row
+            group's keys fit one 64-key tile per block of the cluster (the block table's capacity
+            at most kv_split * 64 keys): each block scores its tile, and the blocks then exchange
+            their P (16-bit, 8 KB a tile) and row maxima through distributed shared memory instead
+            of partial output rows; each block adds every tile's P V for its share of the value
+            dims and writes them out. 64-key tiles, 8 warps, one stage, cp.async loads, fp32
+            partials (nothing partial is written). Named `_px`.
+    loads: how KV tiles reach shared memory (LOADS): "cp_async" (every thread's 16-byte copies)
+        or "tma" (mma on sm_90a, block_n dividing the page size: TMA boxes,
+        `cp.async.bulk.tensor`, one thread issues a tile's 64-dim column blocks, an mbarrier per
+        stage says when it landed; runs through mlagen's runtime, which encodes the cache's
+        descriptor). Named `_tma`.
+    combine: how a row group's splits come together (COMBINES): "merge" (partial rows through
+        the global workspace, merged by merge blocks or a pair's second block) or "cluster" (mma
+        on sm_90/sm_90a with kv_split an int in 2..8: the splits run as one thread-block cluster
+        and combine their output rows through distributed shared memory when their tiles are
+        done, with no partials in global memory and no merge blocks; the split count is then a
+        compile-time constant). Named `_cl`.
+    partials: the type of a split's partial output rows (PARTIALS): "fp32" (unnormalized) or
+        "16bit" (mma only: normalized, divided by their own row sum, in the output's dtype,
+        through the workspace or through distributed shared memory with a cluster: half the
+        bytes exchanged, for one more rounding of each partial to the output's precision, which
+        the merged row gets anyway). Named `_p16`.
     mma_pv: sm_90a only: the output product P·V on mma.sync instead of wgmma (the scores stay
         on wgmma). Shorter per-tile latency, less tensor throughput; named `_pvm`.
-    cluster: mma on sm_90/sm_90a with kv_split an int in 2..8: the splits of a row group run
-        as one thread-block cluster and combine their output rows through distributed shared
-        memory when their tiles are done, with no partials in global memory and no merge
-        blocks; the split count is then a compile-time constant. Named `_cl`.
-    part16: mma only: a split's partial output rows travel normalized (divided by their own row
-        sum) in the output's dtype instead of unnormalized fp32, through the workspace, or
-        through distributed shared memory with `cluster`: half the bytes exchanged, for one
-        more rounding of each partial to the output's precision (the merged row is rounded to
-        it anyway). Named `_p16`.
-    tma: mma on sm_90a, block_n dividing the page size: KV tiles load as TMA boxes
-        (`cp.async.bulk.tensor`, one thread issues a tile's 64-dim column blocks, an mbarrier
-        per stage says when it landed) instead of every thread's 16-byte cp.async copies.
-        Runs through mlagen's runtime (the runtime encodes the cache's descriptor). Named `_tma`.
-    seesaw: sm_90a mma with tma, two stages, 64 rows and 64-key tiles: the KV tiles go in pairs,
-        each warpgroup computing one tile's scores and softmax while the other runs matrix work
-        (P·V of both tiles per warpgroup on half the value dims; P through the tile's rope
-        block). Named `_ss`.
-    transposed: sm_90a mma, q_tile*head_tile rows a multiple of 8 from 16 to 72, Dl=512 and Dr=64:
-        the products run transposed, S^T = K Q^T and O^T = V^T P^T, so wgmma's N is the rows
-        themselves and no row is padded to a 64-row group (H=8 S=9, H=16 S=2). The tiles go in
-        pairs as in the seesaw, with a column softmax whose running max moves only when a score
-        passes it by more than 8 (log2 units). cp.async loads (or TMA with `tma`), 64-key tiles,
-        8 warps, two stages; shared memory is all of sm_90a's 227 KB for 72 rows. Named `_tr`.
-    p_exchange: a cluster split on sm_90a for short requests, whose row group's keys fit one
-        64-key tile per block of the cluster (the block table's capacity at most kv_split * 64
-        keys): each block scores its tile, and the blocks then exchange their P (16-bit, 8 KB a
-        tile) and row maxima through distributed shared memory instead of partial output rows;
-        each block adds every tile's P V for its share of the value dims and writes them out.
-        64-key tiles, 8 warps, one stage, no part16 (nothing partial is written). Named `_px`.
     """
 
     family: Family = "flash"
@@ -121,13 +137,11 @@ class Variant:
     warps: int = 8
     stages: int = 2
     arch: str = "sm_90"
+    schedule: Schedule = "lockstep"
+    loads: Loads = "cp_async"
+    combine: Combine = "merge"
+    partials: Partials = "fp32"
     mma_pv: bool = False
-    cluster: bool = False
-    part16: bool = False
-    tma: bool = False
-    seesaw: bool = False
-    transposed: bool = False
-    p_exchange: bool = False
 
     @property
     def name(self) -> str:
@@ -144,7 +158,7 @@ class Variant:
         """Whether the split is part of the generated code (the balanced split, `_spb`; a
         cluster's size, `_sp4` ... `_cl`) rather than a launch parameter (a counted or adaptive
         split)."""
-        return self.kv_split == "balanced" or self.cluster
+        return self.kv_split == "balanced" or self.combine == "cluster"
 
     @property
     def code_variant(self) -> Variant:
@@ -154,6 +168,21 @@ class Variant:
             return self
         return self.with_(kv_split="adaptive")
 
+    @property
+    def seesaw(self) -> bool:
+        """Whether the schedule is the seesaw (schedule "seesaw")."""
+        return self.schedule == "seesaw"
+
+    @property
+    def transposed(self) -> bool:
+        """Whether the schedule is the transposed tile (schedule "transposed")."""
+        return self.schedule == "transposed"
+
+    @property
+    def p_exchange(self) -> bool:
+        """Whether the schedule is the P exchange (schedule "p_exchange")."""
+        return self.schedule == "p_exchange"
+
     def _named(self, with_split: bool) -> str:
         arch = self.arch.replace("_", "")
         if self.family == "naive":
@@ -161,21 +190,24 @@ class Variant:
         split = {"adaptive": "a", "balanced": "b"}.get(self.kv_split, str(self.kv_split))
         return (
             f"{self.family}_ht{self.head_tile}_qt{self.q_tile}_bn{self.block_n}"
-            f"_w{self.warps}_st{self.stages}{f'_sp{split}' if with_split else ''}{self._schedule}_{arch}"
+            f"_w{self.warps}_st{self.stages}{f'_sp{split}' if with_split else ''}{self._tags}_{arch}"
         )
 
     @property
-    def _schedule(self) -> str:
-        """The name's part for the knobs (KNOB_TAGS; "" for the defaults)."""
-        return "".join(f"_{tag}" for knob, tag in KNOB_TAGS if getattr(self, knob))
+    def _tags(self) -> str:
+        """The name's part for the knobs (TAGS; "" for the defaults)."""
+        return "".join(f"_{tag}" for field, value, tag in TAGS if getattr(self, field) == value)
 
     def with_(self, **changes: object) -> Variant:
         return replace(self, **changes)
 
 
-# Boolean knobs and their tags, in the name's order.
-KNOB_TAGS = (("mma_pv", "pvm"), ("cluster", "cl"), ("part16", "p16"), ("tma", "tma"), ("seesaw", "ss"),
-             ("transposed", "tr"), ("p_exchange", "px"))
+# The name's tags, in its order: (field, value, tag), the tag standing where the field has that
+# value (each field's default has none).
+TAGS: tuple[tuple[str, object, str], ...] = (
+    ("mma_pv", True, "pvm"), ("combine", "cluster", "cl"), ("partials", "16bit", "p16"), ("loads", "tma", "tma"),
+    ("schedule", "seesaw", "ss"), ("schedule", "transposed", "tr"), ("schedule", "p_exchange", "px"),
+)
 
 
 def naive(arch: str = "sm_90", warps: int = 4) -> Variant:
@@ -194,10 +226,10 @@ def kernel_name(problem: Problem, variant: Variant) -> str:
 def parse_variant(name: str) -> Variant:
     """The Variant whose `name` is `name` (inverse of Variant.name)."""
     parts = name.split("_")
-    knobs = {}
-    for knob, tag in reversed(KNOB_TAGS):
-        knobs[knob] = len(parts) > 8 and parts[-2] == tag
-        if knobs[knob]:
+    knobs: dict[str, object] = {}
+    for field, value, tag in reversed(TAGS):
+        if len(parts) > 8 and parts[-2] == tag and field not in knobs:
+            knobs[field] = value
             del parts[-2]
     if parts[0] == "naive" and len(parts) == 3 and parts[1].startswith("w"):
         return naive(arch=_parse_arch(parts[2], name), warps=_parse_int(parts[1][1:], name))

@@ -61,27 +61,21 @@ def _score_split(m_pad: int, block_n: int, warps: int) -> tuple[int, int] | None
     return None if best is None else (best[1], best[2])
 
 
-# The transposed tile (Variant.transposed): its N = rows in multiples of 8, at most what leaves
+# The transposed tile (schedule "transposed"): its N = rows in multiples of 8, at most what leaves
 # two 64-key stages and P^T's 1 KB blocks room in sm_90a's 227 KB (templates/mma_transposed.cu.j2).
 TRANSPOSED_ROWS = range(16, 73, 8)
 KV_COLUMN_BLOCK = 64 * 128          # bytes of a 64-key tile's 64-dim column block
 
 
 def transposed_layout(p: Problem, v: Variant) -> MmaLayout | str:
-    """The transposed tile's layout, or what it needs: Q [rows][576], two stages of 64 keys, and
-    two 1 KB blocks (P^T's ninth column group and the running max between the warpgroups)."""
+    """The transposed tile's layout, or what it needs beyond its schedule's rules
+    (`schedules.SCHEDULES`): Q [rows][576], two stages of 64 keys, and two 1 KB blocks (P^T's
+    ninth column group and the running max between the warpgroups)."""
     rows = v.q_tile * v.head_tile
-    if v.arch != "sm_90a":
-        return f"arch sm_90a for transposed (wgmma), got {v.arch}"
     if rows not in TRANSPOSED_ROWS:
         return f"q_tile*head_tile a multiple of 8 from 16 to 72 for transposed, got {rows}"
     if (p.dl, p.dr) != (512, 64):
         return f"Dl=512 and Dr=64 for transposed (P^T lives in the rope block), got Dl={p.dl} Dr={p.dr}"
-    if (v.block_n, v.warps, v.stages) != (64, 8, 2):
-        return (f"block_n=64, 8 warps and 2 stages for transposed, got block_n={v.block_n}, {v.warps} warps, "
-                f"{v.stages} stages")
-    if v.seesaw or v.cluster or v.mma_pv:
-        return "no seesaw, cluster or mma_pv with transposed (its own schedule)"
     smem = rows * p.head_dim * 2 + 2 * 9 * KV_COLUMN_BLOCK + 2 * 1024
     return MmaLayout(m_pad=rows, wmq=4, wnq=2, rows_w=rows, keys_w=64, dims_w=p.dl // 2, p_stride=64,
                      smem_bytes=smem, wgmma=True, pv_wgmma=True)
@@ -97,7 +91,7 @@ TRANSPOSED_STACK = 128
 def stack_budget(v: Variant) -> int:
     """Bytes of stack (spills) `v`'s kernels may take: 0, but for a transposed tile of more than
     32 rows TRANSPOSED_STACK."""
-    return TRANSPOSED_STACK if v.transposed and v.q_tile * v.head_tile > 32 else 0
+    return TRANSPOSED_STACK if v.schedule == "transposed" and v.q_tile * v.head_tile > 32 else 0
 
 
 # The seesaw's mbarriers: its tile pair loads in SEESAW_LOAD_PARTS parts, each with one (stage
@@ -108,7 +102,7 @@ SEESAW_LOAD_PARTS = 4
 SEESAW_BARRIERS = SEESAW_LOAD_PARTS + 2
 
 
-# The P exchange (Variant.p_exchange, templates/mma_exchange.cu.j2): a block's slot holds its
+# The P exchange (schedule "p_exchange", templates/mma_exchange.cu.j2): a block's slot holds its
 # tile's P (64 rows x 64 keys, 16-bit, 1024-byte aligned for wgmma) and the rows' sums; the rows'
 # maxima go first, in slots of 64 floats.
 EXCHANGE_SLOT = 9 * 1024
@@ -120,20 +114,20 @@ def mbarriers(v: Variant) -> int:
     with the P exchange one for the cluster's row maxima and one a slot, with the seesaw
     SEESAW_BARRIERS, with TMA loads one per stage, else none. (The transposed tile keeps its
     stages' mbarriers inside its 1 KB blocks: none of its own.)"""
-    if v.p_exchange:
+    if v.schedule == "p_exchange":
         return 1 + int(v.kv_split)
-    if v.transposed:
+    if v.schedule == "transposed":
         return 0
-    return SEESAW_BARRIERS if v.seesaw else v.stages if v.tma else 0
+    return SEESAW_BARRIERS if v.schedule == "seesaw" else v.stages if v.loads == "tma" else 0
 
 
 def load_mbarriers(v: Variant) -> int:
     """Those of `mbarriers(v)` that count KV bytes landing (one TMA arrival each): the seesaw's
     SEESAW_LOAD_PARTS, one per stage with TMA loads, else none. The seesaw's others count a
     warpgroup's arrivals; the P exchange's count its peers' bulk copies."""
-    if v.p_exchange or v.transposed:
+    if v.schedule in ("p_exchange", "transposed"):
         return 0
-    return SEESAW_LOAD_PARTS if v.seesaw else mbarriers(v)
+    return SEESAW_LOAD_PARTS if v.schedule == "seesaw" else mbarriers(v)
 
 
 def exchange_units(p: Problem, cluster: int) -> int:
@@ -143,22 +137,13 @@ def exchange_units(p: Problem, cluster: int) -> int:
 
 
 def exchange_layout(p: Problem, v: Variant) -> MmaLayout | str:
-    """The P exchange's layout, or what it needs: Q (its buffer later holds the cluster's
-    slots), the block's own tile, the value slices of the other tiles for its column blocks, the
-    cluster's row maxima, the row max / sum parts, the tree-mask rows and mbarriers (the maxima's,
-    one a slot)."""
+    """The P exchange's layout, or what it needs beyond its schedule's rules
+    (`schedules.SCHEDULES`): Q (its buffer later holds the cluster's slots), the block's own
+    tile, the value slices of the other tiles for its column blocks, the cluster's row maxima,
+    the row max / sum parts, the tree-mask rows and mbarriers (the maxima's, one a slot)."""
     rows = v.q_tile * v.head_tile
-    if v.arch != "sm_90a":
-        return f"arch sm_90a for p_exchange (wgmma, bulk copies between a cluster's blocks), got {v.arch}"
-    if not v.cluster:
-        return "cluster=True with p_exchange (the blocks that exchange P are one cluster)"
     if not 49 <= rows <= 64:
         return f"q_tile*head_tile from 49 to 64 for p_exchange (one m64 wgmma row group), got {rows}"
-    if (v.block_n, v.warps, v.stages) != (64, 8, 1):
-        return (f"block_n=64, 8 warps and 1 stage for p_exchange (one tile a block), got block_n={v.block_n}, "
-                f"{v.warps} warps, {v.stages} stages")
-    if v.tma or v.seesaw or v.transposed or v.mma_pv or v.part16:
-        return "no tma, seesaw, transposed, mma_pv or part16 with p_exchange (its own schedule, no partials)"
     if p.head_dim % 64 or p.dl % 64:
         return f"Dl and Dl+Dr multiples of 64 for p_exchange (64-dim column blocks), got Dl={p.dl} Dr={p.dr}"
     k = int(v.kv_split)
@@ -170,12 +155,9 @@ def exchange_layout(p: Problem, v: Variant) -> MmaLayout | str:
                      smem_bytes=smem, wgmma=True, pv_wgmma=True)
 
 
-def mma_layout(p: Problem, v: Variant) -> MmaLayout | str:
-    """The layout, or a message saying which rule the variant breaks."""
-    if v.transposed:
-        return transposed_layout(p, v)
-    if v.p_exchange:
-        return exchange_layout(p, v)
+def lockstep_layout(p: Problem, v: Variant) -> MmaLayout | str:
+    """The layout of the lockstep tile loop (templates/mma.cu.j2), which the seesaw shares, or a
+    message saying which rule the variant breaks."""
     rows = v.q_tile * v.head_tile
     m_pad = -(-rows // 16) * 16
     if p.head_dim % 64:

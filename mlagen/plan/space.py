@@ -77,7 +77,7 @@ def split_variants(problem: Problem, variant: Variant, kv_capacity: int, skip: i
     fixed = [variant.with_(kv_split=s) for s in SPLITS if s <= tiles and s != skip]
     if variant.family != "mma":
         return fixed
-    clusters = [variant.with_(kv_split=s, cluster=True) for s in CLUSTER_SIZES if s <= tiles]
+    clusters = [variant.with_(kv_split=s, combine="cluster") for s in CLUSTER_SIZES if s <= tiles]
     return (fixed + [variant.with_(kv_split="balanced")] + [c for c in clusters if is_valid(problem, c)]
             + exchange_variants(problem, variant, kv_capacity))
 
@@ -87,8 +87,8 @@ def exchange_variants(problem: Problem, variant: Variant, kv_capacity: int) -> l
     gives every KV tile of the block table a block of its own, where one fits; else none."""
     tiles = max(1, -(-kv_capacity // 64))
     for size in range(max(2, tiles), MAX_CLUSTER + 1):
-        v = variant.with_(kv_split=size, cluster=True, p_exchange=True, block_n=64, warps=8, stages=1,
-                          mma_pv=False, part16=False, tma=False, seesaw=False)
+        v = variant.with_(kv_split=size, combine="cluster", schedule="p_exchange", block_n=64, warps=8, stages=1,
+                          mma_pv=False, partials="fp32", loads="cp_async")
         if is_valid(problem, v):
             return [v]
     return []
@@ -96,23 +96,25 @@ def exchange_variants(problem: Problem, variant: Variant, kv_capacity: int) -> l
 
 def structure_of(v: Variant) -> Variant:
     """`v` as a structure: its adaptive-split, knob-free form (what `structures` lists)."""
-    return v.with_(kv_split="adaptive", cluster=False, part16=False, tma=False, seesaw=False, p_exchange=False)
+    return v.with_(kv_split="adaptive", combine="merge", partials="fp32", loads="cp_async", schedule="lockstep")
 
 
 def twin_variants(problem: Problem, variants: list[Variant]) -> list[Variant]:
-    """The knob twins of each of `variants` that the tuner times last, in order: with `part16`
-    (an mma variant that exchanges partial rows between split blocks: its split is not 1), with
-    `tma`, with both, then the seesaw schedule (which loads with TMA) without and with `part16`,
-    where valid for `problem`; each once, none of `variants`."""
+    """The knob twins of each of `variants` that the tuner times last, in order: with 16-bit
+    partials (an mma variant that exchanges partial rows between split blocks: its split is not
+    1), with TMA loads, with both, then a lockstep variant as the seesaw (which loads with TMA)
+    with fp32 and with 16-bit partials, where valid for `problem`; each once, none of
+    `variants`."""
     found: list[Variant] = []
     for v in variants:
         if v.family != "mma":
             continue
         for part16, tma, seesaw in ((True, False, False), (False, True, False), (True, True, False),
                                     (False, True, True), (True, True, True)):
-            if part16 and v.kv_split == 1:
+            if (part16 and v.kv_split == 1) or (seesaw and v.schedule != "lockstep"):
                 continue
-            w = v.with_(part16=v.part16 or part16, tma=v.tma or tma, seesaw=v.seesaw or seesaw)
+            w = v.with_(partials="16bit" if part16 else v.partials, loads="tma" if tma else v.loads,
+                        schedule="seesaw" if seesaw else v.schedule)
             if w not in variants and w not in found and is_valid(problem, w):
                 found.append(w)
     return found

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from ..dsl.arch import MAX_ACCUMULATORS, Arch, accumulator_budget, get_arch
 from ..dsl.errors import SpecError, require, require_smem
-from ..dsl.spec import DTYPES, FAMILIES, MASKS, Problem, Variant, kernel_name
-from .mma_plan import STAGE_PAD, MmaLayout, load_mbarriers, mbarriers, mma_layout
+from ..dsl.spec import COMBINES, DTYPES, FAMILIES, LOADS, MASKS, PARTIALS, SCHEDULES, Problem, Variant, kernel_name
+from .mma_plan import STAGE_PAD, MmaLayout, load_mbarriers, mbarriers
+from .schedules import TileSchedule, schedule_of
 
 MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
 MERGE_TARGET_BLOCKS = 128  # merge blocks a split launch aims for in all (about one wave on big GPUs)
@@ -68,12 +69,17 @@ class KernelPlan:
     # plan's attributes only, never its variant.
 
     @property
+    def schedule(self) -> TileSchedule:
+        """The variant's schedule (`schedules.SCHEDULES`; the naive and flash families' is
+        "lockstep")."""
+        return schedule_of(self.variant)
+
+    @property
     def template(self) -> str:
-        """File name of the main kernel's template in templates/: the family's, or the
-        transposed tile's and the P exchange's own kernels of the mma family."""
+        """File name of the main kernel's template in templates/: the naive or flash family's,
+        or the mma family's schedule's (`TileSchedule.template`)."""
         v = self.variant
-        name = "mma_transposed" if v.transposed else "mma_exchange" if v.p_exchange else v.family
-        return f"{name}.cu.j2"
+        return self.schedule.template if v.family == "mma" else f"{v.family}.cu.j2"
 
     @property
     def head_tile(self) -> int:
@@ -103,28 +109,30 @@ class KernelPlan:
     @property
     def part16(self) -> bool:
         """Whether a split's partial output rows are 16-bit, divided by their own row sum, in the
-        output's dtype (Variant.part16), rather than unnormalized fp32."""
-        return self.variant.part16
+        output's dtype (Variant.partials "16bit"), rather than unnormalized fp32."""
+        return self.variant.partials == "16bit"
 
     @property
     def tma(self) -> bool:
-        """Whether KV tiles load as TMA boxes counted by mbarriers (Variant.tma)."""
-        return self.variant.tma
+        """Whether KV tiles load as TMA boxes counted by mbarriers (Variant.loads "tma")."""
+        return self.variant.loads == "tma"
 
     @property
     def seesaw(self) -> bool:
-        """Whether the tile loop runs the seesaw schedule, a tile pair at a time (Variant.seesaw)."""
-        return self.variant.seesaw
+        """Whether the tile loop runs the seesaw schedule, a tile pair at a time (Variant.schedule
+        "seesaw")."""
+        return self.variant.schedule == "seesaw"
 
     @property
     def cluster(self) -> bool:
-        """Whether a row group's splits run as one thread-block cluster (Variant.cluster)."""
-        return self.variant.cluster
+        """Whether a row group's splits run as one thread-block cluster (Variant.combine
+        "cluster")."""
+        return self.variant.combine == "cluster"
 
     @property
     def cluster_size(self) -> int:
         """Blocks per thread-block cluster, the row group's splits; 0 without a cluster."""
-        return int(self.variant.kv_split) if self.variant.cluster else 0
+        return int(self.variant.kv_split) if self.cluster else 0
 
     @property
     def kv_split_kind(self) -> str:
@@ -147,21 +155,21 @@ class KernelPlan:
     def max_keys(self) -> int:
         """Most keys the block table may address (max_pages * page size), in keys: for the P
         exchange one block_n tile per block of its cluster; 0 for no bound."""
-        return self.cluster_size * self.block_n if self.variant.p_exchange else 0
+        return self.cluster_size * self.block_n if self.variant.schedule == "p_exchange" else 0
 
     @property
     def merge_blocks_in_grid(self) -> bool:
         """Whether a split launch's grid holds merge blocks after the split blocks: every family
         that splits, but for a cluster split, whose blocks combine their rows themselves."""
-        return self.uses_split and not self.variant.cluster
+        return self.uses_split and not self.cluster
 
     @property
     def merge_after_ranges(self) -> bool:
         """Whether merge blocks run the balanced split's (empty) range loop and merge after it, so
         that their code is laid out after the tile loop (templates/mma_ops.cuh.j2,
         balanced_ranges_loop): the balanced seesaw and transposed tile, whose long tile loops
-        would otherwise reach past the kernel's first 64 KB of code."""
-        return self.balanced and (self.variant.seesaw or self.variant.transposed)
+        would otherwise reach past the kernel's first 64 KB of code (the paired schedules)."""
+        return self.balanced and self.schedule.paired
 
     @property
     def merge_at_top(self) -> bool:
@@ -174,7 +182,7 @@ class KernelPlan:
         """Whether 16-bit partial rows (`part16`) travel through the global workspace, as they do
         without a cluster; the kernel then has the pair merge's code (templates/merge.cuh.j2,
         end_pair)."""
-        return self.variant.part16 and not self.variant.cluster
+        return self.part16 and not self.cluster
 
     @property
     def pair_merge(self) -> bool:
@@ -182,7 +190,7 @@ class KernelPlan:
         into the output with no merge block (templates/merge.cuh.j2, PAIR_MERGE):
         `part16_workspace` kernels, but for the transposed tile, whose rows split in more than
         two."""
-        return self.part16_workspace and not self.variant.transposed
+        return self.part16_workspace and self.variant.schedule != "transposed"
 
     @property
     def programmatic_launch(self) -> bool:
@@ -199,9 +207,9 @@ class KernelPlan:
         balanced split (its ranges need every request's length) and the seesaw (its first TMA
         boxes go out right after the wait)."""
         v = self.variant
-        if not self.programmatic_launch or v.family != "mma" or v.transposed:
+        if not self.programmatic_launch or v.family != "mma" or v.schedule == "transposed":
             return False
-        return v.p_exchange or not (self.balanced or v.seesaw)
+        return v.schedule == "p_exchange" or not (self.balanced or self.seesaw)
 
     @property
     def arch_specific(self) -> bool:
@@ -243,7 +251,7 @@ class KernelPlan:
         above 1, and the balanced split always (which requests its ranges cut, and which have
         no keys, only the device knows); never a cluster split, whose blocks combine their rows
         in shared memory."""
-        return (self.uses_split and not self.variant.cluster
+        return (self.uses_split and not self.cluster
                 and (num_splits > 1 or self.variant.kv_split == "balanced"))
 
     def partial_rows(self, batch: int, seqlen_q: int, num_splits: int) -> int:
@@ -280,8 +288,9 @@ class KernelPlan:
 
     @property
     def part_elem_bytes(self) -> int:
-        """Bytes of one value of a partial output row: 4 (fp32), or 2 with `Variant.part16`."""
-        return 2 if self.variant.part16 else 4
+        """Bytes of one value of a partial output row: 4 (fp32), or 2 with 16-bit
+        `Variant.partials`."""
+        return 2 if self.part16 else 4
 
     @property
     def partial_row_bytes(self) -> int:
@@ -302,7 +311,7 @@ class KernelPlan:
             return (x, num_splits, 1 + -(-merge // num_splits))
         if num_splits == 1:
             return (x, 1, batch)
-        if self.variant.cluster:
+        if self.cluster:
             return (x, num_splits, batch)
         return (x, num_splits, batch + -(-merge // num_splits))
 
@@ -314,17 +323,17 @@ class KernelPlan:
         x = f"ceil(S / {self.variant.q_tile}) * {self.head_tiles}"
         if self.variant.kv_split == "balanced":
             return (x, "num_splits", "1 + (B * merge_blocks + num_splits - 1) / num_splits")
-        if self.variant.cluster:
+        if self.cluster:
             return (x, "num_splits", "B")
         return (x, "num_splits", "num_splits > 1 ? B + (B * merge_blocks + num_splits - 1) / num_splits : B")
 
 
 def split_unit(variant: Variant) -> int:
     """KV tiles a split gets together (templates/common.cuh.j2's split_blocks; the balanced
-    split's work list counts in them too): a pair for the seesaw and the transposed tile, whose
-    warpgroups take a tile each, else one. Their range of an odd count of tiles runs a padding
-    tile, half a pair."""
-    return 2 if variant.seesaw or variant.transposed else 1
+    split's work list counts in them too): a pair for the paired schedules (the seesaw and the
+    transposed tile), whose warpgroups take a tile each, else one (`TileSchedule.split_unit`).
+    Their range of an odd count of tiles runs a padding tile, half a pair."""
+    return schedule_of(variant).split_unit
 
 
 def _check_problem(p: Problem) -> None:
@@ -352,20 +361,17 @@ def _check_common(v: Variant) -> None:
             "'adaptive' or an int for the naive and flash families ('balanced' is mma only)")
     require(v.mma_pv is False or (v.mma_pv is True and v.family == "mma"), "variant.mma_pv", v.mma_pv,
             "False, or True for the mma family (on sm_90a)")
-    require(v.cluster is False or (v.cluster is True and v.family == "mma" and isinstance(v.kv_split, int)
-                                   and 2 <= v.kv_split <= MAX_CLUSTER),
-            "variant.cluster", v.cluster,
-            f"False, or True for the mma family with kv_split an int in 2..{MAX_CLUSTER} (the cluster size)")
-    require(v.part16 is False or (v.part16 is True and v.family == "mma"), "variant.part16", v.part16,
-            "False, or True for the mma family")
-    require(v.tma is False or (v.tma is True and v.family == "mma"), "variant.tma", v.tma,
-            "False, or True for the mma family (on sm_90a)")
-    require(v.seesaw is False or (v.seesaw is True and v.family == "mma"), "variant.seesaw", v.seesaw,
-            "False, or True for the mma family (on sm_90a, with tma)")
-    require(v.transposed is False or (v.transposed is True and v.family == "mma"), "variant.transposed",
-            v.transposed, "False, or True for the mma family (on sm_90a)")
-    require(v.p_exchange is False or (v.p_exchange is True and v.family == "mma"), "variant.p_exchange",
-            v.p_exchange, "False, or True for the mma family (on sm_90a, with cluster)")
+    require(v.combine == "merge" or (v.combine == "cluster" and v.family == "mma" and isinstance(v.kv_split, int)
+                                     and 2 <= v.kv_split <= MAX_CLUSTER),
+            "variant.combine", v.combine,
+            f"one of {COMBINES}: 'cluster' for the mma family with kv_split an int in 2..{MAX_CLUSTER} "
+            "(the cluster size)")
+    require(v.partials == "fp32" or (v.partials == "16bit" and v.family == "mma"), "variant.partials", v.partials,
+            f"one of {PARTIALS}: '16bit' for the mma family")
+    require(v.loads == "cp_async" or (v.loads == "tma" and v.family == "mma"), "variant.loads", v.loads,
+            f"one of {LOADS}: 'tma' for the mma family (on sm_90a)")
+    require(v.schedule == "lockstep" or (v.schedule in SCHEDULES and v.family == "mma"), "variant.schedule",
+            v.schedule, f"one of {SCHEDULES}: 'lockstep' for the naive and flash families")
 
 
 def _plan_naive(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
@@ -412,29 +418,33 @@ def _plan_flash(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
                       row_elems=row_elems, smem_bytes=smem)
 
 
-def plan_mma(p: Problem, v: Variant, arch: Arch):
+def plan_mma(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
+    """The mma family's plan: its schedule's rules (`schedules.SCHEDULES`), its layout, TMA
+    loads and the cluster split checked."""
     if not arch.mma:
         raise SpecError("variant.arch", arch.name, "an arch with mma.sync bf16/fp16 (sm_80 or newer)")
-    layout = mma_layout(p, v)
+    schedule = schedule_of(v)
+    rule = schedule.check(v)
+    if rule is not None:
+        raise SpecError("variant.schedule", v.schedule, rule)
+    layout = schedule.layout(p, v)
     if isinstance(layout, str):
         raise SpecError("variant", v.name, layout)
     require_smem(arch, layout.smem_bytes, v.name)
-    if v.tma:
-        require(layout.wgmma, "variant.tma", v.tma, f"False on {arch.name}: TMA tile loads are for sm_90a's kernels")
-        require(p.page_size % v.block_n == 0, "variant.tma", v.tma,
-                f"False for page_size={p.page_size}: a TMA tile is one page's run of block_n={v.block_n} rows")
-    if v.seesaw:
-        require(v.tma and layout.pv_wgmma and v.stages == 2 and not v.cluster, "variant.seesaw", v.seesaw,
-                "False, or True on sm_90a with tma, both products on wgmma (no mma_pv), two stages and no cluster")
-    if v.cluster and not v.p_exchange:      # the P exchange stages no output rows
-        require(arch.capability >= 90, "variant.cluster", v.cluster,
-                f"False on {arch.name}: thread-block clusters need sm_90 or newer")
-        # The cluster's blocks stage their output rows (fp32, or 16-bit with part16) over the Q
-        # and KV buffers (the template's STAGE_EPILOGUE, which static_asserts the same sum) for
-        # their peers to read.
-        staged = layout.m_pad * (p.dl + STAGE_PAD) * (2 if v.part16 else 4)
+    if v.loads == "tma":
+        require(layout.wgmma, "variant.loads", v.loads, f"'cp_async' on {arch.name}: TMA tile loads are for "
+                "sm_90a's kernels")
+        require(p.page_size % v.block_n == 0, "variant.loads", v.loads,
+                f"'cp_async' for page_size={p.page_size}: a TMA tile is one page's run of block_n={v.block_n} rows")
+    if v.combine == "cluster" and schedule.partial_rows:      # the P exchange stages no output rows
+        require(arch.capability >= 90, "variant.combine", v.combine,
+                f"'merge' on {arch.name}: thread-block clusters need sm_90 or newer")
+        # The cluster's blocks stage their output rows (fp32, or 16-bit partials) over the Q and
+        # KV buffers (the template's STAGE_EPILOGUE, which static_asserts the same sum) for their
+        # peers to read.
+        staged = layout.m_pad * (p.dl + STAGE_PAD) * (2 if v.partials == "16bit" else 4)
         buffers = (layout.m_pad + v.stages * v.block_n) * p.head_dim * 2
-        require(staged <= buffers, "variant.cluster", v.cluster,
+        require(staged <= buffers, "variant.combine", v.combine,
                 f"False for this tile: the {staged} bytes of staged output rows need Q and KV "
                 f"buffers that large, these have {buffers} (more stages or a wider KV tile)")
     return KernelPlan(

@@ -127,7 +127,7 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
     in_graphs = dependent_in_graphs(variant, heads, seqlen_q, batch, kv_capacity, dispatch)
     return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, plan.grid(batch, seqlen_q, splits), in_graphs),
                      splits=splits, layout=layout, merge_blocks=plan.merge_blocks(batch, seqlen_q) if split else 0,
-                     tma_rows=variant.block_n if variant.tma else 0)
+                     tma_rows=variant.block_n if variant.loads == "tma" else 0)
 
 
 @dataclass(frozen=True, slots=True)

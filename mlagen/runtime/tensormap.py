@@ -1,4 +1,4 @@
-"""The KV cache's TMA descriptor for `Variant.tma` kernels, kept in device memory.
+"""The KV cache's TMA descriptor for `Variant.loads` "tma" kernels, kept in device memory.
 
 A tma kernel loads its KV tiles with `cp.async.bulk.tensor.3d` boxes of [64 dims, block_n rows,
 1 page] from a descriptor of the cache as [num_pages][page_size][D] (the driver's

@@ -30,7 +30,7 @@ _MAX_STREAMS = 64
 @dataclass(frozen=True, slots=True)
 class Layout:
     """A split call's workspace: part_o [rows, Dl] (fp32, or the output's dtype with
-    `Variant.part16`), then part_ml [rows, 2] fp32, as `numel` float32 elements, and its uint32
+    `Variant.partials`), then part_ml [rows, 2] fp32, as `numel` float32 elements, and its uint32
     counters, one per row group."""
 
     numel: int

@@ -179,24 +179,27 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
                                             if h * q in TRANSPOSED_ROWS]
                                            or [(1, 1)])
             v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2, arch=target,
-                        kv_split=rng.choice(["adaptive", "balanced", 1, 2, 4]), part16=rng.random() < 0.5,
-                        transposed=True, tma=shape.page_size % 64 == 0 and rng.random() < 0.5)
+                        kv_split=rng.choice(["adaptive", "balanced", 1, 2, 4]),
+                        partials="16bit" if rng.random() < 0.5 else "fp32", schedule="transposed",
+                        loads="tma" if shape.page_size % 64 == 0 and rng.random() < 0.5 else "cp_async")
         elif target == "sm_90a" and rng.random() < 1 / 3:
             head_tile = rng.choice([d for d in divisors if 64 % d == 0])
             v = Variant(family="mma", head_tile=head_tile, q_tile=64 // head_tile, block_n=64, warps=8, stages=2,
                         arch=target, kv_split=rng.choice(["adaptive", "balanced", 1, 2, 4]),
-                        part16=rng.random() < 0.5, tma=rng.random() < 0.5)
-            v = v.with_(seesaw=v.tma and rng.random() < 0.5, cluster=isinstance(v.kv_split, int) and rng.random() < 0.3,
+                        partials="16bit" if rng.random() < 0.5 else "fp32",
+                        loads="tma" if rng.random() < 0.5 else "cp_async")
+            v = v.with_(schedule="seesaw" if v.loads == "tma" and rng.random() < 0.5 else "lockstep",
+                        combine="cluster" if isinstance(v.kv_split, int) and rng.random() < 0.3 else "merge",
                         mma_pv=rng.random() < 0.2)
             tiles = -(-shape.kv_capacity // 64)
             if tiles <= MAX_CLUSTER and rng.random() < 0.3:   # the P exchange: a tile a block of the cluster
-                v = v.with_(kv_split=max(2, tiles, rng.randint(2, MAX_CLUSTER)), cluster=True, p_exchange=True,
-                            stages=1, part16=False, tma=False, seesaw=False, mma_pv=False)
+                v = v.with_(kv_split=max(2, tiles, rng.randint(2, MAX_CLUSTER)), combine="cluster",
+                            schedule="p_exchange", stages=1, partials="fp32", loads="cp_async", mma_pv=False)
         else:
             v = Variant(family=family, head_tile=rng.choice(divisors), q_tile=rng.randint(1, 16),
                         block_n=rng.choice([32, 64, 128]), warps=rng.choice([2, 4, 8, 16]), stages=rng.randint(1, 3),
                         kv_split=rng.choice(["adaptive", 1, 2, 5, "balanced"]), arch=target,
-                        part16=family == "mma" and rng.random() < 0.5)
+                        partials="16bit" if family == "mma" and rng.random() < 0.5 else "fp32")
         if is_valid(shape.problem, v):
             return v
     return None

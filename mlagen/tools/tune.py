@@ -3,8 +3,8 @@
 Per row (a shape) and mask kind: the dispatcher's pick without a table, then up to `max_candidates` structures
 (`mlagen.plan.space`: every family, most promising first) are compiled in parallel processes and
 timed here with CUDA graph replay; then the fastest few structures are timed with fixed splits,
-and the fastest few after that with their knob twins (16-bit partial rows, `Variant.part16`;
-TMA tile loads, `Variant.tma`); the fastest few trials are then timed twice more, and each is
+and the fastest few after that with their knob twins (16-bit partial rows, `Variant.partials`;
+TMA tile loads, `Variant.loads`); the fastest few trials are then timed twice more, and each is
 ranked by the median of its timings. The pick the table already holds for the row (the
 incumbent) is timed among the candidates, so a new pick replaces it only by beating it in the
 same run: one machine start's timings can swap picks that are a few percent apart. A
@@ -233,7 +233,7 @@ def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, 
             if len(picked) == config.split_top:
                 break
             picked.setdefault(structure_of(t.variant),
-                              t.variant.with_(part16=False, tma=False) if clear_knobs else t.variant)
+                              t.variant.with_(partials="fp32", loads="cp_async") if clear_knobs else t.variant)
         return list(picked.values())
 
     def run_untried(variants: list[Variant]) -> None:
