@@ -305,23 +305,26 @@ def test_show_without_nvdisasm_says_how_to_get_it(monkeypatch, tmp_path):
     assert "pip install nvidia-cuda-nvdisasm" in result.output and missing in result.output
 
 
-# The split kernels benchmarks/trace_blocks.py stamps, and how many stamps each gets.
+# The split kernels benchmarks/trace_blocks.py stamps, and how many stamps each gets (its TR
+# macro's definition among them).
 BLOCK_TRACES = [
     ("mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a", 11), ("mma_ht32_qt2_bn64_w8_st2_spa_sm90a", 11),
     ("mma_ht32_qt2_bn64_w8_st2_spa_p16_sm90a", 15),   # rows staged and written, a pair's merge done
-    ("mma_ht32_qt2_bn64_w8_st2_spa_p16_tma_sm90a", 15), ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 8),
+    ("mma_ht32_qt2_bn64_w8_st2_spa_p16_tma_sm90a", 15),
+    ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 9),     # (merge.cuh.j2's merge wait, which it never runs)
     # the seesaw: no tile-0 stamp; 16-bit rows: a pair's merge done, rows staged and written (4 more)
     ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 15),
     ("mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a", 14),   # rows staged, stores issued
 ]
-# compiled patched by default: the largest kernels, where a stamp is likeliest to cost a spill
+# compiled traced by default: the largest kernels, where a stamp is likeliest to cost a spill
 TRANSPOSED_TRACE = "mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a"
 BLOCK_TRACES_COMPILED = ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", TRANSPOSED_TRACE)
+TRACE_DEFINES = re.compile(r"^#define MLAGEN_TRACE_\w+ (.*)$", re.MULTILINE)   # a traced point's code
 
 
-def _block_trace_patch(name: str, stamps: int, **options) -> str:
+def _block_trace(name: str, stamps: int, **options) -> str:
     plan = _plan(name)
-    source = _benchmark("trace_blocks").patch(render(plan), **options)
+    source = _benchmark("trace_blocks").block_trace(plan, render(plan), **options)
     assert source.count("TR(") == stamps
     # its definition, the segment's entry, and with TMA Q's landing (not the transposed tile's:
     # its Q and first tile share one wait)
@@ -330,75 +333,78 @@ def _block_trace_patch(name: str, stamps: int, **options) -> str:
 
 
 @pytest.mark.parametrize("name,stamps", BLOCK_TRACES)
-def test_block_trace_patch_finds_every_landmark(name, stamps):
-    """benchmarks/trace_blocks.py patches stamps in at template landmarks: every landmark is still
-    there in each split kernel (the seesaw's tile loop has no tile-0 barrier to stamp; the TMA
-    loop's is its wait; the transposed tile's is its warpgroup barrier)."""
-    _block_trace_patch(name, stamps)
+def test_block_trace_stamps_every_point(name, stamps):
+    """benchmarks/trace_blocks.py stamps at the trace points of each split kernel (the seesaw's
+    tile loop has no tile_landed point; the TMA loop's is its wait; the transposed tile's is its
+    warpgroup barrier)."""
+    _block_trace(name, stamps)
 
 
 @pytest.mark.parametrize("name,stamps", [pytest.param(*c, marks=() if c[0] in BLOCK_TRACES_COMPILED else MATRIX)
                                          for c in BLOCK_TRACES])
-def test_block_trace_patch_compiles_for_the_split_kernels(name, stamps):
-    """The patched sm_90a kernels compile, without spills where the kernel has none."""
+def test_block_trace_compiles_for_the_split_kernels(name, stamps):
+    """The traced sm_90a kernels compile, without spills where the kernel has none."""
     plan = _plan(name)
-    module = compile_source(_block_trace_patch(name, stamps), plan.name, plan.arch.name)
+    module = compile_source(_block_trace(name, stamps), plan.name, plan.arch.name)
     # (the 72-row transposed tile runs at 255 registers and spills a little without stamps too)
     assert plan.variant.transposed or all(not r.spills for r in module.resources.values())
 
 
-def test_block_trace_patch_stamps_from_globaltimer_alone():
+def test_block_trace_stamps_from_globaltimer_alone():
     """globaltimer_only: every stamp reads the global timer (no clock64), and the kernel compiles."""
     plan = _plan(TRANSPOSED_TRACE)
-    timed = _block_trace_patch(TRANSPOSED_TRACE, dict(BLOCK_TRACES)[TRANSPOSED_TRACE], globaltimer_only=True)
+    timed = _block_trace(TRANSPOSED_TRACE, dict(BLOCK_TRACES)[TRANSPOSED_TRACE], globaltimer_only=True)
     assert "clock64()" not in timed and "tr_gt()" in timed
     assert compile_source(timed, plan.name, plan.arch.name).cubin[:4] == b"\x7fELF"
 
 
-def test_exchange_trace_patch_compiles():
-    """benchmarks/trace_exchange.py stamps the P exchange's phases at landmarks of its template:
-    every landmark is still there once, and the patched kernel compiles without spills."""
+def test_exchange_trace_compiles():
+    """benchmarks/trace_exchange.py stamps the P exchange's phases at the trace points of its
+    template: every one is there, and the traced kernel compiles without spills."""
     trace_exchange = _benchmark("trace_exchange")
     plan = _plan("mma_ht64_qt1_bn64_w8_st1_sp8_cl_px_sm90a")
-    source = trace_exchange.patch(render(plan))
-    assert source.count("TR(") == len(trace_exchange.PATCHES) + 1     # the macro's own definition
+    source = trace_exchange.exchange_trace(plan, render(plan))
+    assert source.count("TR(") == len(trace_exchange.EXCHANGE_POINTS) + 1     # the macro's own definition
     module = compile_source(source, plan.name, plan.arch.name)
     assert all(not r.spills for r in module.resources.values())
 
 
-def test_seesaw_trace_patch_compiles():
-    """benchmarks/trace_seesaw.py stamps each step of both warpgroups at landmarks of the seesaw
-    loop: every landmark is still there once, and the patched kernel compiles without spills or
-    serialized wgmmas (a stamp that cost either would distort what it measures)."""
-    trace_seesaw = _benchmark("trace_seesaw")
+def test_seesaw_trace_compiles():
+    """benchmarks/trace_seesaw.py stamps each step of both warpgroups at the trace points of the
+    seesaw loop: every one is there, and the traced kernel compiles without spills or serialized
+    wgmmas (a stamp that cost either would distort what it measures)."""
+    trace_seesaw, trace_blocks = _benchmark("trace_seesaw"), _benchmark("trace_blocks")
     plan = _plan("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a")
     seesaw = trace_seesaw.SEESAW
-    source = trace_seesaw.patch(render(plan), seesaw)
-    assert source.count("        TS(") == len(seesaw.steps) == 15
-    assert source.count("    TB(") == len(seesaw.boundary) == 5         # a segment boundary's steps
+    source = trace_seesaw.paired_trace(plan, render(plan))
+    codes = TRACE_DEFINES.findall(source)
+    assert sum(code.startswith("TS(") for code in codes) == len(seesaw.steps) == 15
+    assert sum(code.startswith("TB(") for code in codes) == len(seesaw.boundary) == 5   # a segment boundary's steps
     module = compile_source(source, plan.name, plan.arch.name)
     assert all(not r.spills and r.stack_frame == 0 for r in module.resources.values()), module.resources
     assert "C751" not in module.log and "serialized" not in module.log, module.log
-    assert source.count("GT();") == 1                     # the global timer, once a pair
-    with pytest.raises(SystemExit, match="landmark not found once"):
-        trace_seesaw.patch(render(_plan(WGMMA)), seesaw)
+    assert sum("GT()" in code for code in codes) == 1      # the global timer, once a pair
+    with pytest.raises(SystemExit, match="trace points not in the kernel"):
+        trace_blocks.traced(render(_plan(WGMMA)), seesaw.header(), seesaw.points(), tuple(seesaw.points()))
 
 
 @pytest.mark.parametrize("name", ["mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a", "mma_ht8_qt4_bn64_w8_st2_sp3_tr_sm90a"])
-def test_transposed_trace_patch_compiles(name):
-    """trace_seesaw.py's transposed schedule: every landmark of templates/mma_transposed.cu.j2 is
-    there once, the stamps go into every step of both warpgroups (the scores and softmax through
-    `me`), a pair counter carries the pairs across a balanced range's segments, and the patched
+def test_transposed_trace_compiles(name):
+    """trace_seesaw.py's transposed schedule: every trace point of templates/mma_transposed.cu.j2
+    is there, the stamps go into every step of both warpgroups (the scores and softmax through
+    `me`), a pair counter carries the pairs across a balanced range's segments, and the traced
     kernel keeps its wgmmas asynchronous and its stack within what the tile is allowed."""
     trace_seesaw = _benchmark("trace_seesaw")
     plan = _plan(name, heads=8)
     tr = trace_seesaw.TRANSPOSED
     assert trace_seesaw.schedule_of(plan.variant) is tr
-    source = trace_seesaw.patch(render(plan), tr)
-    assert source.count("        TS(") == len(tr.steps)
-    assert source.count("TS(me, ") == sum(w is None for (w, _), _, _ in tr.steps) >= 6
-    assert source.count("    TB(") == len(tr.boundary) and source.count("if (me == 0) GT();") == 1
-    assert "int tr_pairs = 0;" in source and "tr_pairs += pairs;" in source
+    source = trace_seesaw.paired_trace(plan, render(plan))
+    codes = TRACE_DEFINES.findall(source)
+    assert sum(code.startswith("TS(") for code in codes) == len(tr.steps)
+    assert sum(code.startswith("TS(me, ") for code in codes) == sum(w is None for (w, _), _, _ in tr.steps) >= 6
+    assert sum(code.startswith("TB(") for code in codes) == len(tr.boundary)
+    assert sum("if (me == 0) GT()" in code for code in codes) == 1
+    assert "int tr_pairs = 0" in codes and "tr_pairs += pairs" in codes
     slots = [slot for w in (0, 1) for slot, _ in tr.sequence(w)] + [tr.global_slot]
     slots += [tr.boundary_slot + k for k in range(len(tr.boundary))]
     assert len(set(slots)) == len(slots) and max(slots) < tr.events      # no two stamps share a slot
