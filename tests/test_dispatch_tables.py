@@ -18,6 +18,7 @@ from mlagen.dispatch.policy import H200, policy_for
 from mlagen.dsl.arch import CI_ARCHS, get_arch, runs_on
 from mlagen.dsl.spec import FAMILIES, Problem, Variant, naive, parse_variant
 from mlagen.plan.space import split_variants, structures, tile_shapes, twin_variants
+from mlagen.plan.tiles import FLASH_Q_TILE, MAX_ROWS, balanced_q_tile, enumerate_tiles
 from mlagen.plan.validate import SEGMENT_TILES, UNSPLIT_SLACK_TILES, validate
 from mlagen.tools import tune
 from mlagen.tools.grids import Row, select_rows
@@ -436,6 +437,19 @@ def test_tile_shapes_prefer_fewer_kv_passes():
     shapes = tile_shapes(64, 9)
     passes = [-(-9 // q) * (64 // h) for h, q in shapes]
     assert passes == sorted(passes) and all(h * q <= 128 for h, q in shapes)
+
+
+def test_the_tuner_and_the_heuristics_take_their_tiles_from_the_enumeration():
+    """The tuner's tile shapes are the balanced ones up to MAX_ROWS rows, reordered; the mma
+    heuristic's tile is one of every q tile up to `max_mma_rows` rows, and the flash heuristic's
+    q tile the balanced one of at most FLASH_Q_TILE positions."""
+    for heads in (1, 8, 48, 128):
+        p = Problem(heads=heads)
+        for s in (1, 2, 5, 9, 16, 33, 64):
+            assert sorted(tile_shapes(heads, s)) == enumerate_tiles(heads, s, MAX_ROWS, balanced=True)
+            mma = policy.heuristic_mma(p, s, "sm_90", H200)
+            assert mma is not None and (mma.head_tile, mma.q_tile) in enumerate_tiles(heads, s, H200.max_mma_rows)
+            assert policy.flash_heuristic(p, s, "sm_90", H200).q_tile == balanced_q_tile(s, FLASH_Q_TILE)
 
 
 def test_split_variants():

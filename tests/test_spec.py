@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 from mlagen.dsl.arch import ARCHS
 from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import COMBINES, LOADS, PARTIALS, SCHEDULES, Problem, Variant, kernel_name, naive, parse_variant
+from mlagen.plan.mma_plan import TRANSPOSED_ROWS
 from mlagen.plan.schedules import SCHEDULES as REGISTRY
-from mlagen.plan.validate import is_valid, validate
+from mlagen.plan.tiles import FLASH_Q_TILE, MAX_ROWS, balanced_q_tile, enumerate_tiles
+from mlagen.plan.validate import MAX_SEQLEN_Q, is_valid, validate
 
 variants = st.builds(
     Variant,
@@ -217,3 +219,35 @@ def test_every_schedule_is_registered_with_its_template_and_rules():
     assert validate(Problem(), seesaw).template == "mma.cu.j2"
     assert validate(Problem(heads=8), TRANSPOSED).template == "mma_transposed.cu.j2"
     assert validate(Problem(), EXCHANGE).template == "mma_exchange.cu.j2"
+
+
+@pytest.mark.parametrize("heads", [1, 6, 8, 64, 128])
+def test_tile_shapes_are_every_divisor_and_q_tile_under_the_row_bound(heads):
+    """`enumerate_tiles` yields each (head_tile, q_tile) with head_tile dividing the heads, q_tile
+    at most S and MAX_SEQLEN_Q, at most the row bound of rows, and with `balanced` only the q
+    tiles ceil(S/n): each once, in (head_tile, q_tile) order."""
+    for seqlen_q in (*range(1, MAX_SEQLEN_Q + 1), 100):
+        balanced_q = {-(-seqlen_q // n) for n in range(1, seqlen_q + 1)}
+        for max_rows in (1, 8, 64, 72, MAX_ROWS):
+            for balanced in (False, True):
+                shapes = enumerate_tiles(heads, seqlen_q, max_rows, balanced=balanced)
+                expected = [(h, q) for h in range(1, heads + 1) for q in range(1, min(seqlen_q, MAX_SEQLEN_Q) + 1)
+                            if heads % h == 0 and h * q <= max_rows and (not balanced or q in balanced_q)]
+                assert shapes == expected, (heads, seqlen_q, max_rows, balanced)
+        for most in range(1, seqlen_q + 1):
+            assert balanced_q_tile(seqlen_q, most) == max(q for q in balanced_q if q <= most)
+
+
+def test_tile_shapes_hold_what_each_caller_draws_from():
+    """The tuner's balanced tiles up to MAX_ROWS rows, the dispatcher's mma tiles of every q tile
+    up to 64 rows and its flash q tile, and the fuzzer's 64-row and transposed tiles."""
+    assert (8, 9) in enumerate_tiles(64, 9, balanced=True) and (8, 8) not in enumerate_tiles(64, 9, balanced=True)
+    assert (2, 17) in enumerate_tiles(64, 33, MAX_ROWS, balanced=True)      # ceil(33/2); no 16: ceil(33/3) = 11
+    assert {q for _, q in enumerate_tiles(64, 33, 64)} == set(range(1, 34))
+    assert [q for h, q in enumerate_tiles(16, 9, 64, balanced=True) if h == 16] == [1, 2, 3]     # not 4 = 64/16
+    assert balanced_q_tile(9, FLASH_Q_TILE) == 5 and balanced_q_tile(16, FLASH_Q_TILE) == 8
+    assert [hq for hq in enumerate_tiles(128, MAX_SEQLEN_Q, 64) if hq[0] * hq[1] == 64] == [
+        (1, 64), (2, 32), (4, 16), (8, 8), (16, 4), (32, 2), (64, 1)]
+    transposed = [hq for hq in enumerate_tiles(6, MAX_SEQLEN_Q, max(TRANSPOSED_ROWS))
+                  if hq[0] * hq[1] in TRANSPOSED_ROWS]
+    assert transposed[0] == (1, 16) and (6, 12) in transposed and (3, 24) in transposed

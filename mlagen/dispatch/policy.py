@@ -41,6 +41,7 @@ from ..dsl.errors import SpecError
 from ..dsl.spec import Problem, Variant, naive, parse_variant
 from ..plan.mma_plan import TRANSPOSED_ROWS
 from ..plan.space import exchange_variants
+from ..plan.tiles import FLASH_Q_TILE, balanced_q_tile, enumerate_tiles
 from ..plan.validate import MAX_CLUSTER, SEGMENT_TILES, split_unit, validate
 from . import tables
 
@@ -183,19 +184,15 @@ def _row_groups(variant: Variant, heads: int, seqlen_q: int) -> int:
     return -(-seqlen_q // variant.q_tile) * (heads // variant.head_tile)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _tile_shapes(heads: int, seqlen_q: int, policy: DispatchPolicy) -> list[tuple[int, int, int]]:
-    """(cost, q_tile, head_tile) of the tiles holding at most `max_mma_rows` rows, cheapest first:
-    padded rows plus `row_cost_of_a_block` per block (each block streams the KV once)."""
+    """(cost, q_tile, head_tile) of the tiles holding at most `max_mma_rows` rows, every q tile
+    length (`tiles.enumerate_tiles`), cheapest first: padded rows plus `row_cost_of_a_block` per
+    block (each block streams the KV once); of equal cost, the most rows, then the shortest q tile."""
     shapes = []
-    for head_tile in _divisors(heads):
-        for q_tile in range(1, min(seqlen_q, policy.max_mma_rows // head_tile) + 1):
-            blocks = -(-seqlen_q // q_tile) * (heads // head_tile)
-            padded = blocks * (-(-(q_tile * head_tile) // 16) * 16)
-            shapes.append((padded + policy.row_cost_of_a_block * blocks, -q_tile * head_tile, q_tile, head_tile))
+    for head_tile, q_tile in enumerate_tiles(heads, seqlen_q, policy.max_mma_rows):
+        blocks = -(-seqlen_q // q_tile) * (heads // head_tile)
+        padded = blocks * (-(-(q_tile * head_tile) // 16) * 16)
+        shapes.append((padded + policy.row_cost_of_a_block * blocks, -q_tile * head_tile, q_tile, head_tile))
     return [(cost, q, h) for cost, _, q, h in sorted(shapes)]
 
 
@@ -244,14 +241,14 @@ def heuristic_variant(problem: Problem, seqlen_q: int, arch: str, policy: Dispat
 @functools.lru_cache(maxsize=4096)
 def flash_heuristic(problem: Problem, seqlen_q: int, arch: str, policy: DispatchPolicy) -> Variant:
     """The flash variant for `problem` at S=seqlen_q on `arch`: the largest row tile that fits
-    (at most `DispatchPolicy.max_flash_rows` rows and the device's shared memory)."""
-    q_tiles = -(-seqlen_q // 8)
-    q_tile = -(-seqlen_q // q_tiles)            # balanced tiles of at most 8 positions
+    (at most `DispatchPolicy.max_flash_rows` rows and the device's shared memory) of the
+    balanced q tile of at most `tiles.FLASH_Q_TILE` positions (`tiles.balanced_q_tile`)."""
+    q_tile = balanced_q_tile(seqlen_q, FLASH_Q_TILE)
+    shapes = [(h, q) for h, q in enumerate_tiles(problem.heads, seqlen_q, policy.max_flash_rows, balanced=True)
+              if q == q_tile]
     last_error: SpecError | None = None
     # More rows per block beat a deeper pipeline: rows are KV reuse.
-    for head_tile in sorted(_divisors(problem.heads), reverse=True):
-        if q_tile * head_tile > policy.max_flash_rows:
-            continue
+    for head_tile, _ in reversed(shapes):
         for stages in (2, 1):
             v = Variant(family="flash", head_tile=head_tile, q_tile=q_tile, kv_split="adaptive",
                         block_n=32, warps=8, stages=stages, arch=arch)

@@ -15,23 +15,23 @@ from __future__ import annotations
 import itertools
 
 from ..dsl.spec import Problem, Variant, naive
+from .tiles import MAX_ROWS, enumerate_tiles
 from .validate import MAX_CLUSTER, is_valid
 
 SEARCH_BLOCK_NS = (32, 64)     # block_n the tuner tries: FLASH_BLOCK_NS (MMA_BLOCK_NS adds 128)
 WARPS = (8, 4, 16)
 STAGES = (2, 1, 3)
 MMA_PV = (False, True)         # sm_90a: P·V on wgmma, or on mma.sync (valid nowhere else)
-MAX_ROWS = 128                 # q_tile * head_tile beyond this fits no family's block (at Dl=256; wider Dl, fewer)
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 CLUSTER_SIZES = (2, 4, 8)   # cluster splits the tuner times (each size is its own kernel)
 KNOB_TILE_SHAPES = 3           # tile shapes whose knob variations are searched
 
 
 def tile_shapes(heads: int, seqlen_q: int) -> list[tuple[int, int]]:
-    """(head_tile, q_tile) pairs, fewest KV passes first, then fewest rows (less padding)."""
-    q_tiles = {-(-seqlen_q // t) for t in range(1, seqlen_q + 1)}   # balanced tiles only
-    head_tiles = [d for d in range(1, heads + 1) if heads % d == 0]
-    shapes = [(h, q) for h in head_tiles for q in q_tiles if h * q <= MAX_ROWS]
+    """The (head_tile, q_tile) pairs the tuner searches: those of balanced q tiles up to
+    `tiles.MAX_ROWS` rows (`tiles.enumerate_tiles`), fewest KV passes first, then fewest rows
+    (less padding), then the widest head tile."""
+    shapes = enumerate_tiles(heads, seqlen_q, MAX_ROWS, balanced=True)
     return sorted(shapes, key=lambda hq: (-(-seqlen_q // hq[1]) * (heads // hq[0]), hq[0] * hq[1], -hq[0]))
 
 

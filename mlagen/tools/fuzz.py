@@ -33,6 +33,7 @@ from ..dsl.arch import specializations
 from ..dsl.errors import SpecError
 from ..dsl.spec import DTYPES, MASKS, Problem, Variant, naive
 from ..plan.mma_plan import TRANSPOSED_ROWS
+from ..plan.tiles import enumerate_tiles, head_tiles
 from ..plan.validate import MAX_CLUSTER, MAX_SEQLEN_Q, is_valid, validate
 from .testing import Case, Tolerance, make_case, mismatch, poison_allocator, poisoned_out
 from .workload import TORCH_DTYPES
@@ -168,23 +169,23 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
     too where a page holds whole 64-key tiles)."""
     rng = random.Random(f"variant {shape.seed}")
     archs = (arch, *specializations(arch))
-    divisors = [d for d in range(1, shape.heads + 1) if shape.heads % d == 0]
     family = rng.choice(["naive", "flash", "mma", "mma", "mma"])   # first, so that easy ones do not crowd
     for _ in range(tries):
         target = rng.choice(archs)
         if family == "naive":
             v = naive(arch=target, warps=rng.choice([1, 2, 4, 8]))
         elif target == "sm_90a" and rng.random() < 1 / 6:
-            head_tile, q_tile = rng.choice([(h, q) for h in divisors for q in range(1, MAX_SEQLEN_Q + 1)
-                                            if h * q in TRANSPOSED_ROWS]
-                                           or [(1, 1)])
+            head_tile, q_tile = rng.choice([(h, q) for h, q in enumerate_tiles(shape.heads, MAX_SEQLEN_Q,
+                                                                                max(TRANSPOSED_ROWS))
+                                            if h * q in TRANSPOSED_ROWS])
             v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2, arch=target,
                         kv_split=rng.choice(["adaptive", "balanced", 1, 2, 4]),
                         partials="16bit" if rng.random() < 0.5 else "fp32", schedule="transposed",
                         loads="tma" if shape.page_size % 64 == 0 and rng.random() < 0.5 else "cp_async")
         elif target == "sm_90a" and rng.random() < 1 / 3:
-            head_tile = rng.choice([d for d in divisors if 64 % d == 0])
-            v = Variant(family="mma", head_tile=head_tile, q_tile=64 // head_tile, block_n=64, warps=8, stages=2,
+            head_tile, q_tile = rng.choice([(h, q) for h, q in enumerate_tiles(shape.heads, MAX_SEQLEN_Q, 64)
+                                            if h * q == 64])
+            v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2,
                         arch=target, kv_split=rng.choice(["adaptive", "balanced", 1, 2, 4]),
                         partials="16bit" if rng.random() < 0.5 else "fp32",
                         loads="tma" if rng.random() < 0.5 else "cp_async")
@@ -196,7 +197,7 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
                 v = v.with_(kv_split=max(2, tiles, rng.randint(2, MAX_CLUSTER)), combine="cluster",
                             schedule="p_exchange", stages=1, partials="fp32", loads="cp_async", mma_pv=False)
         else:
-            v = Variant(family=family, head_tile=rng.choice(divisors), q_tile=rng.randint(1, 16),
+            v = Variant(family=family, head_tile=rng.choice(head_tiles(shape.heads)), q_tile=rng.randint(1, 16),
                         block_n=rng.choice([32, 64, 128]), warps=rng.choice([2, 4, 8, 16]), stages=rng.randint(1, 3),
                         kv_split=rng.choice(["adaptive", 1, 2, 5, "balanced"]), arch=target,
                         partials="16bit" if family == "mma" and rng.random() < 0.5 else "fp32")
