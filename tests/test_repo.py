@@ -181,11 +181,11 @@ RENDERED_OLD_NAMES: dict[str, set[str]] = {
     "templates/launcher.h.j2": {"mlagen/params.py", "mlagen/tensormap.py", "dispatch.balanced_list_fits",
                                 "mlagen.dispatch.num_splits", "mlagen.dispatch.balanced_parts",
                                 "mlagen.dispatch.dependent_in_graphs", "mlagen.validate.split_unit"},
-    "templates/merge.cuh.j2": {"mlagen/validate.py", "mlagen.validate.KernelPlan.partial_rows",
-                               "mlagen.validate.split_unit"},
     "templates/mma.cu.j2": {"mlagen/mma_plan.py"},
     "templates/mma_exchange.cu.j2": {"mlagen/mma_plan.py"},
     "templates/mma_transposed.cu.j2": {"mlagen/mma_plan.py"},
+    "templates/split_work_list.cuh.j2": {"mlagen/validate.py", "mlagen.validate.KernelPlan.partial_rows",
+                                         "mlagen.validate.split_unit"},
 }
 
 

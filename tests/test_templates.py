@@ -47,6 +47,40 @@ def test_templates_found():
     assert {p.name for p in TEMPLATES} >= {"mma.cu.j2", "merge.cuh.j2", "launcher.h.j2"}
 
 
+# What a template pulls in: {% include "x" %}, {% import "x" as y %}, {% from "x" import y %}.
+PULLS = re.compile(r"\{%-?\s*(?:include|import|from)\s+\"([^\"]+)\"")
+
+
+def test_every_fragment_is_included_and_says_what_it_holds():
+    """A kernel's or launcher's template (`*.cu.j2`, `*.h.j2`) is an entry that no template pulls
+    in; every fragment (`*.cuh.j2`) is included or imported by another template, and opens with a
+    Jinja comment that says what it holds."""
+    pulled = {name: {p.name for p in TEMPLATES if name in PULLS.findall(p.read_text())}
+              for name in (p.name for p in TEMPLATES)}
+    problems = []
+    for path in TEMPLATES:
+        users = pulled[path.name] - {path.name}
+        if path.name.endswith((".cu.j2", ".h.j2")):
+            if users:
+                problems.append(f"{path.name}: an entry, pulled in by {sorted(users)}")
+        elif not path.name.endswith(".cuh.j2"):
+            problems.append(f"{path.name}: neither an entry (.cu.j2, .h.j2) nor a fragment (.cuh.j2)")
+        else:
+            if not users:
+                problems.append(f"{path.name}: a fragment no template includes or imports")
+            if not re.match(r"\{#-?\s*\S.*?#\}", path.read_text(), re.S):
+                problems.append(f"{path.name}: does not open with a comment saying what it holds")
+    assert not problems, "\n".join(problems)
+
+
+def test_merge_fragment_includes_the_split_concerns_in_order():
+    """merge.cuh.j2 is the split families' fragment: it opens the kernel's namespace and includes
+    one file per concern, in the order they depend on each other."""
+    text = (template_dir() / "merge.cuh.j2").read_text()
+    assert PULLS.findall(text) == ["split_partials.cuh.j2", "split_counters.cuh.j2", "split_work_list.cuh.j2",
+                                   "split_pair_merge.cuh.j2", "split_merge_blocks.cuh.j2"]
+
+
 @pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.name)
 def test_template_reads_no_variant(path: Path):
     text = path.read_text()
