@@ -1,4 +1,4 @@
-"""The balanced split's work list as templates/merge.cuh.j2 lays it out, step for step in Python:
+"""The balanced split's work list as templates/split_work_list.cuh.j2 lays it out, step for step in Python:
 the CPU tests work the kernel's ranges through with it, and the GPU tests ask it which layout a
 launch takes."""
 

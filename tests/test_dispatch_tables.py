@@ -606,9 +606,9 @@ def test_tune_ranks_the_fastest_by_the_median_of_their_timings(monkeypatch):
        kernel=st.sampled_from(["lockstep", "seesaw", "transposed"]))
 def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, capacity_tiles, sm_count, shape, kernel):
     """The balanced split, worked through as the kernel does it from ragged lengths (templates/
-    merge.cuh.j2's work list and merge block, mma_ops.cuh.j2's range loop; tests/balanced_worklist.py
-    is its twin): every request's KV tile goes to exactly one range (run by that range's block of
-    every row group), the ranges that meet a request fill the consecutive workspace slots its merge
+    split_work_list.cuh.j2, split_merge_blocks.cuh.j2's merge block, mma_ops.cuh.j2's range loop;
+    tests/balanced_worklist.py is its twin): every request's KV tile goes to exactly one range (run
+    by that range's block of every row group), the ranges that meet a request fill the consecutive workspace slots its merge
     reads, no slot of the launch repeats or passes the workspace, a request without keys is left
     to its merge (0 splits), a range's tiles and the segment costs of the requests it starts fit
     its length, an aligned range meets one request and holds no more tiles than a packed range

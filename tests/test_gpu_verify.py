@@ -184,7 +184,7 @@ def test_transposed_tile_is_bitwise_repeatable(name, page_size):
     ([3000, 700, 0, 2500, 1300], 12, (11, 6)),
 ], ids=["ragged-aligned", "ragged-packed", "equal-aligned", "equal-packed", "equal-pairs", "ragged-mixed"])
 def test_balanced_split_layouts_match_reference(name, prefixes, ranges, aligned):
-    """Both layouts of the balanced work list (templates/merge.cuh.j2) on the lockstep, seesaw and
+    """Both layouts of the balanced work list (templates/split_work_list.cuh.j2) on the lockstep, seesaw and
     transposed kernels, with the launch's ranges pinned so that the lengths below take the one
     asked for (tests/balanced_worklist.py says which): aligned, every range inside one request,
     its tiles shared evenly; packed, ranges crossing from one request into the next. Ragged

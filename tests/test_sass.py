@@ -311,7 +311,7 @@ BLOCK_TRACES = [
     ("mma_ht64_qt1_bn64_w8_st1_spa_pvm_sm90a", 11), ("mma_ht32_qt2_bn64_w8_st2_spa_sm90a", 11),
     ("mma_ht32_qt2_bn64_w8_st2_spa_p16_sm90a", 15),   # rows staged and written, a pair's merge done
     ("mma_ht32_qt2_bn64_w8_st2_spa_p16_tma_sm90a", 15),
-    ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 9),     # (merge.cuh.j2's merge wait, which it never runs)
+    ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 9),     # (split_merge_blocks.cuh.j2's merge wait, which it never runs)
     # the seesaw: no tile-0 stamp; 16-bit rows: a pair's merge done, rows staged and written (4 more)
     ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 15),
     ("mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a", 14),   # rows staged, stores issued

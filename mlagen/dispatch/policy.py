@@ -45,7 +45,7 @@ from ..plan.tiles import FLASH_Q_TILE, balanced_q_tile, enumerate_tiles
 from ..plan.validate import MAX_CLUSTER, SEGMENT_TILES, split_unit, validate
 from . import tables
 
-# The balanced split's work list counts positions in int32 on the device (templates/merge.cuh.j2):
+# The balanced split's work list counts positions in int32 on the device (templates/split_work_list.cuh.j2):
 # every request's KV tiles and SEGMENT_TILES more, and per range (fewer than 2^16) a few more, so
 # its requests' tiles must leave that margin below 2^31 (`balanced_list_fits`). A limit of the
 # rendered kernel, the same on every device, not a threshold of the policy.
@@ -560,7 +560,7 @@ def balanced_parts(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_c
     all row groups puts them out of phase, and with the KV past the L2 each row group reads it
     from HBM: H=64 S=9 at 65536 keys 219 µs against 197 for the adaptive split). A request
     is split wherever a range ends; `KernelPlan.partial_rows` sizes the workspace for it, and
-    templates/merge.cuh.j2 has the kernel's side. More ranges than the block table can hold
+    templates/split_work_list.cuh.j2 has the kernel's side. More ranges than the block table can hold
     tiles would only be empty.
     """
     groups = _row_groups(variant, heads, seqlen_q)

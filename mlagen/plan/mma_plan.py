@@ -21,7 +21,7 @@ from ..dsl.spec import Problem, Variant
 
 # block_n values the mma family's layouts accept (keys of a KV tile).
 MMA_BLOCK_NS = (32, 64, 128)
-# Padding of a staged output row, in values (templates/mma.cu.j2's epilogue): 8 puts the staging
+# Padding of a staged output row, in values (templates/mma_epilogue.cuh.j2): 8 puts the staging
 # stores on 32 distinct banks (fp32: a half-warp's float2 stores, 4 rows x 4 lanes; part16: a
 # warp's 4-byte pairs, 8 rows x 4 lanes).
 STAGE_PAD = 8

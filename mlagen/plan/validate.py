@@ -31,7 +31,7 @@ SEGMENT_TILES = 3
 # The balanced split lays its ranges out request-aligned (each range within one request, so each
 # block starts one segment) when a range then holds no more tiles than a packed range holds
 # positions, or this many more when every request then takes one range, which leaves no partial
-# rows and no merge (templates/merge.cuh.j2, "work list"). On the H200, one more tile than
+# rows and no merge (templates/split_work_list.cuh.j2). On the H200, one more tile than
 # packed: H=64 B=64 S=2 at 8192 keys runs 3% faster aligned (one range a request), H=8 B=16 S=9
 # at 16384 keys 2% slower (eight ranges a request either way), hence the slack only there.
 UNSPLIT_SLACK_TILES = 1
@@ -180,14 +180,14 @@ class KernelPlan:
     @property
     def part16_workspace(self) -> bool:
         """Whether 16-bit partial rows (`part16`) travel through the global workspace, as they do
-        without a cluster; the kernel then has the pair merge's code (templates/merge.cuh.j2,
+        without a cluster; the kernel then has the pair merge's code (templates/split_pair_merge.cuh.j2,
         end_pair)."""
         return self.part16 and not self.cluster
 
     @property
     def pair_merge(self) -> bool:
         """Whether a row group split in two ends as a pair, the second block merging both rows
-        into the output with no merge block (templates/merge.cuh.j2, PAIR_MERGE):
+        into the output with no merge block (templates/split_counters.cuh.j2, PAIR_MERGE):
         `part16_workspace` kernels, but for the transposed tile, whose rows split in more than
         two."""
         return self.part16_workspace and self.variant.schedule != "transposed"
@@ -258,7 +258,7 @@ class KernelPlan:
         """Partial rows the workspace holds for a launch (0 without a split).
         Split k of request b has its own B*S*H rows; the balanced split (num_splits = its ranges)
         numbers its partials by slot, range + request, so num_splits + B - 1 slots of S*H rows
-        suffice whatever the lengths (templates/merge.cuh.j2)."""
+        suffice whatever the lengths (templates/split_partials.cuh.j2)."""
         if not self.split_launch(num_splits):
             return 0
         slots = num_splits + batch - 1 if self.variant.kv_split == "balanced" else num_splits * batch

@@ -1,5 +1,5 @@
 """The split-KV workspace of a call: the splits' partial results and, per row group, the
-counter its merge blocks wait on (see templates/merge.cuh.j2).
+counter its merge blocks wait on (see templates/split_counters.cuh.j2).
 
 The counters must be zero when a launch starts; every launch leaves them zero. So:
 

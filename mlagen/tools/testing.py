@@ -337,7 +337,7 @@ def assert_matches(out: torch.Tensor, lse: torch.Tensor | None, case: Case, tol:
 @contextmanager
 def pinned_balanced_ranges(ranges: int) -> Iterator[None]:
     """Within it, balanced-split launches get `ranges` ranges (their num_splits) instead of one per
-    resident slot, so a check picks the work list's layout (templates/merge.cuh.j2: aligned or
+    resident slot, so a check picks the work list's layout (templates/split_work_list.cuh.j2: aligned or
     packed) on any GPU. The runtime's memoized launch plans are dropped on entry and exit."""
     from ..runtime import op
 
