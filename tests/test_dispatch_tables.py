@@ -608,14 +608,14 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
     """The balanced split, worked through as the kernel does it from ragged lengths (templates/
     split_work_list.cuh.j2, split_merge_blocks.cuh.j2's merge block, mma_ops.cuh.j2's range loop;
     tests/balanced_worklist.py is its twin): every request's KV tile goes to exactly one range (run
-    by that range's block of every row group), the ranges that meet a request fill the consecutive workspace slots its merge
-    reads, no slot of the launch repeats or passes the workspace, a request without keys is left
-    to its merge (0 splits), a range's tiles and the segment costs of the requests it starts fit
-    its length, an aligned range meets one request and holds no more tiles than a packed range
-    holds positions (the fewest that fit), or a request's whole, a slack more, when none is
-    split, the split blocks fit the resident slots, and the grid has a merge block per group part.
-    The seesaw's and the transposed tile's lists count pairs of tiles (`KernelPlan.split_unit`), and
-    their segment cost in pairs."""
+    by that range's block of every row group), the ranges that meet a request fill the consecutive
+    workspace slots its merge reads, no slot of the launch repeats or passes the workspace, a
+    request without keys is left to its merge (0 splits), a range's tiles and the segment costs of
+    the requests it starts fit its length, an aligned range meets one request and holds no more
+    tiles than a packed range holds positions (the fewest that fit), or a request's whole, a slack
+    more, when none is split, the split blocks fit the resident slots, and the grid has a merge
+    block per group part. The seesaw's and the transposed tile's lists count pairs of tiles
+    (`KernelPlan.split_unit`), and their segment cost in pairs."""
     heads, block_n = 64, 64
     paired = kernel != "lockstep"
     v = Variant(family="mma", head_tile=shape[0], q_tile=shape[1], block_n=block_n, warps=8, stages=2,
