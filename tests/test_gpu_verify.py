@@ -128,10 +128,10 @@ def test_wgmma_schedules_match_reference(shape, schedule, kv_split, part16, tma,
 def _transposed_tiles(heads: int) -> list[tuple[int, int]]:
     """(head_tile, q_tile) of the transposed tiles for `heads`: rows a multiple of 8, 16 to 72."""
     from mlagen.plan.mma_plan import TRANSPOSED_ROWS
+    from mlagen.plan.tiles import enumerate_tiles
     from mlagen.plan.validate import MAX_SEQLEN_Q
 
-    return [(h, q) for h in range(1, heads + 1) if heads % h == 0 for q in range(1, MAX_SEQLEN_Q + 1)
-            if h * q in TRANSPOSED_ROWS]
+    return [(h, q) for h, q in enumerate_tiles(heads, MAX_SEQLEN_Q, max(TRANSPOSED_ROWS)) if h * q in TRANSPOSED_ROWS]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),

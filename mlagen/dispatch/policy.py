@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from ..dsl.arch import get_arch, runs_on, specializations
 from ..dsl.errors import SpecError
 from ..dsl.spec import Problem, Variant, naive, parse_variant
-from ..plan.mma_plan import TRANSPOSED_ROWS
+from ..plan.mma_plan import TRANSPOSED_ROWS, padded_rows
 from ..plan.space import exchange_variants
 from ..plan.tiles import FLASH_Q_TILE, balanced_q_tile, enumerate_tiles
 from ..plan.validate import MAX_CLUSTER, SEGMENT_TILES, split_unit, validate
@@ -191,7 +191,7 @@ def _tile_shapes(heads: int, seqlen_q: int, policy: DispatchPolicy) -> list[tupl
     shapes = []
     for head_tile, q_tile in enumerate_tiles(heads, seqlen_q, policy.max_mma_rows):
         blocks = -(-seqlen_q // q_tile) * (heads // head_tile)
-        padded = blocks * (-(-(q_tile * head_tile) // 16) * 16)
+        padded = blocks * padded_rows(q_tile * head_tile)
         shapes.append((padded + policy.row_cost_of_a_block * blocks, -q_tile * head_tile, q_tile, head_tile))
     return [(cost, q, h) for cost, _, q, h in sorted(shapes)]
 
@@ -200,7 +200,7 @@ def _fitting(problem: Problem, q_tile: int, head_tile: int, arch: str, policy: D
     """The widest KV tile and deepest pipeline that fit `arch` and the device's shared memory for
     this tile shape, or None. On sm_90a the splits exchange 16-bit partial rows (`partials`
     "16bit": on the H200 1.5-2.8 µs less on short split rows, batched rows within noise)."""
-    m_pad = -(-(q_tile * head_tile) // 16) * 16
+    m_pad = padded_rows(q_tile * head_tile)
     for block_n, stages in ((64, 2), (32, 3), (32, 2), (64, 1), (32, 1)):
         v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, kv_split="adaptive",
                     block_n=block_n, warps=max(4, m_pad // 8), stages=stages, arch=arch,

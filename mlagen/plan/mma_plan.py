@@ -155,11 +155,19 @@ def exchange_layout(p: Problem, v: Variant) -> MmaLayout | str:
                      smem_bytes=smem, wgmma=True, pv_wgmma=True)
 
 
+MMA_M = 16      # rows of one mma.sync fragment: a block's query rows pad to a multiple of it
+
+
+def padded_rows(rows: int) -> int:
+    """A block's `rows` query rows padded to whole mma fragments (M_PAD)."""
+    return -(-rows // MMA_M) * MMA_M
+
+
 def lockstep_layout(p: Problem, v: Variant) -> MmaLayout | str:
     """The layout of the lockstep tile loop (templates/mma.cu.j2), which the seesaw shares, or a
     message saying which rule the variant breaks."""
     rows = v.q_tile * v.head_tile
-    m_pad = -(-rows // 16) * 16
+    m_pad = padded_rows(rows)
     if p.head_dim % 64:
         return f"Dl+Dr a multiple of 64 for the mma family (the swizzle spans 8 chunks), got {p.head_dim}"
     if v.block_n not in MMA_BLOCK_NS:
