@@ -29,7 +29,7 @@ from ..dsl.spec import Variant
 from ..plan.validate import MAX_SEQLEN_Q
 from .inputs import InputError, key_bound, values_requested
 from .op import verify_attention
-from .varlen import verify_attention_varlen
+from .varlen import check_varlen, verify_attention_varlen
 
 
 def _check_layout(rank: object, world: object, interleave: object) -> None:
@@ -213,6 +213,19 @@ def _local_bound(max_seqlen_k: int | None, rank: int, world: int, interleave: in
     return _local_length(max_seqlen_k, rank, world, interleave)
 
 
+def _shard(cache_seqlens: torch.Tensor, seqlen_q: int, *, rank: int, world: int, interleave: int, causal: bool,
+           tree_mask: torch.Tensor | None, check_values: bool | None, max_seqlen_k: int | None,
+           draft_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, int | None]:
+    """What the core op gets on `rank` (arguments already checked): (local lengths, the shard's
+    mask (`cp_shard_mask`), the local key bound); with check_values the global lengths are read."""
+    if values_requested(check_values):
+        _check_global_values(cache_seqlens)
+    local = cp_local_seqlens(cache_seqlens, rank=rank, world=world, interleave=interleave)
+    mask = cp_shard_mask(cache_seqlens, seqlen_q, rank=rank, world=world, interleave=interleave, causal=causal,
+                         tree_mask=tree_mask, draft_counts=draft_counts)
+    return local, mask, _local_bound(max_seqlen_k, rank, world, interleave)
+
+
 def verify_attention_cp_shard(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -263,12 +276,8 @@ def verify_attention_cp_shard(
         raise InputError(f"q.shape: got {tuple(getattr(q, 'shape', ()))}, expected [B, S, H, Dl+Dr] (4 dims)")
     B, S = q.shape[0], q.shape[1]
     _check_shard(q, cache_seqlens, tree_mask, causal, rank, world, interleave, S, B)
-    if values_requested(check_values):
-        _check_global_values(cache_seqlens)
-    bound = _local_bound(max_seqlen_k, rank, world, interleave)
-    local = cp_local_seqlens(cache_seqlens, rank=rank, world=world, interleave=interleave)
-    mask = cp_shard_mask(cache_seqlens, S, rank=rank, world=world, interleave=interleave, causal=causal,
-                         tree_mask=tree_mask)
+    local, mask, bound = _shard(cache_seqlens, S, rank=rank, world=world, interleave=interleave, causal=causal,
+                                tree_mask=tree_mask, check_values=check_values, max_seqlen_k=max_seqlen_k)
     return verify_attention(q, kv_cache, block_table, local, softmax_scale=softmax_scale, causal=False,
                             tree_mask=mask, return_lse=True, variant=variant, head_dim_v=head_dim_v,
                             check_values=check_values, max_seqlen_k=bound, batch_invariant=batch_invariant)
@@ -314,22 +323,12 @@ def verify_attention_varlen_cp_shard(
         out [total_q, H, Dl] in q's dtype and lse [H, total_q] fp32 over this rank's keys (-inf
         and 0 for a row that sees none here), the pair `merge_states` takes.
     """
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise InputError(f"q.shape: got {tuple(getattr(q, 'shape', ()))}, expected [total_q, H, Dl+Dr] "
-                         "(3 dims, requests packed)")
-    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 1:
-        raise InputError(f"cu_seqlens_q: got {tuple(getattr(cu_seqlens_q, 'shape', ()))}, expected int32 [B+1]")
-    if not isinstance(max_seqlen_q, int) or isinstance(max_seqlen_q, bool) or max_seqlen_q < 1:
-        raise InputError(f"max_seqlen_q: got {max_seqlen_q!r}, expected a host int >= 1 (the largest draft count "
-                         "in the batch)")
+    check_varlen(q, cu_seqlens_q, max_seqlen_q, cache_seqlens, tree_mask)
     _check_shard(q, cache_seqlens, tree_mask, causal, rank, world, interleave, max_seqlen_q,
                  cu_seqlens_q.numel() - 1)
-    if values_requested(check_values):
-        _check_global_values(cache_seqlens)
-    bound = _local_bound(max_seqlen_k, rank, world, interleave)
-    local = cp_local_seqlens(cache_seqlens, rank=rank, world=world, interleave=interleave)
-    mask = cp_shard_mask(cache_seqlens, max_seqlen_q, rank=rank, world=world, interleave=interleave, causal=causal,
-                         tree_mask=tree_mask, draft_counts=cu_seqlens_q[1:] - cu_seqlens_q[:-1])
+    local, mask, bound = _shard(cache_seqlens, max_seqlen_q, rank=rank, world=world, interleave=interleave,
+                                causal=causal, tree_mask=tree_mask, check_values=check_values,
+                                max_seqlen_k=max_seqlen_k, draft_counts=cu_seqlens_q[1:] - cu_seqlens_q[:-1])
     return verify_attention_varlen(q, kv_cache, block_table, local, cu_seqlens_q, max_seqlen_q,
                                    softmax_scale=softmax_scale, causal=False, tree_mask=mask, return_lse=True,
                                    variant=variant, head_dim_v=head_dim_v, check_values=check_values,

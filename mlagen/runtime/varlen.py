@@ -95,8 +95,11 @@ def varlen_layout(cu_seqlens_q: torch.Tensor, max_seqlen_q: int, total_q: int) -
                         src=src.reshape(-1), dst=dst)
 
 
-def _check_varlen(q: object, cu_seqlens_q: object, max_seqlen_q: object, cache_seqlens: object,
-                  tree_mask: object) -> None:
+def check_varlen(q: object, cu_seqlens_q: object, max_seqlen_q: object, cache_seqlens: object,
+                 tree_mask: object) -> None:
+    """The packed layout's arguments, before any launch: q [total_q, H, D], cu_seqlens_q int32
+    [B+1] on q's device, max_seqlen_q a host int >= 1, cache_seqlens [B], tree_mask packed
+    [B, max_seqlen_q, max_seqlen_q] or [max_seqlen_q, max_seqlen_q]; raises InputError."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise inputs.InputError(f"q.shape: got {tuple(getattr(q, 'shape', ()))}, expected "
                                 "[total_q, H, Dl+Dr] (3 dims, requests packed)")
@@ -172,7 +175,7 @@ def verify_attention_varlen(
         log, -inf for a row with no key): the same [..., S, H, Dl] / [..., H, S] pairing as
         `verify_attention`, so `merge_states` accepts them.
     """
-    _check_varlen(q, cu_seqlens_q, max_seqlen_q, cache_seqlens, tree_mask)
+    check_varlen(q, cu_seqlens_q, max_seqlen_q, cache_seqlens, tree_mask)
     total_q = q.shape[0]
     if inputs.values_requested(check_values):
         _check_counts(cu_seqlens_q, max_seqlen_q, total_q)
