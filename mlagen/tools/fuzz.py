@@ -354,12 +354,17 @@ def _outcomes(shape: Shape, variants: Sequence[Variant | None], any_variant: str
                else Outcome(shape, "any", "skip", f"no {any_variant} variant drawn fits this shape", drawn=True))
 
 
+def _device_index(device: str) -> int:
+    """The CUDA device `device` names ("cuda": the current one)."""
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
 def _device_target(device: str) -> tuple[str, str, DispatchPolicy]:
     """(compile target, name, dispatch policy) of a CUDA device, as the dispatcher picks for it."""
     from ..runtime.op import device_info, device_name, device_policy
 
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
+    index = _device_index(device)
     return device_info(index)[0], device_name(index), device_policy(index)
 
 
@@ -397,9 +402,8 @@ class _CompileAhead:
         fork), started when a shape first needs a kernel this process has not loaded: a run
         whose kernels are all loaded spends no time starting them."""
         arch, gpu, dispatch = _device_target(device)
-        index = torch.device(device).index
         return cls(lambda: ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")),
-                   workers, arch, gpu, dispatch, torch.cuda.current_device() if index is None else index)
+                   workers, arch, gpu, dispatch, _device_index(device))
 
     def submit(self, shape: Shape, variants: Sequence[Variant | None], drawn: Variant | None) -> None:
         """Queue the kernels the shape will launch: the dispatcher's pick for a None in
