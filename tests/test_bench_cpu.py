@@ -21,8 +21,10 @@ from mlagen.tools.bench import (
     BenchResult,
     Cell,
     RowResult,
+    compile_jobs,
     invalid_cells,
     mask_cell,
+    plan_rows,
     row_variants,
     side_variants,
 )
@@ -410,3 +412,20 @@ def test_cli_argument_errors(args, message):
 def test_cli_needs_a_gpu(command):
     result = runner.invoke(app, [command, "--row", "8,1,2,64"])
     assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
+
+
+def test_the_planned_rows_compile_every_cell_they_time():
+    """`compile_jobs` of the planned rows holds each row's family, dispatch and side cells (the
+    further masks' and batch-invariant mode's picks) under their own problems, so a bench run
+    compiles everything it times up front."""
+    config = BenchConfig(masks=("causal", "tree"), batch_invariant=True)
+    plans = plan_rows(select_rows(["seed"], ["8,16,9,16384"]), config, "sm_90a", "NVIDIA H200", policy.H200)
+    jobs = compile_jobs(plans)
+    assert len(plans) == 11
+    for plan in plans:
+        assert plan.problem.mask == "causal" and set(plan.side) == {"dispatch:tree", INVARIANT}
+        assert all((plan.problem, v) in jobs for v in plan.variants.values())
+        mask, problem, variant = plan.side["dispatch:tree"]
+        assert mask == "tree" and problem.mask == "tree" and (problem, variant) in jobs
+        assert (plan.problem, plan.side[INVARIANT][2]) in jobs
+    assert len(jobs) == sum(len(p.variants) + len(p.side) for p in plans)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -203,22 +204,37 @@ def invalid_cells(problem: Problem, extra: Sequence[Variant]) -> dict[str, Cell]
     return {v.name: Cell(variant=v.name, error=err) for v in extra if (err := spec_error(problem, v))}
 
 
+class RowPlan(NamedTuple):
+    """What `run_bench` times on one row."""
+
+    row: Row
+    grids: tuple[str, ...]
+    problem: Problem                                    # the base mask's
+    variants: dict[str, Variant]                        # `row_variants`
+    side: dict[str, tuple[str, Problem, Variant]]       # `side_variants`
+
+    @property
+    def jobs(self) -> list[tuple[Problem, Variant]]:
+        """Every (problem, variant) the row launches."""
+        return [(self.problem, v) for v in self.variants.values()] + [(p, v) for _, p, v in self.side.values()]
+
+
 def plan_rows(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, arch: str, gpu: str,
-              dispatch: DispatchPolicy) -> list[tuple]:
-    """Per row: (row, grids, base problem, {cell: variant}, `side_variants`), as `run_bench`
-    times them on a `gpu` of `arch` whose dispatch figures `dispatch` holds."""
+              dispatch: DispatchPolicy) -> list[RowPlan]:
+    """The rows as `run_bench` times them on a `gpu` of `arch` whose dispatch figures `dispatch`
+    holds."""
     plans = []
     for row, grids in rows:
         problem = problem_for(row, config.page_size, config.mask, config.dtype)
-        variants = row_variants(problem, row, config.page_size, arch, gpu, dispatch, config.extra)
-        plans.append((row, grids, problem, variants, side_variants(row, config, arch, gpu, dispatch)))
+        plans.append(RowPlan(row, grids, problem,
+                             row_variants(problem, row, config.page_size, arch, gpu, dispatch, config.extra),
+                             side_variants(row, config, arch, gpu, dispatch)))
     return plans
 
 
-def compile_jobs(plans: list[tuple]) -> list[tuple[Problem, Variant]]:
-    """Every (problem, variant) that the planned rows (`plan_rows`) launch."""
-    jobs = [(p, v) for *_, p, vs, _ in plans for v in vs.values()]
-    return jobs + [(p, v) for *_, side in plans for _, p, v in side.values()]
+def compile_jobs(plans: list[RowPlan]) -> list[tuple[Problem, Variant]]:
+    """Every (problem, variant) that the planned rows launch."""
+    return [job for plan in plans for job in plan.jobs]
 
 
 def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, progress=None) -> BenchResult:
@@ -233,7 +249,7 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     l2 = l2_bytes(device)
 
     plans = plan_rows(rows, config, arch, gpu, dispatch)
-    families = [f for f in FAMILIES if any(f in vs for *_, vs, _ in plans)]
+    families = [f for f in FAMILIES if any(f in plan.variants for plan in plans)]
     jobs = compile_jobs(plans)
     compile_task = progress.add_task("compiling", total=None) if progress else None
 
