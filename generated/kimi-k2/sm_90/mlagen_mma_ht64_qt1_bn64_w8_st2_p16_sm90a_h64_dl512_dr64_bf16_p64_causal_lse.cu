@@ -159,27 +159,49 @@ __device__ __forceinline__ const elem_t* kv_row(const VerifyParams& p, int b, in
 }
 
 // Draft-tree rows as bit sets: bit k of tree_bits(p, b, i, lane) says query i sees draft token k.
-// A whole warp calls it: lane k reads bytes k and k + 32 of the row and two ballots gather them,
-// one round trip to memory where a loop over the row's bytes pays one per byte (~1 µs a block at
-// S = 9, on every work item of a persistent block).
+// A whole warp reads a row: lane k reads bytes k and k + 32 and two ballots gather them
+// (tree_row_bits), one round trip to memory where a loop over the row's bytes pays one per byte
+// (~1 µs a block at S = 9, on every work item of a persistent block).
+struct TreeRowBytes {
+  unsigned lo, hi;   // bytes lane and lane + 32 of the row, 0 past S
+};
+__device__ __forceinline__ unsigned long long tree_row_bits(TreeRowBytes r) {
+  return (unsigned long long)__ballot_sync(0xffffffffu, r.lo != 0) | (unsigned long long)__ballot_sync(0xffffffffu, r.hi != 0) << 32;
+}
+__device__ __forceinline__ const unsigned char* tree_row(const VerifyParams& p, int b, int i) {
+  return p.tree_mask + (long long)b * p.mask_stride_b + (long long)i * p.mask_stride_q;
+}
 __device__ __forceinline__ unsigned long long tree_bits(const VerifyParams& p, int b, int i, int lane) {
-  const unsigned char* row = p.tree_mask + (long long)b * p.mask_stride_b + (long long)i * p.mask_stride_q;
-  const bool lo = lane < p.seqlen_q && row[lane] != 0;
-  const bool hi = lane + 32 < p.seqlen_q && row[lane + 32] != 0;
-  return (unsigned long long)__ballot_sync(0xffffffffu, lo) | (unsigned long long)__ballot_sync(0xffffffffu, hi) << 32;
+  const unsigned char* row = tree_row(p, b, i);
+  return tree_row_bits({lane < p.seqlen_q ? row[lane] : 0u, lane + 32 < p.seqlen_q ? row[lane + 32] : 0u});
+}
+// The same bytes, read where the call stands (PTX loads, which the compiler keeps in order with
+// the other asm statements): a kernel that runs one tile a block issues them before its KV
+// copies and gathers the bits after, so their round trip overlaps the copies'. Written in C++,
+// the loads sink to the ballots, after the copies (+1 µs, a 13% of H = 64 S = 9 at 265 keys).
+__device__ __forceinline__ TreeRowBytes fetch_tree_row(const VerifyParams& p, int b, int i, int lane, bool live) {
+  const unsigned char* row = tree_row(p, b, i);
+  TreeRowBytes r = {0u, 0u};
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p ld.global.u8 %0, [%3];\n"
+               " setp.ne.b32 p, %4, 0;\n @p ld.global.u8 %1, [%5];\n}\n"
+               : "+r"(r.lo), "+r"(r.hi)
+               : "r"((int)(live && lane < p.seqlen_q)), "l"(row + lane), "r"((int)(live && lane + 32 < p.seqlen_q)), "l"(row + lane + 32));
+  return r;
+}
+
+// Lane 0 stores a row's bits to shared memory. The store is PTX: written in C++, it makes ptxas
+// keep the wgmma kernels' shared-memory descriptors in ordinary registers, and each wgmma of the
+// tile loop then waits on R2UR moves (H = 64 rows of one query: 1.10-1.20x the causal kernel's time).
+__device__ __forceinline__ void store_tree_row(unsigned long long* dst, unsigned long long row, int lane) {
+  if (lane == 0) asm volatile("st.shared.u64 [%0], %1;\n" :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(row) : "memory");
 }
 
 // The tree-mask rows of queries q0 .. q0 + ROWS_Q - 1 into bits[0, ROWS_Q), 0 past S: one warp
-// a row, every warp of the block calling. The store is PTX: written in C++, it makes ptxas keep
-// the wgmma kernels' shared-memory descriptors in ordinary registers, and each wgmma of the tile
-// loop then waits on R2UR moves (H = 64 rows of one query: 1.10-1.20x the causal kernel's time).
+// a row, every warp of the block calling.
 template <int ROWS_Q, int WARPS_Q>
 __device__ __forceinline__ void load_tree_rows(const VerifyParams& p, int b, int q0, int S, unsigned long long* bits,
                                                int warp, int lane) {
-  for (int r = warp; r < ROWS_Q; r += WARPS_Q) {
-    const unsigned long long row = q0 + r < S ? tree_bits(p, b, q0 + r, lane) : 0ull;
-    if (lane == 0) asm volatile("st.shared.u64 [%0], %1;\n" :: "r"((unsigned)__cvta_generic_to_shared(bits + r)), "l"(row) : "memory");
-  }
+  for (int r = warp; r < ROWS_Q; r += WARPS_Q) store_tree_row(bits + r, q0 + r < S ? tree_bits(p, b, q0 + r, lane) : 0ull, lane);
 }
 
 // Whether query i (of S) sees key j (of n keys): prefix keys always, draft keys by the mask.
