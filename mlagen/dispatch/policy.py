@@ -351,21 +351,28 @@ def transposed_tile(problem: Problem, seqlen_q: int, arch: str, policy: Dispatch
     return v if policy.fits(problem, v) else None
 
 
-# Splits of every request's keys in batch-invariant mode: the kernels cut each request's own
-# tiles into this many equal ranges and merge them in split order, so a request's bits follow
-# from its own inputs and this number. A constant, not a function of the batch or the SM count.
-# Modelled on the H200's batched rows (H=64 S=9 at 4096 keys, 64 tiles a request): 8 splits of
-# 8 tiles run B=8 in 5 waves of 8 tiles (40 tile times against the balanced split's 35) and
-# B=32 in 18 waves (144 against 140); 4 splits would take 48 and 2 splits 64 at B=8. A single
-# long request leaves SMs idle (65536 keys, H=64 S=9: 72 blocks on 132 SMs).
+# Batch-invariant mode splits every request's keys by its own length: into as few of
+# INVARIANT_SPLITS splits as hold at most 2^INVARIANT_SPLIT_KEYS_LOG2 keys each (the kernels'
+# `group_splits`), merged in split order, so a request's bits follow from its own inputs and
+# these two numbers, never from the batch or the SM count. The launch's grid holds
+# INVARIANT_SPLITS splits a row group; a group's blocks past its count do nothing.
+# Modelled on the H200's batched rows (the serving grid: wave count times tiles a split, plus
+# the 16-bit partial rows written and read again): 1024 keys a split takes H=64 S=9 at 4096 keys
+# (65 tiles) in 5 splits of 13 tiles, B=8 in 3 waves (39 tile times against the balanced split's
+# 35) and B=32 in 11 (143 against 140), with 5/8 of the partial rows of 8 equal splits (the
+# partials cost H=64 B=32 S=9 about 110 µs at 8 splits: 411 µs against 297). Short requests
+# split less or not at all (under 1024 keys: one split, written out directly, no merge); a
+# single long request still leaves SMs idle (65536 keys, H=64 S=9: 72 blocks on 132 SMs).
 INVARIANT_SPLITS = 8
+INVARIANT_SPLIT_KEYS_LOG2 = 10      # 1024 keys; the kernels' split_keys_log2 parameter
 
 
 @functools.lru_cache(maxsize=4096)
 def batch_invariant_variant(problem: Problem, seqlen_q: int, arch: str, policy: DispatchPolicy) -> Variant:
     """The variant of batch-invariant mode: chosen from the problem, S and the arch alone (never
-    the batch, the lengths, the table or the SM count), with a fixed split (`INVARIANT_SPLITS`),
-    so that a request's output and lse bits depend only on its own queries, keys and length.
+    the batch, the lengths, the table or the SM count), with a fixed split of `INVARIANT_SPLITS`
+    that the launch narrows per request to its own length (`INVARIANT_SPLIT_KEYS_LOG2`), so that a
+    request's output and lse bits depend only on its own queries, keys and length.
     The tile is the heuristic's (`heuristic_variant`), or the transposed tile where a request's
     rows fit one (`transposed_tile`); an sm_90a 64-row tile runs on the seesaw schedule with TMA
     loads where it fits. No balanced or adaptive split (their ranges follow the batch), no

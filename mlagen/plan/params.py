@@ -44,6 +44,9 @@ FIELDS: tuple[Field, ...] = (
     Field("out_stride_b", "long long", "q", "elements between requests of out"),
     Field("out_stride_s", "long long", "q", "elements between query positions of out"),
     Field("out_stride_h", "long long", "q", "elements between heads of out"),
+    Field("split_keys_log2", "long long", "q", "batch-invariant mode (fixed and adaptive splits): a row group's "
+          "keys go to the fewest of its num_splits splits that hold at most 2^split_keys_log2 keys each, "
+          "counted from its own length; 0: all num_splits"),
     Field("batch", "int", "i", "B"),
     Field("seqlen_q", "int", "i", "S, draft tokens per request"),
     Field("max_pages", "int", "i", "columns of block_table"),

@@ -24,6 +24,7 @@ import torch
 
 from ..dispatch.policy import (
     BALANCED_LIST_POSITIONS,
+    INVARIANT_SPLIT_KEYS_LOG2,
     DispatchPolicy,
     balanced_list_fits,
     batch_invariant_variant,
@@ -73,6 +74,7 @@ class _Prepared:
     layout: workspace.Layout | None               # the split's workspace; None without one
     merge_blocks: int                             # per row group when split, else 0
     tma_rows: int = 0                             # rows of the kernel's TMA boxes (tma variants), else 0
+    split_keys_log2: int = 0                      # batch-invariant mode's split size, else 0
 
 
 def pick_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, table_capacity: int, arch: str,
@@ -114,7 +116,8 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
     problem = Problem(heads=heads, dl=dl, dr=dr, dtype=dtype, page_size=page_size, mask=mask, lse=lse)
     device_arch = device_info(device)[0]
     dispatch = device_policy(device)
-    if variant is None and invariant:
+    invariant = invariant and variant is None           # a named variant runs as given
+    if invariant:
         variant = batch_invariant_variant(problem, seqlen_q, device_arch, dispatch)
     variant = pick_variant(problem, seqlen_q, batch, kv_capacity, table_capacity, device_arch, device_name(device),
                            variant, policy=dispatch)
@@ -127,7 +130,8 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
     in_graphs = dependent_in_graphs(variant, heads, seqlen_q, batch, kv_capacity, dispatch)
     return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, plan.grid(batch, seqlen_q, splits), in_graphs),
                      splits=splits, layout=layout, merge_blocks=plan.merge_blocks(batch, seqlen_q) if split else 0,
-                     tma_rows=variant.block_n if variant.loads == "tma" else 0)
+                     tma_rows=variant.block_n if variant.loads == "tma" else 0,
+                     split_keys_log2=INVARIANT_SPLIT_KEYS_LOG2 if invariant and split else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +213,7 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
             "bt_stride_b": block_table.stride(0),
             "mask_stride_b": shapes.mask_strides[0], "mask_stride_q": shapes.mask_strides[1],
             "out_stride_b": out_strides[0], "out_stride_s": out_strides[1], "out_stride_h": out_strides[2],
+            "split_keys_log2": prep.split_keys_log2,
             "batch": B, "seqlen_q": S, "max_pages": shapes.max_pages, "num_pages": shapes.num_pages,
             "num_splits": prep.splits, "merge_blocks": prep.merge_blocks, "scale_log2": scale * LOG2E, "dependent": 0,
         }))
@@ -267,7 +272,7 @@ def verify_attention(
         batch_invariant: a request's out and lse bits depend only on its own queries, keys and
             length, never on the batch around it, the block table's width or the GPU's SM count
             (`policy.batch_invariant_variant`: a kernel chosen from the problem and S alone, each
-            request's keys in a fixed number of splits). Default from MLAGEN_BATCH_INVARIANT. A
+            request's keys in splits counted from its own length). Default from MLAGEN_BATCH_INVARIANT. A
             named `variant` runs as given.
 
     Returns:

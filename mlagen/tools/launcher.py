@@ -49,6 +49,7 @@ _ASSIGN: dict[str, str] = {
     "kv_stride_page": "kv_stride_page", "kv_stride_row": "kv_stride_row", "bt_stride_b": "bt_stride_b",
     "mask_stride_b": "kTreeMask ? mask_stride_b : 0", "mask_stride_q": "kTreeMask ? mask_stride_q : 0",
     "out_stride_b": "out_stride_b", "out_stride_s": "out_stride_s", "out_stride_h": "out_stride_h",
+    "split_keys_log2": "0",
     "batch": "batch", "seqlen_q": "seqlen_q", "max_pages": "max_pages", "num_pages": "num_pages",
     "num_splits": "num_splits", "merge_blocks": "split ? merge_blocks(batch, seqlen_q) : 0",
     "scale_log2": f"softmax_scale * {_LOG2E}", "dependent": "kProgrammaticLaunch && programmatic ? 1 : 0",

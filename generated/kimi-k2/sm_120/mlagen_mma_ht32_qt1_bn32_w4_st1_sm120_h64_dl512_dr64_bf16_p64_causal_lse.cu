@@ -73,6 +73,7 @@ struct __align__(8) VerifyParams {
   long long out_stride_b;  // elements between requests of out
   long long out_stride_s;  // elements between query positions of out
   long long out_stride_h;  // elements between heads of out
+  long long split_keys_log2;  // batch-invariant mode (fixed and adaptive splits): a row group's keys go to the fewest of its num_splits splits that hold at most 2^split_keys_log2 keys each, counted from its own length; 0: all num_splits
   int batch;  // B
   int seqlen_q;  // S, draft tokens per request
   int max_pages;  // columns of block_table
@@ -318,6 +319,21 @@ __device__ __forceinline__ void split_blocks(int limit, int bn, int split, int n
   *end = b0 + per < blocks ? b0 + per : blocks;
 }
 
+// The splits of row group (b, queries q0 .. q0 + qt - 1): num_splits, or with
+// p.split_keys_log2 > 0 (batch-invariant mode) the fewest of them whose ranges hold at most
+// 2^split_keys_log2 keys each. The count follows from the request's own length, and so do its
+// split boundaries and the bits of its result; the group's blocks of higher splits do nothing.
+// The length goes through a warp maximum, whose result is a uniform register: ptxas then sees
+// the branches on the count as not divergent. (A shift, where a division by a run-time count
+// would put ~20 more instructions in the prologue ahead of the tile loop, twice.)
+__device__ __forceinline__ int group_splits(const VerifyParams& p, int b, int q0, int qt) {
+  if (p.split_keys_log2 <= 0) return p.num_splits;
+  const int S = p.seqlen_q, q_end = q0 + qt < S ? q0 + qt : S, k = (int)p.split_keys_log2;
+  const int limit = __reduce_max_sync(0xffffffffu, key_limit(request_keys(p, b), S, q_end));
+  const int splits = (int)(((unsigned)limit + (1u << k) - 1) >> k);
+  return splits < 1 ? 1 : (splits < p.num_splits ? splits : p.num_splits);
+}
+
 }  // namespace mlagen_mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse
 
 namespace mlagen_mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse {
@@ -520,10 +536,10 @@ __device__ void merge_block(const VerifyParams& p) {
   const int part = (int)(f / groups), g = (int)(f % groups);
   const int x = g % gx, b = g / gx;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int splits = p.num_splits, slot0 = 0;
-  if (pair_merge(splits)) return;                       // the pair's second block merges it
   const int h0 = (x % 2) * 32;
   const int q0 = (x / 2) * 1;
+  const int splits = group_splits(p, b, q0, 1), slot0 = 0;
+  if (splits == 1 || pair_merge(splits)) return;        // its split block wrote it, or the pair's second merges it
   unsigned* counter = group_counter(p, b, x);
   if (threadIdx.x == 0) {
     while (load_acquire(counter) < (unsigned)splits) __nanosleep(100);
@@ -749,7 +765,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     const int q_end = q0 + QT < S ? q0 + QT : S;
     int kb_begin, kb_end;
 
-    split_blocks(key_limit(n, S, q_end), BN, split, p.num_splits, &kb_begin, &kb_end);
+    split_blocks(key_limit(n, S, q_end), BN, split, splits, &kb_begin, &kb_end);
 
     {
       RowLoad<M_PAD, THREADS> ql;
@@ -1010,5 +1026,6 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     MLAGEN_TRACE(counted);
   };
 
-  segment(blockIdx.z, blockIdx.x, 0, 0, blockIdx.y, p.num_splits == 1, p.num_splits);
+  const int splits = group_splits(p, blockIdx.z, (blockIdx.x / HEAD_TILES) * QT, QT);
+  if (blockIdx.y < splits) segment(blockIdx.z, blockIdx.x, 0, 0, blockIdx.y, splits == 1, splits);
 }

@@ -67,6 +67,7 @@ struct __align__(8) VerifyParams {
   long long out_stride_b;  // elements between requests of out
   long long out_stride_s;  // elements between query positions of out
   long long out_stride_h;  // elements between heads of out
+  long long split_keys_log2;  // batch-invariant mode (fixed and adaptive splits): a row group's keys go to the fewest of its num_splits splits that hold at most 2^split_keys_log2 keys each, counted from its own length; 0: all num_splits
   int batch;  // B
   int seqlen_q;  // S, draft tokens per request
   int max_pages;  // columns of block_table
@@ -310,6 +311,21 @@ __device__ __forceinline__ void split_blocks(int limit, int bn, int split, int n
   const int b0 = split * per;
   *begin = b0 < blocks ? b0 : blocks;
   *end = b0 + per < blocks ? b0 + per : blocks;
+}
+
+// The splits of row group (b, queries q0 .. q0 + qt - 1): num_splits, or with
+// p.split_keys_log2 > 0 (batch-invariant mode) the fewest of them whose ranges hold at most
+// 2^split_keys_log2 keys each. The count follows from the request's own length, and so do its
+// split boundaries and the bits of its result; the group's blocks of higher splits do nothing.
+// The length goes through a warp maximum, whose result is a uniform register: ptxas then sees
+// the branches on the count as not divergent. (A shift, where a division by a run-time count
+// would put ~20 more instructions in the prologue ahead of the tile loop, twice.)
+__device__ __forceinline__ int group_splits(const VerifyParams& p, int b, int q0, int qt) {
+  if (p.split_keys_log2 <= 0) return p.num_splits;
+  const int S = p.seqlen_q, q_end = q0 + qt < S ? q0 + qt : S, k = (int)p.split_keys_log2;
+  const int limit = __reduce_max_sync(0xffffffffu, key_limit(request_keys(p, b), S, q_end));
+  const int splits = (int)(((unsigned)limit + (1u << k) - 1) >> k);
+  return splits < 1 ? 1 : (splits < p.num_splits ? splits : p.num_splits);
 }
 
 }  // namespace mlagen_mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse
