@@ -297,21 +297,25 @@ def _time_row(work: Workload, mask: str, problem: Problem, variants: dict[str, V
     eager, then the side cells, each further mask on `work`'s input sets (`with_mask`). Each
     distinct (mask, variant) is timed once."""
     works = {mask: work}
-    by_variant: dict[tuple[str, Variant], Cell] = {}     # the dispatcher's pick is often a family's variant
+    by_variant: dict[tuple[str, Variant, bool], Cell] = {}   # the dispatcher's pick is often a family's variant
 
-    def run(m: str, v: Variant) -> float:
+    def run(m: str, v: Variant, invariant: bool) -> float:
         if m not in works:
             works[m] = with_mask(work, m)
-        return measure(mlagen_call(works[m], v), works[m].sets, timing).us
+        # batch-invariant mode runs as verify_attention(batch_invariant=True) does: its launch sizes
+        # each request's splits by its length, where the variant named alone runs its fixed split
+        call = mlagen_call(works[m], None, batch_invariant=True) if invariant else mlagen_call(works[m], v)
+        return measure(call, works[m].sets, timing).us
 
-    def timed(m: str, p: Problem, v: Variant) -> Cell:
-        if (m, v) not in by_variant:
-            by_variant[m, v] = _timed(lambda: run(m, v), v.name, compile_errors.get(code_identity(p, v), ""))
-        return by_variant[m, v]
+    def timed(m: str, p: Problem, v: Variant, invariant: bool = False) -> Cell:
+        if (m, v, invariant) not in by_variant:
+            by_variant[m, v, invariant] = _timed(lambda: run(m, v, invariant), v.name,
+                                                 compile_errors.get(code_identity(p, v), ""))
+        return by_variant[m, v, invariant]
 
     cells = {name: timed(mask, problem, v) for name, v in variants.items()}
     cells[EAGER] = _timed(lambda: measure(eager_call(work), work.sets, timing).us, "", "")
-    return cells | {name: timed(m, p, v) for name, (m, p, v) in side.items()}
+    return cells | {name: timed(m, p, v, name == INVARIANT) for name, (m, p, v) in side.items()}
 
 
 def _timed(run: Callable[[], float], variant: str, compile_error: str) -> Cell:

@@ -120,16 +120,16 @@ def with_mask(work: Workload, mask: str, seed: int = 0) -> Workload:
                     visible=_visible(work.row, mask, tree, device), scale=work.scale)
 
 
-def mlagen_call(work: Workload, variant: Variant | None,
-                max_seqlen_k: int | None = None) -> Callable[[InputSet], object]:
+def mlagen_call(work: Workload, variant: Variant | None, max_seqlen_k: int | None = None,
+                batch_invariant: bool = False) -> Callable[[InputSet], object]:
     """One `verify_attention` on a set; variant None: the dispatcher's choice (planned for
-    max_seqlen_k keys when given)."""
+    max_seqlen_k keys when given), or batch-invariant mode's with batch_invariant."""
     causal = work.problem.mask == "causal"
 
     def call(s: InputSet) -> object:
         return verify_attention(s.q, s.kv_cache, s.block_table, s.cache_seqlens, softmax_scale=work.scale,
                                 causal=causal, tree_mask=s.tree_mask, variant=variant, out=s.out,
-                                check_values=False, max_seqlen_k=max_seqlen_k)
+                                check_values=False, max_seqlen_k=max_seqlen_k, batch_invariant=batch_invariant)
     return call
 
 

@@ -190,6 +190,26 @@ __device__ __forceinline__ void store_tree_row(unsigned long long* dst, unsigned
   if (lane == 0) asm volatile("st.shared.u64 [%0], %1;\n" :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(row) : "memory");
 }
 
+// The same rows in two steps, for a kernel that runs one tile a block: fetch (warp w takes rows
+// w, w + WARPS_Q, ...) with its first loads, then store the bits once its KV copies went out.
+template <int ROWS_Q, int WARPS_Q>
+struct TreeRows {
+  static constexpr int PER_WARP = (ROWS_Q + WARPS_Q - 1) / WARPS_Q;
+  TreeRowBytes row[PER_WARP];
+  __device__ __forceinline__ void fetch(const VerifyParams& p, int b, int q0, int S, int warp, int lane) {
+#pragma unroll
+    for (int k = 0; k < PER_WARP; ++k) {
+      const int r = warp + k * WARPS_Q;
+      row[k] = fetch_tree_row(p, b, q0 + r, lane, r < ROWS_Q && q0 + r < S);
+    }
+  }
+  __device__ __forceinline__ void store(unsigned long long* bits, int warp, int lane) const {
+#pragma unroll
+    for (int k = 0; k < PER_WARP; ++k)
+      if (warp + k * WARPS_Q < ROWS_Q) store_tree_row(bits + warp + k * WARPS_Q, tree_row_bits(row[k]), lane);
+  }
+};
+
 // The tree-mask rows of queries q0 .. q0 + ROWS_Q - 1 into bits[0, ROWS_Q), 0 past S: one warp
 // a row, every warp of the block calling.
 template <int ROWS_Q, int WARPS_Q>
