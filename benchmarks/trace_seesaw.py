@@ -82,13 +82,14 @@ class Schedule:
         last = f"({self.last_pair})"
         return (
             f"__device__ unsigned long long mlagen_ss_trace[{MAX_BLOCKS * MAX_PAIRS * self.events}];\n"
+            f"__device__ int mlagen_ss_last[{MAX_BLOCKS}];   // a block's last pair, for stamps past its tile loop\n"
             "#define SS_BLOCK ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)\n"
             f"#define SS_PAIR ({self.pair})   // the block's pairs so far: a balanced split's segments follow on\n"
             f"#define TS(w, e) do {{ if ({mine}) mlagen_ss_trace[{at} + {self.stride} * (w) + (e)] = clock64(); }} "
             "while (0)\n"
             '#define GT() do { unsigned long long g; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g)); '
             f"if ({mine}) mlagen_ss_trace[{at} + {self.global_slot}] = g; }} while (0)\n"
-            f"#define TB(k) do {{ if (threadIdx.x == 0 && {last} >= 0 && SS_BLOCK < {MAX_BLOCKS} && "
+            f"#define TB(k) do {{ if (threadIdx.x == 0 && SS_BLOCK < {MAX_BLOCKS} && {last} >= 0 && "
             f"{last} < {MAX_PAIRS}) mlagen_ss_trace[(SS_BLOCK * {MAX_PAIRS} + {last}) * {self.events} + "
             f"{self.boundary_slot} + (k)] = clock64(); }} while (0)\n"
         )
@@ -129,7 +130,12 @@ SEESAW = Schedule(
         (4, "q_ready", "next segment: Q landed"),
     ),
     stride=8, global_slot=7, boundary_slot=16, events=24,
-    pair="t_base / 2 + pi", last_pair="tiles_done / 2 - 1",
+    pair="t_base / 2 + pi", last_pair="mlagen_ss_last[SS_BLOCK]",
+    # The epilogue (end_segment) sees none of the segment's locals: the last pair's index goes
+    # through global memory, written and read by thread 0 (-1 until a segment's tile loop ends).
+    state=(("start", f"if (threadIdx.x == 0 && SS_BLOCK < {MAX_BLOCKS}) mlagen_ss_last[SS_BLOCK] = -1"),
+           ("loop_end",
+            f"if (threadIdx.x == 0 && SS_BLOCK < {MAX_BLOCKS}) mlagen_ss_last[SS_BLOCK] = tiles_done / 2 - 1")),
 )
 
 # The transposed tile (templates/mma_transposed.cu.j2): the scores and the softmax are code both

@@ -714,6 +714,103 @@ struct RowLoad {
   }
 };
 
+
+// Which rows a segment ends and how: row group x of request b (queries q0.. of S, heads h0..),
+// split `split` of the group's `splits` (t0: the balanced range's first tile), written out
+// directly when `direct`.
+struct SegmentEnd {
+  int b, x, S, q0, h0, t0, split, splits;
+  bool direct;
+};
+// A thread's place in the mma fragments: warp (wmq, wnq) of the score grid, fragment coordinates
+// g and t, and its piece of the output at rows o_row0.., dims o_dim0...
+struct FragmentAt {
+  int warp, lane, g, t, wmq, wnq, o_row0, o_dim0;
+};
+
+// The end of a segment: o and lpart are this thread's output fragment and row-sum parts, sM the
+// rows' running maxima, sPart the warps' sum parts (row_sum(row) adds them once they met), and
+// smem_raw the block's shared memory, whose Q and KV buffers stage the rows.
+template <class RowSum>
+__device__ __forceinline__ void end_segment(const VerifyParams& p, const SegmentEnd& e, const FragmentAt& f,
+                                            const float (&o)[MT_O][NT_O][4], const float (&lpart)[MTQ][2],
+                                            unsigned char* smem_raw, float* sM, float* sPart, RowSum row_sum) {
+  const int b = e.b, x = e.x, S = e.S, q0 = e.q0, h0 = e.h0, split = e.split, splits = e.splits;
+  const bool direct = e.direct;
+  const int warp = f.warp, lane = f.lane, g = f.g, t = f.t, wmq = f.wmq, wnq = f.wnq, o_row0 = f.o_row0, o_dim0 = f.o_dim0;
+  // ---- epilogue: row sums meet in shared memory; write out/lse or the split's partial ----
+  // The commit puts Q's copies in a group when no tile ran (an empty split with one stage
+  // commits nothing before this): the wait must cover them, the epilogue reuses their buffer.
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  MLAGEN_TRACE(epilogue);
+#pragma unroll
+  for (int mt = 0; mt < MTQ; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float l = lpart[mt][half];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (t == 0) sPart[wnq * M_PAD + wmq * ROWS_W + mt * 16 + g + 8 * half] = l;
+    }
+  __syncthreads();
+  if (STAGE_EPILOGUE) {
+    // The output rows go to shared memory over Q and the KV stages, then each warp ends whole
+    // rows in 16-byte stores.
+    part_t* sStage = reinterpret_cast<part_t*>(smem_raw);   // (M_PAD, STAGE_STRIDE)
+#pragma unroll
+    for (int mt = 0; mt < MT_O; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = o_row0 + mt * 16 + g + 8 * half;
+        if (row >= ROWS || q0 + row / HT >= S) continue;
+        const float l = PART16 ? row_sum(row) : 1.f, inv = l > 0.f ? 1.f / l : 0.f;   // part16 stages final values
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt) {
+          part_t* at = sStage + row * STAGE_STRIDE + o_dim0 + nt * 8 + 2 * t;
+          if constexpr (PART16)
+            *reinterpret_cast<elem2_t*>(at) = from_float2(o[mt][nt][2 * half] * inv, o[mt][nt][2 * half + 1] * inv);
+          else
+            *reinterpret_cast<float2*>(at) = make_float2(o[mt][nt][2 * half], o[mt][nt][2 * half + 1]);
+        }
+      }
+    MLAGEN_TRACE(stage_sync);
+    __syncthreads();
+    for (int row = warp; row < ROWS; row += WARPS) {
+      const int i = q0 + row / HT, h = h0 + row % HT;
+      if (i >= S) continue;
+      const float l = row_sum(row);
+      // a warp store covers 512 contiguous bytes: 16 (8 bf16) a lane out, 16 (4 floats) a partial
+      if (direct)
+        for (int c = lane; c < DL / 8; c += 32)
+          finish_row<8>(p, split, true, b, i, h, 8 * c, sStage + row * STAGE_STRIDE + 8 * c, sM[row], l, c == 0);
+      else
+        for (int c = lane; c < DL / 4; c += 32)
+          finish_row<4>(p, split, false, b, i, h, 4 * c, sStage + row * STAGE_STRIDE + 4 * c, sM[row], l, c == 0);
+    }
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < MT_O; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = o_row0 + mt * 16 + g + 8 * half;
+        const int i = q0 + row / HT, h = h0 + row % HT;
+        if (row >= ROWS || i >= S) continue;
+        const float l = row_sum(row), m = sM[row];
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt) {
+          const float pair[2] = {o[mt][nt][2 * half], o[mt][nt][2 * half + 1]};
+          finish_row<2>(p, split, direct, b, i, h, o_dim0 + nt * 8 + 2 * t, pair, m, l,
+                        o_dim0 == 0 && nt == 0 && t == 0);
+        }
+      }
+  }
+  MLAGEN_TRACE(counting);
+  if (!direct) count_split_done(p, b, x, splits);
+  MLAGEN_TRACE(counted);}
+
+
 // Launched as a programmatic dependent (p.dependent), while the previous grid drains: this
 // block's Q rows and first KV tile into L2, four threads a row. The length and page ids read
 // here may be stale, as the previous grid may still write them: they only choose what to
@@ -973,77 +1070,8 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
         sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
     }
     MLAGEN_TRACE(loop_end);
-    // ---- epilogue: row sums meet in shared memory; write out/lse or the split's partial ----
-    // The commit puts Q's copies in a group when no tile ran (an empty split with one stage
-    // commits nothing before this): the wait must cover them, the epilogue reuses their buffer.
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    MLAGEN_TRACE(epilogue);
-#pragma unroll
-    for (int mt = 0; mt < MTQ; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float l = lpart[mt][half];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        if (t == 0) sPart[wnq * M_PAD + wmq * ROWS_W + mt * 16 + g + 8 * half] = l;
-      }
-    __syncthreads();
-    if (STAGE_EPILOGUE) {
-      // The output rows go to shared memory over Q and the KV stages, then each warp ends whole
-      // rows in 16-byte stores.
-      part_t* sStage = reinterpret_cast<part_t*>(smem_raw);   // (M_PAD, STAGE_STRIDE)
-#pragma unroll
-      for (int mt = 0; mt < MT_O; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = o_row0 + mt * 16 + g + 8 * half;
-          if (row >= ROWS || q0 + row / HT >= S) continue;
-          const float l = PART16 ? row_sum(row) : 1.f, inv = l > 0.f ? 1.f / l : 0.f;   // part16 stages final values
-#pragma unroll
-          for (int nt = 0; nt < NT_O; ++nt) {
-            part_t* at = sStage + row * STAGE_STRIDE + o_dim0 + nt * 8 + 2 * t;
-            if constexpr (PART16)
-              *reinterpret_cast<elem2_t*>(at) = from_float2(o[mt][nt][2 * half] * inv, o[mt][nt][2 * half + 1] * inv);
-            else
-              *reinterpret_cast<float2*>(at) = make_float2(o[mt][nt][2 * half], o[mt][nt][2 * half + 1]);
-          }
-        }
-      MLAGEN_TRACE(stage_sync);
-      __syncthreads();
-      for (int row = warp; row < ROWS; row += WARPS) {
-        const int i = q0 + row / HT, h = h0 + row % HT;
-        if (i >= S) continue;
-        const float l = row_sum(row);
-        // a warp store covers 512 contiguous bytes: 16 (8 bf16) a lane out, 16 (4 floats) a partial
-        if (direct)
-          for (int c = lane; c < DL / 8; c += 32)
-            finish_row<8>(p, split, true, b, i, h, 8 * c, sStage + row * STAGE_STRIDE + 8 * c, sM[row], l, c == 0);
-        else
-          for (int c = lane; c < DL / 4; c += 32)
-            finish_row<4>(p, split, false, b, i, h, 4 * c, sStage + row * STAGE_STRIDE + 4 * c, sM[row], l, c == 0);
-      }
-    } else {
-#pragma unroll
-      for (int mt = 0; mt < MT_O; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = o_row0 + mt * 16 + g + 8 * half;
-          const int i = q0 + row / HT, h = h0 + row % HT;
-          if (row >= ROWS || i >= S) continue;
-          const float l = row_sum(row), m = sM[row];
-#pragma unroll
-          for (int nt = 0; nt < NT_O; ++nt) {
-            const float pair[2] = {o[mt][nt][2 * half], o[mt][nt][2 * half + 1]};
-            finish_row<2>(p, split, direct, b, i, h, o_dim0 + nt * 8 + 2 * t, pair, m, l,
-                          o_dim0 == 0 && nt == 0 && t == 0);
-          }
-        }
-    }
-    MLAGEN_TRACE(counting);
-    if (!direct) count_split_done(p, b, x, splits);
-    MLAGEN_TRACE(counted);
+    end_segment(p, SegmentEnd{b, x, S, q0, h0, t0, split, splits, direct}, FragmentAt{warp, lane, g, t, wmq, wnq, o_row0, o_dim0},
+                o, lpart, smem_raw, sM, sPart, row_sum);
   };
 
   const int splits = group_splits(p, blockIdx.z, (blockIdx.x / HEAD_TILES) * QT, QT);
