@@ -1301,6 +1301,300 @@ __device__ __forceinline__ void end_segment(const VerifyParams& p, const Segment
   if (!direct && !in_pair) count_split_done(p, b, x, splits);
   MLAGEN_TRACE(counted);}
 
+
+// The seesaw's tile loop over tiles [kb_begin, kb_end) of a request with n keys, for the row
+// group of queries q0.. of S: o, lpart and sM end as the lockstep loop leaves them for
+// end_segment. t_base counts the block's tiles before this segment (its mbarriers' phases
+// follow it); tile_page(kb) is tile kb's page id (-1 past the segment). Q is at sQa, the two KV
+// stages at sKV, the mbarriers at sFull, the tree rows at sBits, the maxima's exchange in sPart.
+// Returns the tiles it ran, padding included.
+template <class TilePage>
+__device__ __forceinline__ int seesaw_tiles(const VerifyParams& p, int n, int S, int q0, int kb_begin, int kb_end,
+                                            int t_base, TilePage tile_page, float (&o)[MT_O][NT_O][4],
+                                            float (&lpart)[MTQ][2], unsigned sQa, elem_t* sKV,
+                                            unsigned long long* sFull, const unsigned long long* sBits,
+                                            float* sPart, float* sM, unsigned char* smem_raw, const FragmentAt& at) {
+  const int g = at.g, t = at.t, wmq = at.wmq, wnq = at.wnq;
+  // ---- seesaw: the tiles go in pairs, k0 in stage 0 and k1 in stage 1 ----
+  //   warpgroup 0: S0 = Q K0^T; m0 = max(m, rowmax S0); P0 = exp2(S0 - m0) (to K0's rope block
+  //                for warpgroup 1); O_L = O_L 2^(m - m0) + P0 V0_L (P0 from registers);
+  //                then O_L = O_L 2^(m0 - m1) + P1 V1_L (P1 from K1's rope block)
+  //   warpgroup 1: S1 = Q K1^T, issued after S0 so that it runs during warpgroup 0's softmax;
+  //                O_R = O_R 2^(m - m0) + P0 V0_R; m1 = max(m0, rowmax S1); P1 to K1's rope
+  //                block; O_R = O_R 2^(m0 - m1) + P1 V1_R (P1 from registers)
+  // O_L / O_R are the value dims [0, DL/2) / [DL/2, DL), the same layout as the lockstep
+  // loop's. Each part of the next pair's tiles is issued by the warpgroup that reads it last,
+  // once it has: four mbarriers, one per part, each completing once a pair. A rope block is
+  // free once its tile's scores are done: P goes there.
+  const int pairs = (kb_end - kb_begin + 1) / 2;          // an odd count ends with a padding tile
+  const int lim = kb_end * BN < n ? kb_end * BN : n;      // keys this segment reads
+  const unsigned buf0 = smem_addr(sKV), buf1 = buf0 + BN * D * (int)sizeof(elem_t);
+  const unsigned bars = smem_addr(sFull);
+  constexpr int VB = DL / 128, PB = DL / 64, NBLK = D / 64;   // value blocks of a half; the rope block; all
+  static_assert(NBLK == PB + 1, "one rope column block: P's place");
+  // mbarriers: the four load parts, then P0 / P1 with their row maxima (every thread of the
+  // giving warpgroup arrives; the taking one waits). A hand-off of data goes through an
+  // mbarrier (release / acquire), which compute-sanitizer's racecheck follows; the named
+  // barriers carry none. Both warpgroups pass every named barrier equally often: racecheck
+  // pairs barrier passes by count, and a barrier one warpgroup passes more often (a
+  // bar.arrive, a skipped zeroing) makes it report hazards across the epilogue's
+  // __syncthreads (the kernel takes the same time either way).
+  enum Part { K0_LO, K0_HI, K1_MID, K1_REST, P0_FULL, P1_FULL };
+  enum Barrier { S0_ISSUED = 1, ZEROED = 2 };             // named barriers (0: __syncthreads)
+  // Column blocks [c0, c1) and [c2, c3) of tile kb into the stage at `dst`, counted by part
+  // mbarrier `part`; a tile past the segment only arrives (its rows are zeroed before use).
+  auto issue_part = [&](unsigned dst, int kb, int page, int part, int c0, int c1, int c2, int c3) {
+    const unsigned mb = bars + 8 * part;
+    if (kb >= kb_end) {
+      mbar_arrive(mb);
+      return;
+    }
+    mbar_expect(mb, (c1 - c0 + c3 - c2) * BN * 128);
+    for (int blk = c0; blk < c1; ++blk) tma_load(dst + blk * (BN * 128), p.kv_map, blk * 64, (kb * BN) % PAGE, page, mb);
+    for (int blk = c2; blk < c3; ++blk) tma_load(dst + blk * (BN * 128), p.kv_map, blk * 64, (kb * BN) % PAGE, page, mb);
+  };
+  if (threadIdx.x == 0 && pairs > 0) {
+    const int page0 = tile_page(kb_begin), page1 = tile_page(kb_begin + 1);
+    issue_part(buf0, kb_begin, page0, K0_LO, 0, VB, 0, 0);
+    issue_part(buf0, kb_begin, page0, K0_HI, VB, NBLK, 0, 0);
+    issue_part(buf1, kb_begin + 1, page1, K1_MID, VB, 2 * VB, 0, 0);
+    issue_part(buf1, kb_begin + 1, page1, K1_REST, 0, VB, 2 * VB, NBLK);
+  }
+  cp_async_wait<0>();                                     // Q's copies
+  MLAGEN_TRACE(q_landed);
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();                                        // Q and the tree-mask rows
+  MLAGEN_TRACE(q_ready);
+
+  const int wt = threadIdx.x % 128;                       // thread in the warpgroup
+  int rows[2], qi[2];
+  bool live[2];
+  unsigned long long bits[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    rows[half] = 16 * wmq + g + 8 * half;
+    qi[half] = q0 + rows[half] / HT;
+    live[half] = rows[half] < ROWS && qi[half] < S;
+    bits[half] = MASK_TREE && live[half] ? sBits[rows[half] / HT] : 0ull;
+  }
+  float m[2] = {-INFINITY, -INFINITY};    // running row max (log2 units), the same in both warpgroups
+  float* sMax = sPart;                    // (2, M_PAD): m0 from warpgroup 0, m1 from warpgroup 1
+  float* ov = &o[0][0][0];
+  auto finite = [](float x) { return x == -INFINITY ? 0.f : x; };
+  // 2^(a - b) for maxima a <= b: 0 when a is -inf (nothing was accumulated under it).
+  auto factor = [](float a, float b) { return a == -INFINITY ? 0.f : exp2f(a - (b == -INFINITY ? 0.f : b)); };
+  // O *= f per row, skipped when the warp's factors are all 1 (most tiles of a long row): a
+  // warp-uniform branch, so ptxas keeps the wgmmas unserialized.
+  auto rescale = [&](const float* f) {
+    if (__all_sync(0xffffffffu, f[0] == 1.f && f[1] == 1.f)) return;
+#pragma unroll
+    for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) { o[0][nt][2 * half] *= f[half]; o[0][nt][2 * half + 1] *= f[half]; }
+  };
+  // Rows [r0, BN) of the stage at `dst` to zeros, by this warpgroup (keys past the segment:
+  // a padding tile, or the request's last rows, whose memory may hold anything).
+  auto zero_rows = [&](unsigned dst, int kb) {
+    const int r0 = kb >= kb_end ? 0 : (n - kb * BN < BN ? n - kb * BN : BN);
+    if (r0 < BN) {
+      zero_tile_rows(dst, r0, BN, CH, wt, 128);
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+    named_sync(ZEROED + wnq, 128);                        // on every tile, zeroed or not (above)
+  };
+  // Mask and scale tile kb's scores into log2 units; each row's max over the tile into mx.
+  // One branch around the loops (a tile inside every row's prefix needs no mask), and the
+  // max in four independent chains: the softmax is on the pair's critical path.
+  auto mask_scale = [&](float* s, int kb, float* mx) {
+    if (kb < kb_end && (kb + 1) * BN <= n - S) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) s[i] *= p.scale_log2;
+    } else {
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& v = s[4 * nt + 2 * half + e];
+            const int j = kb * BN + nt * 8 + 2 * t + e;
+            v = live[half] & (j < lim) & key_visible(j, n, qi[half], S, bits[half]) ? v * p.scale_log2 : -INFINITY;
+          }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) mm[(2 * nt + e) % 4] = fmaxf(mm[(2 * nt + e) % 4], s[4 * nt + 2 * half + e]);
+      float r = fmaxf(fmaxf(mm[0], mm[1]), fmaxf(mm[2], mm[3]));
+      r = fmaxf(r, __shfl_xor_sync(0xffffffffu, r, 1));
+      mx[half] = fmaxf(r, __shfl_xor_sync(0xffffffffu, r, 2));
+    }
+  };
+  // s = exp2(s - m) per row; this thread's share of each row's sum into sum.
+  auto exponentiate = [&](float* s, const float* mr, float* sum) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float mu = finite(mr[half]);
+      float acc[2] = {0.f, 0.f};                         // two chains: the sum is off the store's path
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& v = s[4 * nt + 2 * half + e];
+          v = exp2f(v - mu);
+          acc[nt % 2] += v;
+        }
+      sum[half] = acc[0] + acc[1];
+    }
+  };
+  // P into the rope block of the stage at `dst` (the K-major swizzled layout P·V reads).
+  auto store_p = [&](unsigned dst, const float* s) {
+    unsigned char* base = smem_raw - smem_addr(smem_raw) + dst + PB * (BN * 128);
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt)
+        *reinterpret_cast<elem2_t*>(base + 2 * p_off(rows[half], nt * 8 + 2 * t)) =
+            from_float2(s[4 * nt + 2 * half], s[4 * nt + 2 * half + 1]);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // P stores -> the other warpgroup's wgmma
+  };
+  // O += P V over this warpgroup's value half, P from this thread's scores (the m64n64
+  // accumulator layout is four k16 steps of the A-fragment layout).
+  auto pv_regs = [&](const float* s, unsigned tile) {
+    unsigned a[BN / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const elem2_t v = from_float2(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
+        a[ks][r] = *reinterpret_cast<const unsigned*>(&v);
+      }
+    const unsigned long long vd = wgmma_desc(tile + wnq * VB * (BN * 128), BN * 128, 1024);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks) wgmma_pv_regs(ov, a[ks], vd + ks * 128, 1);   // 2048 bytes a k-step
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  };
+  // O += P V with P from the rope block of `tile` (the other warpgroup's).
+  auto pv_smem = [&](unsigned tile) {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    pv_wgmma(ov, tile + PB * (BN * 128), tile + wnq * VB * (BN * 128));
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  };
+  auto scores = [&](float* s, unsigned tile) {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    scores_wgmma64(s, sQa, tile);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  };
+  auto wait_all = [] { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); };
+
+  for (int pi = 0; pi < pairs; ++pi) {
+    const int k0 = kb_begin + 2 * pi, k1 = k0 + 1;
+    const bool more = pi + 1 < pairs;
+    const unsigned parity = (t_base / 2 + pi) & 1;
+    // the issuing thread of each warpgroup reads the next pair's pages now, off the path
+    int page0 = -1, page1 = -1;
+    if (more && wt == 0) {
+      page0 = tile_page(k0 + 2);
+      page1 = tile_page(k1 + 2);
+    }
+    float s[BN / 2], mx[2], m0[2], m1[2], f[2], sum[2];
+    if (wnq == 0) {
+      mbar_wait(bars + 8 * K0_LO, parity);
+      mbar_wait(bars + 8 * K0_HI, parity);
+      MLAGEN_TRACE(k0_landed);
+      zero_rows(buf0, k0);
+      scores(s, buf0);
+      MLAGEN_TRACE(s0_issued);
+      named_sync(S0_ISSUED, 256);                         // S1 queues behind S0 on the tensor cores
+      wait_all();
+      MLAGEN_TRACE(s0_done);
+      mask_scale(s, k0, mx);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        m0[half] = fmaxf(m[half], mx[half]);
+        f[half] = factor(m[half], m0[half]);
+        if (t == 0) sMax[rows[half]] = m0[half];
+      }
+      exponentiate(s, m0, sum);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) lpart[0][half] = lpart[0][half] * f[half] + sum[half];
+      store_p(buf0, s);
+      mbar_arrive(bars + 8 * P0_FULL);
+      MLAGEN_TRACE(p0_stored);
+      rescale(f);
+      pv_regs(s, buf0);
+      wait_all();
+      MLAGEN_TRACE(p0_v0l_done);
+      if (more && wt == 0) issue_part(buf0, k0 + 2, page0, K0_LO, 0, VB, 0, 0);   // K0's value-left blocks are read
+      mbar_wait(bars + 8 * P1_FULL, parity);
+      MLAGEN_TRACE(p1_received);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        m1[half] = sMax[M_PAD + rows[half]];
+        f[half] = factor(m0[half], m1[half]);
+        lpart[0][half] *= f[half];
+      }
+      rescale(f);
+      pv_smem(buf1);
+      wait_all();
+      MLAGEN_TRACE(p1_v1l_done);
+      if (more && wt == 0) issue_part(buf1, k1 + 2, page1, K1_REST, 0, VB, 2 * VB, NBLK);   // and K1's, with P1
+    } else {
+      named_sync(S0_ISSUED, 256);
+      MLAGEN_TRACE(s0_seen);
+      mbar_wait(bars + 8 * K1_MID, parity);
+      mbar_wait(bars + 8 * K1_REST, parity);
+      MLAGEN_TRACE(k1_landed);
+      zero_rows(buf1, k1);
+      scores(s, buf1);
+      MLAGEN_TRACE(s1_issued);
+      wait_all();                                         // S1 done: o is touched with no wgmma in flight
+      MLAGEN_TRACE(s1_done);
+      mask_scale(s, k1, mx);                              // while P0 is on its way
+      mbar_wait(bars + 8 * P0_FULL, parity);
+      MLAGEN_TRACE(p0_received);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        m0[half] = sMax[rows[half]];
+        f[half] = factor(m[half], m0[half]);
+      }
+      rescale(f);
+      pv_smem(buf0);                                      // runs during this softmax
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        m1[half] = fmaxf(m0[half], mx[half]);
+        if (t == 0) sMax[M_PAD + rows[half]] = m1[half];
+      }
+      exponentiate(s, m1, sum);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) lpart[0][half] = lpart[0][half] * factor(m[half], m1[half]) + sum[half];
+      store_p(buf1, s);
+      mbar_arrive(bars + 8 * P1_FULL);
+      MLAGEN_TRACE(p1_stored);
+      wait_all();
+      MLAGEN_TRACE(p0_v0r_done);
+      if (more && wt == 0) issue_part(buf0, k0 + 2, page0, K0_HI, VB, NBLK, 0, 0);   // K0's value-right and rope blocks
+#pragma unroll
+      for (int half = 0; half < 2; ++half) f[half] = factor(m0[half], m1[half]);
+      rescale(f);
+      pv_regs(s, buf1);
+      wait_all();
+      MLAGEN_TRACE(p1_v1r_done);
+      if (more && wt == 0) issue_part(buf1, k1 + 2, page1, K1_MID, VB, 2 * VB, 0, 0);   // K1's value-right blocks
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) m[half] = m1[half];
+  }
+  if (wnq == 0 && t == 0)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) sM[rows[half]] = m[half];
+  return 2 * pairs;
+}
+
 }  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 // grid: (row groups of a request, ranges, 1 + merge slabs when a row group is split); block: 256 threads;
@@ -1391,285 +1685,8 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
     const int o_row0 = 16 * wmq, o_dim0 = (DL / 2) * wnq;   // this warp's output piece
     float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
     const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
-// ---- seesaw: the tiles go in pairs, k0 in stage 0 and k1 in stage 1 ----
-    //   warpgroup 0: S0 = Q K0^T; m0 = max(m, rowmax S0); P0 = exp2(S0 - m0) (to K0's rope block
-    //                for warpgroup 1); O_L = O_L 2^(m - m0) + P0 V0_L (P0 from registers);
-    //                then O_L = O_L 2^(m0 - m1) + P1 V1_L (P1 from K1's rope block)
-    //   warpgroup 1: S1 = Q K1^T, issued after S0 so that it runs during warpgroup 0's softmax;
-    //                O_R = O_R 2^(m - m0) + P0 V0_R; m1 = max(m0, rowmax S1); P1 to K1's rope
-    //                block; O_R = O_R 2^(m0 - m1) + P1 V1_R (P1 from registers)
-    // O_L / O_R are the value dims [0, DL/2) / [DL/2, DL), the same layout as the lockstep
-    // loop's. Each part of the next pair's tiles is issued by the warpgroup that reads it last,
-    // once it has: four mbarriers, one per part, each completing once a pair. A rope block is
-    // free once its tile's scores are done: P goes there.
-    const int pairs = (kb_end - kb_begin + 1) / 2;          // an odd count ends with a padding tile
-    const int lim = kb_end * BN < n ? kb_end * BN : n;      // keys this segment reads
-    const unsigned buf0 = smem_addr(sKV), buf1 = buf0 + BN * D * (int)sizeof(elem_t);
-    const unsigned bars = smem_addr(sFull);
-    constexpr int VB = DL / 128, PB = DL / 64, NBLK = D / 64;   // value blocks of a half; the rope block; all
-    static_assert(NBLK == PB + 1, "one rope column block: P's place");
-    // mbarriers: the four load parts, then P0 / P1 with their row maxima (every thread of the
-    // giving warpgroup arrives; the taking one waits). A hand-off of data goes through an
-    // mbarrier (release / acquire), which compute-sanitizer's racecheck follows; the named
-    // barriers carry none. Both warpgroups pass every named barrier equally often: racecheck
-    // pairs barrier passes by count, and a barrier one warpgroup passes more often (a
-    // bar.arrive, a skipped zeroing) makes it report hazards across the epilogue's
-    // __syncthreads (the kernel takes the same time either way).
-    enum Part { K0_LO, K0_HI, K1_MID, K1_REST, P0_FULL, P1_FULL };
-    enum Barrier { S0_ISSUED = 1, ZEROED = 2 };             // named barriers (0: __syncthreads)
-    // Column blocks [c0, c1) and [c2, c3) of tile kb into the stage at `dst`, counted by part
-    // mbarrier `part`; a tile past the segment only arrives (its rows are zeroed before use).
-    auto issue_part = [&](unsigned dst, int kb, int page, int part, int c0, int c1, int c2, int c3) {
-      const unsigned mb = bars + 8 * part;
-      if (kb >= kb_end) {
-        mbar_arrive(mb);
-        return;
-      }
-      mbar_expect(mb, (c1 - c0 + c3 - c2) * BN * 128);
-      for (int blk = c0; blk < c1; ++blk) tma_load(dst + blk * (BN * 128), p.kv_map, blk * 64, (kb * BN) % PAGE, page, mb);
-      for (int blk = c2; blk < c3; ++blk) tma_load(dst + blk * (BN * 128), p.kv_map, blk * 64, (kb * BN) % PAGE, page, mb);
-    };
-    if (threadIdx.x == 0 && pairs > 0) {
-      const int page0 = tile_page(kb_begin), page1 = tile_page(kb_begin + 1);
-      issue_part(buf0, kb_begin, page0, K0_LO, 0, VB, 0, 0);
-      issue_part(buf0, kb_begin, page0, K0_HI, VB, NBLK, 0, 0);
-      issue_part(buf1, kb_begin + 1, page1, K1_MID, VB, 2 * VB, 0, 0);
-      issue_part(buf1, kb_begin + 1, page1, K1_REST, 0, VB, 2 * VB, NBLK);
-    }
-    cp_async_wait<0>();                                     // Q's copies
-    MLAGEN_TRACE(q_landed);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();                                        // Q and the tree-mask rows
-    MLAGEN_TRACE(q_ready);
-
-    const int wt = threadIdx.x % 128;                       // thread in the warpgroup
-    int rows[2], qi[2];
-    bool live[2];
-    unsigned long long bits[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      rows[half] = 16 * wmq + g + 8 * half;
-      qi[half] = q0 + rows[half] / HT;
-      live[half] = rows[half] < ROWS && qi[half] < S;
-      bits[half] = MASK_TREE && live[half] ? sBits[rows[half] / HT] : 0ull;
-    }
-    float m[2] = {-INFINITY, -INFINITY};    // running row max (log2 units), the same in both warpgroups
-    float* sMax = sPart;                    // (2, M_PAD): m0 from warpgroup 0, m1 from warpgroup 1
-    float* ov = &o[0][0][0];
-    auto finite = [](float x) { return x == -INFINITY ? 0.f : x; };
-    // 2^(a - b) for maxima a <= b: 0 when a is -inf (nothing was accumulated under it).
-    auto factor = [](float a, float b) { return a == -INFINITY ? 0.f : exp2f(a - (b == -INFINITY ? 0.f : b)); };
-    // O *= f per row, skipped when the warp's factors are all 1 (most tiles of a long row): a
-    // warp-uniform branch, so ptxas keeps the wgmmas unserialized.
-    auto rescale = [&](const float* f) {
-      if (__all_sync(0xffffffffu, f[0] == 1.f && f[1] == 1.f)) return;
-#pragma unroll
-      for (int nt = 0; nt < NT_O; ++nt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) { o[0][nt][2 * half] *= f[half]; o[0][nt][2 * half + 1] *= f[half]; }
-    };
-    // Rows [r0, BN) of the stage at `dst` to zeros, by this warpgroup (keys past the segment:
-    // a padding tile, or the request's last rows, whose memory may hold anything).
-    auto zero_rows = [&](unsigned dst, int kb) {
-      const int r0 = kb >= kb_end ? 0 : (n - kb * BN < BN ? n - kb * BN : BN);
-      if (r0 < BN) {
-        zero_tile_rows(dst, r0, BN, CH, wt, 128);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      }
-      named_sync(ZEROED + wnq, 128);                        // on every tile, zeroed or not (above)
-    };
-    // Mask and scale tile kb's scores into log2 units; each row's max over the tile into mx.
-    // One branch around the loops (a tile inside every row's prefix needs no mask), and the
-    // max in four independent chains: the softmax is on the pair's critical path.
-    auto mask_scale = [&](float* s, int kb, float* mx) {
-      if (kb < kb_end && (kb + 1) * BN <= n - S) {
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) s[i] *= p.scale_log2;
-      } else {
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float& v = s[4 * nt + 2 * half + e];
-              const int j = kb * BN + nt * 8 + 2 * t + e;
-              v = live[half] & (j < lim) & key_visible(j, n, qi[half], S, bits[half]) ? v * p.scale_log2 : -INFINITY;
-            }
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float mm[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) mm[(2 * nt + e) % 4] = fmaxf(mm[(2 * nt + e) % 4], s[4 * nt + 2 * half + e]);
-        float r = fmaxf(fmaxf(mm[0], mm[1]), fmaxf(mm[2], mm[3]));
-        r = fmaxf(r, __shfl_xor_sync(0xffffffffu, r, 1));
-        mx[half] = fmaxf(r, __shfl_xor_sync(0xffffffffu, r, 2));
-      }
-    };
-    // s = exp2(s - m) per row; this thread's share of each row's sum into sum.
-    auto exponentiate = [&](float* s, const float* mr, float* sum) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float mu = finite(mr[half]);
-        float acc[2] = {0.f, 0.f};                         // two chains: the sum is off the store's path
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& v = s[4 * nt + 2 * half + e];
-            v = exp2f(v - mu);
-            acc[nt % 2] += v;
-          }
-        sum[half] = acc[0] + acc[1];
-      }
-    };
-    // P into the rope block of the stage at `dst` (the K-major swizzled layout P·V reads).
-    auto store_p = [&](unsigned dst, const float* s) {
-      unsigned char* base = smem_raw - smem_addr(smem_raw) + dst + PB * (BN * 128);
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-          *reinterpret_cast<elem2_t*>(base + 2 * p_off(rows[half], nt * 8 + 2 * t)) =
-              from_float2(s[4 * nt + 2 * half], s[4 * nt + 2 * half + 1]);
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // P stores -> the other warpgroup's wgmma
-    };
-    // O += P V over this warpgroup's value half, P from this thread's scores (the m64n64
-    // accumulator layout is four k16 steps of the A-fragment layout).
-    auto pv_regs = [&](const float* s, unsigned tile) {
-      unsigned a[BN / 16][4];
-#pragma unroll
-      for (int ks = 0; ks < BN / 16; ++ks)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const elem2_t v = from_float2(s[8 * ks + 2 * r], s[8 * ks + 2 * r + 1]);
-          a[ks][r] = *reinterpret_cast<const unsigned*>(&v);
-        }
-      const unsigned long long vd = wgmma_desc(tile + wnq * VB * (BN * 128), BN * 128, 1024);
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-      for (int ks = 0; ks < BN / 16; ++ks) wgmma_pv_regs(ov, a[ks], vd + ks * 128, 1);   // 2048 bytes a k-step
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    };
-    // O += P V with P from the rope block of `tile` (the other warpgroup's).
-    auto pv_smem = [&](unsigned tile) {
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-      pv_wgmma(ov, tile + PB * (BN * 128), tile + wnq * VB * (BN * 128));
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    };
-    auto scores = [&](float* s, unsigned tile) {
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-      scores_wgmma64(s, sQa, tile);
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    };
-    auto wait_all = [] { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); };
-
-    for (int pi = 0; pi < pairs; ++pi) {
-      const int k0 = kb_begin + 2 * pi, k1 = k0 + 1;
-      const bool more = pi + 1 < pairs;
-      const unsigned parity = (t_base / 2 + pi) & 1;
-      // the issuing thread of each warpgroup reads the next pair's pages now, off the path
-      int page0 = -1, page1 = -1;
-      if (more && wt == 0) {
-        page0 = tile_page(k0 + 2);
-        page1 = tile_page(k1 + 2);
-      }
-      float s[BN / 2], mx[2], m0[2], m1[2], f[2], sum[2];
-      if (wnq == 0) {
-        mbar_wait(bars + 8 * K0_LO, parity);
-        mbar_wait(bars + 8 * K0_HI, parity);
-        MLAGEN_TRACE(k0_landed);
-        zero_rows(buf0, k0);
-        scores(s, buf0);
-        MLAGEN_TRACE(s0_issued);
-        named_sync(S0_ISSUED, 256);                         // S1 queues behind S0 on the tensor cores
-        wait_all();
-        MLAGEN_TRACE(s0_done);
-        mask_scale(s, k0, mx);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          m0[half] = fmaxf(m[half], mx[half]);
-          f[half] = factor(m[half], m0[half]);
-          if (t == 0) sMax[rows[half]] = m0[half];
-        }
-        exponentiate(s, m0, sum);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) lpart[0][half] = lpart[0][half] * f[half] + sum[half];
-        store_p(buf0, s);
-        mbar_arrive(bars + 8 * P0_FULL);
-        MLAGEN_TRACE(p0_stored);
-        rescale(f);
-        pv_regs(s, buf0);
-        wait_all();
-        MLAGEN_TRACE(p0_v0l_done);
-        if (more && wt == 0) issue_part(buf0, k0 + 2, page0, K0_LO, 0, VB, 0, 0);   // K0's value-left blocks are read
-        mbar_wait(bars + 8 * P1_FULL, parity);
-        MLAGEN_TRACE(p1_received);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          m1[half] = sMax[M_PAD + rows[half]];
-          f[half] = factor(m0[half], m1[half]);
-          lpart[0][half] *= f[half];
-        }
-        rescale(f);
-        pv_smem(buf1);
-        wait_all();
-        MLAGEN_TRACE(p1_v1l_done);
-        if (more && wt == 0) issue_part(buf1, k1 + 2, page1, K1_REST, 0, VB, 2 * VB, NBLK);   // and K1's, with P1
-      } else {
-        named_sync(S0_ISSUED, 256);
-        MLAGEN_TRACE(s0_seen);
-        mbar_wait(bars + 8 * K1_MID, parity);
-        mbar_wait(bars + 8 * K1_REST, parity);
-        MLAGEN_TRACE(k1_landed);
-        zero_rows(buf1, k1);
-        scores(s, buf1);
-        MLAGEN_TRACE(s1_issued);
-        wait_all();                                         // S1 done: o is touched with no wgmma in flight
-        MLAGEN_TRACE(s1_done);
-        mask_scale(s, k1, mx);                              // while P0 is on its way
-        mbar_wait(bars + 8 * P0_FULL, parity);
-        MLAGEN_TRACE(p0_received);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          m0[half] = sMax[rows[half]];
-          f[half] = factor(m[half], m0[half]);
-        }
-        rescale(f);
-        pv_smem(buf0);                                      // runs during this softmax
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          m1[half] = fmaxf(m0[half], mx[half]);
-          if (t == 0) sMax[M_PAD + rows[half]] = m1[half];
-        }
-        exponentiate(s, m1, sum);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) lpart[0][half] = lpart[0][half] * factor(m[half], m1[half]) + sum[half];
-        store_p(buf1, s);
-        mbar_arrive(bars + 8 * P1_FULL);
-        MLAGEN_TRACE(p1_stored);
-        wait_all();
-        MLAGEN_TRACE(p0_v0r_done);
-        if (more && wt == 0) issue_part(buf0, k0 + 2, page0, K0_HI, VB, NBLK, 0, 0);   // K0's value-right and rope blocks
-#pragma unroll
-        for (int half = 0; half < 2; ++half) f[half] = factor(m0[half], m1[half]);
-        rescale(f);
-        pv_regs(s, buf1);
-        wait_all();
-        MLAGEN_TRACE(p1_v1r_done);
-        if (more && wt == 0) issue_part(buf1, k1 + 2, page1, K1_MID, VB, 2 * VB, 0, 0);   // K1's value-right blocks
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) m[half] = m1[half];
-    }
-    if (wnq == 0 && t == 0)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) sM[rows[half]] = m[half];
-    tiles_done += 2 * pairs;
-
+    tiles_done += seesaw_tiles(p, n, S, q0, kb_begin, kb_end, t_base, tile_page, o, lpart, sQa, sKV, sFull, sBits, sPart, sM,
+                               smem_raw, FragmentAt{warp, lane, g, t, wmq, wnq, o_row0, o_dim0});
     MLAGEN_TRACE(loop_end);
     end_segment(p, SegmentEnd{b, x, S, q0, h0, t0, split, splits, direct}, FragmentAt{warp, lane, g, t, wmq, wnq, o_row0, o_dim0},
                 o, lpart, smem_raw, sM, sPart, row_sum, pair_at, wl);
