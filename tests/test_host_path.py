@@ -22,7 +22,7 @@ from mlagen.runtime.inputs import InputError
 B, S, H, D, DL, PAGES, PAGE = 2, 3, 4, 576, 512, 5, 16
 MAIN = (0x7F00, 8, 2, B + 4, 256, 1, 1, 100_000)    # function, grid (2 splits, merge slabs), block, smem
 GROUPS = 8 * B                                        # row groups: grid x * B
-_FORMAT = struct.Struct("<11Q12q6ifi")
+_FORMAT = struct.Struct("<12Q11q7iffi")
 
 
 class Driver:
@@ -52,9 +52,9 @@ def fake_gpu(monkeypatch):
     kernel = launch.KernelLaunch(args=MAIN, name="main_k")
 
     def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, table_capacity, device,
-                variant, invariant=False):
+                variant, invariant=False, kv_format="dtype"):
         prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, device, variant,
-                         invariant))
+                         invariant, kv_format))
         rows, value_bytes = 2 * batch * seqlen_q * heads, 2 if variant and variant.partials == "16bit" else 4
         return op._Prepared(loaded=None, kernel=kernel, splits=2, merge_blocks=3,
                                  layout=workspace.Layout.of(rows, dl * value_bytes, GROUPS))
@@ -451,9 +451,61 @@ def test_batch_invariant_calls_plan_apart_and_follow_the_environment(fake_gpu, m
     call(a)
     call(a, batch_invariant=True)
     call(a, batch_invariant=True)
-    assert [p[-1] for p in fake_gpu.prepared] == [False, True] and len(op._calls) == 2
+    assert [p[-2] for p in fake_gpu.prepared] == [False, True] and len(op._calls) == 2
     monkeypatch.setattr(op, "BATCH_INVARIANT_DEFAULT", True)
     call(a)                                                            # the same call as batch_invariant=True
     assert len(fake_gpu.prepared) == 2
     call(a, batch_invariant=False)
     assert len(fake_gpu.prepared) == 2 and len(op._calls) == 2          # the same call as the first
+
+
+def test_fp8_caches_reach_the_plan_with_their_scale(fake_gpu):
+    """An e4m3 cache plans as kv_format "e4m3" and launches with its kv_scale: a float in the
+    parameter block (a new value, a new checked call), a tensor through kv_scale_ptr, read at
+    each launch; a ds_mla cache plans as "ds_mla" and takes no kv_scale."""
+    e4m3 = make_args(kv_cache=torch.zeros(PAGES, PAGE, D, dtype=torch.float8_e4m3fn))
+    call(e4m3, kv_scale=0.5)
+    assert fake_gpu.prepared[-1][-1] == "e4m3"
+    block = fields(fake_gpu.driver.launches[-1][1])
+    assert block["kv_scale"] == 0.5 and block["kv_scale_ptr"] == 0
+    call(e4m3, kv_scale=0.25)
+    assert fields(fake_gpu.driver.launches[-1][1])["kv_scale"] == 0.25 and len(op._calls) == 2
+    scale = torch.ones(1, dtype=torch.float32)
+    call(e4m3, kv_scale=scale)
+    assert fields(fake_gpu.driver.launches[-1][1])["kv_scale_ptr"] == scale.data_ptr()
+    other = torch.ones(1, dtype=torch.float32)
+    call(e4m3, kv_scale=other)                                           # the same call, its own pointer
+    assert fields(fake_gpu.driver.launches[-1][1])["kv_scale_ptr"] == other.data_ptr() and len(op._calls) == 3
+    ds = make_args(kv_cache=torch.zeros(PAGES, PAGE, 1, 656, dtype=torch.uint8))
+    call(ds)
+    assert fake_gpu.prepared[-1][-1] == "ds_mla"
+    assert fields(fake_gpu.driver.launches[-1][1])["kv_stride_row"] == 656
+
+
+@pytest.mark.parametrize("cache, kw, message", [
+    ((D, torch.float8_e4m3fn), {}, "^kv_scale: got None, expected a float or a one-element torch.float32"),
+    ((D, torch.float8_e4m3fn), {"kv_scale": float("nan")}, "^kv_scale: got nan, expected a finite scale > 0"),
+    ((D, torch.float8_e4m3fn), {"kv_scale": torch.ones(2)}, "^kv_scale: got a torch.float32 tensor of shape"),
+    ((656, torch.uint8), {"kv_scale": 1.0}, "^kv_scale: got float, expected None: only an e4m3 cache"),
+    ((D, torch.bfloat16), {"kv_scale": 1.0}, "^kv_scale: got float, expected None for a bf16 cache"),
+    ((D, torch.uint8), {}, r"^kv_cache.shape\[-1\]: got 576, expected 656 \(a ds_mla row\)"),
+    ((656, torch.float8_e4m3fn), {"kv_scale": 1.0}, r"^kv_cache.shape\[-1\]: got 656, expected 576 \(a e4m3 row\)"),
+    ((D, torch.float32), {}, "^kv_cache.dtype: got torch.float32, expected q's dtype torch.bfloat16, "
+                             "torch.float8_e4m3fn"),
+])
+def test_fp8_cache_misuse_is_named(fake_gpu, cache, kw, message):
+    row, dtype = cache
+    with pytest.raises(InputError, match=message):
+        call(make_args(kv_cache=torch.zeros(PAGES, PAGE, row, dtype=dtype)), **kw)
+    assert not fake_gpu.driver.launches
+
+
+def test_fp8_caches_hold_deepseeks_rows(fake_gpu):
+    """An FP8 cache needs q's 576 dims and a 512-wide value, and 16-byte row strides."""
+    q = torch.zeros(B, S, H, 320, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match=r"^q.shape\[-1\] and head_dim_v: got \(320, 256\), expected \(576, 512\)"):
+        call(make_args(q=q, kv_cache=torch.zeros(PAGES, PAGE, 320, dtype=torch.float8_e4m3fn)), kv_scale=1.0,
+             head_dim_v=256)
+    padded = torch.zeros(PAGES, PAGE, 664, dtype=torch.uint8)[:, :, :656]     # rows 664 bytes apart: not 16 x k
+    with pytest.raises(InputError, match="multiples of 16 elements"):
+        call(make_args(kv_cache=padded))

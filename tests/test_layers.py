@@ -16,7 +16,7 @@ PACKAGE = ROOT / "mlagen"
 # Every module under mlagen, by its dotted name under mlagen ("" is mlagen/__init__.py), in its
 # layer, lowest first. A new module has to be placed here.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("dsl", ("dsl", "dsl.arch", "dsl.errors", "dsl.spec")),
+    ("dsl", ("dsl", "dsl.arch", "dsl.errors", "dsl.kv_layout", "dsl.spec")),
     ("plan", ("plan", "plan.mma_plan", "plan.params", "plan.schedules", "plan.space", "plan.tiles",
               "plan.validate")),
     ("codegen", ("codegen", "codegen.build", "codegen.compiler", "codegen.precompile", "codegen.render")),

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 Dtype = Literal["bf16", "fp16"]
+KVFormatName = Literal["dtype", "e4m3", "ds_mla"]
 MaskKind = Literal["causal", "tree", "none"]
 Family = Literal["naive", "flash", "mma"]
 Split = int | Literal["adaptive", "balanced"]
@@ -26,6 +27,7 @@ Combine = Literal["merge", "cluster"]
 Partials = Literal["fp32", "16bit"]
 
 DTYPES: tuple[str, ...] = ("bf16", "fp16")
+KV_FORMATS: tuple[str, ...] = ("dtype", "e4m3", "ds_mla")
 MASKS: tuple[str, ...] = ("causal", "tree", "none")
 FAMILIES: tuple[str, ...] = ("naive", "flash", "mma")
 SCHEDULES: tuple[str, ...] = ("lockstep", "seesaw", "transposed", "p_exchange")
@@ -45,6 +47,9 @@ class Problem:
     page_size: KV rows per page of the paged cache.
     mask: "causal", "tree" (a per-request [S, S] draft-tree mask) or "none".
     lse: whether the kernel also writes lse [B, H, S] (fp32, natural log).
+    kv_format: what the cache holds (docs/design.md, "FP8 KV caches"): "dtype" (rows of `dtype`
+        values), "e4m3" (rows of dl + dr float8_e4m3fn values, times one kv_scale) or "ds_mla"
+        (DeepSeek's 656-byte rows: 512 e4m3 latent dims, four fp32 scales, 64 bf16 rope dims).
     """
 
     heads: int = 64
@@ -54,6 +59,12 @@ class Problem:
     page_size: int = 64
     mask: MaskKind = "causal"
     lse: bool = False
+    kv_format: KVFormatName = "dtype"
+
+    @property
+    def fp8_kv(self) -> bool:
+        """Whether the cache is FP8 (kv_format "e4m3" or "ds_mla")."""
+        return self.kv_format != "dtype"
 
     @property
     def head_dim(self) -> int:
@@ -62,8 +73,9 @@ class Problem:
     @property
     def name(self) -> str:
         lse = "_lse" if self.lse else ""
+        kv = f"_kv{self.kv_format}" if self.fp8_kv else ""
         return (
-            f"h{self.heads}_dl{self.dl}_dr{self.dr}_{self.dtype}_p{self.page_size}_{self.mask}{lse}"
+            f"h{self.heads}_dl{self.dl}_dr{self.dr}_{self.dtype}{kv}_p{self.page_size}_{self.mask}{lse}"
         )
 
     def with_(self, **changes: object) -> Problem:

@@ -22,7 +22,8 @@ class Field:
 
 FIELDS: tuple[Field, ...] = (
     Field("q", "const elem_t*", "Q", "(B, S, H, Dl+Dr), last dim contiguous"),
-    Field("kv", "const elem_t*", "Q", "(num_pages, page_size, Dl+Dr), last dim contiguous"),
+    Field("kv", "const kv_t*", "Q", "(num_pages, page_size, row) cached rows in the problem's kv_format, last dim "
+          "contiguous"),
     Field("kv_map", "const void*", "Q", "device address of kv's TMA descriptor (tma variants), else 0"),
     Field("block_table", "const int*", "Q", "(B, max_pages) page ids of each request, in order"),
     Field("seqlens", "const int*", "Q", "(B,) valid keys per request, draft tokens included"),
@@ -33,6 +34,8 @@ FIELDS: tuple[Field, ...] = (
           "or normalized in elem_t (part16)"),
     Field("part_ml", "float2*", "Q", "(num_splits, B, S, H) partial (max, sum), log2 domain"),
     Field("counters", "unsigned int*", "Q", "(row groups,) finished splits per row group; zero between calls"),
+    Field("kv_scale_ptr", "const float*", "Q", "e4m3 caches: the one fp32 kv_scale on the device, or null for "
+          "the kv_scale field"),
     Field("q_stride_b", "long long", "q", "elements between requests of q"),
     Field("q_stride_s", "long long", "q", "elements between query positions of q"),
     Field("q_stride_h", "long long", "q", "elements between heads of q"),
@@ -44,18 +47,19 @@ FIELDS: tuple[Field, ...] = (
     Field("out_stride_b", "long long", "q", "elements between requests of out"),
     Field("out_stride_s", "long long", "q", "elements between query positions of out"),
     Field("out_stride_h", "long long", "q", "elements between heads of out"),
-    Field("split_keys_log2", "long long", "q", "batch-invariant mode (fixed and adaptive splits): a row group's "
-          "keys go to the fewest of its num_splits splits that hold at most 2^split_keys_log2 keys each, "
-          "counted from its own length; 0: all num_splits"),
     Field("batch", "int", "i", "B"),
     Field("seqlen_q", "int", "i", "S, draft tokens per request"),
     Field("max_pages", "int", "i", "columns of block_table"),
     Field("num_pages", "int", "i", "pages in kv; page ids outside [0, num_pages) read as zeros"),
     Field("num_splits", "int", "i", "key-range splits; 1 writes out directly, no merge blocks"),
     Field("merge_blocks", "int", "i", "merge blocks per row group (num_splits > 1), in z slabs >= batch"),
+    Field("split_keys_log2", "int", "i", "batch-invariant mode (fixed and adaptive splits): a row group's keys go "
+          "to the fewest of its num_splits splits that hold at most 2^split_keys_log2 keys each, counted from "
+          "its own length; 0: all num_splits"),
     Field("scale_log2", "float", "f", "softmax_scale * log2(e)"),
+    Field("kv_scale", "float", "f", "e4m3 caches: real value = stored value * kv_scale (when kv_scale_ptr is null)"),
     Field("dependent", "int", "i", "1: launched as a programmatic dependent (the P exchange then prefetches "
-          "before its griddepcontrol.wait), 0: plainly; also keeps the block a multiple of 8 bytes"),
+          "before its griddepcontrol.wait), 0: plainly"),
 )
 
 _FORMAT = "<" + "".join(f.fmt for f in FIELDS)

@@ -10,9 +10,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..dsl import kv_layout
 from ..dsl.arch import MAX_ACCUMULATORS, Arch, accumulator_budget, get_arch
 from ..dsl.errors import SpecError, require, require_smem
-from ..dsl.spec import COMBINES, DTYPES, FAMILIES, LOADS, MASKS, PARTIALS, SCHEDULES, Problem, Variant, kernel_name
+from ..dsl.spec import (
+    COMBINES,
+    DTYPES,
+    FAMILIES,
+    KV_FORMATS,
+    LOADS,
+    MASKS,
+    PARTIALS,
+    SCHEDULES,
+    Problem,
+    Variant,
+    kernel_name,
+)
 from .mma_plan import STAGE_PAD, MmaLayout, load_mbarriers, mbarriers
 from .schedules import TileSchedule, schedule_of
 
@@ -64,6 +77,13 @@ class KernelPlan:
         """Whether the kernel splits a row group's keys (every family but the naive one): it
         then has the workspace's partial rows and merge code."""
         return self.variant.family != "naive"
+
+    @property
+    def kv_layout(self) -> dict[str, int]:
+        """The ds_mla row's byte offsets the kernels read (`mlagen.dsl.kv_layout`): the group
+        scales (`scales_at`), one a `group_dim` latent dims, and the bf16 rope dims (`rope_at`)."""
+        return {"scales_at": kv_layout.SCALES_AT, "rope_at": kv_layout.ROPE_AT, "group_dim": kv_layout.GROUP_DIM,
+                "row_bytes": kv_layout.DS_MLA_ROW_BYTES}
 
     # What the templates read of the variant, and the flags derived from it: templates read the
     # plan's attributes only, never its variant.
@@ -349,6 +369,10 @@ def _check_problem(p: Problem) -> None:
             "problem.page_size", p.page_size, "a power of two in 1..4096")
     require(p.mask in MASKS, "problem.mask", p.mask, f"one of {MASKS}")
     require(isinstance(p.lse, bool), "problem.lse", p.lse, "a bool")
+    require(p.kv_format in KV_FORMATS, "problem.kv_format", p.kv_format, f"one of {KV_FORMATS}")
+    fp8_rows = (kv_layout.LATENT_DIM, kv_layout.ROPE_DIM)
+    require(not p.fp8_kv or (p.dl, p.dr) == fp8_rows, "problem.kv_format", p.kv_format,
+            f"'dtype' for dl={p.dl} dr={p.dr} (the FP8 formats hold DeepSeek's rows: dl, dr = {fp8_rows})")
 
 
 def _check_common(v: Variant) -> None:
@@ -372,6 +396,13 @@ def _check_common(v: Variant) -> None:
             f"one of {LOADS}: 'tma' for the mma family (on sm_90a)")
     require(v.schedule == "lockstep" or (v.schedule in SCHEDULES and v.family == "mma"), "variant.schedule",
             v.schedule, f"one of {SCHEDULES}: 'lockstep' for the naive and flash families")
+
+
+def _check_fp8_family(p: Problem, v: Variant) -> None:
+    """FP8 caches run on the naive family, which dequantizes each row as it reads it; the tiled
+    families' FP8 loads are not built."""
+    require(not p.fp8_kv or v.family == "naive", "variant.family", v.family,
+            f"'naive' for problem.kv_format={p.kv_format!r} (the tiled families read 16-bit caches only)")
 
 
 def _plan_naive(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
@@ -471,6 +502,7 @@ def validate(problem: Problem, variant: Variant) -> KernelPlan:
     """Check `problem` and `variant` together; return the plan or raise `SpecError`."""
     _check_problem(problem)
     _check_common(variant)
+    _check_fp8_family(problem, variant)
     try:
         arch = get_arch(variant.arch)
     except ValueError as e:

@@ -20,10 +20,13 @@ from typing import NamedTuple
 
 import torch
 
+from ..dsl.kv_layout import DS_MLA_ROW_BYTES, LATENT_DIM, ROW_DIM
 from ..plan.validate import MAX_SEQLEN_Q
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-_ALIGN_ELEMS = 8     # kernels move rows in 16-byte chunks
+_ALIGN_BYTES = 16    # kernels move rows in 16-byte chunks
+# A cache of another dtype than q's is FP8 (mlagen.runtime.kv_formats): its Problem.kv_format.
+FP8_KV_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.uint8: "ds_mla"}
 CHECK_VALUES_DEFAULT: bool = os.environ.get("MLAGEN_CHECK_VALUES", "") not in ("", "0")
 
 
@@ -43,6 +46,7 @@ class Shapes(NamedTuple):   # no tensors: the runtime keeps one per argument sig
     dtype: str
     kv_strides: tuple[int, int]     # (page, row) strides of the cache as [num_pages, page_size, D]
     mask_strides: tuple[int, int]   # (request, query row) of tree_mask: request 0 if shared, (0, 0) if none
+    kv_format: str = "dtype"        # Problem.kv_format: "dtype", or an FP8 cache's "e4m3" / "ds_mla"
 
 
 def _fail(name: str, got: object, expected: str) -> None:
@@ -64,10 +68,11 @@ def _aligned_rows(name: str, x: torch.Tensor, row_dims: tuple[int, ...]) -> None
     stride, shape = x.stride(), x.shape     # fetched once: this runs on every call
     if stride[-1] != 1:
         _fail(f"{name}.stride()", tuple(stride), "the last dim contiguous (stride 1)")
+    align = _ALIGN_BYTES // x.element_size()
     for d in row_dims:
-        if shape[d] > 1 and stride[d] % _ALIGN_ELEMS:
+        if shape[d] > 1 and stride[d] % align:
             _fail(f"{name}.stride()", tuple(stride),
-                  f"strides that are multiples of {_ALIGN_ELEMS} elements (16-byte rows)")
+                  f"strides that are multiples of {align} elements (16-byte rows)")
     if x.data_ptr() % 16:
         _fail(f"{name}.data_ptr()", hex(x.data_ptr()), "a 16-byte aligned address")
 
@@ -90,17 +95,26 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
 
     kv_cache = _tensor("kv_cache", kv_cache)
     _on("kv_cache", kv_cache, q.device)
+    kv_format, row = "dtype", D
     if kv_cache.dtype != q.dtype:
-        _fail("kv_cache.dtype", kv_cache.dtype, f"q's dtype {q.dtype}")
+        if kv_cache.dtype not in FP8_KV_FORMATS:
+            _fail("kv_cache.dtype", kv_cache.dtype, f"q's dtype {q.dtype}, torch.float8_e4m3fn (e4m3 rows) or "
+                  "torch.uint8 (DeepSeek's 656-byte ds_mla rows)")
+        kv_format = FP8_KV_FORMATS[kv_cache.dtype]
+        if (D, head_dim_v) != (ROW_DIM, LATENT_DIM):
+            _fail("q.shape[-1] and head_dim_v", (D, head_dim_v),
+                  f"({ROW_DIM}, {LATENT_DIM}) with a {kv_format} cache (DeepSeek's MLA rows)")
+        row = DS_MLA_ROW_BYTES if kv_format == "ds_mla" else ROW_DIM
     if kv_cache.dim() == 4 and kv_cache.size(2) == 1:
         kv = kv_cache[:, :, 0]
     elif kv_cache.dim() == 3:
         kv = kv_cache
     else:
         _fail("kv_cache.shape", tuple(kv_cache.shape),
-              f"[num_pages, page_size, {D}] or [num_pages, page_size, 1, {D}]")
-    if kv.size(-1) != D:
-        _fail("kv_cache.shape[-1]", kv.size(-1), f"q.shape[-1]={D}")
+              f"[num_pages, page_size, {row}] or [num_pages, page_size, 1, {row}]")
+    if kv.size(-1) != row:
+        _fail("kv_cache.shape[-1]", kv.size(-1), f"q.shape[-1]={D}" if kv_format == "dtype"
+              else f"{row} (a {kv_format} row)")
     if kv.size(0) < 1:
         _fail("kv_cache.shape[0]", kv.size(0), "at least one page")
     _aligned_rows("kv_cache", kv, (0, 1))
@@ -144,7 +158,8 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
         mask_strides = (mask.stride(0) if mask.dim() == 3 else 0, mask.stride(-2))
     return Shapes(batch=B, seqlen_q=S, heads=H, head_dim=D, dl=head_dim_v,
                   num_pages=kv.size(0), page_size=kv.size(1), max_pages=block_table.size(1),
-                  dtype=DTYPES[q.dtype], kv_strides=(kv.stride(0), kv.stride(1)), mask_strides=mask_strides)
+                  dtype=DTYPES[q.dtype], kv_strides=(kv.stride(0), kv.stride(1)), mask_strides=mask_strides,
+                  kv_format=kv_format)
 
 
 def check_out(out: object, q: torch.Tensor, shapes: Shapes) -> None:

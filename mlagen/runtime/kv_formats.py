@@ -38,20 +38,26 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dsl.kv_layout import (
+    DS_MLA_ROW_BYTES,
+    E4M3_BYTES,
+    GROUP_DIM,
+    GROUPS,
+    LATENT_DIM,
+    ROPE_AT,
+    ROPE_DIM,
+    ROPE_VALUE_BYTES,
+    ROW_DIM,
+    SCALE_BYTES,
+    SCALES_AT,
+)
 from .inputs import InputError
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max                # 448.0, the largest finite e4m3 value
-LATENT_DIM = 512                                # Dl: the latent dims, also the value row
-ROPE_DIM = 64                                   # Dr
-ROW_DIM = LATENT_DIM + ROPE_DIM                 # 576
-GROUP_DIM = 128                                 # latent dims per ds_mla scale
-GROUPS = LATENT_DIM // GROUP_DIM                # 4 scales a row
 SCALE_DTYPE = torch.float32                     # ds_mla's group scales, and a kv_scale tensor's dtype
 ROPE_DTYPE = torch.bfloat16                     # ds_mla's rope dims
-SCALES_AT = LATENT_DIM                          # byte 512: the group scales
-ROPE_AT = SCALES_AT + GROUPS * SCALE_DTYPE.itemsize             # byte 528: the rope dims
-DS_MLA_ROW_BYTES = ROPE_AT + ROPE_DIM * ROPE_DTYPE.itemsize     # 656
+assert SCALE_DTYPE.itemsize == SCALE_BYTES and ROPE_DTYPE.itemsize == ROPE_VALUE_BYTES and E4M3.itemsize == E4M3_BYTES
 DS_MLA_MIN_SCALE = 1e-4                         # amax / 448 is raised to this before rounding up
 SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what quantize_kv converts
 

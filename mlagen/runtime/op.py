@@ -38,6 +38,7 @@ from ..dsl.arch import arch_for_capability, runs_on
 from ..dsl.spec import Problem, Variant
 from ..plan.params import tail
 from . import inputs, sinks, tensormap, workspace
+from .kv_formats import check_scale
 from .launch import KernelLaunch, Loaded, kernel_launch, launch, load
 
 LOG2E = 1.4426950408889634
@@ -108,12 +109,13 @@ def pick_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, 
 @functools.lru_cache(maxsize=4096)
 def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str, lse: bool,
              batch: int, seqlen_q: int, kv_capacity: int, table_capacity: int, device: int,
-             variant: Variant | None, invariant: bool = False) -> _Prepared:
+             variant: Variant | None, invariant: bool = False, kv_format: str = "dtype") -> _Prepared:
     """Problem, variant (given, batch-invariant, or dispatched), loaded kernels, split and grids
     of a shape, planned for requests of up to kv_capacity keys (of the table_capacity the block
     table addresses): memoized on plain values, since a serving step repeats the same shapes and
     each piece costs host time."""
-    problem = Problem(heads=heads, dl=dl, dr=dr, dtype=dtype, page_size=page_size, mask=mask, lse=lse)
+    problem = Problem(heads=heads, dl=dl, dr=dr, dtype=dtype, page_size=page_size, mask=mask, lse=lse,
+                      kv_format=kv_format)
     device_arch = device_info(device)[0]
     dispatch = device_policy(device)
     invariant = invariant and variant is None           # a named variant runs as given
@@ -159,14 +161,24 @@ _MAX_CALLS = 1024
 BATCH_INVARIANT_DEFAULT: bool = os.environ.get("MLAGEN_BATCH_INVARIANT", "") not in ("", "0")
 
 
+def _scale_key(kv_scale: object) -> object:
+    """kv_scale's part of a call's key: a float's value (it goes into the parameter block), or a
+    tensor's metadata (its pointer goes in at each launch)."""
+    if isinstance(kv_scale, torch.Tensor):
+        return (type(kv_scale), kv_scale.shape, kv_scale.dtype, kv_scale.device)
+    return kv_scale
+
+
 def _lookup(q: object, kv_cache: object, block_table: object, cache_seqlens: object, tree_mask: object,
             out: object, head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
-            variant: Variant | None, bound: int | None, invariant: bool) -> tuple[tuple | None, _Call | None]:
+            variant: Variant | None, bound: int | None, invariant: bool,
+            kv_scale: object = None) -> tuple[tuple | None, _Call | None]:
     """(key, remembered _Call or None) for these arguments; the key is None for arguments that
     are not tensors or not hashable (the full checks name those)."""
     try:
         key = (inputs.signature(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale),
-               causal, return_lse, variant, bound, invariant)
+               causal, return_lse, variant, bound, invariant, _scale_key(kv_scale))
+        hash(key)
         return key, _calls.get(key)
     except (AttributeError, TypeError, RuntimeError):
         return None, None
@@ -181,11 +193,18 @@ def _require_cuda(q: object) -> None:
 def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: object, cache_seqlens: object,
                   tree_mask: object, out: object, head_dim_v: int, softmax_scale: float | None, causal: bool,
                   return_lse: bool, variant: Variant | None, check_values: bool | None, bound: int | None,
-                  invariant: bool = False) -> _Call:
+                  invariant: bool = False, kv_scale: object = None) -> _Call:
     """Every check, in the op's order (each names the bad argument), then the _Call, which is
     remembered under `key` (from `_lookup`). bound: `inputs.key_bound(max_seqlen_k)`."""
     _require_cuda(q)
     shapes = inputs.check_inputs(q, kv_cache, block_table, cache_seqlens, tree_mask, head_dim_v, softmax_scale)
+    if shapes.kv_format == "e4m3":
+        check_scale("kv_scale", kv_scale, q.device, check_values=inputs.values_requested(check_values))
+    elif kv_scale is not None:
+        raise inputs.InputError(f"kv_scale: got {type(kv_scale).__name__}, expected None: only an e4m3 cache "
+                                f"takes one (this cache is {shapes.kv_format}, whose rows hold their own scales)"
+                                if shapes.kv_format == "ds_mla" else
+                                f"kv_scale: got {type(kv_scale).__name__}, expected None for a {shapes.dtype} cache")
     if inputs.values_requested(check_values):
         inputs.check_values(shapes, block_table, cache_seqlens)
     B, S, H, dl = shapes.batch, shapes.seqlen_q, shapes.heads, shapes.dl
@@ -194,7 +213,7 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
     capacity = shapes.max_pages * shapes.page_size
     prep = _prepare(H, dl, shapes.head_dim - dl, shapes.dtype, shapes.page_size, mask,
                     return_lse, B, S, capacity if bound is None else min(capacity, bound), capacity, device, variant,
-                    invariant)
+                    invariant, shapes.kv_format)
     if out is not None:
         inputs.check_out(out, q, shapes)
     out_size = (B, S, H, dl)
@@ -214,6 +233,7 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
             "mask_stride_b": shapes.mask_strides[0], "mask_stride_q": shapes.mask_strides[1],
             "out_stride_b": out_strides[0], "out_stride_s": out_strides[1], "out_stride_h": out_strides[2],
             "split_keys_log2": prep.split_keys_log2,
+            "kv_scale": float(kv_scale) if isinstance(kv_scale, (int, float)) else 1.0,
             "batch": B, "seqlen_q": S, "max_pages": shapes.max_pages, "num_pages": shapes.num_pages,
             "num_splits": prep.splits, "merge_blocks": prep.merge_blocks, "scale_log2": scale * LOG2E, "dependent": 0,
         }))
@@ -241,12 +261,17 @@ def verify_attention(
     max_seqlen_k: int | None = None,
     attn_sink: torch.Tensor | None = None,
     batch_invariant: bool | None = None,
+    kv_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA verify attention over a paged latent KV cache.
 
     Args:
         q: [B, S, H, Dl+Dr] bf16/fp16 CUDA tensor; the first Dl dims are q_nope @ W_UK.
-        kv_cache: [num_pages, page_size, Dl+Dr] or [num_pages, page_size, 1, Dl+Dr], q's dtype.
+        kv_cache: [num_pages, page_size, Dl+Dr] or [num_pages, page_size, 1, Dl+Dr] in q's dtype;
+            or an FP8 cache of DeepSeek's rows (Dl+Dr = 576, head_dim_v 512;
+            `mlagen.quantize_kv` makes one): float8_e4m3fn [.., 576] with kv_scale, or uint8
+            [.., 656] (ds_mla: 512 e4m3 latent dims, four fp32 group scales, 64 bf16 rope
+            dims). FP8 caches run on the naive kernel, which dequantizes each row as it reads it.
         block_table: [B, max_pages] int32, page ids of each request in order.
         cache_seqlens: [B] int32, valid keys per request including its S draft tokens, which
             sit at positions cache_seqlens[b]-S .. cache_seqlens[b]-1.
@@ -274,6 +299,9 @@ def verify_attention(
             (`policy.batch_invariant_variant`: a kernel chosen from the problem and S alone, each
             request's keys in splits counted from its own length). Default from MLAGEN_BATCH_INVARIANT. A
             named `variant` runs as given.
+        kv_scale: an e4m3 cache's scale (real value = stored value x kv_scale): a float, or a
+            one-element fp32 tensor on q's device, which may change between calls and inside CUDA
+            graphs. None for every other cache.
 
     Returns:
         out [B, S, H, Dl] in q's dtype, and lse if return_lse. A row that sees no key gives
@@ -285,13 +313,13 @@ def verify_attention(
         result = verify_attention(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale,
                                   causal=causal, tree_mask=tree_mask, return_lse=True, variant=variant,
                                   head_dim_v=head_dim_v, check_values=check_values, out=out,
-                                  max_seqlen_k=max_seqlen_k, batch_invariant=batch_invariant)
+                                  max_seqlen_k=max_seqlen_k, batch_invariant=batch_invariant, kv_scale=kv_scale)
         sinks.apply_attn_sink_(result[0], result[1].transpose(1, 2), attn_sink)
         return result if return_lse else result[0]
     bound = inputs.key_bound(max_seqlen_k) if max_seqlen_k is not None else None
     invariant = BATCH_INVARIANT_DEFAULT if batch_invariant is None else bool(batch_invariant)
     key, call = _lookup(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale, causal,
-                        return_lse, variant, bound, invariant)
+                        return_lse, variant, bound, invariant, kv_scale)
     if call is not None:
         # Pointers change from call to call, so alignment is checked every time; a misaligned
         # one goes through the full checks, which name it.
@@ -300,7 +328,7 @@ def verify_attention(
             call = None
     if call is None:
         call = _checked_call(key, q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v,
-                             softmax_scale, causal, return_lse, variant, check_values, bound, invariant)
+                             softmax_scale, causal, return_lse, variant, check_values, bound, invariant, kv_scale)
         q_ptr, kv_ptr = q.data_ptr(), kv_cache.data_ptr()
     elif check_values or (check_values is None and inputs.CHECK_VALUES_DEFAULT):   # values_requested, inlined
         inputs.check_values(call.shapes, block_table, cache_seqlens)
@@ -323,7 +351,8 @@ def verify_attention(
     # kv_cache's pointer is the [num_pages, page_size, D] view's too (a 4-dim cache's index 0).
     pointers = (q_ptr, kv_ptr, kv_map, block_table.data_ptr(), cache_seqlens.data_ptr(),
                 tree_mask.data_ptr() if tree_mask is not None else 0, out.data_ptr(),
-                lse.data_ptr() if lse is not None else 0, part_o, part_ml, counters)
+                lse.data_ptr() if lse is not None else 0, part_o, part_ml, counters,
+                kv_scale.data_ptr() if isinstance(kv_scale, torch.Tensor) else 0)
     # torch.cuda.current_device() without its lazy-init check: q is a CUDA tensor, so CUDA is up.
     if torch._C._cuda_getDevice() == call.device:
         launch(call.kernel, stream, pointers, call.tail)

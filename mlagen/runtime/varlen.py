@@ -152,6 +152,7 @@ def verify_attention_varlen(
     max_seqlen_k: int | None = None,
     attn_sink: torch.Tensor | None = None,
     batch_invariant: bool | None = None,
+    kv_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA verify attention for a batch whose requests have different draft counts.
 
@@ -164,8 +165,8 @@ def verify_attention_varlen(
             cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 (s_b = the difference, 0..max_seqlen_q).
         max_seqlen_q: host int, the largest s_b (at most 64 with a tree mask).
         softmax_scale, causal, return_lse, variant, head_dim_v, check_values, max_seqlen_k,
-            attn_sink, batch_invariant: as in `verify_attention`; check_values also checks cu_seqlens_q (a host
-            read).
+            attn_sink, batch_invariant, kv_scale: as in `verify_attention`; check_values also checks
+            cu_seqlens_q (a host read).
         tree_mask: packed bool [B, max_seqlen_q, max_seqlen_q], request b's s_b x s_b draft
             tree mask in the top-left corner (or [max_seqlen_q, max_seqlen_q] shared the same
             way); tree_mask[b, i, k]: query i of request b sees its draft token k.
@@ -188,7 +189,7 @@ def verify_attention_varlen(
                               softmax_scale=softmax_scale, causal=causal, tree_mask=padded_mask,
                               return_lse=return_lse, variant=variant, head_dim_v=head_dim_v,
                               check_values=check_values, max_seqlen_k=max_seqlen_k, attn_sink=attn_sink,
-                              batch_invariant=batch_invariant)
+                              batch_invariant=batch_invariant, kv_scale=kv_scale)
     if not return_lse:
         return layout.unpad_out(result)
     out, lse = result

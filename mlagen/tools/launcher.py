@@ -44,12 +44,12 @@ _ASSIGN: dict[str, str] = {
     "q": "q", "kv": "kv_cache", "kv_map": "kUsesTma ? kv_map : nullptr", "block_table": "block_table",
     "seqlens": "cache_seqlens",
     "tree_mask": "kTreeMask ? tree_mask : nullptr", "out": "out", "lse": "kWritesLse ? lse : nullptr",
-    "part_o": "part_o", "part_ml": "part_ml", "counters": "counters",
+    "part_o": "part_o", "part_ml": "part_ml", "counters": "counters", "kv_scale_ptr": "nullptr",
     "q_stride_b": "q_stride_b", "q_stride_s": "q_stride_s", "q_stride_h": "q_stride_h",
     "kv_stride_page": "kv_stride_page", "kv_stride_row": "kv_stride_row", "bt_stride_b": "bt_stride_b",
     "mask_stride_b": "kTreeMask ? mask_stride_b : 0", "mask_stride_q": "kTreeMask ? mask_stride_q : 0",
     "out_stride_b": "out_stride_b", "out_stride_s": "out_stride_s", "out_stride_h": "out_stride_h",
-    "split_keys_log2": "0",
+    "split_keys_log2": "0", "kv_scale": "1.0f",
     "batch": "batch", "seqlen_q": "seqlen_q", "max_pages": "max_pages", "num_pages": "num_pages",
     "num_splits": "num_splits", "merge_blocks": "split ? merge_blocks(batch, seqlen_q) : 0",
     "scale_log2": f"softmax_scale * {_LOG2E}", "dependent": "kProgrammaticLaunch && programmatic ? 1 : 0",
@@ -68,7 +68,7 @@ def namespace(plan: KernelPlan) -> str:
 
 def _host_field(f: Field) -> Field:
     # The host twin has no elem_t (bf16 and fp16 headers may share one translation unit).
-    return Field(f.name, f.ctype.replace("elem_t", "void"), f.fmt, f.doc)
+    return Field(f.name, f.ctype.replace("elem_t", "void").replace("kv_t", "void"), f.fmt, f.doc)
 
 
 _CEIL = re.compile(r"ceil\((\w+) / (\d+)\)")

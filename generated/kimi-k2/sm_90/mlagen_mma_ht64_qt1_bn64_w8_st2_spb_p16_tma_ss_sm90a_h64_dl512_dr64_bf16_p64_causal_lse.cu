@@ -35,6 +35,7 @@ typedef __nv_bfloat16 elem_t;
 typedef __nv_bfloat162 elem2_t;
 __device__ __forceinline__ float2 to_float2(elem2_t v) { return __bfloat1622float2(v); }
 __device__ __forceinline__ elem2_t from_float2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+typedef elem_t kv_t;              // the cache holds q's dtype
 
 namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 
@@ -59,7 +60,7 @@ static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
 // The parameter block every kernel of this file takes by value (mlagen/params.py).
 struct __align__(8) VerifyParams {
   const elem_t* q;  // (B, S, H, Dl+Dr), last dim contiguous
-  const elem_t* kv;  // (num_pages, page_size, Dl+Dr), last dim contiguous
+  const kv_t* kv;  // (num_pages, page_size, row) cached rows in the problem's kv_format, last dim contiguous
   const void* kv_map;  // device address of kv's TMA descriptor (tma variants), else 0
   const int* block_table;  // (B, max_pages) page ids of each request, in order
   const int* seqlens;  // (B,) valid keys per request, draft tokens included
@@ -69,6 +70,7 @@ struct __align__(8) VerifyParams {
   void* part_o;  // (num_splits, B, S, H, Dl) partial outputs: fp32 unnormalized, or normalized in elem_t (part16)
   float2* part_ml;  // (num_splits, B, S, H) partial (max, sum), log2 domain
   unsigned int* counters;  // (row groups,) finished splits per row group; zero between calls
+  const float* kv_scale_ptr;  // e4m3 caches: the one fp32 kv_scale on the device, or null for the kv_scale field
   long long q_stride_b;  // elements between requests of q
   long long q_stride_s;  // elements between query positions of q
   long long q_stride_h;  // elements between heads of q
@@ -80,15 +82,16 @@ struct __align__(8) VerifyParams {
   long long out_stride_b;  // elements between requests of out
   long long out_stride_s;  // elements between query positions of out
   long long out_stride_h;  // elements between heads of out
-  long long split_keys_log2;  // batch-invariant mode (fixed and adaptive splits): a row group's keys go to the fewest of its num_splits splits that hold at most 2^split_keys_log2 keys each, counted from its own length; 0: all num_splits
   int batch;  // B
   int seqlen_q;  // S, draft tokens per request
   int max_pages;  // columns of block_table
   int num_pages;  // pages in kv; page ids outside [0, num_pages) read as zeros
   int num_splits;  // key-range splits; 1 writes out directly, no merge blocks
   int merge_blocks;  // merge blocks per row group (num_splits > 1), in z slabs >= batch
+  int split_keys_log2;  // batch-invariant mode (fixed and adaptive splits): a row group's keys go to the fewest of its num_splits splits that hold at most 2^split_keys_log2 keys each, counted from its own length; 0: all num_splits
   float scale_log2;  // softmax_scale * log2(e)
-  int dependent;  // 1: launched as a programmatic dependent (the P exchange then prefetches before its griddepcontrol.wait), 0: plainly; also keeps the block a multiple of 8 bytes
+  float kv_scale;  // e4m3 caches: real value = stored value * kv_scale (when kv_scale_ptr is null)
+  int dependent;  // 1: launched as a programmatic dependent (the P exchange then prefetches before its griddepcontrol.wait), 0: plainly
 };
 
 namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
@@ -149,13 +152,13 @@ __device__ __forceinline__ int kv_page(const VerifyParams& p, int b, int j) {
 }
 
 // Address of key j in page `page`, or nullptr when the page id is outside the cache.
-__device__ __forceinline__ const elem_t* kv_row_in(const VerifyParams& p, int page, int j) {
+__device__ __forceinline__ const kv_t* kv_row_in(const VerifyParams& p, int page, int j) {
   if (page < 0 || page >= p.num_pages) return nullptr;
   return p.kv + (long long)page * p.kv_stride_page + (long long)(j % PAGE) * p.kv_stride_row;
 }
 
 // Address of key j of request b, or nullptr when its page id is outside the cache.
-__device__ __forceinline__ const elem_t* kv_row(const VerifyParams& p, int b, int j) {
+__device__ __forceinline__ const kv_t* kv_row(const VerifyParams& p, int b, int j) {
   return kv_row_in(p, kv_page(p, b, j), j);
 }
 
@@ -263,6 +266,13 @@ __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) { const float2 t = to_float2(h[e]); f[2 * e] = t.x; f[2 * e + 1] = t.y; }
 }
+
+// Chunk c (dims 8c .. 8c + 7) of the cached row at `row` as floats: its 16-bit values, or an FP8
+// row's dequantized (the cache holds q's dtype; `scale` is unused).
+__device__ __forceinline__ void kv_chunk(const kv_t* row, int c, float scale, float* f) {
+  unpack8(*reinterpret_cast<const uint4*>(row + c * CHUNK), f);
+}
+
 __device__ __forceinline__ uint4 pack8(const float* f) {
   uint4 v;
   elem2_t* h = reinterpret_cast<elem2_t*>(&v);

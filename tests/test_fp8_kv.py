@@ -1,0 +1,111 @@
+"""FP8 KV caches through the DSL, the plan, the dispatcher and the naive kernel: what a problem
+with kv_format "e4m3" or "ds_mla" is called, which variants take it, that its kernels compile for
+every arch, and (on a GPU) that the op's results match the fp64 reference of the dequantized
+cache, row by row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mlagen
+from mlagen.codegen.build import build
+from mlagen.dispatch.policy import H200, batch_invariant_variant, choose_variant
+from mlagen.dsl.arch import ARCHS
+from mlagen.dsl.errors import SpecError
+from mlagen.dsl.spec import Problem, naive, parse_variant
+from mlagen.plan.validate import validate
+from mlagen.tools.testing import compare_rows, make_case
+
+FP8 = ("e4m3", "ds_mla")
+
+
+def test_fp8_problems_are_named_and_checked():
+    assert Problem(kv_format="e4m3").name == "h64_dl512_dr64_bf16_kve4m3_p64_causal"
+    assert Problem(kv_format="ds_mla", dtype="fp16", lse=True).name == "h64_dl512_dr64_fp16_kvds_mla_p64_causal_lse"
+    assert Problem().name == "h64_dl512_dr64_bf16_p64_causal" and not Problem().fp8_kv
+    with pytest.raises(SpecError, match="problem.kv_format: got 'fp8'"):
+        validate(Problem(kv_format="fp8"), naive())
+    with pytest.raises(SpecError, match="problem.kv_format: got 'e4m3', expected 'dtype' for dl=256 dr=64"):
+        validate(Problem(kv_format="e4m3", dl=256), naive())
+    for name in ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", "flash_ht8_qt8_bn32_w8_st2_spa_sm90"):
+        with pytest.raises(SpecError, match="variant.family: got '(mma|flash)', expected 'naive' for "
+                                            "problem.kv_format='ds_mla'"):
+            validate(Problem(kv_format="ds_mla"), parse_variant(name))
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_the_dispatcher_runs_fp8_caches_on_the_naive_kernel(fmt):
+    """Every pick for an FP8 cache, batch-invariant mode's too, is the naive variant of the arch,
+    and it validates."""
+    for arch in ARCHS:
+        for seqlen_q, batch in ((1, 1), (9, 32), (64, 4)):
+            problem = Problem(heads=16, kv_format=fmt, mask="tree")
+            picks = {choose_variant(problem, seqlen_q, batch, 4096, arch, policy=H200),
+                     batch_invariant_variant(problem, seqlen_q, arch, H200)}
+            assert picks == {naive(arch)}
+            validate(problem, naive(arch))
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_naive_kernels_compile_without_spills(fmt, arch):
+    """The naive kernel reads each format on every arch (sm_80 through cuda_fp8.h's conversion,
+    the newer ones with cvt): no spills, q in either 16-bit dtype."""
+    for dtype in ("bf16", "fp16"):
+        built = build(Problem(heads=16, kv_format=fmt, dtype=dtype, mask="tree", lse=True), naive(arch))
+        resources = built.module.resources[built.plan.main_kernel]
+        assert not resources.spills, resources
+        assert "kv_chunk" in built.source and ("cuda_fp8.h" in built.source)
+
+
+def test_16bit_caches_render_no_fp8_code():
+    source = build(Problem(), naive()).source
+    assert "cuda_fp8.h" not in source and "typedef elem_t kv_t;" in source
+
+
+def _fp8_case(fmt: str, mask: str, page_size: int, scale_as_tensor: bool, seed: int):
+    """A case whose cache is quantized to `fmt` (NaN pages stay NaN), with its kv_scale."""
+    case = make_case(batch=3, seqlen_q=4, heads=16, prefixes=[300, 0, 1000], page_size=page_size, mask=mask,
+                     seed=seed, empty=[False, True, False])
+    cache, scale = mlagen.quantize_kv(case.kv_cache, fmt)
+    if scale is not None and not scale_as_tensor:
+        scale = float(scale)
+    return case, cache, scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("mask", ["causal", "tree", "none"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_fp8_caches_match_the_reference_of_their_dequantized_rows(fmt, mask, page_size):
+    """out and lse of every row against the fp64 reference over the same FP8 cache (dequantized
+    as kv_formats specifies), with bf16's per-row tolerance: an empty request, NaN in unused pages
+    and past each length, the e4m3 scale as a float and as a device tensor."""
+    for seed, as_tensor in ((1, False), (2, True)):
+        case, cache, scale = _fp8_case(fmt, mask, page_size, as_tensor, seed)
+        out, lse = mlagen.verify_attention(case.q, cache, case.block_table, case.cache_seqlens, kv_scale=scale,
+                                           return_lse=True, **case.kwargs())
+        ref_out, ref_lse = mlagen.reference(case.q, cache, case.block_table, case.cache_seqlens, kv_scale=scale,
+                                            dtype=torch.float64, **case.kwargs())
+        problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2))
+        assert problem is None, (fmt, mask, page_size, seed, problem)
+
+
+@pytest.mark.gpu
+def test_an_e4m3_scale_tensor_is_read_at_each_launch():
+    """A graph captured with a scale tensor follows the tensor's value on replay."""
+    case, cache, scale = _fp8_case("e4m3", "causal", 16, True, 3)
+    run = lambda: mlagen.verify_attention(case.q, cache, case.block_table, case.cache_seqlens,  # noqa: E731
+                                          kv_scale=scale, **case.kwargs())
+    before = run().clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    scale.mul_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(out, before)
+    expected = mlagen.verify_attention(case.q, cache, case.block_table, case.cache_seqlens, kv_scale=float(scale),
+                                       **case.kwargs())
+    assert torch.equal(out, expected)
