@@ -66,8 +66,7 @@ def test_metadata_older_forms(call):
 
 def test_metadata_older_form_errors():
     lens = torch.tensor([5, 9, 0], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="is_fp8_kvcache"):
-        flash_mla.get_mla_metadata(lens, 4, 1, is_fp8_kvcache=True)
+    assert flash_mla.get_mla_metadata(lens, 4, 1, is_fp8_kvcache=True)[0].shape == (1, 8)   # accepted
     with pytest.raises(NotImplementedError, match="sparse"):
         flash_mla.get_mla_metadata(lens, 4, 1, num_heads_q=16, topk=2048)
     with pytest.raises(InputError, match=r"^num_heads_k: got 0, expected an int >= 1"):
@@ -183,13 +182,23 @@ def test_sparse_arguments_raise_naming_the_argument(fake_op, name):
     assert fake_op == []
 
 
-def test_fp8_raises(fake_op):
-    q, k_cache, block_table, lens = _inputs()
-    with pytest.raises(NotImplementedError, match="fp8 KV cache"):
-        flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, None, is_fp8_kvcache=True)
-    with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
-        flash_mla.flash_mla_with_kvcache(q, k_cache.to(torch.float8_e4m3fn), block_table, lens, 512, None)
-    assert fake_op == []
+def test_fp8_caches_pass_flashmlas_rows_to_the_op(fake_op):
+    """is_fp8_kvcache=True takes FlashMLA's uint8 656-byte rows, per KV head as views; a cache that
+    does not match the flag is named; a flat e4m3 cache (no kv_scale here) is not FlashMLA's."""
+    q, _, block_table, lens = _inputs(H=16, H_kv=2)
+    rows = torch.zeros(4, 64, 2, 656, dtype=torch.uint8)
+    meta, _ = flash_mla.get_mla_metadata(lens, 2 * 8, 2, 16, True)
+    flash_mla.flash_mla_with_kvcache(q, rows, block_table, lens, 512, meta, is_fp8_kvcache=True)
+    assert [(c[1].dtype, c[1].shape) for c in fake_op] == [(torch.uint8, (4, 64, 656))] * 2
+    with pytest.raises(InputError, match=r"^k_cache: got torch.bfloat16 \(4, 64, 2, 576\), expected uint8 rows of 656"):
+        flash_mla.flash_mla_with_kvcache(q, torch.zeros(4, 64, 2, 576, dtype=torch.bfloat16), block_table, lens,
+                                         512, None, is_fp8_kvcache=True)
+    with pytest.raises(InputError, match="^is_fp8_kvcache: got False, expected True for a uint8 k_cache"):
+        flash_mla.flash_mla_with_kvcache(q, rows, block_table, lens, 512, None)
+    with pytest.raises(NotImplementedError, match="a torch.float8_e4m3fn KV cache.*mlagen.verify_attention"):
+        flash_mla.flash_mla_with_kvcache(q, torch.zeros(4, 64, 2, 576, dtype=torch.float8_e4m3fn), block_table,
+                                         lens, 512, None)
+    assert len(fake_op) == 2
 
 
 def test_sched_meta_records_its_first_configuration(fake_op):

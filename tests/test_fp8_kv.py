@@ -109,3 +109,18 @@ def test_an_e4m3_scale_tensor_is_read_at_each_launch():
     expected = mlagen.verify_attention(case.q, cache, case.block_table, case.cache_seqlens, kv_scale=float(scale),
                                        **case.kwargs())
     assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+def test_flashmla_fp8_rows_through_the_compat_api():
+    """flash_mla_with_kvcache(is_fp8_kvcache=True) on ds_mla rows gives the op's bits (FlashMLA's
+    +inf lse for the empty request)."""
+    from mlagen.compat import flash_mla
+
+    case, cache, _ = _fp8_case("ds_mla", "causal", 64, False, 4)
+    out, lse = flash_mla.flash_mla_with_kvcache(case.q, cache[:, :, None], case.block_table, case.cache_seqlens,
+                                                512, None, softmax_scale=case.scale, causal=True, is_fp8_kvcache=True)
+    ref_out, ref_lse = mlagen.verify_attention(case.q, cache, case.block_table, case.cache_seqlens, return_lse=True,
+                                               **case.kwargs())
+    assert torch.equal(out, ref_out)
+    assert torch.equal(lse, ref_lse.masked_fill(ref_lse == -float("inf"), float("inf")))

@@ -21,8 +21,11 @@ GPU mlagen targets (sm_80, sm_89, sm_90, sm_120):
   exp(lse) / (exp(lse) + exp(attn_sink[h])); lse is unchanged. (FlashMLA applies sinks this
   way on its sparse path and refuses them on its dense one.)
 
+- FP8 caches (`is_fp8_kvcache=True`): FlashMLA's 656-byte uint8 rows, run on mlagen's naive
+  kernel (correct; not yet fast).
+
 Sparse attention (`indices`, `extra_k_cache`, `extra_indices_in_kvcache`, `topk_length`,
-`extra_topk_length`, `topk`) and fp8 KV caches raise NotImplementedError. For draft-tree
+`extra_topk_length`, `topk`) raises NotImplementedError. For draft-tree
 masks, which FlashMLA lacks, call `mlagen.verify_attention(..., tree_mask=...)` directly. One
 mlagen extension, keyword-only so FlashMLA's positional calls are unchanged:
 `flash_mla_with_kvcache(..., max_seqlen_k=n)`, a host bound on `cache_seqlens` that plans the
@@ -41,6 +44,7 @@ import math
 
 import torch
 
+from ..dsl.kv_layout import DS_MLA_ROW_BYTES
 from ..runtime.inputs import InputError
 from ..runtime.ops import verify_attention_op
 from ..runtime.sinks import check_attn_sink
@@ -54,7 +58,7 @@ _SPARSE_ARGUMENTS = ("indices", "extra_k_cache", "extra_indices_in_kvcache", "to
 
 def _unsupported(what: str) -> None:
     raise NotImplementedError(f"mlagen.compat.flash_mla: {what} is not supported by mlagen "
-                              "(dense bf16/fp16 KV only); use FlashMLA for it")
+                              "(dense KV in bf16, fp16 or FlashMLA's FP8 rows only); use FlashMLA for it")
 
 
 def _fail(name: str, got: object, expected: str) -> None:
@@ -104,8 +108,6 @@ def _placeholder_metadata(
     topk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The metadata tensors of `get_mla_metadata`'s call with arguments (see there)."""
-    if is_fp8_kvcache:
-        _unsupported("is_fp8_kvcache=True")
     if topk is not None:
         _unsupported(f"sparse attention (topk={topk})")
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dim() != 1:
@@ -138,7 +140,8 @@ def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None] | tuple[
         num_q_tokens_per_head_k: S * H_q / H_kv (unused).
         num_heads_k: KV heads (H_kv), an int >= 1.
         num_heads_q: None or H_q, a multiple of num_heads_k.
-        is_fp8_kvcache, topk: fp8 and sparse attention (topk) raise NotImplementedError.
+        is_fp8_kvcache: accepted (the cache's format shows in `flash_mla_with_kvcache`'s call).
+        topk: sparse attention raises NotImplementedError.
     returns (tile_scheduler_metadata [1, 8] int32, num_splits [B+1] int32), zeros on
     cache_seqlens' device. Arguments that fit neither form raise TypeError; bad values,
     mlagen.InputError.
@@ -214,8 +217,9 @@ def flash_mla_with_kvcache(
     Args:
         q: [B, S, H_q, 576] bf16/fp16 (S query tokens per request; the last S keys of each
             request are theirs), last dim contiguous.
-        k_cache: [num_blocks, page_block_size, H_kv, 576] in q's dtype, or [num_blocks,
-            page_block_size, 576] for one KV head; last dim contiguous. H_q must be a multiple
+        k_cache: [num_blocks, page_block_size, H_kv, 576] in q's dtype (or uint8 [..., 656] with
+            is_fp8_kvcache), or [num_blocks, page_block_size, 576] for one KV head; last dim
+            contiguous. H_q must be a multiple
             of H_kv: query head h reads KV head h // (H_q / H_kv). With H_kv > 1, each KV head
             runs as one call on its group of H_q / H_kv query heads (strided views of q and
             k_cache, no copies), and the groups' results are joined into one out and lse.
@@ -231,7 +235,9 @@ def flash_mla_with_kvcache(
             `causal` passed one position early).
         causal: FlashMLA's default False (every valid key visible); True: query i sees the
             prefix and query tokens 0..i.
-        is_fp8_kvcache: fp8 KV caches raise NotImplementedError.
+        is_fp8_kvcache: True: k_cache holds FlashMLA's FP8 rows, uint8 [..., 656] (512 e4m3
+            latent dims, four fp32 scales, 64 bf16 rope dims; `mlagen.quantize_kv(..., "ds_mla")`
+            makes them), run on mlagen's naive kernel, which dequantizes as it reads.
         attn_sink: None or [H_q] fp32 on q's device: each output row (b, i, h) is scaled by
             exp(lse) / (exp(lse) + exp(attn_sink[h])) (`mlagen.runtime.sinks`); +inf gives 0,
             -inf changes nothing; lse is returned unscaled.
@@ -255,8 +261,17 @@ def flash_mla_with_kvcache(
         _fail("q", type(q).__name__, "a torch.Tensor")
     if not isinstance(k_cache, torch.Tensor):
         _fail("k_cache", type(k_cache).__name__, "a torch.Tensor")
-    if is_fp8_kvcache or k_cache.dtype not in (torch.bfloat16, torch.float16):
-        _unsupported(f"an fp8 KV cache (is_fp8_kvcache={is_fp8_kvcache}, k_cache.dtype={k_cache.dtype})")
+    if is_fp8_kvcache:
+        if k_cache.dtype != torch.uint8 or k_cache.shape[-1] != DS_MLA_ROW_BYTES:
+            _fail("k_cache", f"{k_cache.dtype} {tuple(k_cache.shape)}", f"uint8 rows of {DS_MLA_ROW_BYTES} bytes "
+                  "(FlashMLA's FP8 cache: 512 e4m3 latent dims, four fp32 scales, 64 bf16 rope dims) "
+                  "with is_fp8_kvcache=True")
+    elif k_cache.dtype == torch.uint8:
+        _fail("is_fp8_kvcache", False, f"True for a uint8 k_cache ({DS_MLA_ROW_BYTES}-byte FP8 rows)")
+    elif k_cache.dtype not in (torch.bfloat16, torch.float16):
+        _unsupported(f"a {k_cache.dtype} KV cache (FlashMLA's FP8 cache is uint8 rows of {DS_MLA_ROW_BYTES} bytes "
+                     "with is_fp8_kvcache=True; a flat e4m3 cache with a kv_scale runs through "
+                     "mlagen.verify_attention)")
     for name, value in zip(_SPARSE_ARGUMENTS, (indices, extra_k_cache, extra_indices_in_kvcache, topk_length,
                                                extra_topk_length), strict=True):
         if value is not None:
