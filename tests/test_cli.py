@@ -206,7 +206,7 @@ def test_list_prints_whole_names_in_a_narrow_pipe():
         assert p.description in run.stdout
         for arch in DEFAULT_EMIT_ARCHS:
             names = [v.name for v in p.variants(arch)]
-            start = lines.index(f"{p.name} on {arch}: {len(names)} variants")
+            start = lines.index(f"{p.name} on {arch}: {len(names)} variant{'s' if len(names) != 1 else ''}")
             assert lines[start + 1:start + 1 + len(names)] == names
 
 
@@ -215,7 +215,9 @@ def test_list_arch():
     assert result.exit_code == 0, result.output
     lines = _list_lines(result.stdout)
     headers = [line for line in lines if " on sm_" in line]
-    assert headers == [f"{p.name} on {a}: {len(p.variants(a))} variants" for p in PRESETS.values()
+    def count(n: int) -> str:
+        return f"{n} variant" + ("s" if n != 1 else "")
+    assert headers == [f"{p.name} on {a}: {count(len(p.variants(a)))}" for p in PRESETS.values()
                        for a in ("sm_80", "sm_90a")]
     assert "naive_w4_sm80" in lines and "naive_w4_sm90" not in lines and "naive_w4_sm120" not in lines
 

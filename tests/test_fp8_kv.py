@@ -124,3 +124,26 @@ def test_flashmla_fp8_rows_through_the_compat_api():
                                                **case.kwargs())
     assert torch.equal(out, ref_out)
     assert torch.equal(lse, ref_lse.masked_fill(ref_lse == -float("inf"), float("inf")))
+
+
+def test_fp8_presets_emit_the_naive_kernel_with_a_scale_taking_launcher(tmp_path):
+    """`mlagen emit --preset kimi-k2-fp8 --launcher` writes the naive kernels and C++ launchers
+    whose launch takes kv_scale (or a device pointer) for the e4m3 cache, and checks its row
+    strides in 16-byte multiples; the ds_mla preset's rows are 656 bytes and take no scale."""
+    from mlagen.dispatch.presets import PRESETS
+    from mlagen.tools.launcher import render_launcher
+
+    e4m3 = render_launcher(validate(PRESETS["kimi-k2-fp8"].problem, naive("sm_90")))
+    assert "constexpr bool kE4m3Cache = true;" in e4m3 and "constexpr int kKvRowElems = 576;" in e4m3
+    assert "p.kv_scale_ptr = kE4m3Cache ? kv_scale_ptr : nullptr;" in e4m3
+    assert "p.kv_scale = kE4m3Cache ? kv_scale : 1.0f;" in e4m3 and "constexpr int kKvAlignElems = 16;" in e4m3
+    ds = render_launcher(validate(PRESETS["deepseek-v3-fp8"].problem, naive("sm_90")))
+    assert "constexpr bool kE4m3Cache = false;" in ds and "constexpr int kKvRowElems = 656;" in ds
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    result = CliRunner().invoke(app, ["emit", "--preset", "kimi-k2-fp8", "--launcher", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in (tmp_path / "kimi-k2-fp8").rglob("*.cu"))
+    assert names and all(n.startswith("mlagen_naive_") and "_kve4m3_" in n for n in names), names

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dsl.spec import Problem, Variant, naive
-from .policy import H200, heuristic_mma, transposed_tile, untuned_variant
+from .policy import H200, fp8_variant, heuristic_mma, transposed_tile, untuned_variant
 
 # Context lengths, short and long, whose dispatch `mlagen emit` covers for one request.
 EMIT_KEYS: tuple[int, ...] = (4096, 65536)
@@ -26,6 +26,8 @@ class Preset:
     seqlens_q: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 33, 64)
 
     def variants(self, arch: str) -> list[Variant]:
+        if self.problem.fp8_kv:
+            return [fp8_variant(arch)]       # the one family that reads FP8 caches
         chosen = {untuned_variant(self.problem, s, 1, keys, arch, H200) for s in self.seqlens_q for keys in EMIT_KEYS}
         chosen |= {v for s in self.seqlens_q if (v := heuristic_mma(self.problem, s, arch, H200, specialize=False))}
         chosen |= {v for s in self.seqlens_q if (v := transposed_tile(self.problem, s, arch, H200))}
@@ -44,6 +46,10 @@ PRESETS: dict[str, Preset] = {
         Preset("deepseek-v3", _mla(128), "DeepSeek-V3/R1: 128 heads, one GPU"),
         Preset("deepseek-v3-tp4", _mla(32), "DeepSeek-V3 sharded 4 ways: 32 heads per GPU"),
         Preset("deepseek-v3-tp8", _mla(16), "DeepSeek-V3 sharded 8 ways: 16 heads per GPU"),
+        Preset("kimi-k2-fp8", _mla(64).with_(kv_format="e4m3"),
+               "Kimi K2 over a flat e4m3 cache (kv_scale): 64 heads, the naive kernel"),
+        Preset("deepseek-v3-fp8", _mla(128).with_(kv_format="ds_mla"),
+               "DeepSeek-V3 over FlashMLA's 656-byte FP8 rows: 128 heads, the naive kernel"),
     )
 }
 DEFAULT_PRESET = "kimi-k2"
