@@ -1,6 +1,7 @@
 """`mlagen fuzz`: the shapes it draws, how it judges a kernel (with stand-in kernels on the CPU),
 its options; on a GPU, a short run of the real thing."""
 
+import dataclasses
 import math
 import re
 
@@ -10,7 +11,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from mlagen.dispatch.policy import H200
-from mlagen.dsl.spec import DTYPES, MASKS, SCHEDULES, parse_variant
+from mlagen.dsl.spec import DTYPES, KV_FORMATS, MASKS, SCHEDULES, naive, parse_variant
 from mlagen.plan.validate import is_valid
 from mlagen.tools.fuzz import FuzzSpace, Shape, check, draw, draw_variant, fuzz
 from mlagen.tools.testing import Case
@@ -43,6 +44,29 @@ def test_a_seed_always_draws_the_same_shape_within_the_space():
     assert any(b is None for b, _ in bounds) and any(b == n > 0 for b, n in bounds)
     assert any(b is not None and b < n for b, n in bounds) and all(b is None or b <= n for b, n in bounds)
     assert any(s.table_pages * s.page_size >= 32768 for s in shapes) and any(not s.table_pages for s in shapes)
+
+
+def test_kv_formats_are_drawn_last_and_run_the_naive_kernel():
+    """With --kv a seed keeps its 16-bit shape and draws its cache's format after it; every format
+    shows up, and an FP8 shape's random variant is the naive kernel's."""
+    fp8 = FuzzSpace(kv_formats=KV_FORMATS)
+    shapes = [draw(seed, fp8) for seed in range(60)]
+    assert [dataclasses.replace(s, kv_format="dtype") for s in shapes] == [draw(seed) for seed in range(60)]
+    assert {s.kv_format for s in shapes} == set(KV_FORMATS)
+    assert all(s.kv_format == "dtype" for s in map(draw, range(60)))
+    for s in shapes:
+        v = draw_variant(s, "sm_90")
+        assert (v.family == "naive" and v == naive(v.arch, v.warps)) if s.kv_format != "dtype" else v is not None
+        assert is_valid(s.problem, v) and (s.problem.kv_format == s.kv_format)
+    assert "kv ds_mla" in str(next(s for s in shapes if s.kv_format == "ds_mla"))
+
+
+def test_a_correct_kernel_passes_fp8_shapes():
+    """The fuzz loop on FP8 caches (quantized by make_case, the reference on their rows)."""
+    space = dataclasses.replace(SMALL, kv_formats=("e4m3", "ds_mla"))
+    report = fuzz(range(8), [None], space, device="cpu", kernel=_reference_kernel)
+    assert [o.status for o in report.outcomes] == ["ok"] * 8
+    assert {o.shape.kv_format for o in report.outcomes} == {"e4m3", "ds_mla"}
 
 
 def test_a_narrow_space_is_kept():
@@ -206,6 +230,7 @@ def test_a_lost_cuda_context_stops_the_run_at_that_seed():
     (["--minutes", "0"], "--minutes: got 0"),
     (["--no-dispatch"], "expected --variant or --any-variant"),
     (["--variant", "mma_bogus"], "--variant"),
+    (["--kv", "fp8"], "--kv: got 'fp8', expected one of dtype, e4m3, ds_mla"),
 ])
 def test_fuzz_options_fail_before_any_gpu_work(args, message):
     result = runner.invoke(app, ["fuzz", *args])
@@ -228,6 +253,13 @@ def test_fuzz_runs_clean_on_this_gpu():
     assert report.count("ok", "dispatch") == 8, [o.message for o in report.outcomes if o.status != "ok"]
     assert report.count("fail", name) == 0 and report.count("ok", name) >= 1
     assert report.shapes == 8 and report.summary().startswith("8 shapes in")
+
+
+@pytest.mark.gpu
+def test_fuzz_runs_clean_on_fp8_caches():
+    """FP8 caches of both layouts through the dispatcher's pick (the naive kernel)."""
+    report = fuzz(range(8), [None], FuzzSpace(max_prefix=2000, kv_formats=("e4m3", "ds_mla")))
+    assert report.count("ok", "dispatch") == 8, [o.message for o in report.outcomes if o.status != "ok"]
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ import torch
 from ..dispatch.policy import DispatchPolicy
 from ..dsl.arch import specializations
 from ..dsl.errors import SpecError
-from ..dsl.spec import DTYPES, MASKS, Problem, Variant, naive
+from ..dsl.spec import DTYPES, KV_FORMATS, MASKS, Problem, Variant, naive
 from ..plan.mma_plan import TRANSPOSED_ROWS
 from ..plan.tiles import enumerate_tiles, head_tiles
 from ..plan.validate import MAX_CLUSTER, MAX_SEQLEN_Q, is_valid, validate
@@ -56,6 +56,7 @@ class FuzzSpace:
     masks: tuple[str, ...] = MASKS
     dtypes: tuple[str, ...] = DTYPES
     max_work: float = 3e9
+    kv_formats: tuple[str, ...] = ("dtype",)     # caches to draw: "dtype" (q's), "e4m3", "ds_mla"
 
     def __post_init__(self) -> None:
         checks = [
@@ -70,6 +71,8 @@ class FuzzSpace:
              f"some of {', '.join(DTYPES)}"),
             ("max_work", self.max_work, self.max_work >= min(self.heads, default=1),
              "at least the smallest head count (one key of one query)"),
+            ("kv_formats", self.kv_formats, bool(self.kv_formats) and set(self.kv_formats) <= set(KV_FORMATS),
+             f"some of {', '.join(KV_FORMATS)}"),
         ]
         for name, got, ok, expected in checks:
             if not ok:
@@ -93,6 +96,7 @@ class Shape:
     dtype: str
     max_seqlen_k: int | None = None     # the op's host bound on the lengths; may be below them
     table_pages: int = 0                # block table width, when wider than the lengths need
+    kv_format: str = "dtype"            # Problem.kv_format: the cache q's dtype, or FP8
 
     @property
     def kv_capacity(self) -> int:
@@ -104,22 +108,24 @@ class Shape:
     @property
     def problem(self) -> Problem:
         """The kernel problem of the shape (Dl=512, Dr=64)."""
-        return Problem(heads=self.heads, dtype=self.dtype, page_size=self.page_size, mask=self.mask, lse=self.lse)
+        return Problem(heads=self.heads, dtype=self.dtype, page_size=self.page_size, mask=self.mask, lse=self.lse,
+                       kv_format=self.kv_format)
 
     def case(self, device: str = "cuda") -> Case:
         """The shape's inputs (`mlagen.tools.testing.make_case`, NaN wherever nothing may be read)."""
         return make_case(batch=self.batch, seqlen_q=self.seqlen_q, heads=self.heads, prefixes=list(self.prefixes),
                          page_size=self.page_size, mask=self.mask, seed=self.seed, dtype=TORCH_DTYPES[self.dtype],
                          device=device, empty=list(self.empty), per_request_tree=self.per_request_tree,
-                         table_pages=self.table_pages)
+                         table_pages=self.table_pages, kv_format=self.kv_format)
 
     def __str__(self) -> str:
         lengths = ["-" if e else str(p) for p, e in zip(self.prefixes, self.empty, strict=True)]
         tree = " per-request" if self.mask == "tree" and self.per_request_tree else ""
         bound = f" max_seqlen_k={self.max_seqlen_k}" if self.max_seqlen_k is not None else ""
         bound += f" table={self.table_pages} pages" if self.table_pages else ""
+        kv = f" kv {self.kv_format}" if self.kv_format != "dtype" else ""
         return (f"B={self.batch} S={self.seqlen_q} H={self.heads} prefixes=[{','.join(lengths)}] "
-                f"page={self.page_size}{tree} {self.mask} {self.dtype}{' lse' if self.lse else ''}{bound}")
+                f"page={self.page_size}{tree} {self.mask} {self.dtype}{kv}{' lse' if self.lse else ''}{bound}")
 
 
 def _prefix(rng: random.Random, top: int, seqlen_q: int) -> int:
@@ -154,10 +160,14 @@ def draw(seed: int, space: FuzzSpace = FuzzSpace()) -> Shape:
     # A quarter of the block tables are sized for a long context, as engines size them.
     wide = -(-rng.choice([4096, 32768, 131072]) // page_size) if rng.random() < 0.25 else 0
     table_pages = wide if wide > -(-longest // page_size) + 1 else 0      # wider than make_case's own
-    return Shape(seed=seed, batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=prefixes, empty=empty,
-                 page_size=page_size, mask=mask,
-                 per_request_tree=mask == "tree" and rng.random() < 0.5, lse=rng.random() < 0.5,
-                 dtype=rng.choice(space.dtypes), max_seqlen_k=bound, table_pages=table_pages)
+    shape = Shape(seed=seed, batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=prefixes, empty=empty,
+                  page_size=page_size, mask=mask,
+                  per_request_tree=mask == "tree" and rng.random() < 0.5, lse=rng.random() < 0.5,
+                  dtype=rng.choice(space.dtypes), max_seqlen_k=bound, table_pages=table_pages)
+    # The cache's format is drawn last, and only from a choice: a seed's shape in the 16-bit space
+    # stays what it was.
+    kv_format = rng.choice(space.kv_formats) if len(space.kv_formats) > 1 else space.kv_formats[0]
+    return dataclasses.replace(shape, kv_format=kv_format)
 
 
 def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
@@ -170,6 +180,8 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
     rng = random.Random(f"variant {shape.seed}")
     archs = (arch, *specializations(arch))
     family = rng.choice(["naive", "flash", "mma", "mma", "mma"])   # first, so that easy ones do not crowd
+    if shape.problem.fp8_kv:
+        family = "naive"                                            # the family that reads FP8 caches
     for _ in range(tries):
         target = rng.choice(archs)
         if family == "naive":

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.kv_formats import quantize_kv
 from ..runtime.reference import reference
 
 
@@ -35,11 +36,13 @@ class Case:
     causal: bool
     scale: float
     dl: int
+    kv_scale: torch.Tensor | None = None   # an e4m3 cache's scale ([1] fp32 on the device), else None
 
     def kwargs(self) -> dict:
-        """softmax_scale, causal, tree_mask and head_dim_v, as the op takes them."""
-        return dict(softmax_scale=self.scale, causal=self.causal, tree_mask=self.tree_mask,
-                    head_dim_v=self.dl)
+        """softmax_scale, causal, tree_mask and head_dim_v, as the op takes them, and kv_scale
+        for an e4m3 cache."""
+        kw = dict(softmax_scale=self.scale, causal=self.causal, tree_mask=self.tree_mask, head_dim_v=self.dl)
+        return kw if self.kv_scale is None else dict(kw, kv_scale=self.kv_scale)
 
     def reference(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """out [B, S, H, Dl] and lse [B, H, S] from `mlagen.reference`, computed in `dtype` on the
@@ -86,7 +89,7 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
               mask: str, seed: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
               dl: int = 512, dr: int = 64, empty: list[bool] | None = None,
               spare_pages: int = 3, per_request_tree: bool = False, table_pages: int = 0,
-              tree_shape: str = "random") -> Case:
+              tree_shape: str = "random", kv_format: str = "dtype") -> Case:
     """A paged case: request b holds prefixes[b] + S keys (0 where empty[b]) on shuffled pages.
 
     q is [B, S, H, dl+dr] and the cache [pages, page_size, dl+dr], both standard normal in `dtype`
@@ -98,7 +101,8 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
     length, and the block table's entries past a request's pages (they point at unused pages).
     The block table is table_pages wide, or one page wider than the longest request needs if that
     is more (an engine's table is sized for its longest context). Built with a few tensor ops on
-    the device: no per-key or per-page work on the host.
+    the device: no per-key or per-page work on the host. kv_format "e4m3" or "ds_mla": the cache
+    is then `quantize_kv`'s (NaN stays NaN), with kv_scale for e4m3 (dl + dr = 576).
     """
     gen = torch.Generator().manual_seed(seed)
     values = torch.Generator(device=device).manual_seed(seed + (1 << 32))   # not gen's stream
@@ -137,9 +141,12 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
             tree = tree_of_shape(tree_shape, seqlen_q, gen)
         tree = tree.to(device)
     scale = (1.0 / math.sqrt(D)) * float(torch.empty(1).uniform_(0.5, 2.0, generator=gen))
+    kv_scale = None
+    if kv_format != "dtype":
+        kv, kv_scale = quantize_kv(kv, kv_format)
     return Case(q=q, kv_cache=kv, block_table=table,
                 cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=device),
-                tree_mask=tree, causal=(mask == "causal"), scale=scale, dl=dl)
+                tree_mask=tree, causal=(mask == "causal"), scale=scale, dl=dl, kv_scale=kv_scale)
 
 
 def poisoned_out(case: Case) -> torch.Tensor:
