@@ -59,6 +59,19 @@ def test_fp8_naive_kernels_compile_without_spills(fmt, arch):
         assert "kv_chunk" in built.source and ("cuda_fp8.h" in built.source)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_e4m3_query_kernels_compile_without_spills(arch):
+    """e4m3 queries over each cache format on the naive kernel; the tiled families refuse them."""
+    for kv_format in ("dtype", *FP8):
+        problem = Problem(heads=8, kv_format=kv_format, q_format="e4m3", mask="causal", lse=True)
+        built = build(problem, naive(arch))
+        assert not built.module.resources[built.plan.main_kernel].spills
+        assert "typedef unsigned char q_t;" in built.source and "q_scale_of(p)" in built.source
+    assert Problem(q_format="e4m3").name == "h64_dl512_dr64_bf16_qe4m3_p64_causal"
+    with pytest.raises(SpecError, match="'naive' for problem.q_format='e4m3'"):
+        validate(Problem(q_format="e4m3"), parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_sm90"))
+
+
 def test_16bit_caches_render_no_fp8_code():
     source = build(Problem(), naive()).source
     assert "cuda_fp8.h" not in source and "typedef elem_t kv_t;" in source
@@ -147,3 +160,28 @@ def test_fp8_presets_emit_the_naive_kernel_with_a_scale_taking_launcher(tmp_path
     assert result.exit_code == 0, result.output
     names = sorted(p.name for p in (tmp_path / "kimi-k2-fp8").rglob("*.cu"))
     assert names and all(n.startswith("mlagen_naive_") and "_kve4m3_" in n for n in names), names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["dtype", *FP8])
+def test_e4m3_queries_match_the_reference_of_their_dequantized_values(kv_format):
+    """float8_e4m3fn queries with q_scale (a float and a tensor) over each cache: every row against
+    the fp64 reference of the same FP8 inputs, with bf16's per-row tolerance."""
+    for seed, as_tensor in ((5, False), (6, True)):
+        if kv_format == "dtype":
+            case = make_case(batch=3, seqlen_q=4, heads=16, prefixes=[300, 0, 1000], page_size=16, mask="tree",
+                             seed=seed, empty=[False, True, False])
+            cache, kv_scale = case.kv_cache, None
+        else:
+            case, cache, kv_scale = _fp8_case(kv_format, "tree", 16, as_tensor, seed)
+        amax = case.q.float().abs().amax()
+        q_scale = (amax / 448).reshape(1)
+        q8 = (case.q.float() / q_scale).to(torch.float8_e4m3fn)
+        scale = q_scale if as_tensor else float(q_scale)
+        out, lse = mlagen.verify_attention(q8, cache, case.block_table, case.cache_seqlens, kv_scale=kv_scale,
+                                           q_scale=scale, return_lse=True, **case.kwargs())
+        ref_out, ref_lse = mlagen.reference(q8, cache, case.block_table, case.cache_seqlens, kv_scale=kv_scale,
+                                            q_scale=scale, dtype=torch.float64, **case.kwargs())
+        assert out.dtype == (case.q.dtype if kv_format == "dtype" else torch.bfloat16)
+        problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2))
+        assert problem is None, (kv_format, seed, problem)

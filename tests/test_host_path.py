@@ -22,7 +22,7 @@ from mlagen.runtime.inputs import InputError
 B, S, H, D, DL, PAGES, PAGE = 2, 3, 4, 576, 512, 5, 16
 MAIN = (0x7F00, 8, 2, B + 4, 256, 1, 1, 100_000)    # function, grid (2 splits, merge slabs), block, smem
 GROUPS = 8 * B                                        # row groups: grid x * B
-_FORMAT = struct.Struct("<12Q11q7iffi")
+_FORMAT = struct.Struct("<13Q11q7iffi")
 
 
 class Driver:
@@ -52,9 +52,9 @@ def fake_gpu(monkeypatch):
     kernel = launch.KernelLaunch(args=MAIN, name="main_k")
 
     def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, table_capacity, device,
-                variant, invariant=False, kv_format="dtype"):
+                variant, invariant=False, kv_format="dtype", q_format="dtype"):
         prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, device, variant,
-                         invariant, kv_format))
+                         invariant, kv_format, q_format))
         rows, value_bytes = 2 * batch * seqlen_q * heads, 2 if variant and variant.partials == "16bit" else 4
         return op._Prepared(loaded=None, kernel=kernel, splits=2, merge_blocks=3,
                                  layout=workspace.Layout.of(rows, dl * value_bytes, GROUPS))
@@ -451,7 +451,7 @@ def test_batch_invariant_calls_plan_apart_and_follow_the_environment(fake_gpu, m
     call(a)
     call(a, batch_invariant=True)
     call(a, batch_invariant=True)
-    assert [p[-2] for p in fake_gpu.prepared] == [False, True] and len(op._calls) == 2
+    assert [p[-3] for p in fake_gpu.prepared] == [False, True] and len(op._calls) == 2
     monkeypatch.setattr(op, "BATCH_INVARIANT_DEFAULT", True)
     call(a)                                                            # the same call as batch_invariant=True
     assert len(fake_gpu.prepared) == 2
@@ -465,7 +465,7 @@ def test_fp8_caches_reach_the_plan_with_their_scale(fake_gpu):
     each launch; a ds_mla cache plans as "ds_mla" and takes no kv_scale."""
     e4m3 = make_args(kv_cache=torch.zeros(PAGES, PAGE, D, dtype=torch.float8_e4m3fn))
     call(e4m3, kv_scale=0.5)
-    assert fake_gpu.prepared[-1][-1] == "e4m3"
+    assert fake_gpu.prepared[-1][-2:] == ("e4m3", "dtype")
     block = fields(fake_gpu.driver.launches[-1][1])
     assert block["kv_scale"] == 0.5 and block["kv_scale_ptr"] == 0
     call(e4m3, kv_scale=0.25)
@@ -478,7 +478,7 @@ def test_fp8_caches_reach_the_plan_with_their_scale(fake_gpu):
     assert fields(fake_gpu.driver.launches[-1][1])["kv_scale_ptr"] == other.data_ptr() and len(op._calls) == 3
     ds = make_args(kv_cache=torch.zeros(PAGES, PAGE, 1, 656, dtype=torch.uint8))
     call(ds)
-    assert fake_gpu.prepared[-1][-1] == "ds_mla"
+    assert fake_gpu.prepared[-1][-2:] == ("ds_mla", "dtype")
     assert fields(fake_gpu.driver.launches[-1][1])["kv_stride_row"] == 656
 
 
@@ -509,3 +509,29 @@ def test_fp8_caches_hold_deepseeks_rows(fake_gpu):
     padded = torch.zeros(PAGES, PAGE, 664, dtype=torch.uint8)[:, :, :656]     # rows 664 bytes apart: not 16 x k
     with pytest.raises(InputError, match="multiples of 16 elements"):
         call(make_args(kv_cache=padded))
+
+
+def test_e4m3_queries_plan_with_their_scale_and_the_caches_output_dtype(fake_gpu):
+    """float8_e4m3fn queries: q_format "e4m3", out in the 16-bit cache's dtype (bf16 over an FP8
+    cache); a float q_scale folds into scale_log2 (a new value, a new checked call), a tensor
+    goes in by pointer; misuse is named."""
+    import math as _math
+
+    q8 = torch.zeros(B, S, H, D, dtype=torch.float8_e4m3fn)
+    out = call(make_args(q=q8, kv_cache=torch.zeros(PAGES, PAGE, D, dtype=torch.float16)), q_scale=0.5,
+               softmax_scale=0.1)
+    assert out.dtype == torch.float16 and fake_gpu.prepared[-1][3] == "fp16" and fake_gpu.prepared[-1][-1] == "e4m3"
+    block = fields(fake_gpu.driver.launches[-1][1])
+    assert _math.isclose(block["scale_log2"], 0.1 * 0.5 * op.LOG2E, rel_tol=1e-6) and block["q_scale_ptr"] == 0
+    scale = torch.ones(1, dtype=torch.float32)
+    out = call(make_args(q=q8, kv_cache=torch.zeros(PAGES, PAGE, 656, dtype=torch.uint8)), q_scale=scale)
+    assert out.dtype == torch.bfloat16 and fake_gpu.prepared[-1][-2:] == ("ds_mla", "e4m3")
+    assert fields(fake_gpu.driver.launches[-1][1])["q_scale_ptr"] == scale.data_ptr()
+    with pytest.raises(InputError, match="^q_scale: got None, expected a float or a one-element"):
+        call(make_args(q=q8))
+    with pytest.raises(InputError, match="^q_scale: got float, expected None for torch.bfloat16 queries"):
+        call(make_args(), q_scale=1.0)
+    with pytest.raises(InputError, match=r"^out.dtype: got torch.float16, expected torch.bfloat16 \(the output"):
+        call(make_args(q=q8), q_scale=1.0, out=torch.empty(B, S, H, DL, dtype=torch.float16))
+    with pytest.raises(InputError, match="^q.dtype: got torch.float32, expected torch.bfloat16, torch.float16 or"):
+        call(make_args(q=torch.zeros(B, S, H, D)))

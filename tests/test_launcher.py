@@ -180,7 +180,8 @@ def test_tma_header_encodes_the_runtimes_tensor_map():
     assert "constexpr bool kUsesTma = false;" in plain and "<cuda.h>" not in plain
     assert "make_kv_map(const void*, long long, long long, int, void*) { return cudaSuccess; }" in plain
     assert ("bool programmatic = false, const void* kv_map = nullptr,\n"
-            "    float kv_scale = 1.0f, const float* kv_scale_ptr = nullptr)") in plain
+            "    float kv_scale = 1.0f, const float* kv_scale_ptr = nullptr, const float* q_scale_ptr = nullptr)"
+            ) in plain
 
 
 def test_header_refuses_a_balanced_launch_past_its_work_list():

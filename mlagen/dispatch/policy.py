@@ -368,9 +368,9 @@ INVARIANT_SPLIT_KEYS_LOG2 = 10      # 1024 keys; the kernels' split_keys_log2 pa
 
 
 def fp8_variant(arch: str) -> Variant:
-    """The variant an FP8 cache runs on `arch`: the naive family's, which dequantizes each row
-    as it reads it (the only family with FP8 loads; validate refuses the others). It has no
-    split, so it is batch-invariant as it is."""
+    """The variant an FP8 cache or FP8 queries run on `arch`: the naive family's, which
+    dequantizes each row as it reads it (the only family with FP8 loads; validate refuses the
+    others). It has no split, so it is batch-invariant as it is."""
     return naive(arch)
 
 
@@ -384,7 +384,7 @@ def batch_invariant_variant(problem: Problem, seqlen_q: int, arch: str, policy: 
     rows fit one (`transposed_tile`); an sm_90a 64-row tile runs on the seesaw schedule with TMA
     loads where it fits. No balanced or adaptive split (their ranges follow the batch), no
     cluster or P exchange (their cluster sizes follow the table)."""
-    if problem.fp8_kv:
+    if problem.fp8:
         return fp8_variant(arch)
     v = transposed_tile(problem, seqlen_q, arch, policy) or heuristic_variant(problem, seqlen_q, arch, policy)
     if v.family == "mma" and v.arch == "sm_90a" and not v.transposed:
@@ -465,7 +465,7 @@ def choose_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int
     for the whole table; a balanced split whose work list cannot count the table's tiles over
     the batch (`balanced_list_fits`, past ~2^37 keys) runs its tile with the adaptive split.
     """
-    if problem.fp8_kv:
+    if problem.fp8:
         return fp8_variant(arch)
     table = kv_capacity if table_capacity is None else table_capacity
     v = _table_or_heuristic(problem, seqlen_q, batch, kv_capacity, arch, gpu, policy)

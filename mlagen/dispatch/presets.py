@@ -26,7 +26,7 @@ class Preset:
     seqlens_q: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 33, 64)
 
     def variants(self, arch: str) -> list[Variant]:
-        if self.problem.fp8_kv:
+        if self.problem.fp8:
             return [fp8_variant(arch)]       # the one family that reads FP8 caches
         chosen = {untuned_variant(self.problem, s, 1, keys, arch, H200) for s in self.seqlens_q for keys in EMIT_KEYS}
         chosen |= {v for s in self.seqlens_q if (v := heuristic_mma(self.problem, s, arch, H200, specialize=False))}

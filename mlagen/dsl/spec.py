@@ -18,6 +18,7 @@ from typing import Literal
 
 Dtype = Literal["bf16", "fp16"]
 KVFormatName = Literal["dtype", "e4m3", "ds_mla"]
+QFormatName = Literal["dtype", "e4m3"]
 MaskKind = Literal["causal", "tree", "none"]
 Family = Literal["naive", "flash", "mma"]
 Split = int | Literal["adaptive", "balanced"]
@@ -28,6 +29,7 @@ Partials = Literal["fp32", "16bit"]
 
 DTYPES: tuple[str, ...] = ("bf16", "fp16")
 KV_FORMATS: tuple[str, ...] = ("dtype", "e4m3", "ds_mla")
+Q_FORMATS: tuple[str, ...] = ("dtype", "e4m3")
 MASKS: tuple[str, ...] = ("causal", "tree", "none")
 FAMILIES: tuple[str, ...] = ("naive", "flash", "mma")
 SCHEDULES: tuple[str, ...] = ("lockstep", "seesaw", "transposed", "p_exchange")
@@ -43,13 +45,14 @@ class Problem:
     heads: H, query heads sharing the one latent KV head.
     dl: latent (value) width, the first `dl` dims of each KV row (512 for DeepSeek/Kimi).
     dr: rope width appended to each KV row (64).
-    dtype: element type of q, kv_cache and out.
+    dtype: element type of out (and of q and kv_cache where their formats are "dtype").
     page_size: KV rows per page of the paged cache.
     mask: "causal", "tree" (a per-request [S, S] draft-tree mask) or "none".
     lse: whether the kernel also writes lse [B, H, S] (fp32, natural log).
     kv_format: what the cache holds (docs/design.md, "FP8 KV caches"): "dtype" (rows of `dtype`
         values), "e4m3" (rows of dl + dr float8_e4m3fn values, times one kv_scale) or "ds_mla"
         (DeepSeek's 656-byte rows: 512 e4m3 latent dims, four fp32 scales, 64 bf16 rope dims).
+    q_format: "dtype" (q in `dtype`) or "e4m3" (float8_e4m3fn, times one q_scale).
     """
 
     heads: int = 64
@@ -60,11 +63,22 @@ class Problem:
     mask: MaskKind = "causal"
     lse: bool = False
     kv_format: KVFormatName = "dtype"
+    q_format: QFormatName = "dtype"
 
     @property
     def fp8_kv(self) -> bool:
         """Whether the cache is FP8 (kv_format "e4m3" or "ds_mla")."""
         return self.kv_format != "dtype"
+
+    @property
+    def fp8_q(self) -> bool:
+        """Whether q is FP8 (q_format "e4m3")."""
+        return self.q_format != "dtype"
+
+    @property
+    def fp8(self) -> bool:
+        """Whether any input is FP8 (the cache or q)."""
+        return self.fp8_kv or self.fp8_q
 
     @property
     def head_dim(self) -> int:
@@ -73,7 +87,7 @@ class Problem:
     @property
     def name(self) -> str:
         lse = "_lse" if self.lse else ""
-        kv = f"_kv{self.kv_format}" if self.fp8_kv else ""
+        kv = (f"_kv{self.kv_format}" if self.fp8_kv else "") + (f"_q{self.q_format}" if self.fp8_q else "")
         return (
             f"h{self.heads}_dl{self.dl}_dr{self.dr}_{self.dtype}{kv}_p{self.page_size}_{self.mask}{lse}"
         )

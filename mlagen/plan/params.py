@@ -21,7 +21,7 @@ class Field:
 
 
 FIELDS: tuple[Field, ...] = (
-    Field("q", "const elem_t*", "Q", "(B, S, H, Dl+Dr), last dim contiguous"),
+    Field("q", "const q_t*", "Q", "(B, S, H, Dl+Dr) in the problem's q_format, last dim contiguous"),
     Field("kv", "const kv_t*", "Q", "(num_pages, page_size, row) cached rows in the problem's kv_format, last dim "
           "contiguous"),
     Field("kv_map", "const void*", "Q", "device address of kv's TMA descriptor (tma variants), else 0"),
@@ -36,6 +36,8 @@ FIELDS: tuple[Field, ...] = (
     Field("counters", "unsigned int*", "Q", "(row groups,) finished splits per row group; zero between calls"),
     Field("kv_scale_ptr", "const float*", "Q", "e4m3 caches: the one fp32 kv_scale on the device, or null for "
           "the kv_scale field"),
+    Field("q_scale_ptr", "const float*", "Q", "e4m3 queries: the one fp32 q_scale on the device, or null "
+          "(a host q_scale is folded into scale_log2)"),
     Field("q_stride_b", "long long", "q", "elements between requests of q"),
     Field("q_stride_s", "long long", "q", "elements between query positions of q"),
     Field("q_stride_h", "long long", "q", "elements between heads of q"),

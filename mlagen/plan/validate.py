@@ -21,6 +21,7 @@ from ..dsl.spec import (
     LOADS,
     MASKS,
     PARTIALS,
+    Q_FORMATS,
     SCHEDULES,
     Problem,
     Variant,
@@ -370,9 +371,11 @@ def _check_problem(p: Problem) -> None:
     require(p.mask in MASKS, "problem.mask", p.mask, f"one of {MASKS}")
     require(isinstance(p.lse, bool), "problem.lse", p.lse, "a bool")
     require(p.kv_format in KV_FORMATS, "problem.kv_format", p.kv_format, f"one of {KV_FORMATS}")
+    require(p.q_format in Q_FORMATS, "problem.q_format", p.q_format, f"one of {Q_FORMATS}")
     fp8_rows = (kv_layout.LATENT_DIM, kv_layout.ROPE_DIM)
-    require(not p.fp8_kv or (p.dl, p.dr) == fp8_rows, "problem.kv_format", p.kv_format,
-            f"'dtype' for dl={p.dl} dr={p.dr} (the FP8 formats hold DeepSeek's rows: dl, dr = {fp8_rows})")
+    for field, value, fp8 in (("kv_format", p.kv_format, p.fp8_kv), ("q_format", p.q_format, p.fp8_q)):
+        require(not fp8 or (p.dl, p.dr) == fp8_rows, f"problem.{field}", value,
+                f"'dtype' for dl={p.dl} dr={p.dr} (the FP8 formats hold DeepSeek's rows: dl, dr = {fp8_rows})")
 
 
 def _check_common(v: Variant) -> None:
@@ -399,10 +402,12 @@ def _check_common(v: Variant) -> None:
 
 
 def _check_fp8_family(p: Problem, v: Variant) -> None:
-    """FP8 caches run on the naive family, which dequantizes each row as it reads it; the tiled
-    families' FP8 loads are not built."""
+    """FP8 caches and queries run on the naive family, which dequantizes each row as it reads it;
+    the tiled families' FP8 loads are not built."""
     require(not p.fp8_kv or v.family == "naive", "variant.family", v.family,
             f"'naive' for problem.kv_format={p.kv_format!r} (the tiled families read 16-bit caches only)")
+    require(not p.fp8_q or v.family == "naive", "variant.family", v.family,
+            f"'naive' for problem.q_format={p.q_format!r} (the tiled families read 16-bit queries only)")
 
 
 def _plan_naive(p: Problem, v: Variant, arch: Arch) -> KernelPlan:

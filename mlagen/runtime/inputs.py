@@ -47,6 +47,7 @@ class Shapes(NamedTuple):   # no tensors: the runtime keeps one per argument sig
     kv_strides: tuple[int, int]     # (page, row) strides of the cache as [num_pages, page_size, D]
     mask_strides: tuple[int, int]   # (request, query row) of tree_mask: request 0 if shared, (0, 0) if none
     kv_format: str = "dtype"        # Problem.kv_format: "dtype", or an FP8 cache's "e4m3" / "ds_mla"
+    q_format: str = "dtype"         # Problem.q_format: "dtype", or "e4m3" queries (dtype: the output's)
 
 
 def _fail(name: str, got: object, expected: str) -> None:
@@ -82,8 +83,9 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
     """Metadata checks (every tensor on q's device; the caller requires that to be CUDA);
     returns the problem's sizes. Raises InputError."""
     q = _tensor("q", q)
-    if q.dtype not in DTYPES:
-        _fail("q.dtype", q.dtype, "torch.bfloat16 or torch.float16")
+    if q.dtype not in DTYPES and q.dtype != torch.float8_e4m3fn:
+        _fail("q.dtype", q.dtype, "torch.bfloat16, torch.float16 or torch.float8_e4m3fn (with q_scale)")
+    q_format = "dtype" if q.dtype in DTYPES else "e4m3"
     if q.dim() != 4:
         _fail("q.shape", tuple(q.shape), "[B, S, H, Dl+Dr] (4 dims)")
     B, S, H, D = q.shape
@@ -96,15 +98,19 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
     kv_cache = _tensor("kv_cache", kv_cache)
     _on("kv_cache", kv_cache, q.device)
     kv_format, row = "dtype", D
-    if kv_cache.dtype != q.dtype:
+    # The output's dtype: q's, or with e4m3 queries a 16-bit cache's (bf16 over an FP8 cache).
+    out_dtype = q.dtype if q_format == "dtype" else (kv_cache.dtype if kv_cache.dtype in DTYPES else torch.bfloat16)
+    if kv_cache.dtype != out_dtype:
         if kv_cache.dtype not in FP8_KV_FORMATS:
             _fail("kv_cache.dtype", kv_cache.dtype, f"q's dtype {q.dtype}, torch.float8_e4m3fn (e4m3 rows) or "
                   "torch.uint8 (DeepSeek's 656-byte ds_mla rows)")
         kv_format = FP8_KV_FORMATS[kv_cache.dtype]
-        if (D, head_dim_v) != (ROW_DIM, LATENT_DIM):
-            _fail("q.shape[-1] and head_dim_v", (D, head_dim_v),
-                  f"({ROW_DIM}, {LATENT_DIM}) with a {kv_format} cache (DeepSeek's MLA rows)")
-        row = DS_MLA_ROW_BYTES if kv_format == "ds_mla" else ROW_DIM
+    if (kv_format != "dtype" or q_format != "dtype") and (D, head_dim_v) != (ROW_DIM, LATENT_DIM):
+        fp8 = f"a {kv_format} cache" if kv_format != "dtype" else "e4m3 queries"
+        _fail("q.shape[-1] and head_dim_v", (D, head_dim_v),
+              f"({ROW_DIM}, {LATENT_DIM}) with {fp8} (DeepSeek's MLA rows)")
+    if kv_format == "ds_mla":
+        row = DS_MLA_ROW_BYTES
     if kv_cache.dim() == 4 and kv_cache.size(2) == 1:
         kv = kv_cache[:, :, 0]
     elif kv_cache.dim() == 3:
@@ -158,16 +164,22 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
         mask_strides = (mask.stride(0) if mask.dim() == 3 else 0, mask.stride(-2))
     return Shapes(batch=B, seqlen_q=S, heads=H, head_dim=D, dl=head_dim_v,
                   num_pages=kv.size(0), page_size=kv.size(1), max_pages=block_table.size(1),
-                  dtype=DTYPES[q.dtype], kv_strides=(kv.stride(0), kv.stride(1)), mask_strides=mask_strides,
-                  kv_format=kv_format)
+                  dtype=DTYPES[out_dtype], kv_strides=(kv.stride(0), kv.stride(1)), mask_strides=mask_strides,
+                  kv_format=kv_format, q_format=q_format)
+
+
+# The torch dtype of each Shapes.dtype.
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 
 
 def check_out(out: object, q: torch.Tensor, shapes: Shapes) -> None:
-    """A caller-provided output: [B, S, H, Dl], q's dtype and device, 16-byte rows."""
+    """A caller-provided output: [B, S, H, Dl], the output's dtype (q's, or with e4m3 queries the
+    cache's 16-bit dtype, bf16 over an FP8 cache), q's device, 16-byte rows."""
     out = _tensor("out", out)
     _on("out", out, q.device)
-    if out.dtype != q.dtype:
-        _fail("out.dtype", out.dtype, f"q's dtype {q.dtype}")
+    if out.dtype != TORCH_DTYPES[shapes.dtype]:
+        _fail("out.dtype", out.dtype, f"q's dtype {q.dtype}" if shapes.q_format == "dtype"
+              else f"{TORCH_DTYPES[shapes.dtype]} (the output of e4m3 queries)")
     expected = (shapes.batch, shapes.seqlen_q, shapes.heads, shapes.dl)
     if tuple(out.shape) != expected:
         _fail("out.shape", tuple(out.shape), f"[B, S, H, Dl]={list(expected)}")

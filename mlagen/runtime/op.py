@@ -109,13 +109,14 @@ def pick_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, 
 @functools.lru_cache(maxsize=4096)
 def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str, lse: bool,
              batch: int, seqlen_q: int, kv_capacity: int, table_capacity: int, device: int,
-             variant: Variant | None, invariant: bool = False, kv_format: str = "dtype") -> _Prepared:
+             variant: Variant | None, invariant: bool = False, kv_format: str = "dtype",
+             q_format: str = "dtype") -> _Prepared:
     """Problem, variant (given, batch-invariant, or dispatched), loaded kernels, split and grids
     of a shape, planned for requests of up to kv_capacity keys (of the table_capacity the block
     table addresses): memoized on plain values, since a serving step repeats the same shapes and
     each piece costs host time."""
     problem = Problem(heads=heads, dl=dl, dr=dr, dtype=dtype, page_size=page_size, mask=mask, lse=lse,
-                      kv_format=kv_format)
+                      kv_format=kv_format, q_format=q_format)
     device_arch = device_info(device)[0]
     dispatch = device_policy(device)
     invariant = invariant and variant is None           # a named variant runs as given
@@ -172,12 +173,12 @@ def _scale_key(kv_scale: object) -> object:
 def _lookup(q: object, kv_cache: object, block_table: object, cache_seqlens: object, tree_mask: object,
             out: object, head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
             variant: Variant | None, bound: int | None, invariant: bool,
-            kv_scale: object = None) -> tuple[tuple | None, _Call | None]:
+            kv_scale: object = None, q_scale: object = None) -> tuple[tuple | None, _Call | None]:
     """(key, remembered _Call or None) for these arguments; the key is None for arguments that
     are not tensors or not hashable (the full checks name those)."""
     try:
         key = (inputs.signature(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale),
-               causal, return_lse, variant, bound, invariant, _scale_key(kv_scale))
+               causal, return_lse, variant, bound, invariant, _scale_key(kv_scale), _scale_key(q_scale))
         hash(key)
         return key, _calls.get(key)
     except (AttributeError, TypeError, RuntimeError):
@@ -193,7 +194,7 @@ def _require_cuda(q: object) -> None:
 def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: object, cache_seqlens: object,
                   tree_mask: object, out: object, head_dim_v: int, softmax_scale: float | None, causal: bool,
                   return_lse: bool, variant: Variant | None, check_values: bool | None, bound: int | None,
-                  invariant: bool = False, kv_scale: object = None) -> _Call:
+                  invariant: bool = False, kv_scale: object = None, q_scale: object = None) -> _Call:
     """Every check, in the op's order (each names the bad argument), then the _Call, which is
     remembered under `key` (from `_lookup`). bound: `inputs.key_bound(max_seqlen_k)`."""
     _require_cuda(q)
@@ -205,6 +206,11 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
                                 f"takes one (this cache is {shapes.kv_format}, whose rows hold their own scales)"
                                 if shapes.kv_format == "ds_mla" else
                                 f"kv_scale: got {type(kv_scale).__name__}, expected None for a {shapes.dtype} cache")
+    if shapes.q_format == "e4m3":
+        check_scale("q_scale", q_scale, q.device, check_values=inputs.values_requested(check_values))
+    elif q_scale is not None:
+        raise inputs.InputError(f"q_scale: got {type(q_scale).__name__}, expected None for {q.dtype} queries "
+                                "(only float8_e4m3fn queries take one)")
     if inputs.values_requested(check_values):
         inputs.check_values(shapes, block_table, cache_seqlens)
     B, S, H, dl = shapes.batch, shapes.seqlen_q, shapes.heads, shapes.dl
@@ -213,7 +219,7 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
     capacity = shapes.max_pages * shapes.page_size
     prep = _prepare(H, dl, shapes.head_dim - dl, shapes.dtype, shapes.page_size, mask,
                     return_lse, B, S, capacity if bound is None else min(capacity, bound), capacity, device, variant,
-                    invariant, shapes.kv_format)
+                    invariant, shapes.kv_format, shapes.q_format)
     if out is not None:
         inputs.check_out(out, q, shapes)
     out_size = (B, S, H, dl)
@@ -222,7 +228,8 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shapes.head_dim)
     q_strides = q.stride()
     call = _Call(
-        shapes=shapes, kernel=prep.kernel, device=device, torch_device=q.device, dtype=q.dtype,
+        shapes=shapes, kernel=prep.kernel, device=device, torch_device=q.device,
+        dtype=inputs.TORCH_DTYPES[shapes.dtype],
         out_size=out_size, lse_size=(B, H, S),
         layout=prep.layout,
         tma_rows=prep.tma_rows,
@@ -235,7 +242,9 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
             "split_keys_log2": prep.split_keys_log2,
             "kv_scale": float(kv_scale) if isinstance(kv_scale, (int, float)) else 1.0,
             "batch": B, "seqlen_q": S, "max_pages": shapes.max_pages, "num_pages": shapes.num_pages,
-            "num_splits": prep.splits, "merge_blocks": prep.merge_blocks, "scale_log2": scale * LOG2E, "dependent": 0,
+            "num_splits": prep.splits, "merge_blocks": prep.merge_blocks, "dependent": 0,
+            # a host q_scale folds into the scores' scale; a tensor's is read at each launch
+            "scale_log2": scale * LOG2E * (float(q_scale) if isinstance(q_scale, (int, float)) else 1.0),
         }))
     if key is not None:
         if len(_calls) >= _MAX_CALLS:
@@ -262,11 +271,14 @@ def verify_attention(
     attn_sink: torch.Tensor | None = None,
     batch_invariant: bool | None = None,
     kv_scale: float | torch.Tensor | None = None,
+    q_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA verify attention over a paged latent KV cache.
 
     Args:
-        q: [B, S, H, Dl+Dr] bf16/fp16 CUDA tensor; the first Dl dims are q_nope @ W_UK.
+        q: [B, S, H, Dl+Dr] bf16/fp16 CUDA tensor; the first Dl dims are q_nope @ W_UK. Or
+            float8_e4m3fn queries (Dl+Dr = 576) with q_scale: out is then in the cache's
+            16-bit dtype, bf16 over an FP8 cache, and the naive kernel runs.
         kv_cache: [num_pages, page_size, Dl+Dr] or [num_pages, page_size, 1, Dl+Dr] in q's dtype;
             or an FP8 cache of DeepSeek's rows (Dl+Dr = 576, head_dim_v 512;
             `mlagen.quantize_kv` makes one): float8_e4m3fn [.., 576] with kv_scale, or uint8
@@ -302,6 +314,9 @@ def verify_attention(
         kv_scale: an e4m3 cache's scale (real value = stored value x kv_scale): a float, or a
             one-element fp32 tensor on q's device, which may change between calls and inside CUDA
             graphs. None for every other cache.
+        q_scale: float8_e4m3fn queries' scale (real value = stored value x q_scale): a float
+            (folded into the scores' scale) or a one-element fp32 tensor on q's device, read at
+            each launch. None for 16-bit queries.
 
     Returns:
         out [B, S, H, Dl] in q's dtype, and lse if return_lse. A row that sees no key gives
@@ -313,13 +328,14 @@ def verify_attention(
         result = verify_attention(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale,
                                   causal=causal, tree_mask=tree_mask, return_lse=True, variant=variant,
                                   head_dim_v=head_dim_v, check_values=check_values, out=out,
-                                  max_seqlen_k=max_seqlen_k, batch_invariant=batch_invariant, kv_scale=kv_scale)
+                                  max_seqlen_k=max_seqlen_k, batch_invariant=batch_invariant, kv_scale=kv_scale,
+                                  q_scale=q_scale)
         sinks.apply_attn_sink_(result[0], result[1].transpose(1, 2), attn_sink)
         return result if return_lse else result[0]
     bound = inputs.key_bound(max_seqlen_k) if max_seqlen_k is not None else None
     invariant = BATCH_INVARIANT_DEFAULT if batch_invariant is None else bool(batch_invariant)
     key, call = _lookup(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale, causal,
-                        return_lse, variant, bound, invariant, kv_scale)
+                        return_lse, variant, bound, invariant, kv_scale, q_scale)
     if call is not None:
         # Pointers change from call to call, so alignment is checked every time; a misaligned
         # one goes through the full checks, which name it.
@@ -328,7 +344,8 @@ def verify_attention(
             call = None
     if call is None:
         call = _checked_call(key, q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v,
-                             softmax_scale, causal, return_lse, variant, check_values, bound, invariant, kv_scale)
+                             softmax_scale, causal, return_lse, variant, check_values, bound, invariant, kv_scale,
+                             q_scale)
         q_ptr, kv_ptr = q.data_ptr(), kv_cache.data_ptr()
     elif check_values or (check_values is None and inputs.CHECK_VALUES_DEFAULT):   # values_requested, inlined
         inputs.check_values(call.shapes, block_table, cache_seqlens)
@@ -352,7 +369,8 @@ def verify_attention(
     pointers = (q_ptr, kv_ptr, kv_map, block_table.data_ptr(), cache_seqlens.data_ptr(),
                 tree_mask.data_ptr() if tree_mask is not None else 0, out.data_ptr(),
                 lse.data_ptr() if lse is not None else 0, part_o, part_ml, counters,
-                kv_scale.data_ptr() if isinstance(kv_scale, torch.Tensor) else 0)
+                kv_scale.data_ptr() if isinstance(kv_scale, torch.Tensor) else 0,
+                q_scale.data_ptr() if isinstance(q_scale, torch.Tensor) else 0)
     # torch.cuda.current_device() without its lazy-init check: q is a CUDA tensor, so CUDA is up.
     if torch._C._cuda_getDevice() == call.device:
         launch(call.kernel, stream, pointers, call.tail)

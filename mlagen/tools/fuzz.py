@@ -180,7 +180,7 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
     rng = random.Random(f"variant {shape.seed}")
     archs = (arch, *specializations(arch))
     family = rng.choice(["naive", "flash", "mma", "mma", "mma"])   # first, so that easy ones do not crowd
-    if shape.problem.fp8_kv:
+    if shape.problem.fp8:
         family = "naive"                                            # the family that reads FP8 caches
     for _ in range(tries):
         target = rng.choice(archs)

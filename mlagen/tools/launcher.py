@@ -45,7 +45,7 @@ _ASSIGN: dict[str, str] = {
     "seqlens": "cache_seqlens",
     "tree_mask": "kTreeMask ? tree_mask : nullptr", "out": "out", "lse": "kWritesLse ? lse : nullptr",
     "part_o": "part_o", "part_ml": "part_ml", "counters": "counters",
-    "kv_scale_ptr": "kE4m3Cache ? kv_scale_ptr : nullptr",
+    "kv_scale_ptr": "kE4m3Cache ? kv_scale_ptr : nullptr", "q_scale_ptr": "kE4m3Q ? q_scale_ptr : nullptr",
     "q_stride_b": "q_stride_b", "q_stride_s": "q_stride_s", "q_stride_h": "q_stride_h",
     "kv_stride_page": "kv_stride_page", "kv_stride_row": "kv_stride_row", "bt_stride_b": "bt_stride_b",
     "mask_stride_b": "kTreeMask ? mask_stride_b : 0", "mask_stride_q": "kTreeMask ? mask_stride_q : 0",
@@ -69,7 +69,7 @@ def namespace(plan: KernelPlan) -> str:
 
 def _host_field(f: Field) -> Field:
     # The host twin has no elem_t (bf16 and fp16 headers may share one translation unit).
-    return Field(f.name, f.ctype.replace("elem_t", "void").replace("kv_t", "void"), f.fmt, f.doc)
+    return Field(f.name, f.ctype.replace("elem_t", "void").replace("kv_t", "void").replace("q_t", "void"), f.fmt, f.doc)
 
 
 _CEIL = re.compile(r"ceil\((\w+) / (\d+)\)")

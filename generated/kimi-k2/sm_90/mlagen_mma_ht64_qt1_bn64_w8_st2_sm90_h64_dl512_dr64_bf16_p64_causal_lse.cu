@@ -28,7 +28,8 @@ typedef __nv_bfloat16 elem_t;
 typedef __nv_bfloat162 elem2_t;
 __device__ __forceinline__ float2 to_float2(elem2_t v) { return __bfloat1622float2(v); }
 __device__ __forceinline__ elem2_t from_float2(float a, float b) { return __floats2bfloat162_rn(a, b); }
-typedef elem_t kv_t;              // the cache holds q's dtype
+typedef elem_t kv_t;              // the cache holds the output's dtype
+typedef elem_t q_t;               // q holds the output's dtype
 
 namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse {
 
@@ -52,7 +53,7 @@ static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
 
 // The parameter block every kernel of this file takes by value (mlagen/params.py).
 struct __align__(8) VerifyParams {
-  const elem_t* q;  // (B, S, H, Dl+Dr), last dim contiguous
+  const q_t* q;  // (B, S, H, Dl+Dr) in the problem's q_format, last dim contiguous
   const kv_t* kv;  // (num_pages, page_size, row) cached rows in the problem's kv_format, last dim contiguous
   const void* kv_map;  // device address of kv's TMA descriptor (tma variants), else 0
   const int* block_table;  // (B, max_pages) page ids of each request, in order
@@ -64,6 +65,7 @@ struct __align__(8) VerifyParams {
   float2* part_ml;  // (num_splits, B, S, H) partial (max, sum), log2 domain
   unsigned int* counters;  // (row groups,) finished splits per row group; zero between calls
   const float* kv_scale_ptr;  // e4m3 caches: the one fp32 kv_scale on the device, or null for the kv_scale field
+  const float* q_scale_ptr;  // e4m3 queries: the one fp32 q_scale on the device, or null (a host q_scale is folded into scale_log2)
   long long q_stride_b;  // elements between requests of q
   long long q_stride_s;  // elements between query positions of q
   long long q_stride_h;  // elements between heads of q

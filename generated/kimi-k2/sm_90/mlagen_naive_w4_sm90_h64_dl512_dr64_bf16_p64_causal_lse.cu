@@ -22,7 +22,8 @@ typedef __nv_bfloat16 elem_t;
 typedef __nv_bfloat162 elem2_t;
 __device__ __forceinline__ float2 to_float2(elem2_t v) { return __bfloat1622float2(v); }
 __device__ __forceinline__ elem2_t from_float2(float a, float b) { return __floats2bfloat162_rn(a, b); }
-typedef elem_t kv_t;              // the cache holds q's dtype
+typedef elem_t kv_t;              // the cache holds the output's dtype
+typedef elem_t q_t;               // q holds the output's dtype
 
 namespace mlagen_mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse {
 
@@ -46,7 +47,7 @@ static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
 
 // The parameter block every kernel of this file takes by value (mlagen/params.py).
 struct __align__(8) VerifyParams {
-  const elem_t* q;  // (B, S, H, Dl+Dr), last dim contiguous
+  const q_t* q;  // (B, S, H, Dl+Dr) in the problem's q_format, last dim contiguous
   const kv_t* kv;  // (num_pages, page_size, row) cached rows in the problem's kv_format, last dim contiguous
   const void* kv_map;  // device address of kv's TMA descriptor (tma variants), else 0
   const int* block_table;  // (B, max_pages) page ids of each request, in order
@@ -58,6 +59,7 @@ struct __align__(8) VerifyParams {
   float2* part_ml;  // (num_splits, B, S, H) partial (max, sum), log2 domain
   unsigned int* counters;  // (row groups,) finished splits per row group; zero between calls
   const float* kv_scale_ptr;  // e4m3 caches: the one fp32 kv_scale on the device, or null for the kv_scale field
+  const float* q_scale_ptr;  // e4m3 queries: the one fp32 q_scale on the device, or null (a host q_scale is folded into scale_log2)
   long long q_stride_b;  // elements between requests of q
   long long q_stride_s;  // elements between query positions of q
   long long q_stride_h;  // elements between heads of q
@@ -381,8 +383,7 @@ mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams 
   const int S = p.seqlen_q;
   const int n = request_keys(p, b);
 
-  const elem_t* qrow = p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s
-                       + (long long)h * p.q_stride_h;
+  const q_t* qrow = p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)h * p.q_stride_h;
   for (int c = threadIdx.x; c < CH; c += blockDim.x)
     unpack8(*reinterpret_cast<const uint4*>(qrow + c * CHUNK), sq + c * CHUNK);
   const unsigned long long bits = MASK_TREE ? tree_bits(p, b, i, lane) : 0ull;
@@ -391,6 +392,7 @@ mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams 
   float m = -INFINITY, l = 0.f;
   float acc[VCH * CHUNK] = {};
   const float kv_scale = 1.f;
+  const float score_scale = p.scale_log2;
   const int limit = key_limit(n, S, i + 1);
   for (int j = warp; j < limit; j += WARPS) {
     if (!key_visible(j, n, i, S, bits)) continue;
@@ -407,7 +409,7 @@ mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams 
         for (int e = 0; e < CHUNK; ++e) dot += x[t][e] * sq[c * CHUNK + e];
       }
     }
-    const float s = warp_sum(dot) * p.scale_log2;
+    const float s = warp_sum(dot) * score_scale;
     const float m_new = fmaxf(m, s);
     const float alpha = exp2f(m - m_new);   // m == -inf on the first key: alpha = 0
     const float pj = exp2f(s - m_new);
