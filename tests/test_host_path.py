@@ -486,7 +486,7 @@ def test_fp8_caches_reach_the_plan_with_their_scale(fake_gpu):
     ((D, torch.float8_e4m3fn), {}, "^kv_scale: got None, expected a float or a one-element torch.float32"),
     ((D, torch.float8_e4m3fn), {"kv_scale": float("nan")}, "^kv_scale: got nan, expected a finite scale > 0"),
     ((D, torch.float8_e4m3fn), {"kv_scale": torch.ones(2)}, "^kv_scale: got a torch.float32 tensor of shape"),
-    ((656, torch.uint8), {"kv_scale": 1.0}, "^kv_scale: got float, expected None: only an e4m3 cache"),
+    ((656, torch.uint8), {"kv_scale": 1.0}, "^kv_scale: got float, expected None \\(only an e4m3 cache"),
     ((D, torch.bfloat16), {"kv_scale": 1.0}, "^kv_scale: got float, expected None for a bf16 cache"),
     ((D, torch.uint8), {}, r"^kv_cache.shape\[-1\]: got 576, expected 656 \(a ds_mla row\)"),
     ((656, torch.float8_e4m3fn), {"kv_scale": 1.0}, r"^kv_cache.shape\[-1\]: got 656, expected 576 \(a e4m3 row\)"),

@@ -272,8 +272,7 @@ class KernelPlan:
         above 1, and the balanced split always (which requests its ranges cut, and which have
         no keys, only the device knows); never a cluster split, whose blocks combine their rows
         in shared memory."""
-        return (self.uses_split and not self.cluster
-                and (num_splits > 1 or self.variant.kv_split == "balanced"))
+        return self.uses_split and not self.cluster and (num_splits > 1 or self.balanced)
 
     def partial_rows(self, batch: int, seqlen_q: int, num_splits: int) -> int:
         """Partial rows the workspace holds for a launch (0 without a split).
@@ -282,7 +281,7 @@ class KernelPlan:
         suffice whatever the lengths (templates/split_partials.cuh.j2)."""
         if not self.split_launch(num_splits):
             return 0
-        slots = num_splits + batch - 1 if self.variant.kv_split == "balanced" else num_splits * batch
+        slots = num_splits + batch - 1 if self.balanced else num_splits * batch
         return slots * seqlen_q * self.problem.heads
 
     @property
@@ -328,7 +327,7 @@ class KernelPlan:
             return (self.problem.heads, seqlen_q, batch)
         merge = batch * self.merge_blocks(batch, seqlen_q)
         x = self.q_tiles(seqlen_q) * self.head_tiles
-        if self.variant.kv_split == "balanced":
+        if self.balanced:
             return (x, num_splits, 1 + -(-merge // num_splits))
         if num_splits == 1:
             return (x, 1, batch)
@@ -342,7 +341,7 @@ class KernelPlan:
         if self.variant.family == "naive":
             return (str(self.problem.heads), "S", "B")
         x = f"ceil(S / {self.variant.q_tile}) * {self.head_tiles}"
-        if self.variant.kv_split == "balanced":
+        if self.balanced:
             return (x, "num_splits", "1 + (B * merge_blocks + num_splits - 1) / num_splits")
         if self.cluster:
             return (x, "num_splits", "B")
@@ -404,10 +403,10 @@ def _check_common(v: Variant) -> None:
 def _check_fp8_family(p: Problem, v: Variant) -> None:
     """FP8 caches and queries run on the naive family, which dequantizes each row as it reads it;
     the tiled families' FP8 loads are not built."""
-    require(not p.fp8_kv or v.family == "naive", "variant.family", v.family,
-            f"'naive' for problem.kv_format={p.kv_format!r} (the tiled families read 16-bit caches only)")
-    require(not p.fp8_q or v.family == "naive", "variant.family", v.family,
-            f"'naive' for problem.q_format={p.q_format!r} (the tiled families read 16-bit queries only)")
+    for field, value, fp8, what in (("kv_format", p.kv_format, p.fp8_kv, "caches"),
+                                    ("q_format", p.q_format, p.fp8_q, "queries")):
+        require(not fp8 or v.family == "naive", "variant.family", v.family,
+                f"'naive' for problem.{field}={value!r} (the tiled families read 16-bit {what} only)")
 
 
 def _plan_naive(p: Problem, v: Variant, arch: Arch) -> KernelPlan:

@@ -162,12 +162,28 @@ _MAX_CALLS = 1024
 BATCH_INVARIANT_DEFAULT: bool = os.environ.get("MLAGEN_BATCH_INVARIANT", "") not in ("", "0")
 
 
-def _scale_key(kv_scale: object) -> object:
-    """kv_scale's part of a call's key: a float's value (it goes into the parameter block), or a
-    tensor's metadata (its pointer goes in at each launch)."""
-    if isinstance(kv_scale, torch.Tensor):
-        return (type(kv_scale), kv_scale.shape, kv_scale.dtype, kv_scale.device)
-    return kv_scale
+def _scale_key(scale: object) -> object:
+    """A kv_scale's or q_scale's part of a call's key: a float's value (it goes into the
+    parameter block), or a tensor's metadata (its pointer goes in at each launch)."""
+    if isinstance(scale, torch.Tensor):
+        return (type(scale), scale.shape, scale.dtype, scale.device)
+    return scale
+
+
+def _host_scale(scale: object) -> float:
+    """A scale given as a host number, for the parameter block; 1 for a tensor (read on the
+    device) or None."""
+    return float(scale) if isinstance(scale, (int, float)) else 1.0
+
+
+def _check_scale_arg(name: str, scale: object, taken: bool, refusal: str, device: torch.device,
+                     check_values: bool) -> None:
+    """`scale` (kv_scale or q_scale) checked where its input is e4m3 (`taken`), else it must be
+    None: `refusal` says why. Raises InputError naming `name`."""
+    if taken:
+        check_scale(name, scale, device, check_values=check_values)
+    elif scale is not None:
+        raise inputs.InputError(f"{name}: got {type(scale).__name__}, expected None {refusal}")
 
 
 def _lookup(q: object, kv_cache: object, block_table: object, cache_seqlens: object, tree_mask: object,
@@ -179,8 +195,7 @@ def _lookup(q: object, kv_cache: object, block_table: object, cache_seqlens: obj
     try:
         key = (inputs.signature(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale),
                causal, return_lse, variant, bound, invariant, _scale_key(kv_scale), _scale_key(q_scale))
-        hash(key)
-        return key, _calls.get(key)
+        return key, _calls.get(key)           # (the get hashes the key: TypeError if it cannot be)
     except (AttributeError, TypeError, RuntimeError):
         return None, None
 
@@ -199,19 +214,13 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
     remembered under `key` (from `_lookup`). bound: `inputs.key_bound(max_seqlen_k)`."""
     _require_cuda(q)
     shapes = inputs.check_inputs(q, kv_cache, block_table, cache_seqlens, tree_mask, head_dim_v, softmax_scale)
-    if shapes.kv_format == "e4m3":
-        check_scale("kv_scale", kv_scale, q.device, check_values=inputs.values_requested(check_values))
-    elif kv_scale is not None:
-        raise inputs.InputError(f"kv_scale: got {type(kv_scale).__name__}, expected None: only an e4m3 cache "
-                                f"takes one (this cache is {shapes.kv_format}, whose rows hold their own scales)"
-                                if shapes.kv_format == "ds_mla" else
-                                f"kv_scale: got {type(kv_scale).__name__}, expected None for a {shapes.dtype} cache")
-    if shapes.q_format == "e4m3":
-        check_scale("q_scale", q_scale, q.device, check_values=inputs.values_requested(check_values))
-    elif q_scale is not None:
-        raise inputs.InputError(f"q_scale: got {type(q_scale).__name__}, expected None for {q.dtype} queries "
-                                "(only float8_e4m3fn queries take one)")
-    if inputs.values_requested(check_values):
+    values = inputs.values_requested(check_values)
+    _check_scale_arg("kv_scale", kv_scale, shapes.kv_format == "e4m3",
+                     f"(only an e4m3 cache takes one; this cache is {shapes.kv_format}, whose rows hold their own "
+                     "scales)" if shapes.kv_format == "ds_mla" else f"for a {shapes.dtype} cache", q.device, values)
+    _check_scale_arg("q_scale", q_scale, shapes.q_format == "e4m3",
+                     f"for {q.dtype} queries (only float8_e4m3fn queries take one)", q.device, values)
+    if values:
         inputs.check_values(shapes, block_table, cache_seqlens)
     B, S, H, dl = shapes.batch, shapes.seqlen_q, shapes.heads, shapes.dl
     mask = "tree" if tree_mask is not None else ("causal" if causal else "none")
@@ -240,11 +249,11 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
             "mask_stride_b": shapes.mask_strides[0], "mask_stride_q": shapes.mask_strides[1],
             "out_stride_b": out_strides[0], "out_stride_s": out_strides[1], "out_stride_h": out_strides[2],
             "split_keys_log2": prep.split_keys_log2,
-            "kv_scale": float(kv_scale) if isinstance(kv_scale, (int, float)) else 1.0,
+            "kv_scale": _host_scale(kv_scale),
             "batch": B, "seqlen_q": S, "max_pages": shapes.max_pages, "num_pages": shapes.num_pages,
             "num_splits": prep.splits, "merge_blocks": prep.merge_blocks, "dependent": 0,
             # a host q_scale folds into the scores' scale; a tensor's is read at each launch
-            "scale_log2": scale * LOG2E * (float(q_scale) if isinstance(q_scale, (int, float)) else 1.0),
+            "scale_log2": scale * LOG2E * _host_scale(q_scale),
         }))
     if key is not None:
         if len(_calls) >= _MAX_CALLS:
@@ -319,7 +328,7 @@ def verify_attention(
             each launch. None for 16-bit queries.
 
     Returns:
-        out [B, S, H, Dl] in q's dtype, and lse if return_lse. A row that sees no key gives
+        out [B, S, H, Dl] in q's dtype (e4m3 queries: see q), and lse if return_lse. A row that sees no key gives
         out = 0 and lse = -inf.
     """
     if attn_sink is not None:

@@ -67,9 +67,13 @@ def namespace(plan: KernelPlan) -> str:
     return plan.name.removeprefix("mlagen_")
 
 
+# The kernels' element types, which the host twin of the parameter block spells void (bf16 and
+# fp16 headers may share one translation unit).
+_DEVICE_TYPES = re.compile(r"\b(elem_t|kv_t|q_t)\b")
+
+
 def _host_field(f: Field) -> Field:
-    # The host twin has no elem_t (bf16 and fp16 headers may share one translation unit).
-    return Field(f.name, f.ctype.replace("elem_t", "void").replace("kv_t", "void").replace("q_t", "void"), f.fmt, f.doc)
+    return Field(f.name, _DEVICE_TYPES.sub("void", f.ctype), f.fmt, f.doc)
 
 
 _CEIL = re.compile(r"ceil\((\w+) / (\d+)\)")
