@@ -14,8 +14,10 @@
 #              on the three small cases, every family (--cases 0-2)
 #   racecheck2 the same on the balanced splits' and the P exchange's  4-5 min             480 s
 #              cases (--cases 3-8)
-#   racecheck  racecheck1 racecheck2 (two calls)
-#   sanitize   memcheck synccheck racecheck1 racecheck2 (three calls)
+#   racecheck3 the same on the engine features (--only dispatched+):  under 5 min         420 s
+#              batch-invariant splits, FP8, context-parallel shards
+#   racecheck  racecheck1 racecheck2 racecheck3 (three calls)
+#   sanitize   memcheck synccheck racecheck1 racecheck2 racecheck3 (four calls)
 #   tune       mlagen tune, seed and serving grids, into mlagen/dispatch/tables/  under 5 min      420 s
 #   bench      mlagen bench, seed, serving and trees grids; the      under 3 min warm    585 s
 #              dispatcher's pick under tree masks too, and batch-invariant mode's
@@ -27,7 +29,7 @@
 #
 # "Cold" is a fresh machine, whose kernels all compile first (the sanitizer steps compile them
 # again, with line info). One call per group (CALLS below): `tests`, `verify`, `memcheck synccheck`,
-# `racecheck1`, `racecheck2`, `tune`, `bench`, `ragged host`, `fuzz`. Run `tune` before
+# `racecheck1`, `racecheck2`, `racecheck3`, `tune`, `bench`, `ragged host`, `fuzz`. Run `tune` before
 # `bench`: bench times the dispatcher's picks from the table tune writes.
 #
 # Outputs rewrite the files in benchmarks/results/<gpu>/ (gpu: the GPU's name as a short slug,
@@ -39,13 +41,13 @@
 # non-zero when a step fails or times out; later steps still run.
 set -uo pipefail
 
-STEPS="tests verify memcheck synccheck racecheck1 racecheck2 racecheck sanitize tune bench ragged host fuzz facts"
+STEPS="tests verify memcheck synccheck racecheck1 racecheck2 racecheck3 racecheck sanitize tune bench ragged host fuzz facts"
 DEFAULT_STEPS="tests verify sanitize bench"
 # Each step's timeout in seconds (ragged: all its runs together), and the groups of steps that share one
 # device call: each group's timeouts add up to less than the call's 600 s.
-declare -A LIMIT=([tests]=540 [verify]=540 [memcheck]=300 [synccheck]=150 [racecheck1]=360 [racecheck2]=480 [tune]=420
+declare -A LIMIT=([tests]=540 [verify]=540 [memcheck]=300 [synccheck]=150 [racecheck1]=360 [racecheck2]=480 [racecheck3]=420 [tune]=420
                   [bench]=585 [ragged]=450 [host]=120 [fuzz]=330 [facts]=0)
-CALLS=("tests" "verify" "memcheck synccheck" "racecheck1" "racecheck2" "tune" "bench" "ragged host" "fuzz")
+CALLS=("tests" "verify" "memcheck synccheck" "racecheck1" "racecheck2" "racecheck3" "tune" "bench" "ragged host" "fuzz")
 
 usage() {
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -68,8 +70,8 @@ expand_steps() {
       *) echo "run_gpu.sh: unknown step '$step' (steps: $STEPS)" >&2; return 2 ;;
     esac
     case $step in
-      sanitize) out+=(memcheck synccheck racecheck1 racecheck2) ;;
-      racecheck) out+=(racecheck1 racecheck2) ;;
+      sanitize) out+=(memcheck synccheck racecheck1 racecheck2 racecheck3) ;;
+      racecheck) out+=(racecheck1 racecheck2 racecheck3) ;;
       *) out+=("$step") ;;
     esac
   done
@@ -138,7 +140,7 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
       verify)   # the kernels against the fp64 reference, family by family: a call of its own
         timeout ${LIMIT[verify]} python3 -m pytest -q -m gpu tests/test_gpu_verify.py 2>&1 | tee "$results/gpu_verify.log"
         rc=${PIPESTATUS[0]}; written+=(gpu_verify.log) ;;
-      memcheck | synccheck | racecheck1 | racecheck2)
+      memcheck | synccheck | racecheck1 | racecheck2 | racecheck3)
         # -lineinfo: each report names its source lines. racecheck does not pair bar.arrive with
         # bar.sync: the transposed tile (_tr_), whose warpgroups hand over through them, gets
         # synccheck instead (and tests/test_gpu_verify.py's bitwise-repeatability test).
@@ -146,7 +148,8 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         [[ $step == synccheck ]] && pick=(--only _tr_)
         [[ $step == racecheck1 ]] && pick=(--skip _tr_ --cases 0-2)
         [[ $step == racecheck2 ]] && pick=(--skip _tr_ --cases 3-8)
-        MLAGEN_LINEINFO=1 timeout "${LIMIT[$step]}" compute-sanitizer --tool "${step%[12]}" --print-limit 20 \
+        [[ $step == racecheck3 ]] && pick=(--only dispatched+)
+        MLAGEN_LINEINFO=1 timeout "${LIMIT[$step]}" compute-sanitizer --tool "${step%[123]}" --print-limit 20 \
           --error-exitcode 1 \
           python3 benchmarks/sanitize.py "${pick[@]}" 2>&1 | tee "$results/sanitize_$step.log"
         rc=${PIPESTATUS[0]}; written+=("sanitize_$step.log") ;;

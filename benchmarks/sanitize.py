@@ -11,7 +11,11 @@ dispatcher's pick), --cases the cases numbered so (`--list` numbers them): racec
 seconds a pair, minutes in all. racecheck does not pair bar.arrive
 with bar.sync, so it reports the transposed tile's (`_tr_`) hand-offs between warpgroups as
 hazards: run_gpu.sh checks that tile with synccheck instead, and tests/test_gpu_verify.py with a
-bitwise-repeatability test. Prints one line per (case, variant) and a count at the end.
+bitwise-repeatability test. The engine features run last, on the dispatcher's pick (named
+"dispatched+FEATURE"): batch-invariant splits, FP8 caches of both formats and e4m3 queries, and
+the two ranks of a context-parallel pair (their per-request shard masks), merged. Attention sinks
+and the merge are torch ops: nothing there for the sanitizer. Prints one line per
+(case, variant) and a count at the end.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from bench_cli import parser, require_gpu
 
 import mlagen
 from mlagen.dsl.spec import Problem, Variant, naive
-from mlagen.tools.testing import assert_matches, make_case, pinned_balanced_ranges
+from mlagen.tools.testing import Case, assert_matches, make_case, pinned_balanced_ranges
 
 CASES = [
     dict(batch=3, seqlen_q=5, heads=16, prefixes=[300, 0, 1000], page_size=16, mask="tree", empty=[False, True, False]),
@@ -41,6 +45,14 @@ EQUAL = dict(batch=6, seqlen_q=9, heads=8, prefixes=[1500] * 6, page_size=64, ma
 # wider tables. Requests that fill every block's tile and one that leaves blocks without one.
 SHORT = dict(batch=3, seqlen_q=9, heads=64, prefixes=[247, 0, 120], page_size=16, mask="tree",
              empty=[False, True, False])
+
+# Lengths of 1, 2, 3 and 8 batch-invariant splits (1024 keys a split, at most 8).
+INVARIANT = dict(batch=4, seqlen_q=9, heads=64, prefixes=[300, 1500, 2600, 8000], page_size=64, mask="causal")
+# (feature, case, make_case's extra arguments): each runs on the dispatcher's pick.
+FEATURES = [("invariant", INVARIANT, {}), ("invariant", CASES[0], {}),
+            ("fp8_e4m3", CASES[1], {"kv_format": "e4m3"}), ("fp8_ds_mla", CASES[0], {"kv_format": "ds_mla"}),
+            ("q_e4m3", CASES[2], {"kv_format": "e4m3"}),
+            ("cp_shards", CASES[0] | {"per_request_tree": True}, {}), ("cp_shards", CASES[1], {})]
 
 Run = tuple[dict, list[Variant | None], int | None]   # (case, variants, balanced ranges pinned or None)
 
@@ -86,10 +98,14 @@ def name_of(variant: Variant | None) -> str:
     return variant.name if variant is not None else "dispatched"
 
 
+def wanted(name: str, only: str | None, skip: str | None) -> bool:
+    """Whether `name` contains `only` (when given) and does not contain `skip` (when given)."""
+    return (only is None or only in name) and (skip is None or skip not in name)
+
+
 def select(variants: list, only: str | None, skip: str | None) -> list:
-    """The variants whose names contain `only` (when given) and do not contain `skip` (when given)."""
-    return [v for v in variants
-            if (only is None or only in name_of(v)) and (skip is None or skip not in name_of(v))]
+    """The variants whose names are `wanted`."""
+    return [v for v in variants if wanted(name_of(v), only, skip)]
 
 
 def plan_runs(variants: list[Variant | None], exchange: list[Variant]) -> list[Run]:
@@ -131,6 +147,28 @@ def parse_args(argv: list[str]):
     return p.parse_args(argv)
 
 
+def run_feature(feature: str, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of `case` through the dispatcher with `feature` on."""
+    args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens)
+    if feature == "invariant":
+        return mlagen.verify_attention(*args, return_lse=True, batch_invariant=True, **case.kwargs())
+    if feature == "q_e4m3":
+        q_scale = case.q.float().abs().amax().reshape(1) / 448
+        q8 = (case.q.float() / q_scale).to(torch.float8_e4m3fn)
+        case.q = (q8.float() * q_scale).to(case.q.dtype)      # the reference reads the dequantized queries
+        return mlagen.verify_attention(q8, *args[1:], q_scale=q_scale, return_lse=True, **case.kwargs())
+    if feature == "cp_shards":
+        merged = None
+        for rank in range(2):
+            kv, table, _ = mlagen.cp_shard_cache(case.kv_cache, case.block_table, case.cache_seqlens,
+                                                 rank=rank, world=2)
+            part = mlagen.verify_attention_cp_shard(case.q, kv, table, case.cache_seqlens, rank=rank, world=2,
+                                                    **case.kwargs())
+            merged = part if merged is None else mlagen.merge_states(*merged, *part)
+        return merged
+    return mlagen.verify_attention(*args, return_lse=True, **case.kwargs())   # an FP8 cache
+
+
 def main(only: str | None, skip: str | None, arch: str, listing: bool, cases: set[int] | None = None) -> int:
     variants, exchange = variants_for(arch)
     runs = plan_runs(select(variants, only, skip), select(exchange, only, skip))
@@ -150,6 +188,17 @@ def main(only: str | None, skip: str | None, arch: str, listing: bool, cases: se
                     assert_matches(out, lse, case)
                 print(f"case {i} {name_of(v)}: {'listed' if listing else 'ok'}", flush=True)
                 checked += 1
+    for i, (feature, shape, extra) in enumerate(FEATURES, start=len(runs)):
+        name = f"dispatched+{feature}"
+        if (cases is not None and i not in cases) or not wanted(name, only, skip):
+            continue
+        if not listing:
+            case = make_case(seed=i, **shape, **extra)
+            out, lse = run_feature(feature, case)
+            torch.cuda.synchronize()
+            assert_matches(out, lse, case)
+        print(f"case {i} {name}: {'listed' if listing else 'ok'}", flush=True)
+        checked += 1
     print(f"{checked} (case, variant) pairs {'listed' if listing else 'checked'}")
     return checked
 

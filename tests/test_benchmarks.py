@@ -42,12 +42,15 @@ from mlagen.codegen import render as render_module  # noqa: E402
 from mlagen.codegen.compiler import compile_source  # noqa: E402
 from mlagen.codegen.render import render  # noqa: E402
 from mlagen.dispatch import policy  # noqa: E402
+from mlagen.dispatch.policy import INVARIANT_SPLIT_KEYS_LOG2  # noqa: E402
 from mlagen.dsl.spec import Problem, Variant, parse_variant  # noqa: E402
 from mlagen.plan.validate import validate  # noqa: E402
-from mlagen.runtime import launch, op  # noqa: E402
+from mlagen.runtime import context_parallel, launch, op  # noqa: E402
 from mlagen.runtime.inputs import key_bound  # noqa: E402
+from mlagen.runtime.reference import reference  # noqa: E402
 from mlagen.tools import sass  # noqa: E402
 from mlagen.tools.grids import Row  # noqa: E402
+from mlagen.tools.testing import assert_matches, make_case  # noqa: E402
 from mlagen.tools.workload import InputSet, Workload, problem_for  # noqa: E402
 
 H200 = ("sm_90", "NVIDIA H200", policy.H200)     # arch, name, dispatch policy
@@ -159,7 +162,41 @@ def test_sanitize_runs_every_family_on_valid_shapes():
     for shape, v in pairs:
         if v is not None:
             assert render(validate(sanitize.problem_of(shape), v))
-    assert sanitize.main(None, None, "sm_90", listing=True) == len(pairs)
+    assert sanitize.main(None, None, "sm_90", listing=True) == len(pairs) + len(sanitize.FEATURES)
+
+
+def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
+    """The features (racecheck3's --only dispatched+) come after the variant runs: batch-invariant
+    lengths of 1, 2, 3 and 8 splits, both FP8 cache formats, e4m3 queries, and context-parallel
+    shards under a per-request tree mask."""
+    features = sanitize.main("dispatched+", None, "sm_90", listing=True)
+    assert features == len(sanitize.FEATURES)
+    out = capsys.readouterr().out
+    first = len(sanitize.plan_runs(*sanitize.variants_for("sm_90")))
+    for i, (feature, _, _) in enumerate(sanitize.FEATURES, start=first):
+        assert f"case {i} dispatched+{feature}: listed" in out
+    assert {f for f, _, _ in sanitize.FEATURES} == {"invariant", "fp8_e4m3", "fp8_ds_mla", "q_e4m3", "cp_shards"}
+    assert {extra.get("kv_format") for _, _, extra in sanitize.FEATURES} >= {"e4m3", "ds_mla"}
+    assert any(shape.get("per_request_tree") for f, shape, _ in sanitize.FEATURES if f == "cp_shards")
+    lengths = [p + sanitize.INVARIANT["seqlen_q"] for p in sanitize.INVARIANT["prefixes"]]
+    assert sorted({min(-(-n // (1 << INVARIANT_SPLIT_KEYS_LOG2)), 8) for n in lengths}) == [1, 2, 3, 8]
+
+
+@pytest.mark.parametrize("feature", ["q_e4m3", "cp_shards"])
+def test_sanitize_feature_calls_match_the_reference(feature, monkeypatch):
+    """On the CPU, the fp64 reference standing in for the kernels: each feature's call gives the
+    case's own result (e4m3 queries: the case then holds the dequantized ones)."""
+    def kernels(q, kv_cache, block_table, cache_seqlens, *, return_lse, variant=None, check_values=None,
+                max_seqlen_k=None, batch_invariant=None, **kwargs):
+        out, lse = reference(q, kv_cache, block_table, cache_seqlens, dtype=torch.float64, **kwargs)
+        return out.to(torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype), lse.float()
+
+    monkeypatch.setattr(context_parallel, "verify_attention", kernels)
+    monkeypatch.setattr(mlagen, "verify_attention", kernels)
+    shape = next(dict(s, **extra) for f, s, extra in sanitize.FEATURES if f == feature)
+    case = make_case(seed=1, device="cpu", **shape)
+    out, lse = sanitize.run_feature(feature, case)
+    assert_matches(out, lse, case)
 
 
 def test_sanitize_only_and_skip_split_the_variants(capsys):
@@ -175,13 +212,15 @@ def test_sanitize_only_and_skip_split_the_variants(capsys):
 
 
 def test_sanitize_cases_split_the_racecheck():
-    """run_gpu.sh's racecheck1 and racecheck2 (--cases 0-2 and 3-8) cover every pair once."""
+    """run_gpu.sh's racecheck1, racecheck2 and racecheck3 (--cases 0-2, --cases 3-8, --only
+    dispatched+) cover every pair once."""
     assert sanitize.case_numbers("0-2") == {0, 1, 2} and sanitize.case_numbers("3,5-6") == {3, 5, 6}
     assert sanitize.parse_args(["--cases", "3-8"]).cases == set(range(3, 9))
     total = sanitize.main(None, "_tr_", "sm_90", listing=True)
     first = sanitize.main(None, "_tr_", "sm_90", listing=True, cases={0, 1, 2})
     second = sanitize.main(None, "_tr_", "sm_90", listing=True, cases=set(range(3, 9)))
-    assert 0 < first < total and first + second == total
+    third = sanitize.main("dispatched+", "_tr_", "sm_90", listing=True)
+    assert 0 < first < total and 0 < third and first + second + third == total
     runs = sanitize.plan_runs(*sanitize.variants_for("sm_90"))
     assert len(runs) == 9 and [shape for shape, _, _ in runs[:3]] == sanitize.CASES
 
@@ -560,7 +599,8 @@ def test_run_gpu_parses_and_checks_its_steps(tmp_path):
     assert usage.returncode == 0 and "bash benchmarks/run_gpu.sh STEP..." in usage.stdout
     bad = _bash("bash benchmarks/run_gpu.sh tests bogus")            # checked before any GPU is looked for
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        "run_gpu.sh: unknown step 'bogus' (steps: tests verify memcheck synccheck racecheck1 racecheck2 racecheck "
+        "run_gpu.sh: unknown step 'bogus' (steps: tests verify memcheck synccheck racecheck1 racecheck2 racecheck3 "
+        "racecheck "
         "sanitize tune bench ragged host fuzz facts)")
     nogpu = subprocess.run([shutil.which("bash"), "benchmarks/run_gpu.sh", "tests"], cwd=ROOT, capture_output=True,
                            text=True, timeout=60, env={"PATH": str(tmp_path)})   # a PATH without nvidia-smi
@@ -575,7 +615,8 @@ def test_run_gpu_parses_and_checks_its_steps(tmp_path):
     got = _bash("source benchmarks/run_gpu.sh; gpu_slug 'NVIDIA H200'; gpu_slug 'NVIDIA H100 80GB HBM3'; "
                 "expand_steps sanitize bench racecheck")
     assert got.stdout.splitlines() == ["h200", "h100-80gb-hbm3",
-                                       "memcheck synccheck racecheck1 racecheck2 bench racecheck1 racecheck2"]
+                                       "memcheck synccheck racecheck1 racecheck2 racecheck3 bench "
+                                       "racecheck1 racecheck2 racecheck3"]
 
 
 def test_run_gpu_step_groups_fit_one_device_call():
@@ -634,6 +675,7 @@ def test_gpu_script_runs(name, tmp_path):
         "sanitize.py": "pairs checked",
         "host_cost.py": "out= given, ctypes cuLaunchKernel",
         "ragged.py": "max |diff| vs dispatch",
+        "ragged_drafts.py": "ragged / uniform",
         "wide_table.py": "wide table, max_seqlen_k=",
         "profile_row.py": "4 calls of ",
         "trace_blocks.py": "launch span",
@@ -655,6 +697,8 @@ EXERCISED = {   # every file under benchmarks/ but results/ (and the bench's def
                    test_run_gpu_writes_results_and_out],
     "sanitize.py": [test_sanitize_runs_every_family_on_valid_shapes, test_sanitize_only_and_skip_split_the_variants,
                     test_sanitize_cases_split_the_racecheck, test_sanitize_off_hopper_has_no_sm90a_variants,
+                    test_sanitize_runs_each_engine_feature_through_the_dispatcher,
+                    test_sanitize_feature_calls_match_the_reference,
                     test_gpu_script_runs],
     "host_cost.py": [test_host_cost_calls_are_valid_calls, test_gpu_script_runs],
     "ragged.py": [test_ragged_lengths_are_log_uniform_in_range, test_ragged_compares_the_pick_with_its_splits,
