@@ -15,6 +15,8 @@ from mlagen.dsl.arch import ARCHS
 from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import Problem, naive, parse_variant
 from mlagen.plan.validate import validate
+from mlagen.runtime import context_parallel, varlen
+from mlagen.runtime.inputs import output_dtype
 from mlagen.tools.testing import compare_rows, make_case
 
 FP8 = ("e4m3", "ds_mla")
@@ -185,3 +187,100 @@ def test_e4m3_queries_match_the_reference_of_their_dequantized_values(kv_format)
         assert out.dtype == (case.q.dtype if kv_format == "dtype" else torch.bfloat16)
         problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2))
         assert problem is None, (kv_format, seed, problem)
+
+
+# ---- FP8 through varlen and context-parallel shards
+
+def _reference_kernels(q, kv_cache, block_table, cache_seqlens, *, return_lse=False, variant=None, check_values=None,
+                       max_seqlen_k=None, batch_invariant=None, attn_sink=None, out=None, **kwargs):
+    """The op with the fp64 reference as its kernel: out in the op's dtype, lse fp32."""
+    ref_out, ref_lse = mlagen.reference(q, kv_cache, block_table, cache_seqlens, dtype=torch.float64, **kwargs)
+    ref_out = ref_out.to(output_dtype(q.dtype, kv_cache.dtype))
+    return (ref_out, ref_lse.float()) if return_lse else ref_out
+
+
+def _fp8_inputs(fmt: str, device: str, seed: int):
+    """(case, e4m3 queries, their q_scale tensor, FP8 cache, kv_scale): a tree-masked ragged case."""
+    case = make_case(batch=3, seqlen_q=4, heads=16, prefixes=[300, 0, 70], page_size=16, mask="tree",
+                     seed=seed, empty=[False, True, False], device=device, per_request_tree=True)
+    cache, kv_scale = mlagen.quantize_kv(case.kv_cache, fmt)
+    q_scale = (case.q.float().abs().amax() / 448).reshape(1)
+    return case, (case.q.float() / q_scale).to(torch.float8_e4m3fn), q_scale, cache, kv_scale
+
+
+def _packed(case, q8):
+    """The case's queries packed for varlen: request b keeps its last s_b = (2, 4, 3)[b] queries
+    (cu_seqlens_q), and the packed tree mask takes the case's corner over its last s_b tokens.
+    Returns (packed q, cu_seqlens_q, packed mask, the dense mask that gives those rows the same
+    visibility: every earlier token seen), counts."""
+    counts = [2, 4, 3]
+    S = case.q.shape[1]
+    q = torch.cat([q8[b, S - s:] for b, s in enumerate(counts)])
+    cu = torch.tensor([0, 2, 6, 9], dtype=torch.int32, device=q8.device)
+    mask = torch.zeros(3, S, S, dtype=torch.bool, device=q8.device)
+    dense = torch.ones(3, S, S, dtype=torch.bool, device=q8.device)
+    for b, s in enumerate(counts):
+        mask[b, :s, :s] = dense[b, S - s:, S - s:] = case.tree_mask[b, S - s:, S - s:]
+    return q, cu, mask, dense, counts
+
+
+def _check_varlen_fp8(case, q8, q_scale, cache, kv_scale):
+    """verify_attention_varlen on e4m3 queries over an FP8 cache: every packed row against the
+    dense reference's row at its position (request b's last s_b queries see its last s_b draft
+    tokens through the same tree)."""
+    q, cu, mask, dense, counts = _packed(case, q8)
+    kw = dict(softmax_scale=case.scale, head_dim_v=512, kv_scale=kv_scale, q_scale=q_scale)
+    out, lse = mlagen.verify_attention_varlen(q, cache, case.block_table, case.cache_seqlens, cu, 4, tree_mask=mask,
+                                              return_lse=True, **kw)
+    assert out.dtype == torch.bfloat16 and out.shape == (9, 16, 512) and lse.shape == (16, 9)
+    ref_out, ref_lse = mlagen.reference(q8, cache, case.block_table, case.cache_seqlens, tree_mask=dense,
+                                        dtype=torch.float64, **kw)
+    S = case.q.shape[1]
+    rows = [(b, i) for b, s in enumerate(counts) for i in range(S - s, S)]
+    ref_rows = torch.stack([ref_out[b, i] for b, i in rows])
+    ref_lse_rows = torch.stack([ref_lse[b, :, i] for b, i in rows])
+    problem = compare_rows(out, lse.T, ref_rows, ref_lse_rows, dims=("row", "h"))
+    assert problem is None, problem
+
+
+def _check_cp_fp8(case, q8, q_scale, cache, kv_scale):
+    """Two context-parallel ranks over their shards of the FP8 cache, merged: the unsharded
+    reference of the same e4m3 queries and cache."""
+    kw = dict(softmax_scale=case.scale, tree_mask=case.tree_mask, kv_scale=kv_scale, q_scale=q_scale)
+    parts = []
+    for rank in range(2):
+        kv, table, _ = mlagen.cp_shard_cache(cache, case.block_table, case.cache_seqlens, rank=rank, world=2)
+        assert kv.dtype == cache.dtype
+        parts.append(mlagen.verify_attention_cp_shard(q8, kv, table, case.cache_seqlens, rank=rank, world=2, **kw))
+    out, lse = mlagen.merge_states(*parts[0], *parts[1])
+    ref_out, ref_lse = mlagen.reference(q8, cache, case.block_table, case.cache_seqlens, dtype=torch.float64, **kw)
+    problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2))
+    assert problem is None, problem
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("check", [_check_varlen_fp8, _check_cp_fp8])
+def test_varlen_and_shards_carry_both_scales(fmt, check, monkeypatch):
+    """On the CPU, the fp64 reference standing in for the kernels: varlen (e4m3 rows padded as
+    bytes) and the shard functions pass kv_scale and q_scale through, and cp_shard_cache moves
+    FP8 rows as they are."""
+    monkeypatch.setattr(context_parallel, "verify_attention", _reference_kernels)
+    monkeypatch.setattr(varlen, "verify_attention", _reference_kernels)
+    check(*_fp8_inputs(fmt, "cpu", seed=11))
+
+
+def test_empty_varlen_batches_of_e4m3_queries_return_bf16():
+    q = torch.zeros(0, 16, 576, dtype=torch.float8_e4m3fn)
+    cache = torch.zeros(4, 16, 576, dtype=torch.float8_e4m3fn)
+    out, lse = mlagen.verify_attention_varlen(q, cache, torch.zeros(1, 2, dtype=torch.int32),
+                                              torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                                              1, return_lse=True, kv_scale=1.0, q_scale=1.0)
+    assert out.shape == (0, 16, 512) and out.dtype == torch.bfloat16 and lse.shape == (16, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("check", [_check_varlen_fp8, _check_cp_fp8])
+def test_varlen_and_shards_of_fp8_inputs_match_the_reference(fmt, check):
+    """The same checks through the kernels."""
+    check(*_fp8_inputs(fmt, "cuda", seed=12))

@@ -22,7 +22,9 @@ def test_schema():
     assert schema.startswith("mlagen::verify_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
                              "Tensor cache_seqlens, float? softmax_scale=None, bool causal=True, "
                              "Tensor? tree_mask=None, bool return_lse=False, str? variant=None")
-    assert schema.endswith("Tensor? attn_sink=None, bool? batch_invariant=None) -> (Tensor, Tensor)")
+    assert schema.endswith("Tensor? attn_sink=None, bool? batch_invariant=None, float? kv_scale=None, "
+                           "Tensor? kv_scale_tensor=None, float? q_scale=None, Tensor? q_scale_tensor=None) "
+                           "-> (Tensor, Tensor)")
 
 
 @pytest.mark.parametrize("return_lse", [False, True])
@@ -90,3 +92,53 @@ def test_bad_sinks_are_named_before_anything_runs(sink, message):
     q, kv, bt, lens = _inputs("cpu")
     with pytest.raises(mlagen.InputError, match=message):
         mlagen.verify_attention(q, kv, bt, lens, attn_sink=sink)
+
+
+@pytest.mark.parametrize("q_dtype, kv_dtype, row, out_dtype", [
+    (torch.bfloat16, torch.float8_e4m3fn, 576, torch.bfloat16),
+    (torch.float16, torch.uint8, 656, torch.float16),
+    (torch.float8_e4m3fn, torch.float8_e4m3fn, 576, torch.bfloat16),
+    (torch.float8_e4m3fn, torch.float16, 576, torch.float16),
+])
+def test_meta_shapes_of_fp8_calls(q_dtype, kv_dtype, row, out_dtype):
+    """The fake implementation gives out in the dtype the op returns: q's, or with e4m3 queries
+    a 16-bit cache's (bf16 over an FP8 cache)."""
+    q = torch.empty(2, 3, 8, 576, dtype=q_dtype, device="meta")
+    kv = torch.empty(10, 64, row, dtype=kv_dtype, device="meta")
+    _, _, bt, lens = _inputs("meta")
+    out = mlagen.verify_attention_op(q, kv, bt, lens, kv_scale=torch.ones(1, device="meta"), q_scale=0.5)
+    assert out.shape == (2, 3, 8, 512) and out.dtype == out_dtype
+
+
+def test_compile_fullgraph_traces_an_fp8_call():
+    """Scales as a tensor and as a float both go through torch.compile(fullgraph=True)."""
+    def step(q, kv, bt, lens, scale):
+        return mlagen.verify_attention_op(q, kv, bt, lens, kv_scale=scale, q_scale=2.0)
+
+    q = torch.empty(2, 3, 8, 576, dtype=torch.float8_e4m3fn, device="meta")
+    kv = torch.empty(10, 64, 576, dtype=torch.float8_e4m3fn, device="meta")
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    out = compiled(q, kv, *_inputs("meta")[2:], torch.ones(1, device="meta"))
+    assert out.shape == (2, 3, 8, 512) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["kv_scale", "q_scale"])
+@pytest.mark.parametrize("bad", ["0.5", True, [0.5]])
+def test_op_names_a_bad_scale_before_the_op_sees_it(name, bad):
+    q, kv, bt, lens = _inputs("cpu")
+    with pytest.raises(mlagen.InputError, match=f"^{name}: got {type(bad).__name__}, expected None, a float or"):
+        mlagen.verify_attention_op(q, kv, bt, lens, **{name: bad})
+
+
+def test_op_passes_each_scale_to_verify_attention(monkeypatch):
+    """A float scale and a tensor scale both reach verify_attention as given."""
+    seen = {}
+
+    def fake(q, *args, kv_scale=None, q_scale=None, **kwargs):
+        seen.update(kv_scale=kv_scale, q_scale=q_scale)
+        return q.new_zeros(*q.shape[:3], 512)
+
+    monkeypatch.setattr(mlagen.runtime.ops, "verify_attention", fake)
+    scale = torch.full((1,), 0.25)
+    mlagen.verify_attention_op(*_inputs("cpu"), kv_scale=scale, q_scale=3)
+    assert seen["kv_scale"] is scale and seen["q_scale"] == 3.0 and isinstance(seen["q_scale"], float)

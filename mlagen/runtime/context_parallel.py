@@ -146,7 +146,8 @@ def cp_shard_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seql
     order on pages of the same size, request b on its own run of pages.
 
     Args:
-        kv_cache: [num_pages, page_size, D] or [num_pages, page_size, 1, D] unsharded cache.
+        kv_cache: [num_pages, page_size, D] or [num_pages, page_size, 1, D] unsharded cache, any
+            dtype (FP8 rows included).
         block_table: [B, max_pages] int32 page ids of each request.
         cache_seqlens: [B] int32 global lengths.
         rank, world, interleave: as in `cp_global_positions`.
@@ -160,6 +161,7 @@ def cp_shard_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seql
     n = cp_local_seqlens(_check_lengths(cache_seqlens, block_table.shape[0]), rank=rank, world=world,
                          interleave=interleave)
     kv = kv_cache.reshape(kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[-1])
+    kv = kv.view(torch.uint8) if kv.element_size() == 1 else kv      # FP8 rows move as their bytes
     page_size = kv.shape[1]
     B, max_pages = block_table.shape
     pages = max(1, -(-_local_length(max_pages * page_size, rank, world, interleave) // page_size))
@@ -170,7 +172,7 @@ def cp_shard_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seql
     page_ids = torch.where(valid, block_table.to(kv.device).long()[:, t // page_size], 0)
     rows = kv[page_ids, t % page_size].masked_fill(~valid[..., None], 0)   # [B, P * page_size, D]
     local_table = torch.arange(B * pages, dtype=torch.int32, device=block_table.device).view(B, pages)
-    return rows.reshape(B * pages, page_size, kv.shape[-1]), local_table, n
+    return rows.reshape(B * pages, page_size, kv.shape[-1]).view(kv_cache.dtype), local_table, n
 
 
 def _check_shard(q: object, cache_seqlens: object, tree_mask: object, causal: bool, rank: object, world: object,
@@ -243,6 +245,8 @@ def verify_attention_cp_shard(
     check_values: bool | None = None,
     max_seqlen_k: int | None = None,
     batch_invariant: bool | None = None,
+    kv_scale: float | torch.Tensor | None = None,
+    q_scale: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's shard of MLA verify attention under context parallelism.
 
@@ -253,23 +257,25 @@ def verify_attention_cp_shard(
     Attention sinks go after the merge (`mlagen.runtime.sinks.apply_attn_sink_`).
 
     Args:
-        q: [B, S, H, Dl+Dr] bf16/fp16 CUDA tensor, every query of the request on every rank.
+        q: [B, S, H, Dl+Dr] bf16/fp16 CUDA tensor, every query of the request on every rank (or
+            float8_e4m3fn with q_scale, as in `verify_attention`).
         kv_cache: this rank's paged cache, [num_pages, page_size, Dl+Dr] (or with a 1 KV-head
-            dim), q's dtype.
+            dim), q's dtype; or an FP8 cache as `verify_attention` takes it.
         block_table: [B, max_pages] int32, this rank's page ids of each request in order.
         cache_seqlens: [B] int32 on q's device: GLOBAL lengths N, draft tokens included (the
             local ones are derived: `cp_local_seqlens`).
         rank, world, interleave: this rank in 0..world-1, the number of ranks and the interleave
             size (host ints; world >= 1, interleave >= 1).
-        softmax_scale, causal, tree_mask, variant, head_dim_v, check_values, batch_invariant:
-            as in `verify_attention`; the masks are the global ones (tree_mask [S, S] or
+        softmax_scale, causal, tree_mask, variant, head_dim_v, check_values, batch_invariant,
+            kv_scale, q_scale: as in `verify_attention`; the masks are the global ones (tree_mask [S, S] or
             [B, S, S], S <= 64; with causal or tree_mask S <= 64 too, since the shard runs as a
             tree mask). check_values also checks the global lengths (a host read).
         max_seqlen_k: optional host int bound on the GLOBAL lengths (this rank's share of it
             bounds the local ones).
 
     Returns:
-        out [B, S, H, Dl] in q's dtype and lse [B, H, S] fp32 over this rank's keys. A row that
+        out [B, S, H, Dl] in q's dtype (e4m3 queries: as `verify_attention` says) and lse
+        [B, H, S] fp32 over this rank's keys. A row that
         sees no key here gives out = 0 and lse = -inf, which `merge_states` ignores.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -280,7 +286,8 @@ def verify_attention_cp_shard(
                                 tree_mask=tree_mask, check_values=check_values, max_seqlen_k=max_seqlen_k)
     return verify_attention(q, kv_cache, block_table, local, softmax_scale=softmax_scale, causal=False,
                             tree_mask=mask, return_lse=True, variant=variant, head_dim_v=head_dim_v,
-                            check_values=check_values, max_seqlen_k=bound, batch_invariant=batch_invariant)
+                            check_values=check_values, max_seqlen_k=bound, batch_invariant=batch_invariant,
+                            kv_scale=kv_scale, q_scale=q_scale)
 
 
 def verify_attention_varlen_cp_shard(
@@ -302,12 +309,15 @@ def verify_attention_varlen_cp_shard(
     check_values: bool | None = None,
     max_seqlen_k: int | None = None,
     batch_invariant: bool | None = None,
+    kv_scale: float | torch.Tensor | None = None,
+    q_scale: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`verify_attention_cp_shard` for requests with different draft counts, packed as
     `verify_attention_varlen` takes them.
 
     Args:
-        q: [total_q, H, Dl+Dr] bf16/fp16 CUDA tensor, requests packed back to back.
+        q: [total_q, H, Dl+Dr] bf16/fp16 CUDA tensor, requests packed back to back (or
+            float8_e4m3fn with q_scale).
         kv_cache, block_table: this rank's paged cache and page ids, as in
             `verify_attention_cp_shard`.
         cache_seqlens: [B] int32 on q's device, GLOBAL lengths including request b's s_b draft
@@ -315,7 +325,7 @@ def verify_attention_varlen_cp_shard(
         cu_seqlens_q, max_seqlen_q: as in `verify_attention_varlen` (max_seqlen_q <= 64 with
             causal or tree_mask).
         rank, world, interleave, softmax_scale, causal, variant, head_dim_v, check_values,
-            max_seqlen_k, batch_invariant: as in `verify_attention_cp_shard`.
+            max_seqlen_k, batch_invariant, kv_scale, q_scale: as in `verify_attention_cp_shard`.
         tree_mask: the global packed mask, bool [B, max_seqlen_q, max_seqlen_q] with request
             b's s_b x s_b mask top-left (or [max_seqlen_q, max_seqlen_q] shared the same way).
 
@@ -332,4 +342,5 @@ def verify_attention_varlen_cp_shard(
     return verify_attention_varlen(q, kv_cache, block_table, local, cu_seqlens_q, max_seqlen_q,
                                    softmax_scale=softmax_scale, causal=False, tree_mask=mask, return_lse=True,
                                    variant=variant, head_dim_v=head_dim_v, check_values=check_values,
-                                   max_seqlen_k=bound, batch_invariant=batch_invariant)
+                                   max_seqlen_k=bound, batch_invariant=batch_invariant, kv_scale=kv_scale,
+                                   q_scale=q_scale)

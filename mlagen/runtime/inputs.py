@@ -78,6 +78,13 @@ def _aligned_rows(name: str, x: torch.Tensor, row_dims: tuple[int, ...]) -> None
         _fail(f"{name}.data_ptr()", hex(x.data_ptr()), "a 16-byte aligned address")
 
 
+def output_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
+    """The output's dtype: q's, or with e4m3 queries a 16-bit cache's (bf16 over an FP8 cache)."""
+    if q_dtype != torch.float8_e4m3fn:
+        return q_dtype
+    return kv_dtype if kv_dtype in DTYPES else torch.bfloat16
+
+
 def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens: object,
                  tree_mask: object, head_dim_v: int, softmax_scale: float | None) -> Shapes:
     """Metadata checks (every tensor on q's device; the caller requires that to be CUDA);
@@ -98,8 +105,7 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
     kv_cache = _tensor("kv_cache", kv_cache)
     _on("kv_cache", kv_cache, q.device)
     kv_format, row = "dtype", D
-    # The output's dtype: q's, or with e4m3 queries a 16-bit cache's (bf16 over an FP8 cache).
-    out_dtype = q.dtype if q_format == "dtype" else (kv_cache.dtype if kv_cache.dtype in DTYPES else torch.bfloat16)
+    out_dtype = output_dtype(q.dtype, kv_cache.dtype)
     if kv_cache.dtype != out_dtype:
         if kv_cache.dtype not in FP8_KV_FORMATS:
             _fail("kv_cache.dtype", kv_cache.dtype, f"q's dtype {q.dtype}, torch.float8_e4m3fn (e4m3 rows) or "

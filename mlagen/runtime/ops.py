@@ -9,13 +9,14 @@ imports it; it costs a few milliseconds and compiles nothing).
 The op's schema has no optional return, so it always returns (out, lse); lse is an empty [0]
 fp32 tensor unless return_lse. `verify_attention_op` below hides that and also takes a
 `Variant`. The variant crosses the op boundary by name (`Variant.name`, parsed back by
-`mlagen.dsl.spec.parse_variant`), since custom ops take only tensors and plain values.
+`mlagen.dsl.spec.parse_variant`), since custom ops take only tensors and plain values; an FP8
+scale, a float or a tensor, crosses as one of two arguments (a schema has no float-or-tensor).
 """
 
 import torch
 
 from ..dsl.spec import Variant, parse_variant
-from .inputs import key_bound
+from .inputs import InputError, key_bound, output_dtype
 from .op import verify_attention
 
 OP_NAME = "mlagen::verify_attention"
@@ -36,12 +37,18 @@ def _verify_attention(
     max_seqlen_k: int | None = None,
     attn_sink: torch.Tensor | None = None,
     batch_invariant: bool | None = None,
+    kv_scale: float | None = None,
+    kv_scale_tensor: torch.Tensor | None = None,
+    q_scale: float | None = None,
+    q_scale_tensor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     result = verify_attention(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale,
                               causal=causal, tree_mask=tree_mask, return_lse=return_lse,
                               variant=parse_variant(variant) if variant is not None else None,
                               head_dim_v=head_dim_v, max_seqlen_k=max_seqlen_k, attn_sink=attn_sink,
-                              batch_invariant=batch_invariant)
+                              batch_invariant=batch_invariant,
+                              kv_scale=kv_scale_tensor if kv_scale_tensor is not None else kv_scale,
+                              q_scale=q_scale_tensor if q_scale_tensor is not None else q_scale)
     if return_lse:
         return result
     return result, q.new_empty(0, dtype=torch.float32)
@@ -50,11 +57,23 @@ def _verify_attention(
 @_verify_attention.register_fake
 def _verify_attention_fake(q, kv_cache, block_table, cache_seqlens, softmax_scale=None, causal=True,
                            tree_mask=None, return_lse=False, variant=None, head_dim_v=512, max_seqlen_k=None,
-                           attn_sink=None, batch_invariant=None):
+                           attn_sink=None, batch_invariant=None, kv_scale=None, kv_scale_tensor=None, q_scale=None,
+                           q_scale_tensor=None):
     B, S, H, _ = q.shape
-    out = q.new_empty(B, S, H, head_dim_v)
+    out = q.new_empty(B, S, H, head_dim_v, dtype=output_dtype(q.dtype, kv_cache.dtype))
     lse = q.new_empty((B, H, S) if return_lse else (0,), dtype=torch.float32)
     return out, lse
+
+
+def _split_scale(name: str, scale: object) -> tuple[float | None, torch.Tensor | None]:
+    """An FP8 scale as the op's two arguments: (a float, None) or (None, a tensor). Checked
+    before the op: its schema refuses anything else with an error that does not name `name`."""
+    if scale is None or isinstance(scale, torch.Tensor):
+        return None, scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise InputError(f"{name}: got {type(scale).__name__}, expected None, a float or a one-element "
+                         "torch.float32 tensor")
+    return float(scale), None
 
 
 def verify_attention_op(
@@ -72,14 +91,17 @@ def verify_attention_op(
     max_seqlen_k: int | None = None,
     attn_sink: torch.Tensor | None = None,
     batch_invariant: bool | None = None,
+    kv_scale: float | torch.Tensor | None = None,
+    q_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`verify_attention` through the registered custom op: use this inside torch.compile'd
     code and CUDA graphs.
 
     Same arguments, shapes and results as `mlagen.verify_attention` (q [B, S, H, Dl+Dr],
-    out [B, S, H, Dl] in q's dtype, lse [B, H, S] fp32), except: `variant` may also be a
-    variant name (e.g. "flash_ht8_qt8_bn32_w8_st2_spa_sm90"), there is no `out=` (custom ops
-    return fresh tensors) and no `check_values` (MLAGEN_CHECK_VALUES still applies eagerly).
+    out [B, S, H, Dl] in q's dtype, lse [B, H, S] fp32; FP8 caches with kv_scale, e4m3
+    queries with q_scale), except: `variant` may also be a variant name (e.g.
+    "flash_ht8_qt8_bn32_w8_st2_spa_sm90"), there is no `out=` (custom ops return fresh tensors)
+    and no `check_values` (MLAGEN_CHECK_VALUES still applies eagerly).
     """
     if max_seqlen_k is not None:
         # checked before the op: its schema turns a bool into an int and refuses a str or a
@@ -88,5 +110,7 @@ def verify_attention_op(
     name = variant.name if isinstance(variant, Variant) else variant
     out, lse = torch.ops.mlagen.verify_attention(q, kv_cache, block_table, cache_seqlens,
                                                  softmax_scale, causal, tree_mask, return_lse, name,
-                                                 head_dim_v, max_seqlen_k, attn_sink, batch_invariant)
+                                                 head_dim_v, max_seqlen_k, attn_sink, batch_invariant,
+                                                 *_split_scale("kv_scale", kv_scale),
+                                                 *_split_scale("q_scale", q_scale))
     return (out, lse) if return_lse else out

@@ -51,8 +51,10 @@ class VarlenLayout:
     dst: torch.Tensor
 
     def pad_queries(self, q: torch.Tensor) -> torch.Tensor:
-        """[total_q, H, D] -> [B, S, H, D] (padded slots hold copies of real rows)."""
-        return q.index_select(0, self.src).view(self.batch, self.max_seqlen_q, *q.shape[1:])
+        """[total_q, H, D] -> [B, S, H, D] (padded slots hold copies of real rows); e4m3 rows move
+        as their bytes."""
+        rows = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
+        return rows.index_select(0, self.src).view(q.dtype).view(self.batch, self.max_seqlen_q, *q.shape[1:])
 
     def pad_tree_mask(self, tree_mask: torch.Tensor) -> torch.Tensor:
         """Packed mask ([B, S, S] or [S, S], top-left per request) -> the padded problem's
@@ -153,11 +155,13 @@ def verify_attention_varlen(
     attn_sink: torch.Tensor | None = None,
     batch_invariant: bool | None = None,
     kv_scale: float | torch.Tensor | None = None,
+    q_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA verify attention for a batch whose requests have different draft counts.
 
     Args:
-        q: [total_q, H, Dl+Dr] bf16/fp16 CUDA tensor, requests packed back to back.
+        q: [total_q, H, Dl+Dr] bf16/fp16 CUDA tensor, requests packed back to back; or
+            float8_e4m3fn with q_scale, as in `verify_attention`.
         kv_cache, block_table: as in `verify_attention` (block_table [B, max_pages] int32).
         cache_seqlens: [B] int32, valid keys of request b including its s_b draft tokens, which
             sit at positions cache_seqlens[b]-s_b .. cache_seqlens[b]-1.
@@ -165,16 +169,17 @@ def verify_attention_varlen(
             cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 (s_b = the difference, 0..max_seqlen_q).
         max_seqlen_q: host int, the largest s_b (at most 64 with a tree mask).
         softmax_scale, causal, return_lse, variant, head_dim_v, check_values, max_seqlen_k,
-            attn_sink, batch_invariant, kv_scale: as in `verify_attention`; check_values also checks
-            cu_seqlens_q (a host read).
+            attn_sink, batch_invariant, kv_scale, q_scale: as in `verify_attention`; check_values
+            also checks cu_seqlens_q (a host read).
         tree_mask: packed bool [B, max_seqlen_q, max_seqlen_q], request b's s_b x s_b draft
             tree mask in the top-left corner (or [max_seqlen_q, max_seqlen_q] shared the same
             way); tree_mask[b, i, k]: query i of request b sees its draft token k.
 
     Returns:
-        out [total_q, H, Dl] in q's dtype and, if return_lse, lse [H, total_q] fp32 (natural
-        log, -inf for a row with no key): the same [..., S, H, Dl] / [..., H, S] pairing as
-        `verify_attention`, so `merge_states` accepts them.
+        out [total_q, H, Dl] in q's dtype (with e4m3 queries, as `verify_attention` says) and,
+        if return_lse, lse [H, total_q] fp32 (natural log, -inf for a row with no key): the same
+        [..., S, H, Dl] / [..., H, S] pairing as `verify_attention`, so `merge_states` accepts
+        them.
     """
     check_varlen(q, cu_seqlens_q, max_seqlen_q, cache_seqlens, tree_mask)
     total_q = q.shape[0]
@@ -182,14 +187,15 @@ def verify_attention_varlen(
         _check_counts(cu_seqlens_q, max_seqlen_q, total_q)
     layout = varlen_layout(cu_seqlens_q, max_seqlen_q, total_q)
     if total_q == 0:
-        empty = q.new_empty(0, q.shape[1], head_dim_v)
+        dtype = inputs.output_dtype(q.dtype, getattr(kv_cache, "dtype", q.dtype))
+        empty = q.new_empty(0, q.shape[1], head_dim_v, dtype=dtype)
         return (empty, q.new_empty(q.shape[1], 0, dtype=torch.float32)) if return_lse else empty
     padded_mask = layout.pad_tree_mask(tree_mask) if tree_mask is not None else None
     result = verify_attention(layout.pad_queries(q), kv_cache, block_table, cache_seqlens,
                               softmax_scale=softmax_scale, causal=causal, tree_mask=padded_mask,
                               return_lse=return_lse, variant=variant, head_dim_v=head_dim_v,
                               check_values=check_values, max_seqlen_k=max_seqlen_k, attn_sink=attn_sink,
-                              batch_invariant=batch_invariant, kv_scale=kv_scale)
+                              batch_invariant=batch_invariant, kv_scale=kv_scale, q_scale=q_scale)
     if not return_lse:
         return layout.unpad_out(result)
     out, lse = result
