@@ -7,7 +7,7 @@
 #
 #   step       what                                                   time on the H200    timeout
 #   tests      pytest -m gpu tests/, all but test_gpu_verify.py       5-6 min             540 s
-#   verify     pytest -m gpu tests/test_gpu_verify.py                 5-6 min             540 s
+#   verify     pytest -m gpu tests/test_gpu_verify.py                 6-7 min             540 s
 #   memcheck   compute-sanitizer memcheck on benchmarks/sanitize.py  2.5 min             300 s
 #   synccheck  synccheck on the transposed tile (--only _tr_)         under 1 min         150 s
 #   racecheck1 racecheck, all but the transposed tile (--skip _tr_),  3.5 min, cold       360 s
