@@ -30,6 +30,7 @@ from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import DTYPES, KV_FORMATS, MASKS, Variant, parse_variant
 from mlagen.plan.validate import KernelPlan, validate
 from mlagen.tools.report import FORMATS, text_table
+from mlagen.tools.workload import FP8_CASES
 from mlagen.tools.workload import MASKS as BENCH_MASKS
 
 try:        # recent typer carries its own copy of click
@@ -481,11 +482,11 @@ def check(
     _say(console, f"{_plural(len(jobs), 'variant')} compiled for {', '.join(archs)}: no spills beyond the allowed")
 
 
-def _bench_masks(given: list[str] | None) -> tuple[str, ...]:
-    """bench's --mask values, each a comma list, in order, repeats dropped; default causal alone."""
-    names = [m.strip() for text in given or ["causal"] for m in text.split(",")]
+def _comma_choices(option: str, given: list[str] | None, choices, default: list[str]) -> tuple[str, ...]:
+    """An option's values, each a comma list, in order, repeats dropped; `default` when not given."""
+    names = [m.strip() for text in given or default for m in text.split(",")]
     for m in names:
-        _choice("--mask", m, BENCH_MASKS)
+        _choice(option, m, choices)
     return tuple(dict.fromkeys(names))
 
 
@@ -510,6 +511,12 @@ def bench(
     batch_invariant: bool = typer.Option(
         False, "--batch-invariant", help="also time the pick of batch-invariant mode (verify_attention("
         "batch_invariant=True)) under the base mask, in a column 'invariant' with its ratio over dispatch"),
+    fp8: list[str] | None = typer.Option(
+        None, "--fp8", metavar="CASE[,CASE...]",
+        help=f"also time the dispatcher's pick on the same inputs in FP8 (comma-separated, or the option repeated): "
+        f"{', '.join(FP8_CASES)} (e4m3: a flat e4m3 cache with bf16/fp16 queries; ds_mla: DeepSeek's 656-byte rows; "
+        "e4m3-q: e4m3 queries over an e4m3 cache), under the base mask, in a column fp8:CASE against a floor of its "
+        "own bytes and matrix rate, with its ratio over dispatch"),
     out: Path = typer.Option(Path("benchmarks/latest"), metavar="FOLDER",
                              help="the folder for bench.json, bench.md and bench.png"),
     format_: str = typer.Option("table", "--format", metavar="FORMAT", help=FORMAT_HELP),
@@ -518,12 +525,14 @@ def bench(
 
     Per shape: each kernel family, the dispatcher's pick and PyTorch eager, in µs per call and as
     a multiple of the floor (the least time the GPU's measured memory bandwidth and matmul rate
-    allow); the dispatcher's pick under each further --mask, and batch-invariant mode's pick with
-    --batch-invariant. Writes bench.json, bench.md and bench.png into the --out folder too.
+    allow); the dispatcher's pick under each further --mask, batch-invariant mode's pick with
+    --batch-invariant, and on FP8 inputs with --fp8. Writes bench.json, bench.md and bench.png into
+    the --out folder too.
     """
     fmt = _format(format_)
     rows = _rows(grid, row, ["seed"])
-    masks = _bench_masks(mask)
+    masks = _comma_choices("--mask", mask, BENCH_MASKS, ["causal"])
+    fp8_cases = _comma_choices("--fp8", fp8, FP8_CASES, [])
     _page_size("--page-size", page_size)
     _choice("--dtype", dtype, DTYPES)
     _at_least("--target-ms", target_ms, 0, strict=True)
@@ -536,7 +545,7 @@ def bench(
 
     info = _info(fmt)
     config = BenchConfig(page_size=page_size, masks=masks, dtype=dtype, timing=TimingConfig(target_ms=target_ms),
-                         extra=extra, batch_invariant=batch_invariant)
+                         extra=extra, batch_invariant=batch_invariant, fp8=fp8_cases)
     with _progress(info) as progress:
         result = run_bench(rows, config, progress)
     if fmt == "table":

@@ -19,8 +19,8 @@
 #   racecheck  racecheck1 racecheck2 racecheck3 (three calls)
 #   sanitize   memcheck synccheck racecheck1 racecheck2 racecheck3 (four calls)
 #   tune       mlagen tune, seed and serving grids, into mlagen/dispatch/tables/  under 5 min      420 s
-#   bench      mlagen bench, seed, serving and trees grids; the      under 3 min warm    585 s
-#              dispatcher's pick under tree masks too, and batch-invariant mode's
+#   bench      mlagen bench, seed, serving and trees grids; the      under 5 min warm    585 s
+#              dispatcher's pick under tree masks too, batch-invariant mode's and on FP8 inputs
 #   ragged     benchmarks/ragged.py on three batch shapes, then       1-4 min             450 s
 #              ragged_drafts.py with trees and causal
 #   host       benchmarks/host_cost.py                                10 s warm           120 s
@@ -158,7 +158,7 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         rc=${PIPESTATUS[0]}; written+=(tune.log); tables=(mlagen/dispatch/tables/*.json) ;;
       bench)
         timeout ${LIMIT[bench]} python3 cli.py bench --grid seed --grid serving --grid trees --mask causal,tree,tree-per-request \
-          --batch-invariant --out "$results"
+          --batch-invariant --fp8 e4m3,ds_mla,e4m3-q --out "$results"
         rc=$?; written+=(bench.json bench.md bench.png) ;;
       ragged)   # batches of mixed lengths (the bench's rows are uniform): dispatch vs adaptive vs balanced;
                 # then mixed draft counts against even ones, with trees and causal

@@ -16,12 +16,15 @@ from mlagen.plan.validate import validate
 from mlagen.tools.bench import (
     DISPATCH,
     EAGER,
+    FP8_MEMORY_ROWS,
     INVARIANT,
     BenchConfig,
     BenchResult,
     Cell,
     RowResult,
     compile_jobs,
+    fp8_cell,
+    fp8_floors,
     invalid_cells,
     mask_cell,
     plan_rows,
@@ -35,7 +38,17 @@ from mlagen.tools.peers import PEERS, peer
 from mlagen.tools.report import FILES, from_json, markdown, plot, rich_table, summary_markdown, to_json, write_all
 from mlagen.tools.testing import make_case
 from mlagen.tools.timing import rotation_count
-from mlagen.tools.workload import InputSet, Workload, draft_tree, eager_call, problem_for, with_mask
+from mlagen.tools.workload import (
+    FP8_CASES,
+    InputSet,
+    Workload,
+    draft_tree,
+    eager_call,
+    fp8_problem,
+    problem_for,
+    with_fp8,
+    with_mask,
+)
 
 H200 = Ceilings(copy_bytes_per_s=4.25e12, matmul_flops_per_s=785e12)   # the ceilings of PEERS' floor_us
 PVM = "mma_ht64_qt1_bn64_w8_st2_spa_pvm_sm90a"     # a named variant (--variant): valid for H=64 only
@@ -53,6 +66,27 @@ def test_floor_parts():
     assert floor_flops(64, 1, 9, 265) == 2 * 9 * 64 * 265 * (576 + 512)
     slow_mem = Ceilings(copy_bytes_per_s=1e9, matmul_flops_per_s=1e18)
     assert floor_us(64, 1, 9, 265, slow_mem) == pytest.approx(floor_bytes(64, 1, 9, 265) / 1e9 * 1e6)
+
+
+def test_fp8_floors_count_their_own_bytes_and_rate():
+    """An FP8 floor reads 576 (e4m3) or 656 (ds_mla) bytes a key; e4m3 queries read a byte an
+    element and count their flops at the FP8 rate where one was measured."""
+    bf16 = floor_bytes(64, 1, 9, 265)
+    q_out = (9 * 64 * 576 + 9 * 64 * 512) * 2
+    assert floor_bytes(64, 1, 9, 265, kv_format="e4m3") == 265 * 576 + q_out
+    assert floor_bytes(64, 1, 9, 265, kv_format="ds_mla") == 265 * 656 + q_out
+    assert floor_bytes(64, 1, 9, 265, kv_format="e4m3", q_format="e4m3") == 265 * 576 + 9 * 64 * (576 + 512 * 2)
+    assert bf16 == 265 * 576 * 2 + q_out
+    slow_math = Ceilings(copy_bytes_per_s=1e18, matmul_flops_per_s=1e9, fp8_matmul_flops_per_s=2e9)
+    flops = floor_flops(64, 1, 9, 265)
+    assert floor_us(64, 1, 9, 265, slow_math, kv_format="e4m3") == pytest.approx(flops / 1e9 * 1e6)
+    assert floor_us(64, 1, 9, 265, slow_math, kv_format="e4m3", q_format="e4m3") == pytest.approx(flops / 2e9 * 1e6)
+    unmeasured = Ceilings(copy_bytes_per_s=1e18, matmul_flops_per_s=1e9)
+    assert floor_us(64, 1, 9, 265, unmeasured, q_format="e4m3") == pytest.approx(flops / 1e9 * 1e6)
+    row = Row(64, 1, 9, 256)
+    floors = fp8_floors(row, BenchConfig(fp8=("ds_mla", "e4m3-q")), slow_math)
+    assert floors == {fp8_cell("ds_mla"): floor_us(64, 1, 9, 265, slow_math, kv_format="ds_mla"),
+                      fp8_cell("e4m3-q"): floor_us(64, 1, 9, 265, slow_math, kv_format="e4m3", q_format="e4m3")}
 
 
 def test_grids():
@@ -380,6 +414,88 @@ def test_with_mask_swaps_only_the_mask():
         eager_call(per_request)
 
 
+def test_with_fp8_quantizes_each_set_and_keeps_the_rest():
+    """Each FP8 case's sets: the cache in its format (the scale with e4m3), e4m3 queries and a
+    bf16 out for e4m3-q; block tables, lengths and masks shared; enough sets for twice the L2."""
+    row = Row(4, 2, 5, 60)
+    work = with_mask(_cpu_workload(row), "tree")
+    for s in work.sets:
+        s.q.normal_()
+        s.kv_cache.normal_()
+    for case, (kv_format, q_format) in FP8_CASES.items():
+        fp8 = with_fp8(work, case, l2=5 * work.sets[0].nbytes)
+        assert fp8.problem == fp8_problem(work.problem, case)
+        assert (fp8.problem.kv_format, fp8.problem.q_format) == (kv_format, q_format)
+        assert fp8.problem.dtype == "bf16" and fp8.problem.mask == "tree"
+        assert len(fp8.sets) == rotation_count(fp8.sets[0].nbytes, 5 * work.sets[0].nbytes) > len(work.sets)
+        for i, s in enumerate(fp8.sets):
+            src = work.sets[i % len(work.sets)]
+            assert s.block_table is src.block_table and s.cache_seqlens is src.cache_seqlens
+            assert s.tree_mask is src.tree_mask
+            assert s.kv_cache.dtype == (torch.uint8 if kv_format == "ds_mla" else torch.float8_e4m3fn)
+            assert (s.kv_scale is None) == (kv_format == "ds_mla")
+            if q_format == "e4m3":
+                assert s.q.dtype == torch.float8_e4m3fn and s.out.dtype == torch.bfloat16
+                assert torch.allclose(s.q.float() * s.q_scale, src.q.float(), rtol=0.07, atol=1e-2)
+            else:
+                assert s.q is src.q and s.out is src.out and s.q_scale is None
+    assert fp8_problem(problem_for(row, 64, "causal", "fp16"), "e4m3").dtype == "fp16"
+
+
+def test_fp8_side_variants_and_their_jobs():
+    """--fp8 cases time the dispatcher's pick for the FP8 problem (the naive kernel), compiled
+    with the other cells."""
+    row = Row(8, 16, 9, 16384)
+    config = BenchConfig(fp8=tuple(FP8_CASES))
+    side = side_variants(row, config, "sm_90a", "NVIDIA H200", policy.H200)
+    assert list(side) == [fp8_cell(c) for c in FP8_CASES]
+    for case in FP8_CASES:
+        mask, problem, variant = side[fp8_cell(case)]
+        assert mask == "causal" and problem == fp8_problem(problem_for(row, 64, "causal", "bf16"), case)
+        assert variant.family == "naive" and validate(problem, variant)
+    (plan,) = plan_rows([(row, ("serving",))], config, "sm_90a", "NVIDIA H200", policy.H200)
+    assert all((p, v) in compile_jobs([plan]) for _, p, v in plan.side.values())
+
+
+def _with_fp8_cells() -> BenchResult:
+    """_synthetic() with FP8 cells: the H=8 row is 8,16,9,16384, a memory-bound target row."""
+    result = _synthetic()
+    result.fp8 = ["e4m3", "e4m3-q"]
+    result.meta["fp8_matmul_tflops"] = 1500.0
+    r0, r1, r2 = result.rows
+    r2.prefix = 16384
+    assert r2.row in FP8_MEMORY_ROWS
+    for r, e4m3, e4m3q in ((r0, 8.0, 7.0), (r1, 18.0, 12.0), (r2, 20.0, 30.0)):
+        r.cells[fp8_cell("e4m3")] = Cell(e4m3, "naive_w4_sm90")
+        r.cells[fp8_cell("e4m3-q")] = Cell(e4m3q, "naive_w4_sm90")
+        r.fp8_floor_us = {fp8_cell("e4m3"): 1.0, fp8_cell("e4m3-q"): 0.5}
+    return result
+
+
+def test_fp8_cells_report_their_own_floor_and_targets(tmp_path):
+    result = _with_fp8_cells()
+    r0 = result.rows[0]
+    assert r0.floor_of(fp8_cell("e4m3")) == 1.0 and r0.floor_of(DISPATCH) == 2.0 and r0.best_us == 10.0
+    summary = summary_markdown(result)
+    assert summary[0].endswith("| fp8:e4m3/dispatch | fp8:e4m3-q/dispatch |")
+    assert summary[4].endswith("| 0.80× | 1.20× |")
+    paths = write_all(result, tmp_path)
+    back = from_json(paths[0].read_text())
+    assert back == result and back.side_cells == [fp8_cell("e4m3"), fp8_cell("e4m3-q")]
+    assert json.loads(paths[0].read_text())["rows"][2]["derived"]["x_floor"][fp8_cell("e4m3-q")] == 60.0
+    md = paths[1].read_text()
+    assert "| 20.0 (20.0×) | 0.80× | 30.0 (60.0×) | 1.20× |" in md
+    assert "the FP8 matmul rate, 1500 TFLOP/s" in md
+    assert ("fp8:e4m3 on the memory-bound rows: worst 0.80× bf16 (8,16,9,16384), 1 of 1 over 0.60×; worst 20.00× "
+            "the FP8 floor; rows slower than bf16 on the whole run: 0") in md
+    assert "fp8:e4m3-q on the compute-bound rows: none timed" in md
+    data = json.loads(paths[0].read_text())
+    del data["fp8"]
+    for r in data["rows"]:
+        del r["fp8_floor_us"]
+    assert from_json(json.dumps(data)).fp8 == []      # results written before --fp8 load
+
+
 def test_empty_result_writes(tmp_path):
     paths = write_all(BenchResult(meta={}, families=[]), tmp_path)
     assert all(p.exists() for p in paths)
@@ -391,6 +507,7 @@ def test_empty_result_writes(tmp_path):
     (["bench", "--mask", "diagonal"], "--mask: got 'diagonal'"),
     (["bench", "--page-size", "48"], "--page-size: got 48"),
     (["bench", "--dtype", "fp8"], "--dtype: got 'fp8'"),
+    (["bench", "--fp8", "e4m3,e5m2"], "--fp8: got 'e5m2', expected one of e4m3, ds_mla, e4m3-q"),
     (["bench", "--target-ms", "0"], "--target-ms: got 0"),
     (["bench", "--variant", PVM, "--variant", "mma_fast"], "--variant: variant name: got 'mma_fast', expected e.g."),
     (["bench", "--variant", "naive_w4_sm91"], "--variant: got 'naive_w4_sm91' (arch sm_91), expected an arch among"),

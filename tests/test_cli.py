@@ -312,6 +312,19 @@ def test_bench_masks_and_invariant_reach_the_config(args, masks, invariant, tmp_
     assert config.masks == masks and config.mask == masks[0] and config.batch_invariant is invariant
 
 
+def test_bench_fp8_cases_reach_the_config(tmp_path, monkeypatch, fake_gpu):
+    """--fp8 takes comma lists and repeats, in order, each case once; none by default."""
+    import mlagen.tools.bench
+
+    configs = []
+    monkeypatch.setattr(mlagen.tools.bench, "run_bench",
+                        lambda rows, config, progress: configs.append(config) or _bench_result())
+    for args in ([], ["--fp8", "e4m3-q, ds_mla", "--fp8", "e4m3,ds_mla"]):
+        done = runner.invoke(app, ["bench", "--row", "8,1,2,64", "--format", "json", "--out", str(tmp_path), *args])
+        assert done.exit_code == 0, done.output
+    assert [c.fp8 for c in configs] == [(), ("e4m3-q", "ds_mla", "e4m3")]
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

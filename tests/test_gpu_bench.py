@@ -10,12 +10,12 @@ from mlagen.dispatch import policy, tables
 from mlagen.dsl.spec import parse_variant
 from mlagen.runtime import tensormap
 from mlagen.runtime.op import device_info, device_policy
-from mlagen.tools.bench import DISPATCH, EAGER, INVARIANT, BenchConfig, mask_cell, run_bench
+from mlagen.tools.bench import DISPATCH, EAGER, INVARIANT, BenchConfig, fp8_cell, mask_cell, run_bench
 from mlagen.tools.grids import Row
 from mlagen.tools.report import from_json, summary_markdown, to_json, write_all
 from mlagen.tools.timing import TimingConfig, l2_bytes, measure
 from mlagen.tools.tune import TuneConfig, tune
-from mlagen.tools.workload import make_workload, mlagen_call, problem_for, with_mask
+from mlagen.tools.workload import FP8_CASES, make_workload, mlagen_call, problem_for, with_fp8, with_mask
 
 pytestmark = pytest.mark.gpu
 
@@ -63,6 +63,37 @@ def test_bench_side_cells(tmp_path, user_tables):
     assert summary_markdown(result)[0].endswith("| tree/causal | tree-per-request/causal | invariant/dispatch |")
     assert from_json(to_json(result)) == result
     assert all(p.exists() for p in write_all(result, tmp_path / "bench"))
+
+
+def test_bench_fp8_cells(tmp_path, user_tables):
+    """Each --fp8 case timed on the row's inputs quantized, against a floor of its own below the
+    bf16 floor; the FP8 matmul rate measured for e4m3 queries."""
+    config = BenchConfig(fp8=tuple(FP8_CASES), timing=QUICK, host_calls=100)
+    result = run_bench([(Row(16, 4, 4, 1000), ("serving",))], config)
+    (row,) = result.rows
+    assert result.fp8 == list(FP8_CASES) and result.meta["fp8_matmul_tflops"] > result.meta["matmul_tflops"]
+    for case in FP8_CASES:
+        name = fp8_cell(case)
+        cell = row.cells[name]
+        assert cell.us is not None and math.isfinite(cell.us) and cell.us > 0, (name, cell)
+        assert cell.variant.startswith("naive_") and 0 < row.floor_of(name) < row.floor_us
+    assert summary_markdown(result)[0].endswith("| fp8:e4m3/dispatch | fp8:ds_mla/dispatch | fp8:e4m3-q/dispatch |")
+    assert from_json(to_json(result)) == result
+
+
+def test_fp8_workloads_run_and_match_the_bf16_result():
+    """The FP8 sets run through the op; their outputs stay close to the bf16 inputs' (the
+    quantization's error, not a kernel's)."""
+    import torch
+
+    work = make_workload(Row(8, 3, 5, 200), 64, "causal", "bf16", l2=0)
+    bf16 = mlagen_call(work, None)(work.sets[0]).float()
+    for case in FP8_CASES:
+        fp8 = with_fp8(work, case, l2=0)
+        out = mlagen_call(fp8, None)(fp8.sets[0]).float()
+        assert bool(torch.isfinite(out).all())
+        cos = torch.nn.functional.cosine_similarity(out.flatten(), bf16.flatten(), dim=0)
+        assert cos > 0.99, (case, float(cos))
 
 
 def test_with_mask_shares_the_inputs_and_runs():

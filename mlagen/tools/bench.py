@@ -6,8 +6,9 @@ variants named with `--variant` (A/B columns), the dispatcher's own choice, torc
 floor from the ceilings measured in the same run, and FlashMLA's figure where the peer table
 (`mlagen.tools.peers`) has the row. Beside them, on the same inputs: the dispatcher's pick under
 each further mask (cell `dispatch:<mask>`) and, when asked, batch-invariant mode's pick
-(`INVARIANT`). A cell that raises, or a named variant that is invalid for the row's problem,
-shows its error; the run goes on.
+(`INVARIANT`) and the dispatcher's pick on the same inputs in FP8 (cell `fp8:<case>`,
+measured against a floor of its own bytes and matrix rate). A cell that raises, or a named
+variant that is invalid for the row's problem, shows its error; the run goes on.
 """
 
 from __future__ import annotations
@@ -25,17 +26,34 @@ from ..dsl.errors import SpecError
 from ..dsl.spec import FAMILIES, Problem, Variant
 from ..plan.validate import validate
 from ..runtime.op import device_info, device_name, device_policy, verify_attention
-from .floor import floor_us
+from .floor import Ceilings, floor_us
 from .grids import Row
 from .peers import PEER_GPU, peer
 from .stamp import stamp
 from .timing import TimingConfig, host_us_per_call, l2_bytes, measure, measure_ceilings
-from .workload import Workload, eager_call, make_workload, mlagen_call, problem_for, with_mask
+from .workload import (
+    FP8_CASES,
+    Workload,
+    eager_call,
+    fp8_problem,
+    make_workload,
+    mlagen_call,
+    problem_for,
+    with_fp8,
+    with_mask,
+)
 
 EAGER, DISPATCH = "eager", "dispatch"
 INVARIANT = "invariant"    # the cell of batch-invariant mode's pick (`verify_attention(batch_invariant=True)`)
 DISPATCH_SLACK = 1.05      # the dispatched choice may be this much slower than the best
 INVARIANT_TARGET = 1.25    # batch-invariant mode's aim on the serving grid's batched rows: at most this x dispatch
+FP8 = "fp8:"               # the prefix of an FP8 cell: "fp8:e4m3"
+# FP8's aims, on the rows where each case's bytes or flops bound the time: at most FP8_TARGET x
+# the bf16 dispatched time, and (memory-bound rows) at most FP8_FLOOR_TARGET x the FP8 floor.
+FP8_TARGET = 0.6
+FP8_FLOOR_TARGET = 1.3
+FP8_MEMORY_ROWS = (Row(8, 16, 9, 16384), Row(16, 64, 4, 4096), Row(64, 128, 1, 4096), Row(64, 64, 2, 8192))
+FP8_COMPUTE_ROWS = (Row(64, 32, 9, 4096), Row(128, 32, 4, 4096), Row(64, 1, 9, 65536))
 
 
 def mask_cell(mask: str) -> str:
@@ -43,10 +61,15 @@ def mask_cell(mask: str) -> str:
     return f"{DISPATCH}:{mask}"
 
 
+def fp8_cell(case: str) -> str:
+    """The cell of the dispatcher's pick on FP8 case `case`'s inputs (`FP8_CASES`): "fp8:e4m3"."""
+    return FP8 + case
+
+
 def is_side_cell(name: str) -> bool:
-    """Whether a cell times the dispatcher's pick under a further mask or in batch-invariant
-    mode: it is no candidate for the row's base problem."""
-    return name == INVARIANT or name.startswith(mask_cell(""))
+    """Whether a cell times the dispatcher's pick under a further mask, in batch-invariant mode
+    or on FP8 inputs: it is no candidate for the row's base problem."""
+    return name == INVARIANT or name.startswith((mask_cell(""), FP8))
 
 
 @dataclass
@@ -66,6 +89,11 @@ class RowResult:
     floor_us: float
     cells: dict[str, Cell]      # family names, named variants, "eager", "dispatch", side cells (`is_side_cell`)
     flashmla_us: float | None = None
+    fp8_floor_us: dict[str, float] = field(default_factory=dict)   # {FP8 cell: its floor}
+
+    def floor_of(self, name: str) -> float:
+        """The floor cell `name` is measured against: an FP8 cell's own, else the row's."""
+        return self.fp8_floor_us.get(name, self.floor_us)
 
     @property
     def row(self) -> Row:
@@ -123,6 +151,7 @@ class BenchResult:
     extra: list[str] = field(default_factory=list)     # named variant columns (`--variant`), in order
     other_masks: list[str] = field(default_factory=list)   # the masks after the base one: a `mask_cell` each
     invariant: bool = False                            # whether rows have an INVARIANT cell
+    fp8: list[str] = field(default_factory=list)       # the FP8 cases timed: an `fp8_cell` each
 
     @property
     def base_mask(self) -> str:
@@ -131,7 +160,8 @@ class BenchResult:
     @property
     def side_cells(self) -> list[str]:
         """The side cells' names (`is_side_cell`), in column order."""
-        return [*map(mask_cell, self.other_masks), *([INVARIANT] if self.invariant else [])]
+        return [*map(mask_cell, self.other_masks), *([INVARIANT] if self.invariant else []),
+                *map(fp8_cell, self.fp8)]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -139,9 +169,10 @@ class BenchResult:
     @classmethod
     def from_dict(cls, data: dict) -> BenchResult:
         rows = [RowResult(**{**r, "cells": {k: Cell(**c) for k, c in r["cells"].items()}}) for r in data["rows"]]
-        # results written before --variant, or before the mask axis and --batch-invariant, lack those keys
+        # results written before --variant, the mask axis, --batch-invariant or --fp8 lack those keys
         return cls(meta=data["meta"], families=list(data["families"]), rows=rows, extra=list(data.get("extra", [])),
-                   other_masks=list(data.get("other_masks", [])), invariant=bool(data.get("invariant", False)))
+                   other_masks=list(data.get("other_masks", [])), invariant=bool(data.get("invariant", False)),
+                   fp8=list(data.get("fp8", [])))
 
 
 @dataclass(frozen=True)
@@ -153,6 +184,7 @@ class BenchConfig:
     host_calls: int = 2000
     extra: tuple[Variant, ...] = ()     # named variants timed on every row, besides the families
     batch_invariant: bool = False       # also time batch-invariant mode's pick (INVARIANT) on the base mask
+    fp8: tuple[str, ...] = ()           # FP8 cases (`FP8_CASES`) whose dispatched pick to time on the base mask
 
     @property
     def mask(self) -> str:
@@ -186,7 +218,8 @@ def side_variants(row: Row, config: BenchConfig, arch: str, gpu: str,
                   dispatch: DispatchPolicy) -> dict[str, tuple[str, Problem, Variant]]:
     """{side cell: (mask, problem, variant)} for a row: the dispatcher's pick under each mask of
     `config.masks` after the first (`mask_cell`), then with `config.batch_invariant` the variant
-    `verify_attention(batch_invariant=True)` runs under the base mask (INVARIANT)."""
+    `verify_attention(batch_invariant=True)` runs under the base mask (INVARIANT), then the
+    dispatcher's pick on each of `config.fp8`'s inputs under the base mask (`fp8_cell`)."""
     cap = row.kv_capacity(config.page_size)
     side = {}
     for mask in config.masks[1:]:
@@ -196,6 +229,10 @@ def side_variants(row: Row, config: BenchConfig, arch: str, gpu: str,
     if config.batch_invariant:
         problem = problem_for(row, config.page_size, config.mask, config.dtype)
         side[INVARIANT] = (config.mask, problem, batch_invariant_variant(problem, row.seqlen_q, arch, dispatch))
+    for case in config.fp8:
+        problem = fp8_problem(problem_for(row, config.page_size, config.mask, config.dtype), case)
+        side[fp8_cell(case)] = (config.mask, problem, choose_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu,
+                                                                     policy=dispatch))
     return side
 
 
@@ -244,8 +281,10 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     gpu = device_name(device)
     dispatch = device_policy(device)
     meta = stamp(device) | {"page_size": config.page_size, "mask": config.mask, "dtype": config.dtype}
-    ceilings = measure_ceilings(device)
+    ceilings = measure_ceilings(device, fp8=any(FP8_CASES[c][1] == "e4m3" for c in config.fp8))
     meta |= {"copy_tbps": ceilings.copy_bytes_per_s / 1e12, "matmul_tflops": ceilings.matmul_flops_per_s / 1e12}
+    if ceilings.fp8_matmul_flops_per_s:
+        meta["fp8_matmul_tflops"] = ceilings.fp8_matmul_flops_per_s / 1e12
     l2 = l2_bytes(device)
 
     plans = plan_rows(rows, config, arch, gpu, dispatch)
@@ -260,7 +299,7 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     row_task = progress.add_task("timing rows", total=len(plans)) if progress else None
 
     result = BenchResult(meta=meta, families=families, extra=[v.name for v in config.extra],
-                         other_masks=list(config.masks[1:]), invariant=config.batch_invariant)
+                         other_masks=list(config.masks[1:]), invariant=config.batch_invariant, fp8=list(config.fp8))
     # The peer figures were measured on one GPU, page 64, causal: show them only for the same.
     show_peers = (torch.cuda.get_device_name() == PEER_GPU and config.page_size == 64
                   and config.mask == "causal")
@@ -273,14 +312,14 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
         except Exception as e:   # e.g. out of memory: every cell of the row fails, the run goes on
             cells = {n: Cell(error=f"inputs: {type(e).__name__}: {e}"[:300]) for n in [*variants, EAGER, *side]}
         else:
-            cells = _time_row(work, config.mask, problem, variants, side, errors, config.timing)
+            cells = _time_row(work, config.mask, problem, variants, side, errors, config.timing, l2)
             del work
         cells |= invalid_cells(problem, config.extra)
         p = peer(row.heads, row.batch, row.seqlen_q, row.prefix)
         result.rows.append(RowResult(
             heads=row.heads, batch=row.batch, seqlen_q=row.seqlen_q, prefix=row.prefix, grids=list(grids),
             floor_us=floor_us(row.heads, row.batch, row.seqlen_q, row.keys, ceilings), cells=cells,
-            flashmla_us=p.flashmla_us if p and show_peers else None))
+            flashmla_us=p.flashmla_us if p and show_peers else None, fp8_floor_us=fp8_floors(row, config, ceilings)))
         torch.cuda.empty_cache()
         if progress:
             progress.advance(row_task)
@@ -290,32 +329,45 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     return result
 
 
+def fp8_floors(row: Row, config: BenchConfig, ceilings: Ceilings) -> dict[str, float]:
+    """{FP8 cell: its floor} for the cases of `config.fp8` (`floor.floor_us` of their formats)."""
+    return {fp8_cell(c): floor_us(row.heads, row.batch, row.seqlen_q, row.keys, ceilings, kv_format=FP8_CASES[c][0],
+                                  q_format=FP8_CASES[c][1]) for c in config.fp8}
+
+
 def _time_row(work: Workload, mask: str, problem: Problem, variants: dict[str, Variant],
               side: dict[str, tuple[str, Problem, Variant]], compile_errors: dict[tuple[Problem, Variant], str],
-              timing: TimingConfig) -> dict[str, Cell]:
+              timing: TimingConfig, l2: int) -> dict[str, Cell]:
     """Cells of one row whose inputs `work` are under `mask`: the base problem's variants, torch
-    eager, then the side cells, each further mask on `work`'s input sets (`with_mask`). Each
-    distinct (mask, variant) is timed once."""
+    eager, then the side cells, each further mask on `work`'s input sets (`with_mask`), each FP8
+    case on `work`'s sets quantized (`with_fp8`, at least twice the L2 `l2`). Each distinct
+    (inputs, variant) is timed once."""
     works = {mask: work}
-    by_variant: dict[tuple[str, Variant, bool], Cell] = {}   # the dispatcher's pick is often a family's variant
+    by_variant: dict[tuple[str, Variant, str], Cell] = {}   # the dispatcher's pick is often a family's variant
 
-    def run(m: str, v: Variant, invariant: bool) -> float:
-        if m not in works:
-            works[m] = with_mask(work, m)
-        # batch-invariant mode runs as verify_attention(batch_invariant=True) does: its launch sizes
-        # each request's splits by its length, where the variant named alone runs its fixed split
-        call = mlagen_call(works[m], None, batch_invariant=True) if invariant else mlagen_call(works[m], v)
-        return measure(call, works[m].sets, timing).us
+    def run(inputs: str, v: Variant, how: str) -> float:
+        if inputs not in works:
+            works[inputs] = with_fp8(work, inputs[len(FP8):], l2) if inputs.startswith(FP8) else with_mask(work, inputs)
+        # "variant": v named; "invariant": as verify_attention(batch_invariant=True) runs, its launch
+        # sizing each request's splits by its length (v named alone runs its fixed split); "op": as
+        # verify_attention picks, for FP8 inputs
+        call = mlagen_call(works[inputs], v if how == "variant" else None, batch_invariant=how == INVARIANT)
+        return measure(call, works[inputs].sets, timing).us
 
-    def timed(m: str, p: Problem, v: Variant, invariant: bool = False) -> Cell:
-        if (m, v, invariant) not in by_variant:
-            by_variant[m, v, invariant] = _timed(lambda: run(m, v, invariant), v.name,
-                                                 compile_errors.get(code_identity(p, v), ""))
-        return by_variant[m, v, invariant]
+    def timed(inputs: str, p: Problem, v: Variant, how: str = "variant") -> Cell:
+        if (inputs, v, how) not in by_variant:
+            by_variant[inputs, v, how] = _timed(lambda: run(inputs, v, how), v.name,
+                                                compile_errors.get(code_identity(p, v), ""))
+        return by_variant[inputs, v, how]
 
     cells = {name: timed(mask, problem, v) for name, v in variants.items()}
     cells[EAGER] = _timed(lambda: measure(eager_call(work), work.sets, timing).us, "", "")
-    return cells | {name: timed(m, p, v, name == INVARIANT) for name, (m, p, v) in side.items()}
+    for name, (m, p, v) in side.items():
+        if name.startswith(FP8):
+            cells[name] = timed(name, p, v, "op")
+        else:
+            cells[name] = timed(m, p, v, INVARIANT if name == INVARIANT else "variant")
+    return cells
 
 
 def _timed(run: Callable[[], float], variant: str, compile_error: str) -> Cell:

@@ -4,7 +4,8 @@ results of `mlagen tune` and `mlagen fuzz` as a terminal table, markdown and JSO
 Bench time cells read "µs (×floor)": the median device time per call and its ratio to the row's
 floor. Named variants (`mlagen bench --variant`) get a column each, after the families; the side
 cells (the dispatcher's pick under each further `--mask`, batch-invariant mode's pick) a time
-column and a column of their ratio over the dispatched time each, in the summary too.
+column and a column of their ratio over the dispatched time each, in the summary too. An FP8
+cell's "×floor" is over its own floor (its format's bytes; e4m3 queries' flops at the FP8 rate).
 No cell of a terminal table is ever cut short: a cell too long for its column folds onto more lines.
 """
 
@@ -19,7 +20,22 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 from rich.text import Text
 
-from .bench import DISPATCH, DISPATCH_SLACK, EAGER, INVARIANT, INVARIANT_TARGET, BenchResult, RowResult, mask_cell
+from .bench import (
+    DISPATCH,
+    DISPATCH_SLACK,
+    EAGER,
+    FP8_COMPUTE_ROWS,
+    FP8_FLOOR_TARGET,
+    FP8_MEMORY_ROWS,
+    FP8_TARGET,
+    INVARIANT,
+    INVARIANT_TARGET,
+    BenchResult,
+    RowResult,
+    fp8_cell,
+    mask_cell,
+)
+from .workload import FP8_CASES
 
 if TYPE_CHECKING:
     from .fuzz import Outcome, Report
@@ -77,7 +93,8 @@ def _time(row: RowResult, name: str) -> str:
         return "—"
     if cell.us is None:
         return "failed" if cell.error else "—"
-    return f"{cell.us:.1f} ({cell.us / row.floor_us:.1f}×)" if row.floor_us > 0 else f"{cell.us:.1f}"
+    floor = row.floor_of(name)
+    return f"{cell.us:.1f} ({cell.us / floor:.1f}×)" if floor > 0 else f"{cell.us:.1f}"
 
 
 def _ratio(x: float | None) -> str:
@@ -114,6 +131,8 @@ def _header_lines(result: BenchResult) -> list[str]:
                      f"median {peers[len(peers) // 2][0]:.2f}×, worst {peers[-1][0]:.2f}× ({peers[-1][1]})")
     if result.invariant:
         lines.append(_invariant_line(result))
+    if result.fp8:
+        lines += _fp8_lines(result)
     lines.append(f"'!': the dispatched variant is slower than naive or torch eager, or more than "
                  f"{DISPATCH_SLACK - 1:.0%} slower than the best variant timed for the row"
                  + (" (named variants included)" if result.extra else ""))
@@ -140,6 +159,36 @@ def _invariant_line(result: BenchResult) -> str:
     over = sum(x > INVARIANT_TARGET for x, _ in ratios)
     return (line + f": over the {len(ratios)} timed, median {ratios[len(ratios) // 2][0]:.2f}×, worst "
             f"{ratios[-1][0]:.2f}× ({ratios[-1][1]}), {over} over the target")
+
+
+def _fp8_lines(result: BenchResult) -> list[str]:
+    """The header's lines on the FP8 cells: what they time, then per case its worst ratio over
+    bf16 dispatch (and over its own floor) on the rows its target covers: the memory-bound rows
+    for a cache-only case, the compute-bound rows for e4m3 queries."""
+    m = result.meta
+    rate = f"{m['fp8_matmul_tflops']:.0f} TFLOP/s" if m.get("fp8_matmul_tflops") else "not measured: the bf16 rate"
+    lines = [f"fp8:CASE: the dispatcher's pick on the same inputs quantized (e4m3: a flat e4m3 cache; ds_mla: "
+             f"DeepSeek's 656-byte rows; e4m3-q: e4m3 queries over an e4m3 cache), × its own floor (its bytes; "
+             f"e4m3 queries' flops at the FP8 matmul rate, {rate}); targets at most {FP8_TARGET:.2f}× bf16 dispatch, "
+             f"and {FP8_FLOOR_TARGET:.2f}× the FP8 floor on the memory-bound rows"]
+    for case in result.fp8:
+        name = fp8_cell(case)
+        memory = FP8_CASES[case][1] == "dtype"
+        rows = [r for r in result.rows if r.row in (FP8_MEMORY_ROWS if memory else FP8_COMPUTE_ROWS)]
+        ratios = sorted((x, r.row) for r in rows if (x := r.over_dispatch(name)) is not None)
+        slower = sum(1 for r in result.rows if (r.over_dispatch(name) or 0) > 1)
+        what = f"{name} on the {'memory' if memory else 'compute'}-bound rows"
+        if not ratios:
+            lines.append(f"{what}: none timed")
+            continue
+        over = sum(x > FP8_TARGET for x, _ in ratios)
+        line = (f"{what}: worst {ratios[-1][0]:.2f}× bf16 ({ratios[-1][1]}), {over} of {len(ratios)} over "
+                f"{FP8_TARGET:.2f}×")
+        if memory:
+            floors = [r.us(name) / r.floor_of(name) for r in rows if r.us(name)]
+            line += f"; worst {max(floors):.2f}× the FP8 floor"
+        lines.append(line + f"; rows slower than bf16 on the whole run: {slower}")
+    return lines
 
 
 def rich_table(result: BenchResult) -> Table:
@@ -194,7 +243,7 @@ def to_json(result: BenchResult) -> str:
     for r, d in zip(result.rows, data["rows"], strict=True):
         d["derived"] = {"speedup_naive_over_flash": r.speedup, "dispatch_vs_best": r.dispatch_vs_best,
                         "dispatch_ok": r.dispatch_ok, "dispatch_vs_flashmla": r.dispatch_vs_flashmla,
-                        "x_floor": {n: c.us / r.floor_us for n, c in r.cells.items() if c.us and r.floor_us}}
+                        "x_floor": {n: c.us / r.floor_of(n) for n, c in r.cells.items() if c.us and r.floor_of(n)}}
     return json.dumps(data, indent=1) + "\n"
 
 

@@ -157,5 +157,21 @@ def matmul_rate(device: int, n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3)
 
 
-def measure_ceilings(device: int) -> Ceilings:
-    return Ceilings(copy_bytes_per_s=copy_bandwidth(device), matmul_flops_per_s=matmul_rate(device))
+def fp8_matmul_rate(device: int, n: int = 8192) -> float | None:
+    """Flop/s of an n^3 e4m3 x e4m3 -> bf16 matmul (torch._scaled_mm), or None where the GPU or
+    this torch has none (before sm_89)."""
+    with torch.cuda.device(device):
+        a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()     # column-major, as it must be
+        one = torch.ones((), device="cuda")
+        try:
+            ms = _median_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+        except (RuntimeError, AttributeError):
+            return None
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def measure_ceilings(device: int, fp8: bool = False) -> Ceilings:
+    """The copy bandwidth and the bf16 matmul rate; with `fp8` also the e4m3 matmul rate."""
+    return Ceilings(copy_bytes_per_s=copy_bandwidth(device), matmul_flops_per_s=matmul_rate(device),
+                    fp8_matmul_flops_per_s=fp8_matmul_rate(device) if fp8 else None)

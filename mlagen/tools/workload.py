@@ -3,7 +3,8 @@
 Every request of a row has the same length N = prefix + S; its pages are scattered over the
 cache in a random order, as a serving engine's allocator leaves them. A workload's mask is one
 of MASKS: causal, none, one random draft tree shared by the batch ("tree") or one per request
-("tree-per-request"); `with_mask` puts the same inputs under another mask.
+("tree-per-request"); `with_mask` puts the same inputs under another mask, and `with_fp8` puts
+them in an FP8 format (FP8_CASES).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..dsl.spec import Problem, Variant
+from ..runtime.kv_formats import E4M3_MAX, quantize_kv
 from ..runtime.op import verify_attention
 from .eager import eager_attention, eager_visible
 from .grids import Row
@@ -27,6 +29,10 @@ PER_REQUEST = "tree-per-request"
 # A workload's mask -> the kernel's (`Problem.mask`): both tree masks run the tree kernels.
 PROBLEM_MASKS: dict[str, str] = {"causal": "causal", "none": "none", "tree": "tree", PER_REQUEST: "tree"}
 MASKS: tuple[str, ...] = tuple(PROBLEM_MASKS)
+# FP8 inputs `with_fp8` makes: name -> (Problem.kv_format, Problem.q_format). "e4m3" and "ds_mla"
+# quantize the cache only; "e4m3-q" the queries too, over an e4m3 cache.
+FP8_CASES: dict[str, tuple[str, str]] = {"e4m3": ("e4m3", "dtype"), "ds_mla": ("ds_mla", "dtype"),
+                                         "e4m3-q": ("e4m3", "e4m3")}
 
 
 @dataclass
@@ -37,6 +43,8 @@ class InputSet:
     cache_seqlens: torch.Tensor  # [B] int32, all N
     tree_mask: torch.Tensor | None   # bool [S, S] (tree), [B, S, S] (tree-per-request), else None
     out: torch.Tensor            # [B, S, H, Dl]
+    kv_scale: torch.Tensor | None = None   # an e4m3 cache's scale, fp32 [1]
+    q_scale: torch.Tensor | None = None    # e4m3 queries' scale, fp32 [1]
 
     @property
     def nbytes(self) -> int:
@@ -120,6 +128,34 @@ def with_mask(work: Workload, mask: str, seed: int = 0) -> Workload:
                     visible=_visible(work.row, mask, tree, device), scale=work.scale)
 
 
+def fp8_problem(problem: Problem, case: str) -> Problem:
+    """`problem` on FP8 case `case`'s inputs (FP8_CASES); e4m3 queries write bf16 out."""
+    kv_format, q_format = FP8_CASES[case]
+    return problem.with_(kv_format=kv_format, q_format=q_format,
+                         dtype="bf16" if q_format == "e4m3" else problem.dtype)
+
+
+def with_fp8(work: Workload, case: str, l2: int) -> Workload:
+    """`work`'s inputs in FP8 case `case` (one of FP8_CASES): each set's cache quantized
+    (`quantize_kv`), with "e4m3-q" its queries too (per-tensor amax / 448 scale; out in bf16).
+    The sets are new tensors, cycling over `work`'s sets until they total twice the L2 `l2`;
+    the block tables, lengths and masks are shared."""
+    kv_format, q_format = FP8_CASES[case]
+
+    def one(s: InputSet) -> InputSet:
+        cache, kv_scale = quantize_kv(s.kv_cache, kv_format)
+        if q_format == "dtype":
+            return replace(s, kv_cache=cache, kv_scale=kv_scale)
+        q_scale = (s.q.float().abs().amax() / E4M3_MAX).reshape(1)
+        return replace(s, q=(s.q.float() / q_scale).to(torch.float8_e4m3fn), kv_cache=cache, kv_scale=kv_scale,
+                       q_scale=q_scale, out=torch.empty(s.out.shape, dtype=torch.bfloat16, device=s.out.device))
+
+    sets = [one(work.sets[0])]
+    sets += [one(work.sets[i % len(work.sets)]) for i in range(1, rotation_count(sets[0].nbytes, l2))]
+    return Workload(row=work.row, problem=fp8_problem(work.problem, case), sets=sets, visible=work.visible,
+                    scale=work.scale)
+
+
 def mlagen_call(work: Workload, variant: Variant | None, max_seqlen_k: int | None = None,
                 batch_invariant: bool = False) -> Callable[[InputSet], object]:
     """One `verify_attention` on a set; variant None: the dispatcher's choice (planned for
@@ -129,7 +165,8 @@ def mlagen_call(work: Workload, variant: Variant | None, max_seqlen_k: int | Non
     def call(s: InputSet) -> object:
         return verify_attention(s.q, s.kv_cache, s.block_table, s.cache_seqlens, softmax_scale=work.scale,
                                 causal=causal, tree_mask=s.tree_mask, variant=variant, out=s.out,
-                                check_values=False, max_seqlen_k=max_seqlen_k, batch_invariant=batch_invariant)
+                                check_values=False, max_seqlen_k=max_seqlen_k, batch_invariant=batch_invariant,
+                                kv_scale=s.kv_scale, q_scale=s.q_scale)
     return call
 
 
