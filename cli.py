@@ -27,7 +27,7 @@ from typer.core import TyperGroup
 from mlagen.dispatch.presets import DEFAULT_EMIT_ARCHS, DEFAULT_PRESET, PRESETS, Preset
 from mlagen.dsl.arch import ARCHS, CI_ARCHS
 from mlagen.dsl.errors import SpecError
-from mlagen.dsl.spec import DTYPES, KV_FORMATS, MASKS, Variant, parse_variant
+from mlagen.dsl.spec import DTYPES, KV_FORMATS, MASKS, Q_FORMATS, Variant, parse_variant
 from mlagen.plan.validate import KernelPlan, validate
 from mlagen.tools.report import FORMATS, text_table
 from mlagen.tools.workload import FP8_CASES
@@ -623,7 +623,7 @@ def tune(
 # FuzzSpace's fields as fuzz's options, for its errors and the replay line.
 _FUZZ_OPTIONS = {"heads": "--heads", "max_batch": "--max-batch", "max_seqlen_q": "--max-seqlen-q",
                  "max_prefix": "--max-prefix", "page_sizes": "--page-size", "masks": "--mask", "dtypes": "--dtype",
-                 "kv_formats": "--kv"}
+                 "kv_formats": "--kv", "q_formats": "--q"}
 MAX_SEED = 1 << 62
 DEFAULT_FUZZ_CASES = 200
 
@@ -656,14 +656,17 @@ def fuzz(
     kv: list[str] | None = typer.Option(None, "--kv", metavar="FORMAT",
                                         help="KV cache formats to draw from (repeatable): dtype (q's), e4m3, "
                                         "ds_mla; default dtype"),
+    q: list[str] | None = typer.Option(None, "--q", metavar="FORMAT",
+                                       help="query formats to draw from (repeatable): dtype (bf16/fp16), e4m3 (with "
+                                       "a q_scale); default dtype"),
     format_: str = typer.Option("table", "--format", metavar="FORMAT", help=FORMAT_HELP),
 ) -> None:
     """Check the kernels on random shapes on this GPU against a float64 reference.
 
     Shapes vary batches (ragged, some requests empty), draft lengths, head counts, page sizes,
-    masks, dtypes, KV cache formats (with --kv) and lse; each runs into an output filled with
-    garbage first. Exits with 1 if a check failed, and prints the command that replays each
-    failure.
+    masks, dtypes, KV cache and query formats (with --kv and --q) and lse; each runs into an
+    output filled with garbage first. Exits with 1 if a check failed, and prints the command that
+    replays each failure.
     """
     from mlagen.tools.fuzz import FuzzSpace, Outcome
     from mlagen.tools.fuzz import fuzz as run_fuzz
@@ -679,8 +682,10 @@ def fuzz(
         _choice("--dtype", d, DTYPES)
     for f in kv or []:
         _choice("--kv", f, KV_FORMATS)
+    for f in q or []:
+        _choice("--q", f, Q_FORMATS)
     given = {"heads": heads, "max_batch": max_batch, "max_seqlen_q": max_seqlen_q, "max_prefix": max_prefix,
-             "page_sizes": page_size, "masks": mask, "dtypes": dtype, "kv_formats": kv}
+             "page_sizes": page_size, "masks": mask, "dtypes": dtype, "kv_formats": kv, "q_formats": q}
     defaults = FuzzSpace()
     changed = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}
     changed = {k: v for k, v in changed.items() if v != getattr(defaults, k)}

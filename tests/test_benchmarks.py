@@ -185,7 +185,7 @@ def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
 @pytest.mark.parametrize("feature", ["q_e4m3", "cp_shards"])
 def test_sanitize_feature_calls_match_the_reference(feature, monkeypatch):
     """On the CPU, the fp64 reference standing in for the kernels: each feature's call gives the
-    case's own result (e4m3 queries: the case then holds the dequantized ones)."""
+    case's own result."""
     def kernels(q, kv_cache, block_table, cache_seqlens, *, return_lse, variant=None, check_values=None,
                 max_seqlen_k=None, batch_invariant=None, **kwargs):
         out, lse = reference(q, kv_cache, block_table, cache_seqlens, dtype=torch.float64, **kwargs)

@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 
 from cli import app
 from mlagen.dispatch.policy import H200
-from mlagen.dsl.spec import DTYPES, KV_FORMATS, MASKS, SCHEDULES, naive, parse_variant
+from mlagen.dsl.spec import DTYPES, KV_FORMATS, MASKS, Q_FORMATS, SCHEDULES, naive, parse_variant
 from mlagen.plan.validate import is_valid
+from mlagen.runtime.inputs import output_dtype
 from mlagen.tools.fuzz import FuzzSpace, Shape, check, draw, draw_variant, fuzz
 from mlagen.tools.testing import Case
 
@@ -69,6 +70,32 @@ def test_a_correct_kernel_passes_fp8_shapes():
     assert {o.shape.kv_format for o in report.outcomes} == {"e4m3", "ds_mla"}
 
 
+def test_query_formats_are_drawn_after_the_cache_format():
+    """With --q a seed keeps its shape and cache format and draws its queries' format last; e4m3
+    queries run the naive kernel, write bf16 over an FP8 cache and their dtype over a 16-bit one."""
+    both = FuzzSpace(kv_formats=KV_FORMATS, q_formats=Q_FORMATS)
+    shapes = [draw(seed, both) for seed in range(60)]
+    kv_only = [draw(seed, FuzzSpace(kv_formats=KV_FORMATS)) for seed in range(60)]
+    assert [dataclasses.replace(s, q_format="dtype") for s in shapes] == kv_only
+    assert {(s.kv_format != "dtype", s.q_format) for s in shapes} == {(False, "dtype"), (False, "e4m3"),
+                                                                       (True, "dtype"), (True, "e4m3")}
+    for s in shapes:
+        assert s.problem.q_format == s.q_format
+        if s.q_format == "e4m3":
+            assert s.problem.dtype == ("bf16" if s.kv_format != "dtype" else s.dtype) and " q e4m3" in str(s)
+            assert draw_variant(s, "sm_90").family == "naive"
+
+
+def test_a_correct_kernel_passes_e4m3_query_shapes():
+    """The fuzz loop on e4m3 queries (make_case quantizes them with a q_scale, the reference reads
+    them dequantized), over 16-bit and FP8 caches."""
+    space = dataclasses.replace(SMALL, kv_formats=("dtype", "e4m3"), q_formats=("e4m3",))
+    report = fuzz(range(8), [None], space, device="cpu", kernel=_reference_kernel)
+    assert [o.status for o in report.outcomes] == ["ok"] * 8
+    case = report.outcomes[0].shape.case("cpu")
+    assert case.q.dtype == torch.float8_e4m3fn and case.kwargs()["q_scale"] is case.q_scale
+
+
 def test_a_narrow_space_is_kept():
     shapes = [draw(seed, SMALL) for seed in range(100)]
     assert {s.heads for s in shapes} <= {8, 16} and {s.page_size for s in shapes} <= {16, 64}
@@ -111,7 +138,7 @@ def test_a_bad_space_names_its_field(field, value, expected):
 
 def _reference_kernel(case, shape, variant):
     out, lse = case.reference(torch.float64)
-    return out.to(case.q.dtype), (lse.float() if shape.lse else None)
+    return out.to(output_dtype(case.q.dtype, case.kv_cache.dtype)), (lse.float() if shape.lse else None)
 
 
 def _leaves_a_row_unwritten(case, shape, variant):
@@ -231,6 +258,7 @@ def test_a_lost_cuda_context_stops_the_run_at_that_seed():
     (["--no-dispatch"], "expected --variant or --any-variant"),
     (["--variant", "mma_bogus"], "--variant"),
     (["--kv", "fp8"], "--kv: got 'fp8', expected one of dtype, e4m3, ds_mla"),
+    (["--q", "e5m2"], "--q: got 'e5m2', expected one of dtype, e4m3"),
 ])
 def test_fuzz_options_fail_before_any_gpu_work(args, message):
     result = runner.invoke(app, ["fuzz", *args])
@@ -259,6 +287,13 @@ def test_fuzz_runs_clean_on_this_gpu():
 def test_fuzz_runs_clean_on_fp8_caches():
     """FP8 caches of both layouts through the dispatcher's pick (the naive kernel)."""
     report = fuzz(range(8), [None], FuzzSpace(max_prefix=2000, kv_formats=("e4m3", "ds_mla")))
+    assert report.count("ok", "dispatch") == 8, [o.message for o in report.outcomes if o.status != "ok"]
+
+
+@pytest.mark.gpu
+def test_fuzz_runs_clean_on_e4m3_queries():
+    """e4m3 queries over 16-bit and FP8 caches through the dispatcher's pick."""
+    report = fuzz(range(8), [None], FuzzSpace(max_prefix=2000, kv_formats=KV_FORMATS, q_formats=("e4m3",)))
     assert report.count("ok", "dispatch") == 8, [o.message for o in report.outcomes if o.status != "ok"]
 
 

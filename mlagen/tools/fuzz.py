@@ -31,7 +31,7 @@ import torch
 from ..dispatch.policy import DispatchPolicy
 from ..dsl.arch import specializations
 from ..dsl.errors import SpecError
-from ..dsl.spec import DTYPES, KV_FORMATS, MASKS, Problem, Variant, naive
+from ..dsl.spec import DTYPES, KV_FORMATS, MASKS, Q_FORMATS, Problem, Variant, naive
 from ..plan.mma_plan import TRANSPOSED_ROWS
 from ..plan.tiles import enumerate_tiles, head_tiles
 from ..plan.validate import MAX_CLUSTER, MAX_SEQLEN_Q, is_valid, validate
@@ -57,6 +57,7 @@ class FuzzSpace:
     dtypes: tuple[str, ...] = DTYPES
     max_work: float = 3e9
     kv_formats: tuple[str, ...] = ("dtype",)     # caches to draw: "dtype" (q's), "e4m3", "ds_mla"
+    q_formats: tuple[str, ...] = ("dtype",)      # queries to draw: "dtype" (bf16/fp16), "e4m3"
 
     def __post_init__(self) -> None:
         checks = [
@@ -73,6 +74,8 @@ class FuzzSpace:
              "at least the smallest head count (one key of one query)"),
             ("kv_formats", self.kv_formats, bool(self.kv_formats) and set(self.kv_formats) <= set(KV_FORMATS),
              f"some of {', '.join(KV_FORMATS)}"),
+            ("q_formats", self.q_formats, bool(self.q_formats) and set(self.q_formats) <= set(Q_FORMATS),
+             f"some of {', '.join(Q_FORMATS)}"),
         ]
         for name, got, ok, expected in checks:
             if not ok:
@@ -97,6 +100,7 @@ class Shape:
     max_seqlen_k: int | None = None     # the op's host bound on the lengths; may be below them
     table_pages: int = 0                # block table width, when wider than the lengths need
     kv_format: str = "dtype"            # Problem.kv_format: the cache q's dtype, or FP8
+    q_format: str = "dtype"             # Problem.q_format: q in `dtype`, or e4m3
 
     @property
     def kv_capacity(self) -> int:
@@ -107,16 +111,18 @@ class Shape:
 
     @property
     def problem(self) -> Problem:
-        """The kernel problem of the shape (Dl=512, Dr=64)."""
-        return Problem(heads=self.heads, dtype=self.dtype, page_size=self.page_size, mask=self.mask, lse=self.lse,
-                       kv_format=self.kv_format)
+        """The kernel problem of the shape (Dl=512, Dr=64); e4m3 queries over an FP8 cache write
+        bf16, over a 16-bit cache its dtype."""
+        dtype = "bf16" if self.q_format == "e4m3" and self.kv_format != "dtype" else self.dtype
+        return Problem(heads=self.heads, dtype=dtype, page_size=self.page_size, mask=self.mask, lse=self.lse,
+                       kv_format=self.kv_format, q_format=self.q_format)
 
     def case(self, device: str = "cuda") -> Case:
         """The shape's inputs (`mlagen.tools.testing.make_case`, NaN wherever nothing may be read)."""
         return make_case(batch=self.batch, seqlen_q=self.seqlen_q, heads=self.heads, prefixes=list(self.prefixes),
                          page_size=self.page_size, mask=self.mask, seed=self.seed, dtype=TORCH_DTYPES[self.dtype],
                          device=device, empty=list(self.empty), per_request_tree=self.per_request_tree,
-                         table_pages=self.table_pages, kv_format=self.kv_format)
+                         table_pages=self.table_pages, kv_format=self.kv_format, q_format=self.q_format)
 
     def __str__(self) -> str:
         lengths = ["-" if e else str(p) for p, e in zip(self.prefixes, self.empty, strict=True)]
@@ -124,6 +130,7 @@ class Shape:
         bound = f" max_seqlen_k={self.max_seqlen_k}" if self.max_seqlen_k is not None else ""
         bound += f" table={self.table_pages} pages" if self.table_pages else ""
         kv = f" kv {self.kv_format}" if self.kv_format != "dtype" else ""
+        kv += f" q {self.q_format}" if self.q_format != "dtype" else ""
         return (f"B={self.batch} S={self.seqlen_q} H={self.heads} prefixes=[{','.join(lengths)}] "
                 f"page={self.page_size}{tree} {self.mask} {self.dtype}{kv}{' lse' if self.lse else ''}{bound}")
 
@@ -164,10 +171,11 @@ def draw(seed: int, space: FuzzSpace = FuzzSpace()) -> Shape:
                   page_size=page_size, mask=mask,
                   per_request_tree=mask == "tree" and rng.random() < 0.5, lse=rng.random() < 0.5,
                   dtype=rng.choice(space.dtypes), max_seqlen_k=bound, table_pages=table_pages)
-    # The cache's format is drawn last, and only from a choice: a seed's shape in the 16-bit space
-    # stays what it was.
+    # The cache's and then the queries' formats are drawn last, and only from a choice: a seed's
+    # shape in the 16-bit space stays what it was.
     kv_format = rng.choice(space.kv_formats) if len(space.kv_formats) > 1 else space.kv_formats[0]
-    return dataclasses.replace(shape, kv_format=kv_format)
+    q_format = rng.choice(space.q_formats) if len(space.q_formats) > 1 else space.q_formats[0]
+    return dataclasses.replace(shape, kv_format=kv_format, q_format=q_format)
 
 
 def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:

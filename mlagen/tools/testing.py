@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime.kv_formats import quantize_kv
+from ..runtime.inputs import output_dtype
+from ..runtime.kv_formats import E4M3_MAX, quantize_kv
 from ..runtime.reference import reference
 
 
@@ -37,12 +38,14 @@ class Case:
     scale: float
     dl: int
     kv_scale: torch.Tensor | None = None   # an e4m3 cache's scale ([1] fp32 on the device), else None
+    q_scale: torch.Tensor | None = None    # e4m3 queries' scale ([1] fp32 on the device), else None
 
     def kwargs(self) -> dict:
         """softmax_scale, causal, tree_mask and head_dim_v, as the op takes them, and kv_scale
-        for an e4m3 cache."""
+        for an e4m3 cache, q_scale for e4m3 queries."""
         kw = dict(softmax_scale=self.scale, causal=self.causal, tree_mask=self.tree_mask, head_dim_v=self.dl)
-        return kw if self.kv_scale is None else dict(kw, kv_scale=self.kv_scale)
+        scales = {"kv_scale": self.kv_scale, "q_scale": self.q_scale}
+        return kw | {k: v for k, v in scales.items() if v is not None}
 
     def reference(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """out [B, S, H, Dl] and lse [B, H, S] from `mlagen.reference`, computed in `dtype` on the
@@ -89,7 +92,7 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
               mask: str, seed: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
               dl: int = 512, dr: int = 64, empty: list[bool] | None = None,
               spare_pages: int = 3, per_request_tree: bool = False, table_pages: int = 0,
-              tree_shape: str = "random", kv_format: str = "dtype") -> Case:
+              tree_shape: str = "random", kv_format: str = "dtype", q_format: str = "dtype") -> Case:
     """A paged case: request b holds prefixes[b] + S keys (0 where empty[b]) on shuffled pages.
 
     q is [B, S, H, dl+dr] and the cache [pages, page_size, dl+dr], both standard normal in `dtype`
@@ -102,7 +105,8 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
     The block table is table_pages wide, or one page wider than the longest request needs if that
     is more (an engine's table is sized for its longest context). Built with a few tensor ops on
     the device: no per-key or per-page work on the host. kv_format "e4m3" or "ds_mla": the cache
-    is then `quantize_kv`'s (NaN stays NaN), with kv_scale for e4m3 (dl + dr = 576).
+    is then `quantize_kv`'s (NaN stays NaN), with kv_scale for e4m3 (dl + dr = 576). q_format
+    "e4m3": q is float8_e4m3fn with q_scale = amax / 448 (the standard normal values divided by it).
     """
     gen = torch.Generator().manual_seed(seed)
     values = torch.Generator(device=device).manual_seed(seed + (1 << 32))   # not gen's stream
@@ -141,19 +145,24 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
             tree = tree_of_shape(tree_shape, seqlen_q, gen)
         tree = tree.to(device)
     scale = (1.0 / math.sqrt(D)) * float(torch.empty(1).uniform_(0.5, 2.0, generator=gen))
-    kv_scale = None
+    kv_scale = q_scale = None
     if kv_format != "dtype":
         kv, kv_scale = quantize_kv(kv, kv_format)
+    if q_format == "e4m3":
+        q_scale = (q.float().abs().amax() / E4M3_MAX).reshape(1)
+        q = (q.float() / q_scale).to(torch.float8_e4m3fn)
     return Case(q=q, kv_cache=kv, block_table=table,
                 cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=device),
-                tree_mask=tree, causal=(mask == "causal"), scale=scale, dl=dl, kv_scale=kv_scale)
+                tree_mask=tree, causal=(mask == "causal"), scale=scale, dl=dl, kv_scale=kv_scale, q_scale=q_scale)
 
 
 def poisoned_out(case: Case) -> torch.Tensor:
-    """An `out=` tensor for the case, [B, S, H, Dl] in q's dtype, all NaN: any element a kernel
-    does not write stays NaN."""
+    """An `out=` tensor for the case, [B, S, H, Dl] in the op's output dtype (q's; with e4m3
+    queries the cache's 16-bit dtype or bf16), all NaN: any element a kernel does not write
+    stays NaN."""
     B, S, H, _ = case.q.shape
-    return torch.full((B, S, H, case.dl), math.nan, dtype=case.q.dtype, device=case.q.device)
+    return torch.full((B, S, H, case.dl), math.nan, dtype=output_dtype(case.q.dtype, case.kv_cache.dtype),
+                      device=case.q.device)
 
 
 def poison_allocator(nbytes: int, device: str = "cuda") -> None:
