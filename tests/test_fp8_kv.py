@@ -5,6 +5,8 @@ cache, row by row."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,7 +19,8 @@ from mlagen.dsl.spec import Problem, naive, parse_variant
 from mlagen.plan.validate import validate
 from mlagen.runtime import context_parallel, varlen
 from mlagen.runtime.inputs import output_dtype
-from mlagen.tools.testing import compare_rows, make_case
+from mlagen.tools.fuzz import FuzzSpace, draw
+from mlagen.tools.testing import E4M3_QUERY_TOLERANCE, compare_rows, make_case, tolerance
 
 FP8 = ("e4m3", "ds_mla")
 
@@ -284,3 +287,43 @@ def test_empty_varlen_batches_of_e4m3_queries_return_bf16():
 def test_varlen_and_shards_of_fp8_inputs_match_the_reference(fmt, check):
     """The same checks through the kernels."""
     check(*_fp8_inputs(fmt, "cuda", seed=12))
+
+
+# ---- e4m3 queries against the 16-bit queries they come from
+
+def _query_pairs(seeds: range, device: str):
+    """(fuzz shape, its case with 16-bit queries, the same case with e4m3 queries) per seed, over
+    every cache format."""
+    space = FuzzSpace(max_prefix=3000, max_work=2e8, kv_formats=("dtype", *FP8))
+    for seed in seeds:
+        shape = draw(seed, space)
+        yield (shape, dataclasses.replace(shape, q_format="dtype").case(device),
+               dataclasses.replace(shape, q_format="e4m3").case(device))
+
+
+def test_e4m3_queries_stay_within_their_stated_bound():
+    """The reference over e4m3 queries against the reference over the 16-bit queries they were
+    quantized from: every row within E4M3_QUERY_TOLERANCE, and some row beyond bf16's own
+    tolerance (the bound is the queries' rounding, not a kernel's)."""
+    coarser = 0
+    for shape, c16, c8 in _query_pairs(range(40), "cpu"):
+        out, lse = c8.reference(torch.float64)
+        lse = lse.float()
+        ref_out, ref_lse = c16.reference(torch.float64)
+        problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2), E4M3_QUERY_TOLERANCE)
+        assert problem is None, (str(shape), problem)
+        coarser += compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2),
+                                tolerance(torch.bfloat16)) is not None
+    assert coarser > 20
+
+
+@pytest.mark.gpu
+def test_the_op_on_e4m3_queries_stays_within_the_bound():
+    """The op on e4m3 queries (the dispatcher's pick) against the fp64 reference of the 16-bit
+    queries, every row within E4M3_QUERY_TOLERANCE."""
+    for shape, c16, c8 in _query_pairs(range(40, 64), "cuda"):
+        out, lse = mlagen.verify_attention(c8.q, c8.kv_cache, c8.block_table, c8.cache_seqlens, return_lse=True,
+                                           **c8.kwargs())
+        ref_out, ref_lse = c16.reference(torch.float64)
+        problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2), E4M3_QUERY_TOLERANCE)
+        assert problem is None, (str(shape), problem)

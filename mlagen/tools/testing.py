@@ -223,6 +223,15 @@ def tolerance(*dtypes: torch.dtype) -> Tolerance:
     return Tolerance(row_rel=2 * eps, row_max=8 * eps, lse_abs=eps / 4, lse_rel=2.0**-13)
 
 
+# How far a result with e4m3 queries (q / q_scale rounded to float8_e4m3fn, q_scale = amax / 448)
+# may be from the fp64 reference of the 16-bit queries they were quantized from: the queries'
+# rounding (3 mantissa bits) moves every score. Measured over 400 fuzz-space shapes (standard
+# normal queries, softmax scale 0.5-2 x 1/sqrt(576), every mask and cache format, up to 3000 keys,
+# 1.2 million rows): the worst row was 0.150 off relative (median 0.024), its largest element
+# 0.49 x the row's RMS, an lse 0.20 off. Each bound is about 1.5x the worst measured.
+E4M3_QUERY_TOLERANCE = Tolerance(row_rel=0.25, row_max=0.75, lse_abs=0.3, lse_rel=0.0)
+
+
 def _row_errors(x: torch.Tensor, ref: torch.Tensor,
                 empty: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of x and ref [..., Dl] (fp64, one device): (relative error [...], max abs error
