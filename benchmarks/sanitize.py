@@ -11,10 +11,11 @@ dispatcher's pick), --cases the cases numbered so (`--list` numbers them): racec
 seconds a pair, minutes in all. racecheck does not pair bar.arrive
 with bar.sync, so it reports the transposed tile's (`_tr_`) hand-offs between warpgroups as
 hazards: run_gpu.sh checks that tile with synccheck instead, and tests/test_gpu_verify.py with a
-bitwise-repeatability test. The engine features run last, on the dispatcher's pick (named
-"dispatched+FEATURE"): batch-invariant splits, FP8 caches of both formats and e4m3 queries, and
-the two ranks of a context-parallel pair (their per-request shard masks), merged. Attention sinks
-and the merge are torch ops: nothing there for the sanitizer. Prints one line per
+bitwise-repeatability test. The engine features run last (named "feature+FEATURE"), on the
+dispatcher's pick: batch-invariant splits, FP8 caches of both formats and e4m3 queries, and
+the two ranks of a context-parallel pair (their per-request shard masks), merged; and the mma
+family's FP8 tiles (`fp8_tile`: a balanced split with 16-bit partials on sm_90a, a fixed split on
+mma.sync elsewhere). Attention sinks and the merge are torch ops: nothing there for the sanitizer. Prints one line per
 (case, variant) and a count at the end.
 """
 
@@ -52,7 +53,8 @@ INVARIANT = dict(batch=4, seqlen_q=9, heads=64, prefixes=[300, 1500, 2600, 8000]
 FEATURES = [("invariant", INVARIANT, {}), ("invariant", CASES[0], {}),
             ("fp8_e4m3", CASES[1], {"kv_format": "e4m3"}), ("fp8_ds_mla", CASES[0], {"kv_format": "ds_mla"}),
             ("q_e4m3", CASES[2], {"kv_format": "e4m3", "q_format": "e4m3"}),
-            ("cp_shards", CASES[0] | {"per_request_tree": True}, {}), ("cp_shards", CASES[1], {})]
+            ("cp_shards", CASES[0] | {"per_request_tree": True}, {}), ("cp_shards", CASES[1], {}),
+            ("fp8_tile", CROSSING, {"kv_format": "e4m3"}), ("fp8_tile", CASES[0], {"kv_format": "ds_mla"})]
 
 Run = tuple[dict, list[Variant | None], int | None]   # (case, variants, balanced ranges pinned or None)
 
@@ -147,9 +149,23 @@ def parse_args(argv: list[str]):
     return p.parse_args(argv)
 
 
-def run_feature(feature: str, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of `case` through the dispatcher with `feature` on."""
+def fp8_tile(kv_format: str, arch: str) -> Variant:
+    """The FP8 tile `fp8_tile` runs on a GPU of compile target `arch`: on sm_90 a 64-row wgmma tile
+    with a balanced split and 16-bit partials (ds_mla's rows fit one stage), else an mma.sync
+    tile with a fixed split."""
+    if arch == "sm_90":
+        return Variant(family="mma", head_tile=8, q_tile=8, block_n=64, warps=8, stages=2 if kv_format == "e4m3" else 1,
+                       kv_split="balanced", partials="16bit", arch="sm_90a")
+    return Variant(family="mma", head_tile=8, q_tile=4, block_n=32, warps=4, stages=1, kv_split=2, arch=arch)
+
+
+def run_feature(feature: str, case: Case, arch: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of `case` with `feature` on, on a GPU of compile target `arch`: through the
+    dispatcher, or for `fp8_tile` through the FP8 tile."""
     args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens)
+    if feature == "fp8_tile":
+        fmt = mlagen.kv_format_of(case.kv_cache, case.kv_scale).name
+        return mlagen.verify_attention(*args, variant=fp8_tile(fmt, arch), return_lse=True, **case.kwargs())
     if feature == "invariant":
         return mlagen.verify_attention(*args, return_lse=True, batch_invariant=True, **case.kwargs())
     if feature == "cp_shards":
@@ -184,12 +200,12 @@ def main(only: str | None, skip: str | None, arch: str, listing: bool, cases: se
                 print(f"case {i} {name_of(v)}: {'listed' if listing else 'ok'}", flush=True)
                 checked += 1
     for i, (feature, shape, extra) in enumerate(FEATURES, start=len(runs)):
-        name = f"dispatched+{feature}"
+        name = f"feature+{feature}"
         if (cases is not None and i not in cases) or not wanted(name, only, skip):
             continue
         if not listing:
             case = make_case(seed=i, **shape, **extra)
-            out, lse = run_feature(feature, case)
+            out, lse = run_feature(feature, case, arch)
             torch.cuda.synchronize()
             assert_matches(out, lse, case)
         print(f"case {i} {name}: {'listed' if listing else 'ok'}", flush=True)

@@ -166,23 +166,30 @@ def test_sanitize_runs_every_family_on_valid_shapes():
 
 
 def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
-    """The features (racecheck3's --only dispatched+) come after the variant runs: batch-invariant
+    """The features (racecheck3's --only feature+) come after the variant runs: batch-invariant
     lengths of 1, 2, 3 and 8 splits, both FP8 cache formats, e4m3 queries, and context-parallel
     shards under a per-request tree mask."""
-    features = sanitize.main("dispatched+", None, "sm_90", listing=True)
+    features = sanitize.main("feature+", None, "sm_90", listing=True)
     assert features == len(sanitize.FEATURES)
     out = capsys.readouterr().out
     first = len(sanitize.plan_runs(*sanitize.variants_for("sm_90")))
     for i, (feature, _, _) in enumerate(sanitize.FEATURES, start=first):
-        assert f"case {i} dispatched+{feature}: listed" in out
-    assert {f for f, _, _ in sanitize.FEATURES} == {"invariant", "fp8_e4m3", "fp8_ds_mla", "q_e4m3", "cp_shards"}
+        assert f"case {i} feature+{feature}: listed" in out
+    assert {f for f, _, _ in sanitize.FEATURES} == {"invariant", "fp8_e4m3", "fp8_ds_mla", "q_e4m3", "cp_shards",
+                                                    "fp8_tile"}
+    tiles = [extra["kv_format"] for f, _, extra in sanitize.FEATURES if f == "fp8_tile"]
+    assert sorted(tiles) == ["ds_mla", "e4m3"]
+    for arch in ("sm_90", "sm_80"):
+        for fmt in tiles:
+            variant = sanitize.fp8_tile(fmt, arch)
+            assert render(validate(Problem(heads=8, kv_format=fmt, mask="tree", lse=True), variant))
     assert {extra.get("kv_format") for _, _, extra in sanitize.FEATURES} >= {"e4m3", "ds_mla"}
     assert any(shape.get("per_request_tree") for f, shape, _ in sanitize.FEATURES if f == "cp_shards")
     lengths = [p + sanitize.INVARIANT["seqlen_q"] for p in sanitize.INVARIANT["prefixes"]]
     assert sorted({min(-(-n // (1 << INVARIANT_SPLIT_KEYS_LOG2)), 8) for n in lengths}) == [1, 2, 3, 8]
 
 
-@pytest.mark.parametrize("feature", ["q_e4m3", "cp_shards"])
+@pytest.mark.parametrize("feature", ["q_e4m3", "cp_shards", "fp8_tile"])
 def test_sanitize_feature_calls_match_the_reference(feature, monkeypatch):
     """On the CPU, the fp64 reference standing in for the kernels: each feature's call gives the
     case's own result."""
@@ -195,7 +202,7 @@ def test_sanitize_feature_calls_match_the_reference(feature, monkeypatch):
     monkeypatch.setattr(mlagen, "verify_attention", kernels)
     shape = next(dict(s, **extra) for f, s, extra in sanitize.FEATURES if f == feature)
     case = make_case(seed=1, device="cpu", **shape)
-    out, lse = sanitize.run_feature(feature, case)
+    out, lse = sanitize.run_feature(feature, case, "sm_90")
     assert_matches(out, lse, case)
 
 
@@ -213,13 +220,13 @@ def test_sanitize_only_and_skip_split_the_variants(capsys):
 
 def test_sanitize_cases_split_the_racecheck():
     """run_gpu.sh's racecheck1, racecheck2 and racecheck3 (--cases 0-2, --cases 3-8, --only
-    dispatched+) cover every pair once."""
+    feature+) cover every pair once."""
     assert sanitize.case_numbers("0-2") == {0, 1, 2} and sanitize.case_numbers("3,5-6") == {3, 5, 6}
     assert sanitize.parse_args(["--cases", "3-8"]).cases == set(range(3, 9))
     total = sanitize.main(None, "_tr_", "sm_90", listing=True)
     first = sanitize.main(None, "_tr_", "sm_90", listing=True, cases={0, 1, 2})
     second = sanitize.main(None, "_tr_", "sm_90", listing=True, cases=set(range(3, 9)))
-    third = sanitize.main("dispatched+", "_tr_", "sm_90", listing=True)
+    third = sanitize.main("feature+", "_tr_", "sm_90", listing=True)
     assert 0 < first < total and 0 < third and first + second + third == total
     runs = sanitize.plan_runs(*sanitize.variants_for("sm_90"))
     assert len(runs) == 9 and [shape for shape, _, _ in runs[:3]] == sanitize.CASES

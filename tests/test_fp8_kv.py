@@ -13,12 +13,13 @@ import torch
 import mlagen
 from mlagen.codegen.build import build
 from mlagen.dispatch.policy import H200, batch_invariant_variant, choose_variant
-from mlagen.dsl.arch import ARCHS
+from mlagen.dsl.arch import ARCHS, runs_on
 from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import Problem, naive, parse_variant
 from mlagen.plan.validate import validate
 from mlagen.runtime import context_parallel, varlen
 from mlagen.runtime.inputs import output_dtype
+from mlagen.runtime.op import device_info
 from mlagen.tools.fuzz import FuzzSpace, draw
 from mlagen.tools.testing import E4M3_QUERY_TOLERANCE, compare_rows, make_case, tolerance
 
@@ -33,10 +34,57 @@ def test_fp8_problems_are_named_and_checked():
         validate(Problem(kv_format="fp8"), naive())
     with pytest.raises(SpecError, match="problem.kv_format: got 'e4m3', expected 'dtype' for dl=256 dr=64"):
         validate(Problem(kv_format="e4m3", dl=256), naive())
-    for name in ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", "flash_ht8_qt8_bn32_w8_st2_spa_sm90"):
-        with pytest.raises(SpecError, match="variant.family: got '(mma|flash)', expected 'naive' for "
-                                            "problem.kv_format='ds_mla'"):
-            validate(Problem(kv_format="ds_mla"), parse_variant(name))
+    with pytest.raises(SpecError, match="variant.family: got 'flash', expected 'naive' or 'mma' for "
+                                        "problem.kv_format='ds_mla'"):
+        validate(Problem(kv_format="ds_mla"), parse_variant("flash_ht8_qt8_bn32_w8_st2_spa_sm90"))
+    for name, field in (("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", "schedule"),
+                        ("mma_ht8_qt9_bn64_w8_st2_sp2_tr_sm90a", "schedule"),
+                        ("mma_ht64_qt1_bn64_w8_st1_sp5_cl_px_sm90a", "schedule"),
+                        ("mma_ht8_qt8_bn64_w8_st2_sp2_tma_sm90a", "loads")):
+        with pytest.raises(SpecError, match=f"variant.{field}: got '.*', expected '.*' for problem.kv_format='e4m3'"):
+            validate(Problem(kv_format="e4m3"), parse_variant(name))
+
+
+# The mma family's FP8 tiles: (format, variant) across the loop's kinds (wgmma scores with P.V on
+# wgmma and on mma.sync, fixed, adaptive, balanced and cluster splits, 16-bit partials, one and two
+# stages) and the mma.sync kernels of the other archs.
+FP8_TILES = [
+    ("e4m3", "mma_ht8_qt8_bn64_w8_st2_sp2_sm90a"), ("e4m3", "mma_ht64_qt1_bn64_w8_st2_spa_sm90a"),
+    ("e4m3", "mma_ht8_qt8_bn64_w8_st2_spb_p16_sm90a"), ("e4m3", "mma_ht8_qt8_bn64_w8_st2_sp2_cl_sm90a"),
+    ("ds_mla", "mma_ht8_qt8_bn64_w8_st1_sp2_pvm_sm90a"), ("ds_mla", "mma_ht64_qt1_bn64_w8_st1_spb_sm90a"),
+    ("e4m3", "mma_ht8_qt4_bn64_w4_st2_sp3_sm90"), ("ds_mla", "mma_ht8_qt4_bn32_w4_st2_spa_sm90"),
+    ("e4m3", "mma_ht8_qt4_bn32_w4_st2_sp3_sm80"), ("ds_mla", "mma_ht8_qt4_bn32_w4_st1_spb_sm89"),
+    ("e4m3", "mma_ht8_qt4_bn32_w4_st1_spa_sm120"),
+]
+
+
+@pytest.mark.parametrize("fmt,name", FP8_TILES)
+def test_fp8_tiles_compile_without_spills(fmt, name):
+    """Each FP8 tile compiles with no spill, stages its rows (RowLoad8) and dequantizes them into
+    its one 16-bit tile; its shared memory is that tile, the staged rows rounded up to 1 KB, and
+    the rest as a 16-bit cache's kernel has it."""
+    variant = parse_variant(name)
+    problem = Problem(heads=64, kv_format=fmt, mask="tree", lse=True)
+    built = build(problem, variant)
+    resources = built.module.resources[built.plan.main_kernel]
+    assert not resources.spills, resources
+    assert "RowLoad8<BN, THREADS, ROW_BYTES / 16>" in built.source and "dequantize_tile(" in built.source
+    row = 576 if fmt == "e4m3" else 656
+    staged = -(-variant.stages * variant.block_n * row // 1024) * 1024
+    assert built.plan.fp8_staging_bytes == staged and built.plan.kv_row_bytes == row
+    bf16 = validate(Problem(heads=64, mask="tree", lse=True), variant)
+    tiles = variant.stages * variant.block_n * 576 * 2
+    assert built.plan.smem_bytes == bf16.smem_bytes - tiles + variant.block_n * 576 * 2 + staged
+
+
+def test_fp8_tiles_need_the_shared_memory_of_their_rows():
+    """ds_mla's 656-byte rows in two stages do not fit the 64-row wgmma tile's shared memory; one
+    stage does, and e4m3's two stages take what a 16-bit cache's two 16-bit tiles take."""
+    two = parse_variant("mma_ht8_qt8_bn64_w8_st2_sp2_sm90a")
+    with pytest.raises(SpecError, match="shared memory per block on sm_90a"):
+        validate(Problem(kv_format="ds_mla"), two)
+    assert validate(Problem(kv_format="ds_mla"), two.with_(stages=1))
+    assert validate(Problem(kv_format="e4m3"), two).smem_bytes == validate(Problem(), two).smem_bytes
 
 
 @pytest.mark.parametrize("fmt", FP8)
@@ -327,3 +375,26 @@ def test_the_op_on_e4m3_queries_stays_within_the_bound():
         ref_out, ref_lse = c16.reference(torch.float64)
         problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2), E4M3_QUERY_TOLERANCE)
         assert problem is None, (str(shape), problem)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,name", FP8_TILES)
+@pytest.mark.parametrize("mask", ["causal", "tree"])
+def test_fp8_tiles_match_the_reference_of_their_dequantized_rows(fmt, name, mask):
+    """Each FP8 tile this GPU runs, on shuffled pages among NaN ones (one page size a 64-key tile
+    spans, one it does not), an empty request, the e4m3 scale as a float and as a device tensor:
+    every row against the fp64 reference over the same FP8 cache, with bf16's tolerance."""
+    variant = parse_variant(name)
+    if not runs_on(variant.arch, device_info(torch.cuda.current_device())[0]):
+        pytest.skip(f"{variant.arch} code does not run on this GPU")
+    for seed, (page_size, as_tensor) in enumerate(((16, False), (64, True))):
+        case = make_case(batch=3, seqlen_q=5, heads=64, prefixes=[700, 0, 2000], page_size=page_size, mask=mask,
+                         seed=30 + seed, empty=[False, True, False])
+        cache, scale = mlagen.quantize_kv(case.kv_cache, fmt)
+        scale = scale if as_tensor or scale is None else float(scale)
+        out, lse = mlagen.verify_attention(case.q, cache, case.block_table, case.cache_seqlens, kv_scale=scale,
+                                           variant=variant, return_lse=True, **case.kwargs())
+        ref_out, ref_lse = mlagen.reference(case.q, cache, case.block_table, case.cache_seqlens, kv_scale=scale,
+                                            dtype=torch.float64, **case.kwargs())
+        problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2))
+        assert problem is None, (name, mask, page_size, problem)

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from mlagen.dispatch.policy import H200
-from mlagen.dsl.spec import DTYPES, KV_FORMATS, MASKS, Q_FORMATS, SCHEDULES, naive, parse_variant
+from mlagen.dsl.spec import DTYPES, KV_FORMATS, MASKS, Q_FORMATS, SCHEDULES, parse_variant
 from mlagen.plan.validate import is_valid
 from mlagen.runtime.inputs import output_dtype
 from mlagen.tools.fuzz import FuzzSpace, Shape, check, draw, draw_variant, fuzz
@@ -47,18 +47,23 @@ def test_a_seed_always_draws_the_same_shape_within_the_space():
     assert any(s.table_pages * s.page_size >= 32768 for s in shapes) and any(not s.table_pages for s in shapes)
 
 
-def test_kv_formats_are_drawn_last_and_run_the_naive_kernel():
+def test_kv_formats_are_drawn_last_and_run_the_kernels_that_read_them():
     """With --kv a seed keeps its 16-bit shape and draws its cache's format after it; every format
-    shows up, and an FP8 shape's random variant is the naive kernel's."""
+    shows up, and an FP8 shape's random variant is the naive kernel or an mma lockstep tile with
+    cp.async loads, both among the draws."""
     fp8 = FuzzSpace(kv_formats=KV_FORMATS)
     shapes = [draw(seed, fp8) for seed in range(60)]
     assert [dataclasses.replace(s, kv_format="dtype") for s in shapes] == [draw(seed) for seed in range(60)]
     assert {s.kv_format for s in shapes} == set(KV_FORMATS)
     assert all(s.kv_format == "dtype" for s in map(draw, range(60)))
+    families = set()
     for s in shapes:
         v = draw_variant(s, "sm_90")
-        assert (v.family == "naive" and v == naive(v.arch, v.warps)) if s.kv_format != "dtype" else v is not None
-        assert is_valid(s.problem, v) and (s.problem.kv_format == s.kv_format)
+        assert v is not None and is_valid(s.problem, v) and (s.problem.kv_format == s.kv_format)
+        if s.kv_format != "dtype":
+            families.add(v.family)
+            assert v.family == "naive" or (v.family, v.schedule, v.loads) == ("mma", "lockstep", "cp_async")
+    assert families == {"naive", "mma"}
     assert "kv ds_mla" in str(next(s for s in shapes if s.kv_format == "ds_mla"))
 
 

@@ -16,3 +16,11 @@ ROPE_VALUE_BYTES = 2                            # a ds_mla rope dim: bf16
 SCALES_AT = LATENT_DIM * E4M3_BYTES             # byte 512: the group scales
 ROPE_AT = SCALES_AT + GROUPS * SCALE_BYTES      # byte 528: the rope dims
 DS_MLA_ROW_BYTES = ROPE_AT + ROPE_DIM * ROPE_VALUE_BYTES   # 656
+
+
+def row_bytes(kv_format: str, head_dim: int, elem_bytes: int) -> int:
+    """Bytes of one cached row in `kv_format`: head_dim values of elem_bytes each for "dtype" (the
+    16-bit caches), head_dim e4m3 values for "e4m3", DS_MLA_ROW_BYTES for "ds_mla"."""
+    if kv_format == "ds_mla":
+        return DS_MLA_ROW_BYTES
+    return head_dim * (E4M3_BYTES if kv_format == "e4m3" else elem_bytes)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dsl.arch import MAX_ACCUMULATORS, accumulator_budget
+from ..dsl.kv_layout import row_bytes
 from ..dsl.spec import Problem, Variant
 
 # block_n values the mma family's layouts accept (keys of a KV tile).
@@ -163,6 +164,21 @@ def padded_rows(rows: int) -> int:
     return -(-rows // MMA_M) * MMA_M
 
 
+def fp8_staging_bytes(p: Problem, v: Variant) -> int:
+    """Shared memory of an FP8 cache's staged rows: `v.stages` tiles of block_n rows as the cache
+    holds them, rounded up to 1024 bytes (P after them is a wgmma operand); 0 for 16-bit caches."""
+    if not p.fp8_kv:
+        return 0
+    return -(-v.stages * v.block_n * row_bytes(p.kv_format, p.head_dim, 2) // 1024) * 1024
+
+
+def kv_stage_bytes(p: Problem, v: Variant) -> int:
+    """Shared memory of the lockstep loop's KV tiles: `v.stages` 16-bit tiles; with an FP8 cache
+    one 16-bit tile (the staged rows dequantized) and the staged rows (`fp8_staging_bytes`)."""
+    tile = v.block_n * p.head_dim * 2
+    return tile + fp8_staging_bytes(p, v) if p.fp8_kv else v.stages * tile
+
+
 def lockstep_layout(p: Problem, v: Variant) -> MmaLayout | str:
     """The layout of the lockstep tile loop (templates/mma.cu.j2), which the seesaw shares, or a
     message saying which rule the variant breaks."""
@@ -198,7 +214,7 @@ def lockstep_layout(p: Problem, v: Variant) -> MmaLayout | str:
     # Q, the KV stages, P, the row max / sum parts, the running max, the tree-mask rows, and the
     # mbarriers (in the dynamic block: a static one would be padded to the dynamic block's
     # 1024-byte alignment).
-    smem = (m_pad * p.head_dim * 2 + v.stages * v.block_n * p.head_dim * 2 + m_pad * p_stride * 2
+    smem = (m_pad * p.head_dim * 2 + kv_stage_bytes(p, v) + m_pad * p_stride * 2
             + wnq * m_pad * 4 + m_pad * 4 + 64 * 8 + mbarriers(v) * 8)
     return MmaLayout(m_pad=m_pad, wmq=wmq, wnq=wnq, rows_w=m_pad // wmq, keys_w=v.block_n // wnq,
                      dims_w=dims_w, p_stride=p_stride, smem_bytes=smem, wgmma=wgmma,

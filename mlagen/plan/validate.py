@@ -27,7 +27,7 @@ from ..dsl.spec import (
     Variant,
     kernel_name,
 )
-from .mma_plan import STAGE_PAD, MmaLayout, load_mbarriers, mbarriers
+from .mma_plan import STAGE_PAD, MmaLayout, fp8_staging_bytes, kv_stage_bytes, load_mbarriers, mbarriers
 from .schedules import TileSchedule, schedule_of
 
 MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
@@ -85,6 +85,17 @@ class KernelPlan:
         scales (`scales_at`), one a `group_dim` latent dims, and the bf16 rope dims (`rope_at`)."""
         return {"scales_at": kv_layout.SCALES_AT, "rope_at": kv_layout.ROPE_AT, "group_dim": kv_layout.GROUP_DIM,
                 "row_bytes": kv_layout.DS_MLA_ROW_BYTES}
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one cached row as the cache holds it (`kv_layout.row_bytes`)."""
+        return kv_layout.row_bytes(self.problem.kv_format, self.problem.head_dim, 2)
+
+    @property
+    def fp8_staging_bytes(self) -> int:
+        """Shared memory of the mma lockstep loop's staged FP8 rows (`mma_plan.fp8_staging_bytes`);
+        0 for 16-bit caches and the other families."""
+        return fp8_staging_bytes(self.problem, self.variant) if self.variant.family == "mma" else 0
 
     # What the templates read of the variant, and the flags derived from it: templates read the
     # plan's attributes only, never its variant.
@@ -225,10 +236,10 @@ class KernelPlan:
         """Whether the kernel, launched as a programmatic dependent, prefetches its Q rows and
         first KV tile into L2 while the previous grid drains: the P exchange, and the mma
         family's lockstep kernels (templates/mma.cu.j2) where `programmatic_launch`, but for the
-        balanced split (its ranges need every request's length) and the seesaw (its first TMA
-        boxes go out right after the wait)."""
+        balanced split (its ranges need every request's length), the seesaw (its first TMA
+        boxes go out right after the wait) and FP8 caches (the prefetch reads 16-bit rows)."""
         v = self.variant
-        if not self.programmatic_launch or v.family != "mma" or v.schedule == "transposed":
+        if not self.programmatic_launch or v.family != "mma" or v.schedule == "transposed" or self.problem.fp8_kv:
             return False
         return v.schedule == "p_exchange" or not (self.balanced or self.seesaw)
 
@@ -401,12 +412,18 @@ def _check_common(v: Variant) -> None:
 
 
 def _check_fp8_family(p: Problem, v: Variant) -> None:
-    """FP8 caches and queries run on the naive family, which dequantizes each row as it reads it;
-    the tiled families' FP8 loads are not built."""
-    for field, value, fp8, what in (("kv_format", p.kv_format, p.fp8_kv, "caches"),
-                                    ("q_format", p.q_format, p.fp8_q, "queries")):
-        require(not fp8 or v.family == "naive", "variant.family", v.family,
-                f"'naive' for problem.{field}={value!r} (the tiled families read 16-bit {what} only)")
+    """FP8 caches run on the naive family, which dequantizes each row as it reads it, and on the
+    mma family's lockstep loop with cp.async loads, which stages a tile's FP8 rows and dequantizes
+    them into the 16-bit tile its products read; e4m3 queries run on the naive family."""
+    require(not p.fp8_q or v.family == "naive", "variant.family", v.family,
+            f"'naive' for problem.q_format={p.q_format!r} (the tiled families read 16-bit queries only)")
+    if not p.fp8_kv or v.family == "naive":
+        return
+    fp8 = f"problem.kv_format={p.kv_format!r}"
+    require(v.family == "mma", "variant.family", v.family, f"'naive' or 'mma' for {fp8}")
+    require(v.schedule == "lockstep", "variant.schedule", v.schedule,
+            f"'lockstep' for {fp8} (the mma family's loop that stages FP8 rows)")
+    require(v.loads == "cp_async", "variant.loads", v.loads, f"'cp_async' for {fp8} (TMA boxes copy 16-bit tiles)")
 
 
 def _plan_naive(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
@@ -478,7 +495,7 @@ def plan_mma(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
         # KV buffers (the template's STAGE_EPILOGUE, which static_asserts the same sum) for their
         # peers to read.
         staged = layout.m_pad * (p.dl + STAGE_PAD) * (2 if v.partials == "16bit" else 4)
-        buffers = (layout.m_pad + v.stages * v.block_n) * p.head_dim * 2
+        buffers = layout.m_pad * p.head_dim * 2 + kv_stage_bytes(p, v)
         require(staged <= buffers, "variant.combine", v.combine,
                 f"False for this tile: the {staged} bytes of staged output rows need Q and KV "
                 f"buffers that large, these have {buffers} (more stages or a wider KV tile)")

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..dsl.kv_layout import DS_MLA_ROW_BYTES, E4M3_BYTES, ROW_DIM
-
-# Bytes of one cached row by KV format, for the 576-dim rows FP8 caches hold ("dtype": 2 a dim).
-FP8_ROW_BYTES = {"e4m3": ROW_DIM * E4M3_BYTES, "ds_mla": DS_MLA_ROW_BYTES}
+from ..dsl.kv_layout import E4M3_BYTES, row_bytes
 
 
 @dataclass(frozen=True)
@@ -33,8 +30,8 @@ def floor_bytes(heads: int, batch: int, seqlen_q: int, keys: int, dl: int = 512,
                 elem_bytes: int = 2, kv_format: str = "dtype", q_format: str = "dtype") -> int:
     """KV read once per request, q read, out written (lse ignored: it is 4*B*H*S bytes).
     elem_bytes: the 16-bit cache's, q's and out's; an FP8 kv_format counts its row bytes
-    (`FP8_ROW_BYTES`), q_format "e4m3" one byte a query element."""
-    kv_row = FP8_ROW_BYTES[kv_format] if kv_format != "dtype" else (dl + dr) * elem_bytes
+    (`kv_layout.row_bytes`), q_format "e4m3" one byte a query element."""
+    kv_row = row_bytes(kv_format, dl + dr, elem_bytes)
     q_elem = E4M3_BYTES if q_format == "e4m3" else elem_bytes
     return batch * keys * kv_row + batch * seqlen_q * heads * ((dl + dr) * q_elem + dl * elem_bytes)
 

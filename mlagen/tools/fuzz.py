@@ -188,8 +188,10 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
     rng = random.Random(f"variant {shape.seed}")
     archs = (arch, *specializations(arch))
     family = rng.choice(["naive", "flash", "mma", "mma", "mma"])   # first, so that easy ones do not crowd
-    if shape.problem.fp8:
-        family = "naive"                                            # the family that reads FP8 caches
+    if shape.problem.fp8_q:
+        family = "naive"                                            # the family that reads e4m3 queries
+    elif shape.problem.fp8_kv and family == "flash":
+        family = "mma"                                              # the tiled family that reads FP8 caches
     for _ in range(tries):
         target = rng.choice(archs)
         if family == "naive":

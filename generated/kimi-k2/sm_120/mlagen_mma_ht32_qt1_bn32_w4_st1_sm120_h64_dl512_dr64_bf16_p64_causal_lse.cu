@@ -607,6 +607,8 @@ constexpr int MT = M_PAD / 16;                                      // output m1
 constexpr int DIMS_W = 128;                              // output dims per warp
 constexpr int NTO = DIMS_W / 8;
 constexpr int PS = 40;                                // P row stride (padded)
+constexpr int KV_TILES = STAGES;                                    // 16-bit KV tiles in shared memory
+constexpr int STAGED_BYTES = 0;
 
 constexpr int MT_O = MT, NT_O = NTO;                                // every warp: all rows, DIMS_W dims
 constexpr int HEAD_TILES = H / HT;
@@ -618,14 +620,14 @@ constexpr int HEAD_TILES = H / HT;
 // rows; ptxas even split the float2 partial stores). Kernels whose buffers are too small for it
 // store from registers.
 constexpr int STAGE_STRIDE = DL + 8;
-constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * (int)sizeof(part_t) <= (M_PAD + STAGES * BN) * D * (int)sizeof(elem_t);
+constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * (int)sizeof(part_t) <= (M_PAD + KV_TILES * BN) * D * (int)sizeof(elem_t) + STAGED_BYTES;
 static_assert(!PART16 || STAGE_EPILOGUE, "16-bit rows always fit the buffers: their epilogue stages them");
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
 static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
 static_assert(CH % 8 == 0, "the swizzle permutes chunks within groups of 8");
 static_assert((M_PAD * D * 2) % 1024 == 0 && (BN * D * 2) % 1024 == 0, "tiles start 1024-byte aligned");
-static_assert(M_PAD * D * 2 + STAGES * BN * D * 2 + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + 64 * 8
+static_assert(M_PAD * D * 2 + KV_TILES * BN * D * 2 + STAGED_BYTES + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + 64 * 8
               + 0 == 77184, "shared-memory plan matches mlagen/mma_plan.py");
 
 // Element offset of 16-byte chunk `c` of row `r` in a tile of NROWS rows: the tile is stored as
@@ -860,7 +862,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   pdl_wait();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
-  elem_t* sKV = sQ + M_PAD * D;                                           // (STAGES, BN, D) swizzled
+  elem_t* sKV = sQ + M_PAD * D;                                           // (KV_TILES, BN, D) swizzled
   elem_t* sP = sKV + STAGES * BN * D;                                     // (M_PAD, PS)
   float* sPart = reinterpret_cast<float*>(sP + M_PAD * PS);               // (WNQ, M_PAD) row max / sum parts
   float* sM = sPart + WNQ * M_PAD;                                        // (M_PAD,) running row max
@@ -908,11 +910,12 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     // KV tiles load in order, each one in two steps a tile apart (H=64 S=9 at 65536 keys: -10%):
     // block-table ids are read (fetch_pages) a tile before the row lookups (prepare_kv), and
     // the lookups a tile before the copies, so no copy waits on a dependent global read.
-    RowLoad<BN, THREADS> kv;                   // the prepared copies of the next tile to load
-    int next_pages[RowLoad<BN, THREADS>::PASSES];   // block-table ids of the tile after it (-1: none)
+    using KvLoad = RowLoad<BN, THREADS>;
+    KvLoad kv;                                 // the prepared copies of the next tile to load
+    int next_pages[KvLoad::PASSES];            // block-table ids of the tile after it (-1: none)
     auto fetch_pages = [&](int kb) {
 #pragma unroll
-      for (int k = 0; k < RowLoad<BN, THREADS>::PASSES; ++k) {
+      for (int k = 0; k < KvLoad::PASSES; ++k) {
         const int r = threadIdx.x / 8 + k * (THREADS / 8), j = kb * BN + r;
         next_pages[k] = r < BN && j < n ? kv_page(p, b, j) : -1;
       }
