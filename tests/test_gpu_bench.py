@@ -10,7 +10,7 @@ from mlagen.dispatch import policy, tables
 from mlagen.dsl.spec import parse_variant
 from mlagen.runtime import tensormap
 from mlagen.runtime.op import device_info, device_policy
-from mlagen.tools.bench import DISPATCH, EAGER, INVARIANT, BenchConfig, fp8_cell, mask_cell, run_bench
+from mlagen.tools.bench import DISPATCH, EAGER, INVARIANT, TILE, BenchConfig, fp8_cells, mask_cell, run_bench
 from mlagen.tools.grids import Row
 from mlagen.tools.report import from_json, summary_markdown, to_json, write_all
 from mlagen.tools.timing import TimingConfig, l2_bytes, measure
@@ -66,18 +66,20 @@ def test_bench_side_cells(tmp_path, user_tables):
 
 
 def test_bench_fp8_cells(tmp_path, user_tables):
-    """Each --fp8 case timed on the row's inputs quantized, against a floor of its own below the
-    bf16 floor; the FP8 matmul rate measured for e4m3 queries."""
+    """Each --fp8 case timed on the row's inputs quantized (the dispatcher's pick, and the mma tile
+    over 16-bit queries), against a floor of its own below the bf16 floor; the FP8 matmul rate
+    measured for e4m3 queries."""
     config = BenchConfig(fp8=tuple(FP8_CASES), timing=QUICK, host_calls=100)
     result = run_bench([(Row(16, 4, 4, 1000), ("serving",))], config)
     (row,) = result.rows
     assert result.fp8 == list(FP8_CASES) and result.meta["fp8_matmul_tflops"] > result.meta["matmul_tflops"]
-    for case in FP8_CASES:
-        name = fp8_cell(case)
+    names = [c for case in FP8_CASES for c in fp8_cells(case)]
+    for name in names:
         cell = row.cells[name]
         assert cell.us is not None and math.isfinite(cell.us) and cell.us > 0, (name, cell)
-        assert cell.variant.startswith("naive_") and 0 < row.floor_of(name) < row.floor_us
-    assert summary_markdown(result)[0].endswith("| fp8:e4m3/dispatch | fp8:ds_mla/dispatch | fp8:e4m3-q/dispatch |")
+        assert cell.variant.startswith("mma_" if name.endswith(TILE) else "naive_"), (name, cell)
+        assert 0 < row.floor_of(name) < row.floor_us
+    assert summary_markdown(result)[0].endswith(" | ".join(f"{n}/dispatch" for n in names) + " |")
     assert from_json(to_json(result)) == result
 
 

@@ -374,6 +374,14 @@ def fp8_variant(arch: str) -> Variant:
     return naive(arch)
 
 
+def fp8_tile(problem: Problem, seqlen_q: int, arch: str, policy: DispatchPolicy) -> Variant | None:
+    """The mma tile for an FP8 cache that the heuristic sizes (`heuristic_mma`: the lockstep loop
+    with cp.async loads, which stages FP8 rows, and an adaptive split), or None where none fits
+    and for e4m3 queries (the naive family's alone). The bench times it beside the dispatcher's
+    pick (`mlagen bench --fp8`)."""
+    return None if problem.fp8_q else heuristic_mma(problem, seqlen_q, arch, policy)
+
+
 @functools.lru_cache(maxsize=4096)
 def batch_invariant_variant(problem: Problem, seqlen_q: int, arch: str, policy: DispatchPolicy) -> Variant:
     """The variant of batch-invariant mode: chosen from the problem, S and the arch alone (never

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from ..codegen.precompile import code_identity, precompile
-from ..dispatch.policy import DispatchPolicy, batch_invariant_variant, choose_variant, family_variant
+from ..dispatch.policy import DispatchPolicy, batch_invariant_variant, choose_variant, family_variant, fp8_tile
 from ..dsl.errors import SpecError
 from ..dsl.spec import FAMILIES, Problem, Variant
 from ..plan.validate import validate
@@ -48,6 +48,7 @@ INVARIANT = "invariant"    # the cell of batch-invariant mode's pick (`verify_at
 DISPATCH_SLACK = 1.05      # the dispatched choice may be this much slower than the best
 INVARIANT_TARGET = 1.25    # batch-invariant mode's aim on the serving grid's batched rows: at most this x dispatch
 FP8 = "fp8:"               # the prefix of an FP8 cell: "fp8:e4m3"
+TILE = ":tile"             # the suffix of an FP8 tile's cell: "fp8:e4m3:tile" (`policy.fp8_tile`)
 # FP8's aims, on the rows where each case's bytes or flops bound the time: at most FP8_TARGET x
 # the bf16 dispatched time, and (memory-bound rows) at most FP8_FLOOR_TARGET x the FP8 floor.
 FP8_TARGET = 0.6
@@ -64,6 +65,17 @@ def mask_cell(mask: str) -> str:
 def fp8_cell(case: str) -> str:
     """The cell of the dispatcher's pick on FP8 case `case`'s inputs (`FP8_CASES`): "fp8:e4m3"."""
     return FP8 + case
+
+
+def fp8_cells(case: str) -> list[str]:
+    """FP8 case `case`'s cells: the dispatcher's pick, and for 16-bit queries the mma tile that
+    reads the FP8 cache (`policy.fp8_tile`)."""
+    return [fp8_cell(case)] + ([fp8_cell(case) + TILE] if FP8_CASES[case][1] == "dtype" else [])
+
+
+def fp8_case_of(name: str) -> str:
+    """The FP8 case of an FP8 cell: "fp8:e4m3:tile" -> "e4m3"."""
+    return name[len(FP8):].removesuffix(TILE)
 
 
 def is_side_cell(name: str) -> bool:
@@ -161,7 +173,7 @@ class BenchResult:
     def side_cells(self) -> list[str]:
         """The side cells' names (`is_side_cell`), in column order."""
         return [*map(mask_cell, self.other_masks), *([INVARIANT] if self.invariant else []),
-                *map(fp8_cell, self.fp8)]
+                *[c for case in self.fp8 for c in fp8_cells(case)]]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -219,7 +231,8 @@ def side_variants(row: Row, config: BenchConfig, arch: str, gpu: str,
     """{side cell: (mask, problem, variant)} for a row: the dispatcher's pick under each mask of
     `config.masks` after the first (`mask_cell`), then with `config.batch_invariant` the variant
     `verify_attention(batch_invariant=True)` runs under the base mask (INVARIANT), then the
-    dispatcher's pick on each of `config.fp8`'s inputs under the base mask (`fp8_cell`)."""
+    dispatcher's pick on each of `config.fp8`'s inputs under the base mask and the mma tile that
+    reads them where one fits (`fp8_cells`)."""
     cap = row.kv_capacity(config.page_size)
     side = {}
     for mask in config.masks[1:]:
@@ -233,6 +246,9 @@ def side_variants(row: Row, config: BenchConfig, arch: str, gpu: str,
         problem = fp8_problem(problem_for(row, config.page_size, config.mask, config.dtype), case)
         side[fp8_cell(case)] = (config.mask, problem, choose_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu,
                                                                      policy=dispatch))
+        tile = fp8_tile(problem, row.seqlen_q, arch, dispatch)
+        if tile is not None:
+            side[fp8_cell(case) + TILE] = (config.mask, problem, tile)
     return side
 
 
@@ -331,8 +347,8 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
 
 def fp8_floors(row: Row, config: BenchConfig, ceilings: Ceilings) -> dict[str, float]:
     """{FP8 cell: its floor} for the cases of `config.fp8` (`floor.floor_us` of their formats)."""
-    return {fp8_cell(c): floor_us(row.heads, row.batch, row.seqlen_q, row.keys, ceilings, kv_format=FP8_CASES[c][0],
-                                  q_format=FP8_CASES[c][1]) for c in config.fp8}
+    return {cell: floor_us(row.heads, row.batch, row.seqlen_q, row.keys, ceilings, kv_format=FP8_CASES[c][0],
+                           q_format=FP8_CASES[c][1]) for c in config.fp8 for cell in fp8_cells(c)}
 
 
 def _time_row(work: Workload, mask: str, problem: Problem, variants: dict[str, Variant],
@@ -363,8 +379,8 @@ def _time_row(work: Workload, mask: str, problem: Problem, variants: dict[str, V
     cells = {name: timed(mask, problem, v) for name, v in variants.items()}
     cells[EAGER] = _timed(lambda: measure(eager_call(work), work.sets, timing).us, "", "")
     for name, (m, p, v) in side.items():
-        if name.startswith(FP8):
-            cells[name] = timed(name, p, v, "op")
+        if name.startswith(FP8):      # the FP8 case's inputs; its tile named, else as verify_attention picks
+            cells[name] = timed(fp8_cell(fp8_case_of(name)), p, v, "variant" if name.endswith(TILE) else "op")
         else:
             cells[name] = timed(m, p, v, INVARIANT if name == INVARIANT else "variant")
     return cells

@@ -24,6 +24,7 @@ from .bench import (
     DISPATCH,
     DISPATCH_SLACK,
     EAGER,
+    FP8,
     FP8_COMPUTE_ROWS,
     FP8_FLOOR_TARGET,
     FP8_MEMORY_ROWS,
@@ -32,7 +33,7 @@ from .bench import (
     INVARIANT_TARGET,
     BenchResult,
     RowResult,
-    fp8_cell,
+    fp8_case_of,
     mask_cell,
 )
 from .workload import FP8_CASES
@@ -168,12 +169,12 @@ def _fp8_lines(result: BenchResult) -> list[str]:
     m = result.meta
     rate = f"{m['fp8_matmul_tflops']:.0f} TFLOP/s" if m.get("fp8_matmul_tflops") else "not measured: the bf16 rate"
     lines = [f"fp8:CASE: the dispatcher's pick on the same inputs quantized (e4m3: a flat e4m3 cache; ds_mla: "
-             f"DeepSeek's 656-byte rows; e4m3-q: e4m3 queries over an e4m3 cache), × its own floor (its bytes; "
+             f"DeepSeek's 656-byte rows; e4m3-q: e4m3 queries over an e4m3 cache), fp8:CASE:tile the mma tile that "
+             f"reads the FP8 cache; × its own floor (its bytes; "
              f"e4m3 queries' flops at the FP8 matmul rate, {rate}); targets at most {FP8_TARGET:.2f}× bf16 dispatch, "
              f"and {FP8_FLOOR_TARGET:.2f}× the FP8 floor on the memory-bound rows"]
-    for case in result.fp8:
-        name = fp8_cell(case)
-        memory = FP8_CASES[case][1] == "dtype"
+    for name in (c for c in result.side_cells if c.startswith(FP8)):
+        memory = FP8_CASES[fp8_case_of(name)][1] == "dtype"
         rows = [r for r in result.rows if r.row in (FP8_MEMORY_ROWS if memory else FP8_COMPUTE_ROWS)]
         ratios = sorted((x, r.row) for r in rows if (x := r.over_dispatch(name)) is not None)
         slower = sum(1 for r in result.rows if (r.over_dispatch(name) or 0) > 1)
