@@ -296,6 +296,16 @@ def test_fuzz_runs_clean_on_fp8_caches():
 
 
 @pytest.mark.gpu
+def test_fuzz_random_variants_run_clean_on_fp8_caches():
+    """Random variants for FP8 caches (the naive kernel and the mma tiles that stage FP8 rows),
+    each shape against the reference; both families among them."""
+    report = fuzz(range(24), [], FuzzSpace(max_prefix=3000, kv_formats=("e4m3", "ds_mla")), any_variant="sm_90")
+    assert report.count("fail") == 0, [o.message for o in report.failures]
+    drawn = [o for o in report.outcomes if o.status == "ok"]
+    assert {o.variant.split("_")[0] for o in drawn} == {"naive", "mma"}
+
+
+@pytest.mark.gpu
 def test_fuzz_runs_clean_on_e4m3_queries():
     """e4m3 queries over 16-bit and FP8 caches through the dispatcher's pick."""
     report = fuzz(range(8), [None], FuzzSpace(max_prefix=2000, kv_formats=KV_FORMATS, q_formats=("e4m3",)))

@@ -369,8 +369,9 @@ INVARIANT_SPLIT_KEYS_LOG2 = 10      # 1024 keys; the kernels' split_keys_log2 pa
 
 def fp8_variant(arch: str) -> Variant:
     """The variant an FP8 cache or FP8 queries run on `arch`: the naive family's, which
-    dequantizes each row as it reads it (the only family with FP8 loads; validate refuses the
-    others). It has no split, so it is batch-invariant as it is."""
+    dequantizes each row as it reads it, on every arch and for e4m3 queries too. (The mma tiles
+    that read FP8 caches, `fp8_tile`, run when named.) It has no split, so it is batch-invariant
+    as it is."""
     return naive(arch)
 
 
