@@ -127,9 +127,9 @@ def test_wgmma_schedules_match_reference(shape, schedule, kv_split, part16, tma,
 
 def _transposed_tiles(heads: int) -> list[tuple[int, int]]:
     """(head_tile, q_tile) of the transposed tiles for `heads`: rows a multiple of 8, 16 to 72."""
+    from mlagen.dsl.spec import MAX_SEQLEN_Q
     from mlagen.plan.mma_plan import TRANSPOSED_ROWS
     from mlagen.plan.tiles import enumerate_tiles
-    from mlagen.plan.validate import MAX_SEQLEN_Q
 
     return [(h, q) for h, q in enumerate_tiles(heads, MAX_SEQLEN_Q, max(TRANSPOSED_ROWS)) if h * q in TRANSPOSED_ROWS]
 

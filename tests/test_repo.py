@@ -171,22 +171,6 @@ def _resolves(obj: object, names: list[str]) -> str | None:
     return None
 
 
-# Names in the templates' rendered text (C++ comments and static_assert messages) that no longer
-# resolve: every generated kernel and launcher header carries them, so changing them changes the
-# generated code and every compile-cache key. They change with the next edit to the kernels, which
-# drops them here; each must still be in its template (a pin that matches nothing fails).
-RENDERED_OLD_NAMES: dict[str, set[str]] = {
-    "templates/common.cuh.j2": {"mlagen/validate.py", "mlagen/params.py"},
-    "templates/flash.cu.j2": {"mlagen/validate.py"},
-    "templates/launcher.h.j2": {"mlagen/params.py", "mlagen/tensormap.py", "dispatch.balanced_list_fits",
-                                "mlagen.dispatch.num_splits", "mlagen.dispatch.balanced_parts",
-                                "mlagen.dispatch.dependent_in_graphs", "mlagen.validate.split_unit"},
-    "templates/mma.cu.j2": {"mlagen/mma_plan.py"},
-    "templates/mma_exchange.cu.j2": {"mlagen/mma_plan.py"},
-    "templates/mma_transposed.cu.j2": {"mlagen/mma_plan.py"},
-    "templates/split_work_list.cuh.j2": {"mlagen/validate.py", "mlagen.validate.KernelPlan.partial_rows",
-                                         "mlagen.validate.split_unit"},
-}
 
 
 def _path_exists(ref: str) -> bool:
@@ -202,13 +186,6 @@ def test_references_resolve():
     classes = _classes()
     class_name = _names_then_attributes(list(classes))
     dangling = []
-    pinned_seen: set[tuple[str, str]] = set()
-
-    def dangles(p: Path, ref: str, text: str) -> None:
-        if ref in RENDERED_OLD_NAMES.get(_rel(p), ()):
-            pinned_seen.add((_rel(p), ref))
-        elif not (p == Path(__file__).resolve() and any(ref in refs for refs in RENDERED_OLD_NAMES.values())):
-            dangling.append(text)           # (this file names the pinned ones to pin them)
 
     for p in _scanned_files():
         for n, line in _prose(p):
@@ -216,7 +193,7 @@ def test_references_resolve():
             for m in REPO_PATH.finditer(line):
                 ref = m.group(1).rstrip(".,:;")
                 if not _path_exists(ref):
-                    dangles(p, ref, f"{where}: {ref} (no such path)")
+                    dangling.append(f"{where}: {ref} (no such path)")
             for m in BARE_DOC.finditer(line):
                 if not (p.parent / m.group(1)).exists() and not (ROOT / m.group(1)).exists():
                     dangling.append(f"{where}: {m.group(1)} (not in the repository)")
@@ -232,7 +209,7 @@ def test_references_resolve():
                     missing = [_resolves(importlib.import_module(f"mlagen.{path}"), names)
                                for path in MODULE_NAMES[m.group(1)]]
                     if None not in missing:
-                        dangles(p, m.group(0), f"{where}: {m.group(0)} (no {missing[0]!r})")
+                        dangling.append(f"{where}: {m.group(0)} (no {missing[0]!r})")
             for m in class_name.finditer(line):
                 names = m.group(2).split(".")[1:]
                 if all(_resolves(cls, names) is not None for cls in classes[m.group(1)]):
@@ -242,7 +219,5 @@ def test_references_resolve():
                 if names[-1] in FILE_EXTENSIONS or names[0] in MODULE_PATHS:
                     continue             # a file, or a module's or package's name, checked above
                 if _resolves(mlagen, names) is not None:
-                    dangles(p, m.group(0), f"{where}: {m.group(0)} (not in mlagen)")
+                    dangling.append(f"{where}: {m.group(0)} (not in mlagen)")
     assert not dangling, "references that do not resolve:\n" + "\n".join(dangling)
-    unused = sorted({(f, r) for f, refs in RENDERED_OLD_NAMES.items() for r in refs} - pinned_seen)
-    assert not unused, f"pinned template names that no longer dangle there: drop them from RENDERED_OLD_NAMES: {unused}"

@@ -8,11 +8,22 @@ from hypothesis import strategies as st
 
 from mlagen.dsl.arch import ARCHS
 from mlagen.dsl.errors import SpecError
-from mlagen.dsl.spec import COMBINES, LOADS, PARTIALS, SCHEDULES, Problem, Variant, kernel_name, naive, parse_variant
+from mlagen.dsl.spec import (
+    COMBINES,
+    LOADS,
+    MAX_SEQLEN_Q,
+    PARTIALS,
+    SCHEDULES,
+    Problem,
+    Variant,
+    kernel_name,
+    naive,
+    parse_variant,
+)
 from mlagen.plan.mma_plan import TRANSPOSED_ROWS
 from mlagen.plan.schedules import SCHEDULES as REGISTRY
 from mlagen.plan.tiles import FLASH_Q_TILE, MAX_ROWS, balanced_q_tile, enumerate_tiles
-from mlagen.plan.validate import MAX_SEQLEN_Q, is_valid, validate
+from mlagen.plan.validate import is_valid, validate
 
 variants = st.builds(
     Variant,

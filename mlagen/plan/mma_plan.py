@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..dsl.arch import MAX_ACCUMULATORS, accumulator_budget
 from ..dsl.kv_layout import row_bytes
-from ..dsl.spec import Problem, Variant
+from ..dsl.spec import MAX_SEQLEN_Q, Problem, Variant
 
 # block_n values the mma family's layouts accept (keys of a KV tile).
 MMA_BLOCK_NS = (32, 64, 128)
@@ -150,7 +150,7 @@ def exchange_layout(p: Problem, v: Variant) -> MmaLayout | str:
     k = int(v.kv_split)
     tile = 64 * p.head_dim * 2
     slices = exchange_units(p, k) * (k - 1) * KV_COLUMN_BLOCK
-    smem = (max(tile, k * EXCHANGE_SLOT) + tile + slices + k * EXCHANGE_MAX_SLOT + 4 * 64 * 4 + 64 * 8
+    smem = (max(tile, k * EXCHANGE_SLOT) + tile + slices + k * EXCHANGE_MAX_SLOT + 4 * 64 * 4 + MAX_SEQLEN_Q * 8
             + mbarriers(v) * 8)
     return MmaLayout(m_pad=64, wmq=4, wnq=2, rows_w=16, keys_w=32, dims_w=64, p_stride=64,
                      smem_bytes=smem, wgmma=True, pv_wgmma=True)
@@ -215,7 +215,7 @@ def lockstep_layout(p: Problem, v: Variant) -> MmaLayout | str:
     # mbarriers (in the dynamic block: a static one would be padded to the dynamic block's
     # 1024-byte alignment).
     smem = (m_pad * p.head_dim * 2 + kv_stage_bytes(p, v) + m_pad * p_stride * 2
-            + wnq * m_pad * 4 + m_pad * 4 + 64 * 8 + mbarriers(v) * 8)
+            + wnq * m_pad * 4 + m_pad * 4 + MAX_SEQLEN_Q * 8 + mbarriers(v) * 8)
     return MmaLayout(m_pad=m_pad, wmq=wmq, wnq=wnq, rows_w=m_pad // wmq, keys_w=v.block_n // wnq,
                      dims_w=dims_w, p_stride=p_stride, smem_bytes=smem, wgmma=wgmma,
                      pv_wgmma=wgmma and not v.mma_pv)

@@ -12,7 +12,7 @@ holds more padding than the count needs.
 
 from __future__ import annotations
 
-from .validate import MAX_SEQLEN_Q
+from ..dsl.spec import MAX_SEQLEN_Q
 
 MAX_ROWS = 128          # q_tile * head_tile beyond this fits no family's block (at Dl=256; wider Dl, fewer)
 FLASH_Q_TILE = 8        # the flash heuristic's q tiles: balanced, of at most this many positions

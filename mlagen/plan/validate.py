@@ -20,6 +20,7 @@ from ..dsl.spec import (
     KV_FORMATS,
     LOADS,
     MASKS,
+    MAX_SEQLEN_Q,
     PARTIALS,
     Q_FORMATS,
     SCHEDULES,
@@ -27,10 +28,18 @@ from ..dsl.spec import (
     Variant,
     kernel_name,
 )
-from .mma_plan import STAGE_PAD, MmaLayout, fp8_staging_bytes, kv_stage_bytes, load_mbarriers, mbarriers
+from .mma_plan import (
+    EXCHANGE_MAX_SLOT,
+    EXCHANGE_SLOT,
+    STAGE_PAD,
+    MmaLayout,
+    fp8_staging_bytes,
+    kv_stage_bytes,
+    load_mbarriers,
+    mbarriers,
+)
 from .schedules import TileSchedule, schedule_of
 
-MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
 MERGE_TARGET_BLOCKS = 128  # merge blocks a split launch aims for in all (about one wave on big GPUs)
 CHUNK = 8                  # elements per 16-byte load
 MAX_CLUSTER = 8            # blocks per thread-block cluster that every sm_90 GPU can schedule
@@ -96,6 +105,12 @@ class KernelPlan:
         """Shared memory of the mma lockstep loop's staged FP8 rows (`mma_plan.fp8_staging_bytes`);
         0 for 16-bit caches and the other families."""
         return fp8_staging_bytes(self.problem, self.variant) if self.variant.family == "mma" else 0
+
+    # Constants the templates render from their one definition here.
+    chunk = CHUNK                               # elements per 16-byte load
+    tree_rows = MAX_SEQLEN_Q                    # tree-mask rows a block holds, 64-bit each
+    exchange_slot = EXCHANGE_SLOT               # the P exchange's slot: P and the rows' sums
+    exchange_max_slot = EXCHANGE_MAX_SLOT       # its slot of row maxima
 
     # What the templates read of the variant, and the flags derived from it: templates read the
     # plan's attributes only, never its variant.

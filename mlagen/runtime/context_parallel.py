@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dsl.spec import Variant
-from ..plan.validate import MAX_SEQLEN_Q
+from ..dsl.spec import MAX_SEQLEN_Q, Variant
 from .inputs import InputError, key_bound, values_requested
 from .op import verify_attention
 from .varlen import check_varlen, verify_attention_varlen

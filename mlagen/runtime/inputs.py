@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from ..dsl.kv_layout import DS_MLA_ROW_BYTES, LATENT_DIM, ROW_DIM
-from ..plan.validate import MAX_SEQLEN_Q
+from ..dsl.spec import MAX_SEQLEN_Q
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _ALIGN_BYTES = 16    # kernels move rows in 16-byte chunks

@@ -31,10 +31,10 @@ import torch
 from ..dispatch.policy import DispatchPolicy
 from ..dsl.arch import specializations
 from ..dsl.errors import SpecError
-from ..dsl.spec import DTYPES, KV_FORMATS, MASKS, Q_FORMATS, Problem, Variant, naive
+from ..dsl.spec import DTYPES, KV_FORMATS, MASKS, MAX_SEQLEN_Q, Q_FORMATS, Problem, Variant, naive
 from ..plan.mma_plan import TRANSPOSED_ROWS
 from ..plan.tiles import enumerate_tiles, head_tiles
-from ..plan.validate import MAX_CLUSTER, MAX_SEQLEN_Q, is_valid, validate
+from ..plan.validate import MAX_CLUSTER, is_valid, validate
 from .testing import Case, Tolerance, make_case, mismatch, poison_allocator, poisoned_out
 from .workload import TORCH_DTYPES
 

@@ -30,8 +30,9 @@ from .. import __version__
 from ..codegen.render import environment
 from ..dispatch import policy
 from ..dsl.arch import nvcc_arch_flags
+from ..dsl.spec import MAX_SEQLEN_Q
 from ..plan.params import FIELDS, PARAMS_SIZE, Field
-from ..plan.validate import MAX_SEQLEN_Q, MERGE_TARGET_BLOCKS, KernelPlan
+from ..plan.validate import MERGE_TARGET_BLOCKS, KernelPlan
 from ..runtime import tensormap
 from ..runtime.launch import DEFAULT_SMEM_LIMIT
 from .files import write_if_changed

@@ -27,7 +27,7 @@ typedef elem_t q_t;               // q holds the output's dtype
 
 namespace mlagen_mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse {
 
-// Problem constants, derived in Python (mlagen/validate.py).
+// Problem constants, derived in Python (mlagen/plan/validate.py).
 constexpr int H = 64;
 constexpr int DL = 512;                 // value width (first DL dims of a KV row)
 constexpr int DR = 64;                 // rope width
@@ -39,13 +39,14 @@ constexpr int PAGE = 64;
 constexpr int MASK_CAUSAL = 1;
 constexpr int MASK_TREE = 0;
 constexpr bool WRITE_LSE = true;
+constexpr int TREE_ROWS = 64;                            // tree-mask rows in shared memory: 64-bit each
 constexpr float LN2 = 0.693147180559945309f;
 static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
 static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
 
 }  // namespace mlagen_mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse
 
-// The parameter block every kernel of this file takes by value (mlagen/params.py).
+// The parameter block every kernel of this file takes by value (mlagen/plan/params.py).
 struct __align__(8) VerifyParams {
   const q_t* q;  // (B, S, H, Dl+Dr) in the problem's q_format, last dim contiguous
   const kv_t* kv;  // (num_pages, page_size, row) cached rows in the problem's kv_format, last dim contiguous

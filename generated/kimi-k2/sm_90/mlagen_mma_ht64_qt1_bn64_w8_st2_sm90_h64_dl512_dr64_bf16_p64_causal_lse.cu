@@ -33,7 +33,7 @@ typedef elem_t q_t;               // q holds the output's dtype
 
 namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse {
 
-// Problem constants, derived in Python (mlagen/validate.py).
+// Problem constants, derived in Python (mlagen/plan/validate.py).
 constexpr int H = 64;
 constexpr int DL = 512;                 // value width (first DL dims of a KV row)
 constexpr int DR = 64;                 // rope width
@@ -45,13 +45,14 @@ constexpr int PAGE = 64;
 constexpr int MASK_CAUSAL = 1;
 constexpr int MASK_TREE = 0;
 constexpr bool WRITE_LSE = true;
+constexpr int TREE_ROWS = 64;                            // tree-mask rows in shared memory: 64-bit each
 constexpr float LN2 = 0.693147180559945309f;
 static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
 static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
 
 }  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse
 
-// The parameter block every kernel of this file takes by value (mlagen/params.py).
+// The parameter block every kernel of this file takes by value (mlagen/plan/params.py).
 struct __align__(8) VerifyParams {
   const q_t* q;  // (B, S, H, Dl+Dr) in the problem's q_format, last dim contiguous
   const kv_t* kv;  // (num_pages, page_size, row) cached rows in the problem's kv_format, last dim contiguous
@@ -627,8 +628,8 @@ static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN,
 static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
 static_assert(CH % 8 == 0, "the swizzle permutes chunks within groups of 8");
 static_assert((M_PAD * D * 2) % 1024 == 0 && (BN * D * 2) % 1024 == 0, "tiles start 1024-byte aligned");
-static_assert(M_PAD * D * 2 + KV_TILES * BN * D * 2 + STAGED_BYTES + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + 64 * 8
-              + 0 == 232192, "shared-memory plan matches mlagen/mma_plan.py");
+static_assert(M_PAD * D * 2 + KV_TILES * BN * D * 2 + STAGED_BYTES + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + TREE_ROWS * 8
+              + 0 == 232192, "shared-memory plan matches mlagen/plan/mma_plan.py");
 
 // Element offset of 16-byte chunk `c` of row `r` in a tile of NROWS rows: the tile is stored as
 // D/64 column blocks of [NROWS][64] (128-byte rows) and chunks are XOR-swizzled by row % 8, so
@@ -866,7 +867,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
   elem_t* sP = sKV + STAGES * BN * D;                                     // (M_PAD, PS)
   float* sPart = reinterpret_cast<float*>(sP + M_PAD * PS);               // (WNQ, M_PAD) row max / sum parts
   float* sM = sPart + WNQ * M_PAD;                                        // (M_PAD,) running row max
-  unsigned long long* sBits = reinterpret_cast<unsigned long long*>(sM + M_PAD);   // (64,)
+  unsigned long long* sBits = reinterpret_cast<unsigned long long*>(sM + M_PAD);   // (TREE_ROWS,)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates

@@ -40,7 +40,7 @@ typedef elem_t q_t;               // q holds the output's dtype
 
 namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 
-// Problem constants, derived in Python (mlagen/validate.py).
+// Problem constants, derived in Python (mlagen/plan/validate.py).
 constexpr int H = 64;
 constexpr int DL = 512;                 // value width (first DL dims of a KV row)
 constexpr int DR = 64;                 // rope width
@@ -52,13 +52,14 @@ constexpr int PAGE = 64;
 constexpr int MASK_CAUSAL = 1;
 constexpr int MASK_TREE = 0;
 constexpr bool WRITE_LSE = true;
+constexpr int TREE_ROWS = 64;                            // tree-mask rows in shared memory: 64-bit each
 constexpr float LN2 = 0.693147180559945309f;
 static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
 static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
 
 }  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
-// The parameter block every kernel of this file takes by value (mlagen/params.py).
+// The parameter block every kernel of this file takes by value (mlagen/plan/params.py).
 struct __align__(8) VerifyParams {
   const q_t* q;  // (B, S, H, Dl+Dr) in the problem's q_format, last dim contiguous
   const kv_t* kv;  // (num_pages, page_size, row) cached rows in the problem's kv_format, last dim contiguous
@@ -531,12 +532,12 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 //   W = C + M, and request b's ranges share its tiles evenly. Each block then starts one
 //   segment: one Q and one partial row per row, where packed ranges that cross a request pay
 //   two. Taken when M is at most the packed W, or at most UNSPLIT_SLACK more when every
-//   request then takes one range (mlagen/validate.py says what the H200 measured); a ragged batch
+//   request then takes one range (mlagen/plan/validate.py says what the H200 measured); a ragged batch
 //   whose short requests would each hold a range nearly empty stays packed.
 // All row groups of a request stream its keys in step (L2 serves all but the first read of a
 // tile). Range y's partial of request b goes to workspace slot y + b: one request's slots are
 // consecutive and the next request's come after them (its first range is at least this one's
-// last), so a launch needs at most gridDim.y + B - 1 slots (mlagen.validate.KernelPlan.partial_rows
+// last), so a launch needs at most gridDim.y + B - 1 slots (mlagen.plan.validate.KernelPlan.partial_rows
 // sizes the workspace so).
 // Warp sums and maxima on the reduction unit (redux.sync, sm_80+): one instruction, where a
 // butterfly takes five shuffles, and its result lands in a uniform register, so ptxas sees the
@@ -548,7 +549,7 @@ __device__ __forceinline__ int warp_max_uniform(int x) { return __reduce_max_syn
 // Unsigned throughout: a signed division by a run-time value takes ~25 dependent instructions,
 // an unsigned one ~15, and ~7 once its divisor's reciprocal is hoisted.
 __device__ __forceinline__ int ceil_div(int a, int d) { return (int)(((unsigned)a + d - 1) / (unsigned)d); }
-// The list counts work units of WORK_UNIT KV tiles (mlagen.validate.split_unit): a tile, or the
+// The list counts work units of WORK_UNIT KV tiles (mlagen.plan.validate.split_unit): a tile, or the
 // seesaw's pair, whose warpgroups take a tile each. Counted in tiles, a seesaw range of an odd
 // count would run a padding tile, and H=64 B=8 S=9's ranges would end up to 12 µs apart.
 // SEGMENT_COST and UNSPLIT_SLACK are validate's SEGMENT_TILES and UNSPLIT_SLACK_TILES in units.
@@ -1029,8 +1030,8 @@ static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN,
 static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
 static_assert(CH % 8 == 0, "the swizzle permutes chunks within groups of 8");
 static_assert((M_PAD * D * 2) % 1024 == 0 && (BN * D * 2) % 1024 == 0, "tiles start 1024-byte aligned");
-static_assert(M_PAD * D * 2 + KV_TILES * BN * D * 2 + STAGED_BYTES + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + 64 * 8
-              + 6 * 8 == 231728, "shared-memory plan matches mlagen/mma_plan.py");
+static_assert(M_PAD * D * 2 + KV_TILES * BN * D * 2 + STAGED_BYTES + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + TREE_ROWS * 8
+              + 6 * 8 == 231728, "shared-memory plan matches mlagen/plan/mma_plan.py");
 
 // Element offset of 16-byte chunk `c` of row `r` in a tile of NROWS rows: the tile is stored as
 // D/64 column blocks of [NROWS][64] (128-byte rows) and chunks are XOR-swizzled by row % 8, so
@@ -1523,7 +1524,7 @@ __device__ __forceinline__ int seesaw_tiles(const VerifyParams& p, int n, int S,
       zero_rows(buf0, k0);
       scores(s, buf0);
       MLAGEN_TRACE(s0_issued);
-      named_sync(S0_ISSUED, 256);                         // S1 queues behind S0 on the tensor cores
+      named_sync(S0_ISSUED, THREADS);                         // S1 queues behind S0 on the tensor cores
       wait_all();
       MLAGEN_TRACE(s0_done);
       mask_scale(s, k0, mx);
@@ -1558,7 +1559,7 @@ __device__ __forceinline__ int seesaw_tiles(const VerifyParams& p, int n, int S,
       MLAGEN_TRACE(p1_v1l_done);
       if (more && wt == 0) issue_part(buf1, k1 + 2, page1, K1_REST, 0, VB, 2 * VB, NBLK);   // and K1's, with P1
     } else {
-      named_sync(S0_ISSUED, 256);
+      named_sync(S0_ISSUED, THREADS);
       MLAGEN_TRACE(s0_seen);
       mbar_wait(bars + 8 * K1_MID, parity);
       mbar_wait(bars + 8 * K1_REST, parity);
@@ -1624,7 +1625,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   elem_t* sP = sKV + STAGES * BN * D;                                     // (M_PAD, PS)
   float* sPart = reinterpret_cast<float*>(sP + M_PAD * PS);               // (WNQ, M_PAD) row max / sum parts
   float* sM = sPart + WNQ * M_PAD;                                        // (M_PAD,) running row max
-  unsigned long long* sBits = reinterpret_cast<unsigned long long*>(sM + M_PAD);   // (64,)
+  unsigned long long* sBits = reinterpret_cast<unsigned long long*>(sM + M_PAD);   // (TREE_ROWS,)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates
@@ -1636,7 +1637,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   MLAGEN_TRACE(work_list);
   // One mbarrier per KV stage; tiles_done counts this block's tiles over its segments, so tile
   // k (in that count) uses stage k % STAGES and completes phase k / STAGES % 2 of its mbarrier.
-  unsigned long long* sFull = sBits + 64;                                 // (6,) after the tree-mask rows
+  unsigned long long* sFull = sBits + TREE_ROWS;                          // (6,) after the tree-mask rows
   if (threadIdx.x == 0) {
     for (int s = 0; s < 6; ++s) mbar_init(smem_addr(&sFull[s]), s < 4 ? 1 : 128);   // 4 load parts; P0, P1 (a warpgroup)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
