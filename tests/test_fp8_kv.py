@@ -218,24 +218,19 @@ def test_fp8_presets_emit_the_naive_kernel_with_a_scale_taking_launcher(tmp_path
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_format", ["dtype", *FP8])
 def test_e4m3_queries_match_the_reference_of_their_dequantized_values(kv_format):
-    """float8_e4m3fn queries with q_scale (a float and a tensor) over each cache: every row against
-    the fp64 reference of the same FP8 inputs, with bf16's per-row tolerance."""
-    for seed, as_tensor in ((5, False), (6, True)):
-        if kv_format == "dtype":
-            case = make_case(batch=3, seqlen_q=4, heads=16, prefixes=[300, 0, 1000], page_size=16, mask="tree",
-                             seed=seed, empty=[False, True, False])
-            cache, kv_scale = case.kv_cache, None
-        else:
-            case, cache, kv_scale = _fp8_case(kv_format, "tree", 16, as_tensor, seed)
-        amax = case.q.float().abs().amax()
-        q_scale = (amax / 448).reshape(1)
-        q8 = (case.q.float() / q_scale).to(torch.float8_e4m3fn)
-        scale = q_scale if as_tensor else float(q_scale)
-        out, lse = mlagen.verify_attention(q8, cache, case.block_table, case.cache_seqlens, kv_scale=kv_scale,
-                                           q_scale=scale, return_lse=True, **case.kwargs())
-        ref_out, ref_lse = mlagen.reference(q8, cache, case.block_table, case.cache_seqlens, kv_scale=kv_scale,
-                                            q_scale=scale, dtype=torch.float64, **case.kwargs())
-        assert out.dtype == (case.q.dtype if kv_format == "dtype" else torch.bfloat16)
+    """float8_e4m3fn queries with q_scale (a float and a tensor) over each cache, from bf16 and fp16
+    values: every row against the fp64 reference of the same FP8 inputs, with bf16's per-row
+    tolerance; out in the 16-bit cache's dtype, bf16 over an FP8 cache."""
+    for seed, as_tensor, dtype in ((5, False, torch.bfloat16), (6, True, torch.float16)):
+        case = make_case(batch=3, seqlen_q=4, heads=16, prefixes=[300, 0, 1000], page_size=16, mask="tree",
+                         seed=seed, empty=[False, True, False], dtype=dtype, kv_format=kv_format, q_format="e4m3")
+        if not as_tensor:
+            case.q_scale = float(case.q_scale)
+            case.kv_scale = None if case.kv_scale is None else float(case.kv_scale)
+        out, lse = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                           return_lse=True, **case.kwargs())
+        ref_out, ref_lse = case.reference(torch.float64)
+        assert out.dtype == (dtype if kv_format == "dtype" else torch.bfloat16)
         problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2))
         assert problem is None, (kv_format, seed, problem)
 
