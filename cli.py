@@ -570,6 +570,9 @@ def tune(
         help=f"a mask to tune for (repeatable): one of {', '.join(MASKS)}; default causal"),
     page_size: int = typer.Option(64, metavar="N", help="KV cache rows (keys) per page: a power of two"),
     dtype: str = typer.Option("bf16", "--dtype", metavar="DTYPE", help=DTYPE_HELP),
+    kv: str = typer.Option("dtype", "--kv", metavar="FORMAT",
+                           help="the KV cache's format: dtype (--dtype's), e4m3 or ds_mla (FP8 caches: the inputs "
+                           "quantized, the winners under keys of their own)"),
     max_candidates: int = typer.Option(24, metavar="N", help="variants timed per shape and mask, at most"),
     split_top: int = typer.Option(3, metavar="N", help="how many of the fastest variants are timed again with each "
                                   "fixed number of KV splits (a request's keys shared among thread blocks)"),
@@ -591,6 +594,7 @@ def tune(
     rows = _rows(grid, row, ["seed", "serving"])
     masks = mask or ["causal"]
     _problem_options(page_size, masks, dtype)
+    _choice("--kv", kv, KV_FORMATS)
     _at_least("--max-candidates", max_candidates, 1)
     _at_least("--split-top", split_top, 0)
     _at_least("--retimes", retimes, 0)
@@ -609,7 +613,7 @@ def tune(
     from mlagen.tools.tune import tune as run_tune
 
     info = _info(fmt)
-    config = TuneConfig(page_size=page_size, masks=tuple(dict.fromkeys(masks)), dtype=dtype,
+    config = TuneConfig(page_size=page_size, masks=tuple(dict.fromkeys(masks)), dtype=dtype, kv_format=kv,
                         max_candidates=max_candidates, split_top=split_top, retimes=retimes, workers=workers)
     with _progress(info) as progress:
         path, results = run_tune([r for r, _ in rows], config, table, write_default, progress)

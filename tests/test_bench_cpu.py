@@ -524,6 +524,7 @@ def test_empty_result_writes(tmp_path):
     (["bench", "--page-size", "48"], "--page-size: got 48"),
     (["bench", "--dtype", "fp8"], "--dtype: got 'fp8'"),
     (["bench", "--fp8", "e4m3,e5m2"], "--fp8: got 'e5m2', expected one of e4m3, ds_mla, e4m3-q"),
+    (["tune", "--kv", "fp8"], "--kv: got 'fp8', expected one of dtype, e4m3, ds_mla"),
     (["bench", "--target-ms", "0"], "--target-ms: got 0"),
     (["bench", "--variant", PVM, "--variant", "mma_fast"], "--variant: variant name: got 'mma_fast', expected e.g."),
     (["bench", "--variant", "naive_w4_sm91"], "--variant: got 'naive_w4_sm91' (arch sm_91), expected an arch among"),

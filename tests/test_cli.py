@@ -356,6 +356,19 @@ def _row_tunes() -> list[RowTune]:
     return [ran, none]
 
 
+def test_tune_kv_format_reaches_the_config(tmp_path, monkeypatch, fake_gpu):
+    """--kv names the cache format the tuner quantizes its inputs to; dtype by default."""
+    import mlagen.tools.tune
+
+    configs = []
+    monkeypatch.setattr(mlagen.tools.tune, "tune", lambda rows, config, table, write_default, progress:
+                        configs.append(config) or (tmp_path / "t.json", []))
+    for args in ([], ["--kv", "ds_mla"]):
+        done = runner.invoke(app, ["tune", "--row", "8,4,1,4096", "--format", "json", *args])
+        assert done.exit_code == 0, done.output
+    assert [c.kv_format for c in configs] == ["dtype", "ds_mla"]
+
+
 def test_tune_formats(tmp_path, monkeypatch, fake_gpu):
     import mlagen.tools.tune
 

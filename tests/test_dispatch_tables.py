@@ -53,6 +53,43 @@ def test_bucket_key_names_every_field():
     assert tables.bucket_key(p, 9, 64, 4160, mask="causal").endswith("_causal_s9_b6_n12")
 
 
+def test_fp8_inputs_have_buckets_of_their_own():
+    """An FP8 cache or FP8 queries name their format in the key; 16-bit keys read as before."""
+    p = Problem(heads=16, page_size=16, mask="tree", dtype="fp16")
+    assert tables.bucket_key(p.with_(kv_format="e4m3"), 9, 64, 4160) == "h16_dl512_dr64_fp16_kve4m3_p16_tree_s9_b6_n12"
+    assert tables.bucket_key(p.with_(kv_format="ds_mla", q_format="e4m3"), 9, 64, 4160) == (
+        "h16_dl512_dr64_fp16_kvds_mla_qe4m3_p16_tree_s9_b6_n12")
+
+
+def test_fp8_inputs_take_the_tables_pick_else_the_naive_kernel():
+    """Without a table an FP8 cache runs on the naive kernel; a tuned FP8 tile under its own key
+    is dispatched (the balanced split for a batch), and a 16-bit key's pick never reaches it."""
+    bf16, e4m3 = Problem(heads=64), Problem(heads=64, kv_format="e4m3")
+    assert policy.choose_variant(e4m3, 9, 1, 4160, "sm_90", GPU) == naive("sm_90")
+    seesaw = "mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a"
+    _save({tables.bucket_key(bf16, 9, 1, 4160): {"variant": seesaw, "us": 1.0}})
+    assert policy.choose_variant(e4m3, 9, 1, 4160, "sm_90", GPU) == naive("sm_90")
+    tile = "mma_ht64_qt1_bn64_w8_st2_spa_sm90a"
+    _save({tables.bucket_key(e4m3, 9, 1, 4160): {"variant": tile, "us": 1.0},
+           tables.bucket_key(e4m3, 9, 64, 4160): {"variant": tile, "us": 1.0}})
+    assert policy.choose_variant(e4m3, 9, 1, 4160, "sm_90", GPU).name == tile
+    batched = policy.choose_variant(e4m3, 9, 64, 4160, "sm_90", GPU)
+    assert batched == parse_variant(tile).with_(kv_split="balanced") and validate(e4m3, batched)
+    q8 = e4m3.with_(q_format="e4m3")
+    assert policy.choose_variant(q8, 9, 1, 4160, "sm_90", GPU) == naive("sm_90")
+
+
+def test_the_tuner_searches_fp8_caches_among_the_tiles_that_read_them():
+    """For an FP8 cache the candidates are the naive kernel and mma lockstep tiles with cp.async
+    loads, every one valid for it."""
+    e4m3 = Problem(heads=64, kv_format="e4m3")
+    cands = candidates(e4m3, 9, 8, 4160, "sm_90", 24, H200)
+    assert cands[0] == naive("sm_90") and all(validate(e4m3, v) for v in cands)
+    tiles = [v for v in cands if v.family == "mma"]
+    assert tiles and all((v.schedule, v.loads) == ("lockstep", "cp_async") for v in tiles)
+    assert {v.arch for v in tiles} == {"sm_90", "sm_90a"}
+
+
 def test_grid_rows_have_distinct_buckets():
     rows = select_rows(["seed", "serving"], [])
     keys = {tables.bucket_key(problem_for(r, 64, "causal", "bf16"), r.seqlen_q, r.batch, r.kv_capacity(64))

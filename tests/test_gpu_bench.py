@@ -9,7 +9,7 @@ import pytest
 from mlagen.dispatch import policy, tables
 from mlagen.dsl.spec import parse_variant
 from mlagen.runtime import tensormap
-from mlagen.runtime.op import device_info, device_policy
+from mlagen.runtime.op import device_info, device_name, device_policy
 from mlagen.tools.bench import DISPATCH, EAGER, INVARIANT, TILE, BenchConfig, fp8_cells, mask_cell, run_bench
 from mlagen.tools.grids import Row
 from mlagen.tools.report import from_json, summary_markdown, to_json, write_all
@@ -122,6 +122,22 @@ def test_tiny_tune_writes_a_table_dispatch_uses(tmp_path, user_tables):
     _, (again,) = tune([row], TuneConfig(max_candidates=3, split_top=1, workers=2, timing=QUICK))
     assert again.incumbent == result.best.variant and math.isfinite(again.incumbent_trial.us)
     assert again.incumbent in [t.variant for t in again.trials[:2]]
+
+
+def test_tiny_fp8_tune_writes_keys_of_its_own_that_dispatch_uses(tmp_path, user_tables):
+    """`mlagen tune --kv e4m3`: candidates timed on quantized inputs, the winner under an FP8 key,
+    and the dispatcher's pick for that cache from then on."""
+    import torch
+
+    row = Row(8, 1, 2, 64)
+    path, (result,) = tune([row], TuneConfig(kv_format="e4m3", max_candidates=4, split_top=1, workers=2, timing=QUICK))
+    assert "_kve4m3_" in result.key and math.isfinite(result.best.us)
+    assert tables.load_table(path).entries[result.key]["variant"] == result.best.variant.name
+    device = torch.cuda.current_device()
+    problem = problem_for(row, 64, "causal", "bf16").with_(kv_format="e4m3")
+    picked = policy.choose_variant(problem, row.seqlen_q, row.batch, row.kv_capacity(64), device_info(device)[0],
+                                   device_name(device), policy=device_policy(device))
+    assert picked == result.best.variant
 
 
 def test_host_cost_is_measured(user_tables):

@@ -279,7 +279,11 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
     For a single request the adaptive split's model goes to two or three waves from ~2000 tiles
     per row group (29 splits at 131072 keys, H=64 S=9). On the H200 that runs 12-13% slower than
     one wave (280 against 250 µs; 283 against 250 at H=128 with 65536 keys). At one wave the two
-    splits tie (65536 keys, H=64: 142.3 against 144.4 µs)."""
+    splits tie (65536 keys, H=64: 142.3 against 144.4 µs).
+
+    FP8 inputs run on the naive kernel (`fp8_variant`) unless a table holds a tuned pick for them."""
+    if problem.fp8:
+        return fp8_variant(arch)
     exchange = exchange_tile(problem, seqlen_q, batch, kv_capacity, arch, policy)
     if exchange is not None:
         return exchange
@@ -369,9 +373,10 @@ INVARIANT_SPLIT_KEYS_LOG2 = 10      # 1024 keys; the kernels' split_keys_log2 pa
 
 def fp8_variant(arch: str) -> Variant:
     """The variant an FP8 cache or FP8 queries run on `arch`: the naive family's, which
-    dequantizes each row as it reads it, on every arch and for e4m3 queries too. (The mma tiles
-    that read FP8 caches, `fp8_tile`, run when named.) It has no split, so it is batch-invariant
-    as it is."""
+    dequantizes each row as it reads it, on every arch and for e4m3 queries too: the pick where no
+    tuned table holds one (the mma tiles that read FP8 caches, `fp8_tile`, reach the dispatcher
+    through `mlagen tune --kv`, or run when named). It has no split, so it is batch-invariant as
+    it is."""
     return naive(arch)
 
 
@@ -473,9 +478,8 @@ def choose_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int
     cannot run that many (a P exchange whose cluster holds fewer tiles) gives way to the choice
     for the whole table; a balanced split whose work list cannot count the table's tiles over
     the batch (`balanced_list_fits`, past ~2^37 keys) runs its tile with the adaptive split.
+    FP8 inputs take the table's pick like any problem, else `fp8_variant`'s.
     """
-    if problem.fp8:
-        return fp8_variant(arch)
     table = kv_capacity if table_capacity is None else table_capacity
     v = _table_or_heuristic(problem, seqlen_q, batch, kv_capacity, arch, gpu, policy)
     if not covers(v, table):

@@ -27,7 +27,7 @@ class Preset:
 
     def variants(self, arch: str) -> list[Variant]:
         if self.problem.fp8:
-            return [fp8_variant(arch)]       # the one family that reads FP8 caches
+            return [fp8_variant(arch)]       # the untuned pick for FP8 inputs
         chosen = {untuned_variant(self.problem, s, 1, keys, arch, H200) for s in self.seqlens_q for keys in EMIT_KEYS}
         chosen |= {v for s in self.seqlens_q if (v := heuristic_mma(self.problem, s, arch, H200, specialize=False))}
         chosen |= {v for s in self.seqlens_q if (v := transposed_tile(self.problem, s, arch, H200))}

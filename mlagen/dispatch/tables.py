@@ -7,7 +7,7 @@ A table is a JSON file for one (GPU name, arch):
                                   "families": {"flash": {"variant": "<name>", "us": 12.3}, ...},
                                   "row": [H, B, S, prefix], "candidates": 40, "failed": 0}}}
 
-Bucket key: heads, Dl, Dr, dtype, page size, mask kind, S exactly, and round(log2) of the
+Bucket key: heads, Dl, Dr, dtype, an FP8 format, page size, mask kind, S exactly, and round(log2) of the
 batch and of the KV capacity (block_table columns x page size; the op never reads lengths on
 the host). Tables come from two places, merged per (GPU, arch), the user's winning:
 - shipped defaults: mlagen/dispatch/tables/*.json (filled by `mlagen tune --write-default`);
@@ -41,9 +41,11 @@ def log2_bucket(n: int) -> int:
 
 def bucket_key(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
                mask: str | None = None) -> str:
-    """The table key of a shape; `mask` overrides the problem's mask kind."""
+    """The table key of a shape; `mask` overrides the problem's mask kind. An FP8 cache or FP8
+    queries add their format ("_kve4m3", "_qe4m3"), so 16-bit keys read as they always did."""
     p = problem
-    return (f"h{p.heads}_dl{p.dl}_dr{p.dr}_{p.dtype}_p{p.page_size}_{mask or p.mask}"
+    fp8 = (f"_kv{p.kv_format}" if p.fp8_kv else "") + (f"_q{p.q_format}" if p.fp8_q else "")
+    return (f"h{p.heads}_dl{p.dl}_dr{p.dr}_{p.dtype}{fp8}_p{p.page_size}_{mask or p.mask}"
             f"_s{seqlen_q}_b{log2_bucket(batch)}_n{log2_bucket(kv_capacity)}")
 
 
