@@ -158,7 +158,7 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         rc=${PIPESTATUS[0]}; written+=(tune.log); tables=(mlagen/dispatch/tables/*.json) ;;
       bench)
         timeout ${LIMIT[bench]} python3 cli.py bench --grid seed --grid serving --grid trees --mask causal,tree,tree-per-request \
-          --batch-invariant --fp8 e4m3,ds_mla,e4m3-q --out "$results"
+          --batch-invariant --fp8 e4m3,ds_mla --out "$results"
         rc=$?; written+=(bench.json bench.md bench.png) ;;
       ragged)   # batches of mixed lengths (the bench's rows are uniform): dispatch vs adaptive vs balanced;
                 # then mixed draft counts against even ones, with trees and causal
