@@ -19,6 +19,8 @@
 #   racecheck  racecheck1 racecheck2 racecheck3 (three calls)
 #   sanitize   memcheck synccheck racecheck1 racecheck2 racecheck3 (four calls)
 #   tune       mlagen tune, seed and serving grids, into mlagen/dispatch/tables/  under 5 min      420 s
+#   tune8      mlagen tune --kv e4m3, then --kv ds_mla, serving grid (FP8  ~5 min, unmeasured 540 s
+#              caches' own table entries; after the FP8 GPU tests pass)
 #   bench      mlagen bench, seed, serving and trees grids; the      under 5 min warm    585 s
 #              dispatcher's pick under tree masks too, batch-invariant mode's and on FP8 inputs
 #   ragged     benchmarks/ragged.py on three batch shapes, then       1-4 min             450 s
@@ -29,25 +31,25 @@
 #
 # "Cold" is a fresh machine, whose kernels all compile first (the sanitizer steps compile them
 # again, with line info). One call per group (CALLS below): `tests`, `verify`, `memcheck synccheck`,
-# `racecheck1`, `racecheck2`, `racecheck3`, `tune`, `bench`, `ragged host`, `fuzz`. Run `tune` before
-# `bench`: bench times the dispatcher's picks from the table tune writes.
+# `racecheck1`, `racecheck2`, `racecheck3`, `tune`, `tune8`, `bench`, `ragged host`, `fuzz`. Run `tune`
+# (and `tune8`) before `bench`: bench times the dispatcher's picks from the table tune writes.
 #
 # Outputs rewrite the files in benchmarks/results/<gpu>/ (gpu: the GPU's name as a short slug,
 # "NVIDIA H200" -> h200; RESULTS=dir overrides): gpu.txt (name, driver, clocks, date, torch, cupy
-# and NVRTC versions), gpu_tests.log, gpu_verify.log, sanitize_<step>.log, tune.log, bench.json/.md/.png,
+# and NVRTC versions), gpu_tests.log, gpu_verify.log, sanitize_<step>.log, tune.log, tune8.log, bench.json/.md/.png,
 # ragged.log, host_cost.log, fuzz.log. Where $OUT is set (the device tool returns the files under
 # it: at most 8, two folders deep), the files a step wrote are copied to $OUT/<gpu>/ as it ends
 # (so a call cut short returns the steps it finished), and tune's table to $OUT/tables/. Exits
 # non-zero when a step fails or times out; later steps still run.
 set -uo pipefail
 
-STEPS="tests verify memcheck synccheck racecheck1 racecheck2 racecheck3 racecheck sanitize tune bench ragged host fuzz facts"
+STEPS="tests verify memcheck synccheck racecheck1 racecheck2 racecheck3 racecheck sanitize tune tune8 bench ragged host fuzz facts"
 DEFAULT_STEPS="tests verify sanitize bench"
 # Each step's timeout in seconds (ragged: all its runs together), and the groups of steps that share one
 # device call: each group's timeouts add up to less than the call's 600 s.
-declare -A LIMIT=([tests]=540 [verify]=540 [memcheck]=300 [synccheck]=150 [racecheck1]=360 [racecheck2]=480 [racecheck3]=420 [tune]=420
+declare -A LIMIT=([tests]=540 [verify]=540 [memcheck]=300 [synccheck]=150 [racecheck1]=360 [racecheck2]=480 [racecheck3]=420 [tune]=420 [tune8]=540
                   [bench]=585 [ragged]=450 [host]=120 [fuzz]=330 [facts]=0)
-CALLS=("tests" "verify" "memcheck synccheck" "racecheck1" "racecheck2" "racecheck3" "tune" "bench" "ragged host" "fuzz")
+CALLS=("tests" "verify" "memcheck synccheck" "racecheck1" "racecheck2" "racecheck3" "tune" "tune8" "bench" "ragged host" "fuzz")
 
 usage() {
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -156,6 +158,14 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
       tune)
         timeout ${LIMIT[tune]} python3 cli.py tune --grid seed --grid serving --write-default 2>&1 | tee "$results/tune.log"
         rc=${PIPESTATUS[0]}; written+=(tune.log); tables=(mlagen/dispatch/tables/*.json) ;;
+      tune8)    # each FP8 cache format in turn, half the step's time each
+        rc=0; : > "$results/tune8.log"
+        for kv in e4m3 ds_mla; do
+          timeout $(( ${LIMIT[tune8]} / 2 )) python3 cli.py tune --grid serving --kv $kv --write-default 2>&1 |
+            tee -a "$results/tune8.log"
+          [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
+        done
+        written+=(tune8.log); tables=(mlagen/dispatch/tables/*.json) ;;
       bench)
         timeout ${LIMIT[bench]} python3 cli.py bench --grid seed --grid serving --grid trees --mask causal,tree,tree-per-request \
           --batch-invariant --fp8 e4m3,ds_mla --out "$results"

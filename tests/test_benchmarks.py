@@ -608,7 +608,7 @@ def test_run_gpu_parses_and_checks_its_steps(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "run_gpu.sh: unknown step 'bogus' (steps: tests verify memcheck synccheck racecheck1 racecheck2 racecheck3 "
         "racecheck "
-        "sanitize tune bench ragged host fuzz facts)")
+        "sanitize tune tune8 bench ragged host fuzz facts)")
     nogpu = subprocess.run([shutil.which("bash"), "benchmarks/run_gpu.sh", "tests"], cwd=ROOT, capture_output=True,
                            text=True, timeout=60, env={"PATH": str(tmp_path)})   # a PATH without nvidia-smi
     assert nogpu.returncode == 1 and nogpu.stderr.strip() == (
