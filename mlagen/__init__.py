@@ -26,7 +26,7 @@ from .runtime.context_parallel import (
     verify_attention_varlen_cp_shard,
 )
 from .runtime.inputs import InputError
-from .runtime.kv_formats import KVFormat, dequantize_kv, kv_format_of, quantize_kv
+from .runtime.kv_formats import KVFormat, dequantize_kv, kv_format_of, quantize_kv, quantize_q
 from .runtime.merge import merge_states, merge_states_
 from .runtime.op import verify_attention
 from .runtime.ops import verify_attention_op
@@ -51,6 +51,7 @@ __all__ = [
     "merge_states_",
     "naive",
     "quantize_kv",
+    "quantize_q",
     "reference",
     "validate",
     "verify_attention",

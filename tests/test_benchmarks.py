@@ -47,10 +47,9 @@ from mlagen.dsl.spec import Problem, Variant, parse_variant  # noqa: E402
 from mlagen.plan.validate import validate  # noqa: E402
 from mlagen.runtime import context_parallel, launch, op  # noqa: E402
 from mlagen.runtime.inputs import key_bound  # noqa: E402
-from mlagen.runtime.reference import reference  # noqa: E402
 from mlagen.tools import sass  # noqa: E402
 from mlagen.tools.grids import Row  # noqa: E402
-from mlagen.tools.testing import assert_matches, make_case  # noqa: E402
+from mlagen.tools.testing import assert_matches, make_case, reference_op  # noqa: E402
 from mlagen.tools.workload import InputSet, Workload, problem_for  # noqa: E402
 
 H200 = ("sm_90", "NVIDIA H200", policy.H200)     # arch, name, dispatch policy
@@ -193,13 +192,8 @@ def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
 def test_sanitize_feature_calls_match_the_reference(feature, monkeypatch):
     """On the CPU, the fp64 reference standing in for the kernels: each feature's call gives the
     case's own result."""
-    def kernels(q, kv_cache, block_table, cache_seqlens, *, return_lse, variant=None, check_values=None,
-                max_seqlen_k=None, batch_invariant=None, **kwargs):
-        out, lse = reference(q, kv_cache, block_table, cache_seqlens, dtype=torch.float64, **kwargs)
-        return out.to(torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype), lse.float()
-
-    monkeypatch.setattr(context_parallel, "verify_attention", kernels)
-    monkeypatch.setattr(mlagen, "verify_attention", kernels)
+    monkeypatch.setattr(context_parallel, "verify_attention", reference_op)
+    monkeypatch.setattr(mlagen, "verify_attention", reference_op)
     shape = next(dict(s, **extra) for f, s, extra in sanitize.FEATURES if f == feature)
     case = make_case(seed=1, device="cpu", **shape)
     out, lse = sanitize.run_feature(feature, case, "sm_90")

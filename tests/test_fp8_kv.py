@@ -18,10 +18,9 @@ from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import Problem, naive, parse_variant
 from mlagen.plan.validate import validate
 from mlagen.runtime import context_parallel, varlen
-from mlagen.runtime.inputs import output_dtype
 from mlagen.runtime.op import device_info
 from mlagen.tools.fuzz import FuzzSpace, draw
-from mlagen.tools.testing import E4M3_QUERY_TOLERANCE, compare_rows, make_case, tolerance
+from mlagen.tools.testing import E4M3_QUERY_TOLERANCE, compare_rows, make_case, reference_op, tolerance
 
 FP8 = ("e4m3", "ds_mla")
 
@@ -237,21 +236,13 @@ def test_e4m3_queries_match_the_reference_of_their_dequantized_values(kv_format)
 
 # ---- FP8 through varlen and context-parallel shards
 
-def _reference_kernels(q, kv_cache, block_table, cache_seqlens, *, return_lse=False, variant=None, check_values=None,
-                       max_seqlen_k=None, batch_invariant=None, attn_sink=None, out=None, **kwargs):
-    """The op with the fp64 reference as its kernel: out in the op's dtype, lse fp32."""
-    ref_out, ref_lse = mlagen.reference(q, kv_cache, block_table, cache_seqlens, dtype=torch.float64, **kwargs)
-    ref_out = ref_out.to(output_dtype(q.dtype, kv_cache.dtype))
-    return (ref_out, ref_lse.float()) if return_lse else ref_out
-
-
 def _fp8_inputs(fmt: str, device: str, seed: int):
     """(case, e4m3 queries, their q_scale tensor, FP8 cache, kv_scale): a tree-masked ragged case."""
     case = make_case(batch=3, seqlen_q=4, heads=16, prefixes=[300, 0, 70], page_size=16, mask="tree",
                      seed=seed, empty=[False, True, False], device=device, per_request_tree=True)
     cache, kv_scale = mlagen.quantize_kv(case.kv_cache, fmt)
-    q_scale = (case.q.float().abs().amax() / 448).reshape(1)
-    return case, (case.q.float() / q_scale).to(torch.float8_e4m3fn), q_scale, cache, kv_scale
+    q8, q_scale = mlagen.quantize_q(case.q)
+    return case, q8, q_scale, cache, kv_scale
 
 
 def _packed(case, q8):
@@ -310,8 +301,8 @@ def test_varlen_and_shards_carry_both_scales(fmt, check, monkeypatch):
     """On the CPU, the fp64 reference standing in for the kernels: varlen (e4m3 rows padded as
     bytes) and the shard functions pass kv_scale and q_scale through, and cp_shard_cache moves
     FP8 rows as they are."""
-    monkeypatch.setattr(context_parallel, "verify_attention", _reference_kernels)
-    monkeypatch.setattr(varlen, "verify_attention", _reference_kernels)
+    monkeypatch.setattr(context_parallel, "verify_attention", reference_op)
+    monkeypatch.setattr(varlen, "verify_attention", reference_op)
     check(*_fp8_inputs(fmt, "cpu", seed=11))
 
 

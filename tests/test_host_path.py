@@ -225,6 +225,18 @@ def test_errors_still_raised_after_a_cached_call(fake_gpu, change, match):
     assert len(fake_gpu.driver.launches) == launches      # nothing launched
 
 
+def test_a_scale_tensors_value_is_checked_on_every_checked_call(fake_gpu):
+    """check_values reads a kv_scale tensor back on a remembered call too: its value may change
+    between calls that share one checked call."""
+    e4m3 = make_args(kv_cache=torch.zeros(PAGES, PAGE, D, dtype=torch.float8_e4m3fn))
+    call(e4m3, kv_scale=torch.ones(1), check_values=True)
+    launches = len(fake_gpu.driver.launches)
+    with pytest.raises(InputError, match="^kv_scale: got nan, expected a finite scale > 0"):
+        call(e4m3, kv_scale=torch.full((1,), float("nan")), check_values=True)
+    assert len(fake_gpu.driver.launches) == launches and len(op._calls) == 1
+    call(e4m3, kv_scale=torch.full((1,), float("nan")))        # unchecked: a device value is not read
+
+
 def test_check_values_default_comes_from_the_module_flag(fake_gpu, monkeypatch):
     bad = make_args(cache_seqlens=torch.full((B,), 99, dtype=torch.int32))
     call(bad)                                             # unchecked by default

@@ -362,6 +362,25 @@ def test_reference_input_errors(call, name, rest):
         call(_case(seed=1))
 
 
+def test_quantize_q_picks_or_takes_one_scale():
+    """quantize_q: q's shape in float8_e4m3fn under amax / 448 over the finite values (NaN kept,
+    not counted), or under the given scale, the e4m3 rule of quantize_kv's flat cache."""
+    q = torch.randn(2, 3, 4, 576, dtype=torch.bfloat16)
+    q[0, 0, 0, 0] = math.nan
+    q8, scale = mlagen.quantize_q(q)
+    finite = q.float().nan_to_num(0.0)
+    assert q8.dtype == torch.float8_e4m3fn and q8.shape == q.shape and q8[0, 0, 0, 0].float().isnan()
+    assert scale.shape == (1,) and scale.dtype == torch.float32
+    assert torch.equal(scale, (finite.abs().amax() / 448).reshape(1))
+    assert torch.equal(q8[1], (q[1].float() / scale).to(torch.float8_e4m3fn))
+    given, same = mlagen.quantize_q(q, 0.5)
+    assert same == 0.5 and torch.equal(given[1], (q[1].float() / 0.5).clamp(-448, 448).to(torch.float8_e4m3fn))
+    with pytest.raises(InputError, match=r"^q.dtype: got torch.float8_e4m3fn, expected one of torch.bfloat16"):
+        mlagen.quantize_q(q8)
+    with pytest.raises(InputError, match="^q_scale: got -1.0, expected a finite scale > 0"):
+        mlagen.quantize_q(q, -1.0)
+
+
 def test_exported():
-    for name in ("quantize_kv", "dequantize_kv", "kv_format_of", "KVFormat"):
+    for name in ("quantize_kv", "quantize_q", "dequantize_kv", "kv_format_of", "KVFormat"):
         assert name in mlagen.__all__

@@ -188,12 +188,7 @@ def quantize_kv(kv_cache: torch.Tensor, layout: str = "e4m3",
     fmt = _layout(layout)
     x = kv_cache.float()
     if fmt is E4M3_FLAT:
-        if kv_scale is None:
-            amax = _finite_amax(x, dim=None)
-            kv_scale = (amax / E4M3_MAX).clamp_min(torch.finfo(SCALE_DTYPE).smallest_normal).reshape(1)
-        else:
-            check_scale("kv_scale", kv_scale, kv_cache.device)
-        return _to_e4m3(x / _broadcastable(kv_scale)), kv_scale
+        return _per_tensor_e4m3("kv_scale", x, kv_scale)
     if kv_scale is not None:
         _fail("kv_scale", f"a {type(kv_scale).__name__}",
               f"None for layout 'ds_mla', which picks a scale per {GROUP_DIM} latent dims of each row")
@@ -203,6 +198,35 @@ def quantize_kv(kv_cache: torch.Tensor, layout: str = "e4m3",
               scales.contiguous().view(torch.uint8),
               x[..., LATENT_DIM:].to(ROPE_DTYPE).contiguous().view(torch.uint8))
     return torch.cat(packed, dim=-1), None
+
+
+def quantize_q(q: torch.Tensor,
+               q_scale: float | torch.Tensor | None = None) -> tuple[torch.Tensor, float | torch.Tensor]:
+    """bf16, fp16 or fp32 queries (any shape, e.g. [B, S, H, 576]) as float8_e4m3fn with one
+    per-tensor q_scale (real value = stored value x q_scale), as `verify_attention(q_scale=)`
+    takes them.
+
+    q_scale: the scale to use, a float or a one-element fp32 tensor on q's device; None picks
+    amax / 448 over q's finite values. Returns (e4m3 queries of q's shape, the scale: as given,
+    or the picked one as a one-element fp32 tensor on q's device). Values beyond +-448 x q_scale
+    saturate. No host read.
+    """
+    if not isinstance(q, torch.Tensor):
+        _fail("q", type(q).__name__, "a torch.Tensor of bf16, fp16 or fp32")
+    if q.dtype not in SOURCE_DTYPES:
+        _fail("q.dtype", q.dtype, f"one of {', '.join(str(d) for d in SOURCE_DTYPES)}")
+    return _per_tensor_e4m3("q_scale", q.float(), q_scale)
+
+
+def _per_tensor_e4m3(name: str, x: torch.Tensor,
+                     scale: float | torch.Tensor | None) -> tuple[torch.Tensor, float | torch.Tensor]:
+    """fp32 `x` as e4m3 under one scale: `scale` checked (named `name`), or amax / 448 over x's
+    finite values (at least the smallest normal fp32) as a one-element fp32 tensor."""
+    if scale is None:
+        scale = (_finite_amax(x, dim=None) / E4M3_MAX).clamp_min(torch.finfo(SCALE_DTYPE).smallest_normal).reshape(1)
+    else:
+        check_scale(name, scale, x.device)
+    return _to_e4m3(x / _broadcastable(scale)), scale
 
 
 def dequantize_kv(kv_cache: torch.Tensor, layout: str, kv_scale: float | torch.Tensor | None = None,

@@ -358,6 +358,9 @@ def verify_attention(
         q_ptr, kv_ptr = q.data_ptr(), kv_cache.data_ptr()
     elif check_values or (check_values is None and inputs.CHECK_VALUES_DEFAULT):   # values_requested, inlined
         inputs.check_values(call.shapes, block_table, cache_seqlens)
+        for name, scale in (("kv_scale", kv_scale), ("q_scale", q_scale)):    # a tensor's value is new each call
+            if isinstance(scale, torch.Tensor):
+                check_scale(name, scale, q.device, check_values=True)
 
     # Sizes as separate ints: torch.empty parses those faster than a tuple.
     if out is None:

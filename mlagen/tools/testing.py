@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.inputs import output_dtype
-from ..runtime.kv_formats import E4M3_MAX, quantize_kv
+from ..runtime.kv_formats import quantize_kv, quantize_q
 from ..runtime.reference import reference
 
 
@@ -106,7 +106,7 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
     is more (an engine's table is sized for its longest context). Built with a few tensor ops on
     the device: no per-key or per-page work on the host. kv_format "e4m3" or "ds_mla": the cache
     is then `quantize_kv`'s (NaN stays NaN), with kv_scale for e4m3 (dl + dr = 576). q_format
-    "e4m3": q is float8_e4m3fn with q_scale = amax / 448 (the standard normal values divided by it).
+    "e4m3": q is `quantize_q`'s, float8_e4m3fn with q_scale = amax / 448.
     """
     gen = torch.Generator().manual_seed(seed)
     values = torch.Generator(device=device).manual_seed(seed + (1 << 32))   # not gen's stream
@@ -149,11 +149,25 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
     if kv_format != "dtype":
         kv, kv_scale = quantize_kv(kv, kv_format)
     if q_format == "e4m3":
-        q_scale = (q.float().abs().amax() / E4M3_MAX).reshape(1)
-        q = (q.float() / q_scale).to(torch.float8_e4m3fn)
+        q, q_scale = quantize_q(q)
     return Case(q=q, kv_cache=kv, block_table=table,
                 cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=device),
                 tree_mask=tree, causal=(mask == "causal"), scale=scale, dl=dl, kv_scale=kv_scale, q_scale=q_scale)
+
+
+def reference_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                 *, return_lse: bool = False, variant: object = None, check_values: object = None,
+                 max_seqlen_k: object = None, batch_invariant: object = None, attn_sink: None = None,
+                 **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`verify_attention` with the fp64 reference as its kernel, for tests that stand it in for
+    the op on the CPU (monkeypatched where a caller imports the op): out in the op's output
+    dtype, lse fp32. The arguments that choose or check a kernel (variant, check_values,
+    max_seqlen_k, batch_invariant) change nothing here; sinks are the op's, not modelled."""
+    if attn_sink is not None:
+        raise ValueError("reference_op: attn_sink is not modelled; expected None")
+    out, lse = reference(q, kv_cache, block_table, cache_seqlens, dtype=torch.float64, **kwargs)
+    out = out.to(output_dtype(q.dtype, kv_cache.dtype))
+    return (out, lse.float()) if return_lse else out
 
 
 def poisoned_out(case: Case) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..dsl.spec import Problem, Variant
-from ..runtime.kv_formats import E4M3_MAX, quantize_kv
+from ..runtime.kv_formats import quantize_kv, quantize_q
 from ..runtime.op import verify_attention
 from .eager import eager_attention, eager_visible
 from .grids import Row
@@ -137,7 +137,7 @@ def fp8_problem(problem: Problem, case: str) -> Problem:
 
 def with_fp8(work: Workload, case: str, l2: int) -> Workload:
     """`work`'s inputs in FP8 case `case` (one of FP8_CASES): each set's cache quantized
-    (`quantize_kv`), with "e4m3-q" its queries too (per-tensor amax / 448 scale; out in bf16).
+    (`quantize_kv`), with "e4m3-q" its queries too (`quantize_q`; out in bf16).
     The sets are new tensors, cycling over `work`'s sets until they total twice the L2 `l2`;
     the block tables, lengths and masks are shared."""
     kv_format, q_format = FP8_CASES[case]
@@ -146,8 +146,8 @@ def with_fp8(work: Workload, case: str, l2: int) -> Workload:
         cache, kv_scale = quantize_kv(s.kv_cache, kv_format)
         if q_format == "dtype":
             return replace(s, kv_cache=cache, kv_scale=kv_scale)
-        q_scale = (s.q.float().abs().amax() / E4M3_MAX).reshape(1)
-        return replace(s, q=(s.q.float() / q_scale).to(torch.float8_e4m3fn), kv_cache=cache, kv_scale=kv_scale,
+        q8, q_scale = quantize_q(s.q)
+        return replace(s, q=q8, kv_cache=cache, kv_scale=kv_scale,
                        q_scale=q_scale, out=torch.empty(s.out.shape, dtype=torch.bfloat16, device=s.out.device))
 
     sets = [one(work.sets[0])]
