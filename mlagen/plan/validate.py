@@ -96,9 +96,14 @@ class KernelPlan:
                 "row_bytes": kv_layout.DS_MLA_ROW_BYTES}
 
     @property
+    def kv_elem_bytes(self) -> int:
+        """Bytes of one element of the cache tensor: 2 for 16-bit caches, 1 for FP8 ones."""
+        return 1 if self.problem.fp8_kv else 2
+
+    @property
     def kv_row_bytes(self) -> int:
         """Bytes of one cached row as the cache holds it (`kv_layout.row_bytes`)."""
-        return kv_layout.row_bytes(self.problem.kv_format, self.problem.head_dim, 2)
+        return kv_layout.row_bytes(self.problem.kv_format, self.problem.head_dim, self.kv_elem_bytes)
 
     @property
     def fp8_staging_bytes(self) -> int:
