@@ -74,6 +74,9 @@ def test_fp8_tiles_compile_without_spills(fmt, name):
     bf16 = validate(Problem(heads=64, mask="tree", lse=True), variant)
     tiles = variant.stages * variant.block_n * 576 * 2
     assert built.plan.smem_bytes == bf16.smem_bytes - tiles + variant.block_n * 576 * 2 + staged
+    # e4m3's stored values enter the tile unscaled; kv_scale scales the scores and the output.
+    folded = ("p.scale_log2 * kv_scale" in built.source, "o[mt][nt][e] *= kv_scale" in built.source)
+    assert folded == ((True, True) if fmt == "e4m3" else (False, False))
 
 
 def test_fp8_tiles_need_the_shared_memory_of_their_rows():
@@ -374,7 +377,7 @@ def test_fp8_tiles_match_the_reference_of_their_dequantized_rows(fmt, name, mask
     if not runs_on(variant.arch, device_info(torch.cuda.current_device())[0]):
         pytest.skip(f"{variant.arch} code does not run on this GPU")
     for seed, (page_size, as_tensor) in enumerate(((16, False), (64, True))):
-        case = make_case(batch=3, seqlen_q=5, heads=64, prefixes=[700, 0, 2000], page_size=page_size, mask=mask,
+        case = make_case(batch=3, seqlen_q=5, heads=64, prefixes=[700, 0, 3500], page_size=page_size, mask=mask,
                          seed=30 + seed, empty=[False, True, False])
         cache, scale = mlagen.quantize_kv(case.kv_cache, fmt)
         scale = scale if as_tensor or scale is None else float(scale)
