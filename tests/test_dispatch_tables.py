@@ -61,14 +61,19 @@ def test_fp8_inputs_have_buckets_of_their_own():
         "h16_dl512_dr64_fp16_kvds_mla_qe4m3_p16_tree_s9_b6_n12")
 
 
-def test_fp8_inputs_take_the_tables_pick_else_the_naive_kernel():
-    """Without a table an FP8 cache runs on the naive kernel; a tuned FP8 tile under its own key
-    is dispatched (the balanced split for a batch), and a 16-bit key's pick never reaches it."""
+def test_fp8_inputs_take_the_tables_pick_else_the_heuristic_tile():
+    """Without a table an FP8 cache runs on the heuristic's mma tile (the balanced split for a
+    batch) and e4m3 queries on the naive kernel; a tuned FP8 tile under its own key is
+    dispatched, and a 16-bit key's pick never reaches it."""
     bf16, e4m3 = Problem(heads=64), Problem(heads=64, kv_format="e4m3")
-    assert policy.choose_variant(e4m3, 9, 1, 4160, "sm_90", GPU) == naive("sm_90")
+    untuned = policy.fp8_tile(e4m3, 9, "sm_90", policy.H200)
+    assert untuned.family == "mma" and untuned.loads == "cp_async" and untuned.schedule == "lockstep"
+    assert policy.choose_variant(e4m3, 9, 1, 4160, "sm_90", GPU) == untuned
+    assert policy.choose_variant(e4m3, 9, 64, 4160, "sm_90", GPU) == untuned.with_(kv_split="balanced")
+    assert policy.choose_variant(e4m3.with_(q_format="e4m3"), 9, 1, 4160, "sm_90", GPU) == naive("sm_90")
     seesaw = "mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a"
     _save({tables.bucket_key(bf16, 9, 1, 4160): {"variant": seesaw, "us": 1.0}})
-    assert policy.choose_variant(e4m3, 9, 1, 4160, "sm_90", GPU) == naive("sm_90")
+    assert policy.choose_variant(e4m3, 9, 1, 4160, "sm_90", GPU) == untuned
     tile = "mma_ht64_qt1_bn64_w8_st2_spa_sm90a"
     _save({tables.bucket_key(e4m3, 9, 1, 4160): {"variant": tile, "us": 1.0},
            tables.bucket_key(e4m3, 9, 64, 4160): {"variant": tile, "us": 1.0}})
@@ -80,11 +85,12 @@ def test_fp8_inputs_take_the_tables_pick_else_the_naive_kernel():
 
 
 def test_the_tuner_searches_fp8_caches_among_the_tiles_that_read_them():
-    """For an FP8 cache the candidates are the naive kernel and mma lockstep tiles with cp.async
-    loads, every one valid for it."""
+    """For an FP8 cache the candidates are the untuned pick (the heuristic's tile) first, the
+    naive kernel, and mma lockstep tiles with cp.async loads, every one valid for it."""
     e4m3 = Problem(heads=64, kv_format="e4m3")
     cands = candidates(e4m3, 9, 8, 4160, "sm_90", 24, H200)
-    assert cands[0] == naive("sm_90") and all(validate(e4m3, v) for v in cands)
+    assert cands[0] == policy.untuned_variant(e4m3, 9, 8, 4160, "sm_90", H200) and naive("sm_90") in cands
+    assert all(validate(e4m3, v) for v in cands)
     tiles = [v for v in cands if v.family == "mma"]
     assert tiles and all((v.schedule, v.loads) == ("lockstep", "cp_async") for v in tiles)
     assert {v.arch for v in tiles} == {"sm_90", "sm_90a"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dsl.spec import Problem, Variant, naive
-from .policy import H200, fp8_variant, heuristic_mma, transposed_tile, untuned_variant
+from .policy import H200, heuristic_mma, transposed_tile, untuned_variant
 
 # Context lengths, short and long, whose dispatch `mlagen emit` covers for one request.
 EMIT_KEYS: tuple[int, ...] = (4096, 65536)
@@ -26,8 +26,6 @@ class Preset:
     seqlens_q: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 33, 64)
 
     def variants(self, arch: str) -> list[Variant]:
-        if self.problem.fp8:
-            return [fp8_variant(arch)]       # the untuned pick for FP8 inputs
         chosen = {untuned_variant(self.problem, s, 1, keys, arch, H200) for s in self.seqlens_q for keys in EMIT_KEYS}
         chosen |= {v for s in self.seqlens_q if (v := heuristic_mma(self.problem, s, arch, H200, specialize=False))}
         chosen |= {v for s in self.seqlens_q if (v := transposed_tile(self.problem, s, arch, H200))}
