@@ -47,8 +47,8 @@ EQUAL = dict(batch=6, seqlen_q=9, heads=8, prefixes=[1500] * 6, page_size=64, ma
 SHORT = dict(batch=3, seqlen_q=9, heads=64, prefixes=[247, 0, 120], page_size=16, mask="tree",
              empty=[False, True, False])
 
-# Lengths of 1, 2, 3 and 8 batch-invariant splits (1024 keys a split, at most 8).
-INVARIANT = dict(batch=4, seqlen_q=9, heads=64, prefixes=[300, 1500, 2600, 8000], page_size=64, mask="causal")
+# Lengths of 1, 2, 3 and 8 batch-invariant splits (2048 keys a split, at most 8).
+INVARIANT = dict(batch=4, seqlen_q=9, heads=64, prefixes=[300, 3000, 5000, 16000], page_size=64, mask="causal")
 # (feature, case, make_case's extra arguments): each runs on the dispatcher's pick.
 FEATURES = [("invariant", INVARIANT, {}), ("invariant", CASES[0], {}),
             ("fp8_e4m3", CASES[1], {"kv_format": "e4m3"}), ("fp8_ds_mla", CASES[0], {"kv_format": "ds_mla"}),

@@ -447,9 +447,9 @@ def test_with_fp8_quantizes_each_set_and_keeps_the_rest():
 
 
 def test_fp8_side_variants_and_their_jobs():
-    """--fp8 cases time the dispatcher's pick for the FP8 problem (the naive kernel) and, over a
-    16-bit query, the mma tile that reads the FP8 cache (`policy.fp8_tile`), compiled with the
-    other cells."""
+    """--fp8 cases time the dispatcher's pick for the FP8 problem (an mma tile, naive for e4m3
+    queries) and, over a 16-bit query, the mma tile that reads the FP8 cache
+    (`policy.fp8_tile`), compiled with the other cells."""
     row = Row(8, 16, 9, 16384)
     config = BenchConfig(fp8=tuple(FP8_CASES))
     side = side_variants(row, config, "sm_90a", "NVIDIA H200", policy.H200)
@@ -462,8 +462,8 @@ def test_fp8_side_variants_and_their_jobs():
         if name.endswith(TILE):
             assert variant == policy.fp8_tile(problem, 9, "sm_90a", policy.H200)
             assert (variant.family, variant.schedule, variant.loads) == ("mma", "lockstep", "cp_async")
-        else:
-            assert variant.family == "naive"
+        else:   # the dispatcher's pick: a tile for an FP8 cache, naive for e4m3 queries
+            assert variant.family == ("naive" if case == "e4m3-q" else "mma")
     assert policy.fp8_tile(fp8_problem(problem_for(row, 64, "causal", "bf16"), "e4m3-q"), 9, "sm_90a",
                            policy.H200) is None
     (plan,) = plan_rows([(row, ("serving",))], config, "sm_90a", "NVIDIA H200", policy.H200)

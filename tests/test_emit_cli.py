@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 from cli import app
 from mlagen.codegen.compiler import compile_source
 from mlagen.codegen.render import render
-from mlagen.dispatch.presets import DEFAULT_EMIT_ARCHS, PRESETS
+from mlagen.dispatch.policy import H200, untuned_variant
+from mlagen.dispatch.presets import DEFAULT_EMIT_ARCHS, EMIT_KEYS, PRESETS
 from mlagen.dsl.arch import runs_on
 from mlagen.dsl.spec import naive
 from mlagen.plan.params import FIELDS, PARAMS_SIZE
@@ -35,12 +36,16 @@ def test_presets_cover_short_and_long_contexts():
     """Each preset's Hopper kernels are the dispatcher's untuned picks for a short and a long
     context: the lockstep wgmma tile and its seesaw twin with TMA loads and the balanced split;
     other archs have no seesaw (it is sm_90a only)."""
-    from mlagen.dispatch.policy import H200, untuned_variant
-    from mlagen.dispatch.presets import EMIT_KEYS
 
     for preset in PRESETS.values():
-        if preset.problem.fp8_kv:                      # FP8 caches: the naive kernel alone
-            assert all(preset.variants(a) == [naive(a)] for a in ("sm_80", "sm_90", "sm_90a", "sm_120"))
+        if preset.problem.fp8_kv:      # FP8 caches: naive and the lockstep tiles, no TMA or seesaw
+            for a in ("sm_80", "sm_90", "sm_90a", "sm_120"):
+                variants = preset.variants(a)
+                assert variants[0] == naive(a) and len(variants) > 1
+                assert all(validate(preset.problem, v) for v in variants)
+                assert all(untuned_variant(preset.problem, s, 1, k, a, H200) in variants
+                           for s in preset.seqlens_q for k in EMIT_KEYS)
+                assert not any(v.loads == "tma" or v.seesaw for v in variants)
             continue
         hopper = preset.variants("sm_90")
         seesaw = [v for v in hopper if v.seesaw]

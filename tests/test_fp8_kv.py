@@ -12,7 +12,7 @@ import torch
 
 import mlagen
 from mlagen.codegen.build import build
-from mlagen.dispatch.policy import H200, batch_invariant_variant, choose_variant
+from mlagen.dispatch.policy import H200, batch_invariant_variant, choose_variant, fp8_tile
 from mlagen.dsl.arch import ARCHS, runs_on
 from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import Problem, naive, parse_variant
@@ -90,15 +90,25 @@ def test_fp8_tiles_need_the_shared_memory_of_their_rows():
 
 
 @pytest.mark.parametrize("fmt", FP8)
-def test_the_dispatcher_runs_fp8_caches_on_the_naive_kernel(fmt):
-    """Every pick for an FP8 cache, batch-invariant mode's too, is the naive variant of the arch,
-    and it validates."""
+def test_the_dispatcher_runs_fp8_caches_on_the_heuristic_tile(fmt):
+    """Without a table an FP8 cache runs on the heuristic's mma tile (lockstep, cp.async loads;
+    the balanced split for a batch), on every arch where one fits (H=16 S=9 and 64: all), else on
+    the naive variant; batch-invariant mode and e4m3 queries run on the naive variant. Every pick
+    validates."""
     for arch in ARCHS:
         for seqlen_q, batch in ((1, 1), (9, 32), (64, 4)):
             problem = Problem(heads=16, kv_format=fmt, mask="tree")
-            picks = {choose_variant(problem, seqlen_q, batch, 4096, arch, policy=H200),
-                     batch_invariant_variant(problem, seqlen_q, arch, H200)}
-            assert picks == {naive(arch)}
+            tile = fp8_tile(problem, seqlen_q, arch, H200)
+            picked = choose_variant(problem, seqlen_q, batch, 4096, arch, policy=H200)
+            if tile is None:
+                assert seqlen_q == 1 and picked == naive(arch), (arch, seqlen_q)
+            else:
+                assert (tile.family, tile.schedule, tile.loads) == ("mma", "lockstep", "cp_async")
+                assert picked == (tile if batch == 1 else tile.with_(kv_split="balanced"))
+            assert validate(problem, picked)
+            assert batch_invariant_variant(problem, seqlen_q, arch, H200) == naive(arch)
+            q8 = problem.with_(q_format="e4m3")
+            assert choose_variant(q8, seqlen_q, batch, 4096, arch, policy=H200) == naive(arch)
             validate(problem, naive(arch))
 
 
@@ -194,10 +204,11 @@ def test_flashmla_fp8_rows_through_the_compat_api():
     assert torch.equal(lse, ref_lse.masked_fill(ref_lse == -float("inf"), float("inf")))
 
 
-def test_fp8_presets_emit_the_naive_kernel_with_a_scale_taking_launcher(tmp_path):
-    """`mlagen emit --preset kimi-k2-fp8 --launcher` writes the naive kernels and C++ launchers
-    whose launch takes kv_scale (or a device pointer) for the e4m3 cache, and checks its row
-    strides in 16-byte multiples; the ds_mla preset's rows are 656 bytes and take no scale."""
+def test_fp8_presets_emit_their_kernels_with_a_scale_taking_launcher(tmp_path):
+    """`mlagen emit --preset kimi-k2-fp8 --launcher` writes the naive kernels and the mma tiles
+    that stage FP8 rows, with C++ launchers whose launch takes kv_scale (or a device pointer) for
+    the e4m3 cache, and checks its row strides in 16-byte multiples; the ds_mla preset's rows are
+    656 bytes and take no scale."""
     from mlagen.dispatch.presets import PRESETS
     from mlagen.tools.launcher import render_launcher
 
@@ -214,7 +225,8 @@ def test_fp8_presets_emit_the_naive_kernel_with_a_scale_taking_launcher(tmp_path
     result = CliRunner().invoke(app, ["emit", "--preset", "kimi-k2-fp8", "--launcher", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     names = sorted(p.name for p in (tmp_path / "kimi-k2-fp8").rglob("*.cu"))
-    assert names and all(n.startswith("mlagen_naive_") and "_kve4m3_" in n for n in names), names
+    assert names and all("_kve4m3_" in n for n in names), names
+    assert {n.split("_")[1] for n in names} == {"naive", "mma"}, names
 
 
 @pytest.mark.gpu

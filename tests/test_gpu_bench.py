@@ -10,7 +10,7 @@ from mlagen.dispatch import policy, tables
 from mlagen.dsl.spec import parse_variant
 from mlagen.runtime import tensormap
 from mlagen.runtime.op import device_info, device_name, device_policy
-from mlagen.tools.bench import DISPATCH, EAGER, INVARIANT, TILE, BenchConfig, fp8_cells, mask_cell, run_bench
+from mlagen.tools.bench import DISPATCH, EAGER, INVARIANT, BenchConfig, fp8_cells, mask_cell, run_bench
 from mlagen.tools.grids import Row
 from mlagen.tools.report import from_json, summary_markdown, to_json, write_all
 from mlagen.tools.timing import TimingConfig, l2_bytes, measure

@@ -21,8 +21,8 @@ GPU mlagen targets (sm_80, sm_89, sm_90, sm_120):
   exp(lse) / (exp(lse) + exp(attn_sink[h])); lse is unchanged. (FlashMLA applies sinks this
   way on its sparse path and refuses them on its dense one.)
 
-- FP8 caches (`is_fp8_kvcache=True`): FlashMLA's 656-byte uint8 rows, run on mlagen's naive
-  kernel (correct; not yet fast).
+- FP8 caches (`is_fp8_kvcache=True`): FlashMLA's 656-byte uint8 rows, run on mlagen's mma
+  tiles that dequantize each KV tile in shared memory (1.5-3.8x the bf16 time on the H200).
 
 Sparse attention (`indices`, `extra_k_cache`, `extra_indices_in_kvcache`, `topk_length`,
 `extra_topk_length`, `topk`) raises NotImplementedError. For draft-tree
@@ -237,7 +237,7 @@ def flash_mla_with_kvcache(
             prefix and query tokens 0..i.
         is_fp8_kvcache: True: k_cache holds FlashMLA's FP8 rows, uint8 [..., 656] (512 e4m3
             latent dims, four fp32 scales, 64 bf16 rope dims; `mlagen.quantize_kv(..., "ds_mla")`
-            makes them), run on mlagen's naive kernel, which dequantizes as it reads.
+            makes them), run on mlagen's mma tiles, which dequantize each KV tile in shared memory.
         attn_sink: None or [H_q] fp32 on q's device: each output row (b, i, h) is scaled by
             exp(lse) / (exp(lse) + exp(attn_sink[h])) (`mlagen.runtime.sinks`); +inf gives 0,
             -inf changes nothing; lse is returned unscaled.

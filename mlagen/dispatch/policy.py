@@ -361,13 +361,12 @@ def transposed_tile(problem: Problem, seqlen_q: int, arch: str, policy: Dispatch
 # `group_splits`), merged in split order, so a request's bits follow from its own inputs and
 # these two numbers, never from the batch or the SM count. The launch's grid holds
 # INVARIANT_SPLITS splits a row group; a group's blocks past its count do nothing.
-# Modelled on the H200's batched rows (the serving grid: wave count times tiles a split, plus
-# the 16-bit partial rows written and read again): 1024 keys a split takes H=64 S=9 at 4096 keys
-# (65 tiles) in 5 splits of 13 tiles, B=8 in 3 waves (39 tile times against the balanced split's
-# 35) and B=32 in 11 (143 against 140), with 5/8 of the partial rows of 8 equal splits (the
-# partials cost H=64 B=32 S=9 about 110 µs at 8 splits: 411 µs against 297). Short requests
-# split less or not at all (under 1024 keys: one split, written out directly, no merge); a
-# single long request still leaves SMs idle (65536 keys, H=64 S=9: 72 blocks on 132 SMs).
+# Measured on the H200's batched rows (the serving grid, invariant over the default dispatch):
+# splits of 2048 keys cost 1.08-1.23x (median 1.13x); 1024 keys pay for more partial rows (up
+# to 1.28x at H=128 B=32 S=4); 4096 keys leave small batches too few blocks (1.47x at H=64 B=8,
+# 1.41x at H=8 B=16 with 16384 keys). Short requests split less or not at all (up to 2048
+# keys: one split, written out directly, no merge); a single long request still leaves SMs idle
+# (65536 keys, H=64 S=9: 72 blocks on 132 SMs). docs/performance.md holds the A/B.
 INVARIANT_SPLITS = 8
 INVARIANT_SPLIT_KEYS_LOG2 = 11      # 2048 keys; the kernels' split_keys_log2 parameter
 

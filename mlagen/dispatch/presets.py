@@ -45,9 +45,9 @@ PRESETS: dict[str, Preset] = {
         Preset("deepseek-v3-tp4", _mla(32), "DeepSeek-V3 sharded 4 ways: 32 heads per GPU"),
         Preset("deepseek-v3-tp8", _mla(16), "DeepSeek-V3 sharded 8 ways: 16 heads per GPU"),
         Preset("kimi-k2-fp8", _mla(64).with_(kv_format="e4m3"),
-               "Kimi K2 over a flat e4m3 cache (kv_scale): 64 heads, the naive kernel"),
+               "Kimi K2 over a flat e4m3 cache (kv_scale): 64 heads"),
         Preset("deepseek-v3-fp8", _mla(128).with_(kv_format="ds_mla"),
-               "DeepSeek-V3 over FlashMLA's 656-byte FP8 rows: 128 heads, the naive kernel"),
+               "DeepSeek-V3 over FlashMLA's 656-byte FP8 rows: 128 heads"),
     )
 }
 DEFAULT_PRESET = "kimi-k2"

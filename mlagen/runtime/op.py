@@ -292,7 +292,8 @@ def verify_attention(
             or an FP8 cache of DeepSeek's rows (Dl+Dr = 576, head_dim_v 512;
             `mlagen.quantize_kv` makes one): float8_e4m3fn [.., 576] with kv_scale, or uint8
             [.., 656] (ds_mla: 512 e4m3 latent dims, four fp32 group scales, 64 bf16 rope
-            dims). FP8 caches run on the naive kernel, which dequantizes each row as it reads it.
+            dims). FP8 caches run on an mma tile that dequantizes each KV tile in shared memory
+            (the naive kernel where none fits), e4m3 queries on the naive kernel.
         block_table: [B, max_pages] int32, page ids of each request in order.
         cache_seqlens: [B] int32, valid keys per request including its S draft tokens, which
             sit at positions cache_seqlens[b]-S .. cache_seqlens[b]-1.
