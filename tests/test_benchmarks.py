@@ -513,7 +513,11 @@ def test_seesaw_trace_phases_from_stamps():
 def test_ab_trees_parses_rows_and_trees(tmp_path):
     text, row, cells = ab_trees.parse_cells(f"16,64,4,4096=main/{SEESAW}|new/dispatch", {"main": ROOT, "new": ROOT})
     assert (text, row, cells) == ("16,64,4,4096", Row(16, 64, 4, 4096), [("main", SEESAW), ("new", "dispatch")])
-    for bad in ("16,64,4,4096", "16,64,4,4096=other/dispatch", "16,64,4=main/dispatch", "8,1,9,64=main/mma_x"):
+    assert ab_trees.parse_cells("8,16,9,16384:e4m3=main/dispatch", {"main": ROOT})[:2] == (
+        "8,16,9,16384:e4m3", Row(8, 16, 9, 16384))
+    assert ab_trees.fp8_case("8,16,9,16384:ds_mla") == ("8,16,9,16384", "ds_mla")
+    for bad in ("16,64,4,4096", "16,64,4,4096=other/dispatch", "16,64,4=main/dispatch", "8,1,9,64=main/mma_x",
+                "8,1,9,64:fp4=main/dispatch"):
         with pytest.raises(SystemExit):
             ab_trees.parse_cells(bad, {"main": ROOT})
     assert ab_trees.parse_args(__file__, None, ["2", f"main={ROOT}", "8,1,9,64=main/dispatch"]) == (
@@ -668,7 +672,8 @@ def test_gpu_script_runs(name, tmp_path):
     args = GPU_RUNS[name]
     if name == "ab_trees.py":                                          # two trees: this one and a copy
         shutil.copytree(ROOT / "templates", tmp_path / "templates")
-        args = ["1", f"main=.,copy={tmp_path}", "8,1,9,1024=main/dispatch|copy/dispatch"]
+        args = ["1", f"main=.,copy={tmp_path}", "8,1,9,1024=main/dispatch|copy/dispatch",
+                "8,1,9,1024:e4m3=main/dispatch|copy/dispatch"]
     done = _script(name, *args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
@@ -689,6 +694,8 @@ def test_gpu_script_runs(name, tmp_path):
     assert expect in out, out[-3000:]
     if name in ("ab_trees.py", "ab_constant.py", "cold_code.py"):
         assert out.count("best") >= 2
+    if name == "ab_trees.py":                                          # the FP8 row too
+        assert "8,1,9,1024:e4m3" in out and out.count("best") == 4
 
 
 EXERCISED = {   # every file under benchmarks/ but results/ (and the bench's default output, latest/)
