@@ -11,6 +11,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import mlagen
+from mlagen.dispatch.policy import INVARIANT_SPLIT_KEYS_LOG2, INVARIANT_SPLITS
 from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import Problem, Variant, naive, parse_variant
 from mlagen.plan.validate import is_valid, validate
@@ -720,9 +721,11 @@ def test_batch_invariant_bits_follow_the_request_alone(mask):
     neighbours of other draft counts; and every request matches the reference, whether its
     length splits it once (written out directly), twice (a pair), three times or up to the cap."""
     S, H = 9, 16
-    prefixes = [3000, 1500, 9000] + [37 * k for k in range(1, 15)]   # 3 splits, 2, the cap of 8, one
+    prefixes = [5000, 3000, 17000] + [37 * k for k in range(1, 15)]  # 3 splits, 2, the cap of 8, one
+    splits = [min(-(-(n + S) // (1 << INVARIANT_SPLIT_KEYS_LOG2)), INVARIANT_SPLITS) for n in prefixes]
+    assert splits[:4] == [3, 2, 8, 1] and max(splits[3:]) == 1
     big = make_case(batch=17, seqlen_q=S, heads=H, prefixes=prefixes, page_size=16,
-                    mask=mask, per_request_tree=True, seed=11, table_pages=600)
+                    mask=mask, per_request_tree=True, seed=11, table_pages=1100)
     kw = dict(big.kwargs(), return_lse=True, batch_invariant=True)
 
     def request0(batch: int, width: int | None = None):
@@ -733,7 +736,7 @@ def test_batch_invariant_bits_follow_the_request_alone(mask):
         return out[0], lse[0]
 
     alone = request0(1)
-    for got in (request0(3), request0(17), request0(1, width=-(-(3000 + S) // 16))):
+    for got in (request0(3), request0(17), request0(1, width=-(-(5000 + S) // 16))):
         assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1])
     from mlagen.tools.testing import compare_rows
 
