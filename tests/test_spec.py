@@ -262,3 +262,13 @@ def test_tile_shapes_hold_what_each_caller_draws_from():
     transposed = [hq for hq in enumerate_tiles(6, MAX_SEQLEN_Q, max(TRANSPOSED_ROWS))
                   if hq[0] * hq[1] in TRANSPOSED_ROWS]
     assert transposed[0] == (1, 16) and (6, 12) in transposed and (3, 24) in transposed
+
+
+def test_with_formats_names_the_output_dtype():
+    """Inputs in FP8 formats keep the problem's dtype for the output while some input is 16-bit;
+    e4m3 queries over an FP8 cache write bf16."""
+    fp16 = Problem(dtype="fp16")
+    assert fp16.with_formats("e4m3", "dtype") == fp16.with_(kv_format="e4m3")
+    assert fp16.with_formats("dtype", "e4m3") == fp16.with_(q_format="e4m3")
+    both = fp16.with_formats("ds_mla", "e4m3")
+    assert (both.dtype, both.kv_format, both.q_format) == ("bf16", "ds_mla", "e4m3")

@@ -96,6 +96,13 @@ class Problem:
     def with_(self, **changes: object) -> Problem:
         return replace(self, **changes)
 
+    def with_formats(self, kv_format: str, q_format: str) -> Problem:
+        """This problem over inputs in `kv_format` and `q_format`. The output keeps `dtype`, the
+        16-bit inputs' dtype, but e4m3 queries over an FP8 cache, where no input is 16-bit,
+        write bf16."""
+        dtype = "bf16" if kv_format != "dtype" and q_format != "dtype" else self.dtype
+        return self.with_(kv_format=kv_format, q_format=q_format, dtype=dtype)
+
 
 @dataclass(frozen=True)
 class Variant:

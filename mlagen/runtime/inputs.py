@@ -79,7 +79,8 @@ def _aligned_rows(name: str, x: torch.Tensor, row_dims: tuple[int, ...]) -> None
 
 
 def output_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
-    """The output's dtype: q's, or with e4m3 queries a 16-bit cache's (bf16 over an FP8 cache)."""
+    """The output's dtype: q's, or with e4m3 queries a 16-bit cache's (bf16 over an FP8 cache), the
+    rule of `Problem.with_formats` on torch dtypes."""
     if q_dtype != torch.float8_e4m3fn:
         return q_dtype
     return kv_dtype if kv_dtype in DTYPES else torch.bfloat16

@@ -111,11 +111,10 @@ class Shape:
 
     @property
     def problem(self) -> Problem:
-        """The kernel problem of the shape (Dl=512, Dr=64); e4m3 queries over an FP8 cache write
-        bf16, over a 16-bit cache its dtype."""
-        dtype = "bf16" if self.q_format == "e4m3" and self.kv_format != "dtype" else self.dtype
-        return Problem(heads=self.heads, dtype=dtype, page_size=self.page_size, mask=self.mask, lse=self.lse,
-                       kv_format=self.kv_format, q_format=self.q_format)
+        """The kernel problem of the shape (Dl=512, Dr=64; its output dtype by
+        `Problem.with_formats`)."""
+        return Problem(heads=self.heads, dtype=self.dtype, page_size=self.page_size, mask=self.mask,
+                       lse=self.lse).with_formats(self.kv_format, self.q_format)
 
     def case(self, device: str = "cuda") -> Case:
         """The shape's inputs (`mlagen.tools.testing.make_case`, NaN wherever nothing may be read)."""

@@ -129,10 +129,8 @@ def with_mask(work: Workload, mask: str, seed: int = 0) -> Workload:
 
 
 def fp8_problem(problem: Problem, case: str) -> Problem:
-    """`problem` on FP8 case `case`'s inputs (FP8_CASES); e4m3 queries write bf16 out."""
-    kv_format, q_format = FP8_CASES[case]
-    return problem.with_(kv_format=kv_format, q_format=q_format,
-                         dtype="bf16" if q_format == "e4m3" else problem.dtype)
+    """`problem` on FP8 case `case`'s inputs (FP8_CASES; `Problem.with_formats`)."""
+    return problem.with_formats(*FP8_CASES[case])
 
 
 def with_fp8(work: Workload, case: str, l2: int) -> Workload:
