@@ -6,7 +6,7 @@
 #   bash benchmarks/run_gpu.sh          # tests verify sanitize bench: about 30 min, more than one call
 #
 #   step       what                                                   time on the H200    timeout
-#   tests      pytest -m gpu tests/, all but test_gpu_verify.py       5-6 min             540 s
+#   tests      pytest -m gpu tests/, all but test_gpu_verify.py       6-7 min, cold       540 s
 #   verify     pytest -m gpu tests/test_gpu_verify.py                 6-7 min             540 s
 #   memcheck   compute-sanitizer memcheck on benchmarks/sanitize.py  2.5 min             300 s
 #   synccheck  synccheck on the transposed tile (--only _tr_)         under 1 min         150 s
@@ -14,14 +14,14 @@
 #              on the three small cases, every family (--cases 0-2)
 #   racecheck2 the same on the balanced splits' and the P exchange's  4-5 min             480 s
 #              cases (--cases 3-8)
-#   racecheck3 the same on the engine features (--only feature+):  under 5 min         420 s
+#   racecheck3 the same on the engine features (--only feature+):  under 2 min         420 s
 #              batch-invariant splits, FP8, context-parallel shards
 #   racecheck  racecheck1 racecheck2 racecheck3 (three calls)
 #   sanitize   memcheck synccheck racecheck1 racecheck2 racecheck3 (four calls)
 #   tune       mlagen tune, seed and serving grids, into mlagen/dispatch/tables/  under 5 min      420 s
 #   tune8      mlagen tune --kv e4m3, then --kv ds_mla, serving grid (FP8  ~5 min, unmeasured 540 s
 #              caches' own table entries; after the FP8 GPU tests pass)
-#   bench      mlagen bench, seed, serving and trees grids; the      under 5 min warm    585 s
+#   bench      mlagen bench, seed, serving and trees grids; the      under 2 min warm    585 s
 #              dispatcher's pick under tree masks too, batch-invariant mode's and on FP8 inputs
 #   ragged     benchmarks/ragged.py on three batch shapes, then       1-4 min             450 s
 #              ragged_drafts.py with trees and causal

@@ -59,7 +59,7 @@ FP8_TILES = [
 
 @pytest.mark.parametrize("fmt,name", FP8_TILES)
 def test_fp8_tiles_compile_without_spills(fmt, name):
-    """Each FP8 tile compiles with no spill, stages its rows (RowLoad8) and dequantizes them into
+    """Each FP8 tile compiles with no spill, stages its rows (RowLoad's staged layout) and dequantizes them into
     its one 16-bit tile; its shared memory is that tile, the staged rows rounded up to 1 KB, and
     the rest as a 16-bit cache's kernel has it."""
     variant = parse_variant(name)
@@ -67,7 +67,7 @@ def test_fp8_tiles_compile_without_spills(fmt, name):
     built = build(problem, variant)
     resources = built.module.resources[built.plan.main_kernel]
     assert not resources.spills, resources
-    assert "RowLoad8<BN, THREADS, ROW_BYTES / 16>" in built.source and "dequantize_tile(" in built.source
+    assert "RowLoad<BN, THREADS, kv_t, ROW_BYTES / 16>" in built.source and "dequantize_tile(" in built.source
     row = 576 if fmt == "e4m3" else 656
     staged = -(-variant.stages * variant.block_n * row // 1024) * 1024
     assert built.plan.fp8_staging_bytes == staged and built.plan.kv_row_bytes == row

@@ -687,45 +687,63 @@ __device__ __forceinline__ int p_off(int row, int key) {
   return row * PS + key;
 }
 
-// One thread's share of loading a swizzled [NROWS][D] tile with cp.async: 8 threads per row
-// (thread `tid` of NT), each one 16-byte chunk of every 64-dim column block, so a warp reads
-// whole 128-byte lines. The thread's rows are tid/8 + k*NT/8 (pass k): they share row % 8 and
-// so the swizzled chunk offset, and every copy's addresses are a per-row base plus constants.
-// prepare() does the row lookups and copy() issues one column block: the two may be a tile
-// apart, and one tile's copies may be spread between other instructions (the score wgmmas).
-template <int NROWS, int NT>
+// One thread's share of loading NROWS rows with cp.async: 8 threads per row (thread `tid` of
+// NT), each one 16-byte chunk of every 128 bytes of the row, so a warp reads whole 128-byte lines.
+// The thread's rows are tid/8 + k*NT/8 (pass k), and every copy's addresses are a per-row base
+// plus constants. Two layouts:
+// - ROW_CHUNKS 0: a swizzled [NROWS][D] tile of elem_t, D/64 column blocks of [NROWS][64] with
+//   chunks XOR-swizzled by row % 8 (`swz`); a thread's rows share row % 8 and so its chunk offset.
+// - ROW_CHUNKS > 0: rows as the cache holds them (an FP8 cache's, T = kv_t), ROW_CHUNKS 16-byte
+//   chunks each, one after another in a staging tile; a row's chunks past ROW_CHUNKS are skipped
+//   by a PTX predicate (the count is no multiple of the 8 threads).
+// prepare() does the row lookups and copy() issues one 128-byte column of every row: the two may
+// be a tile apart, and one tile's copies may be spread between other instructions (the score
+// wgmmas).
+template <int NROWS, int NT, typename T = elem_t, int ROW_CHUNKS = 0>
 struct RowLoad {
   static_assert(NT % 64 == 0, "NT/8 rows per pass keep row % 8");
+  static constexpr bool STAGED = ROW_CHUNKS > 0;
   static constexpr int PASSES = (NROWS * 8 + NT - 1) / NT;
-  const elem_t* src[PASSES];   // this thread's chunk of each row's first column block
+  static constexpr int ROW = STAGED ? ROW_CHUNKS * 16 : 128;   // bytes between rows in the destination
+  static constexpr int COLUMNS = STAGED ? (ROW_CHUNKS + 7) / 8 : CH / 8;   // copy()'s columns
+  const T* src[PASSES];        // this thread's chunk of each row's first 128 bytes
   int bytes[PASSES];           // 16, or 0 to zero-fill the row
-  unsigned dst;                // the chunk's byte offset in the tile's row tid/8
+  unsigned dst;                // the chunk's byte offset in the destination's row tid/8
   int row0;                    // tid/8
 
   // `row_ptr(r, k)`: global address of row r (pass k), or nullptr to zero-fill it.
   template <typename RowPtr>
-  __device__ __forceinline__ void prepare(int tid, const elem_t* fallback, RowPtr row_ptr) {
+  __device__ __forceinline__ void prepare(int tid, const T* fallback, RowPtr row_ptr) {
     row0 = tid / 8;
     const int sub = tid % 8;
-    dst = row0 * 128 + (((sub ^ row0) & 7) << 4);
+    dst = STAGED ? row0 * ROW + sub * 16 : row0 * 128 + (((sub ^ row0) & 7) << 4);
 #pragma unroll
     for (int k = 0; k < PASSES; ++k) {
       const int r = row0 + k * (NT / 8);
-      const elem_t* p = r < NROWS ? row_ptr(r, k) : nullptr;
-      src[k] = (p ? p : fallback) + sub * CHUNK;
+      const T* p = r < NROWS ? row_ptr(r, k) : nullptr;
+      src[k] = (p ? p : fallback) + sub * (16 / (int)sizeof(T));
       bytes[k] = p ? 16 : 0;
     }
   }
-  // Column block `blk` of the prepared rows, into the tile at shared address `tile`.
+  // Column `blk` (bytes 128 blk .. 128 blk + 127 of every prepared row), into the destination at
+  // shared address `tile`.
   __device__ __forceinline__ void copy(unsigned tile, int blk) const {
 #pragma unroll
     for (int k = 0; k < PASSES; ++k)
-      if (NROWS % (NT / 8) == 0 || row0 + k * (NT / 8) < NROWS)
-        cp_async16_to(tile + dst + k * (NT / 8) * 128 + blk * (NROWS * 128), src[k] + blk * 64, bytes[k]);
+      if (NROWS % (NT / 8) == 0 || row0 + k * (NT / 8) < NROWS) {
+        if constexpr (STAGED) {
+          const int take = (int)(threadIdx.x % 8) + 8 * blk < ROW_CHUNKS;   // chunk sub + 8 blk of the row
+          asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16, %2;\n}\n"
+                       :: "r"(tile + dst + k * (NT / 8) * ROW + blk * 128), "l"(src[k] + blk * 128), "r"(bytes[k]),
+                          "r"(take));
+        } else {
+          cp_async16_to(tile + dst + k * (NT / 8) * 128 + blk * (NROWS * 128), src[k] + blk * 64, bytes[k]);
+        }
+      }
   }
   __device__ __forceinline__ void copy_all(unsigned tile) const {
 #pragma unroll
-    for (int blk = 0; blk < CH / 8; ++blk) copy(tile, blk);
+    for (int blk = 0; blk < COLUMNS; ++blk) copy(tile, blk);
   }
 };
 
