@@ -45,14 +45,14 @@ constexpr int H = 64;
 constexpr int DL = 512;                 // value width (first DL dims of a KV row)
 constexpr int DR = 64;                 // rope width
 constexpr int D = DL + DR;
-constexpr int CHUNK = 8;                                  // elements per 16-byte access
+constexpr int CHUNK = 8;                 // elements per 16-byte access
 constexpr int CH = D / CHUNK;                             // 16-byte chunks per KV row
 constexpr int CHV = DL / CHUNK;
 constexpr int PAGE = 64;
 constexpr int MASK_CAUSAL = 1;
 constexpr int MASK_TREE = 0;
 constexpr bool WRITE_LSE = true;
-constexpr int TREE_ROWS = 64;                            // tree-mask rows in shared memory: 64-bit each
+constexpr int TREE_ROWS = 64;           // tree-mask rows in shared memory, 64-bit each
 constexpr float LN2 = 0.693147180559945309f;
 static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
 static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
