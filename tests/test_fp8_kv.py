@@ -89,6 +89,27 @@ def test_fp8_tiles_need_the_shared_memory_of_their_rows():
     assert validate(Problem(kv_format="e4m3"), two).smem_bytes == validate(Problem(), two).smem_bytes
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_the_tiles_e4m3_bit_moves_give_every_value_exactly(dtype):
+    """The tiles' dequantize moves an e4m3 byte's bits into a 16-bit value (E4M3_SHIFT) and
+    multiplies by E4M3_UNIT, both as rendered: for each of the 254 finite e4m3 codes, denormals
+    and both zeros included, that is the e4m3 value, exactly, in q's dtype."""
+    import re
+
+    source = build(Problem(kv_format="e4m3", dtype=dtype), parse_variant(FP8_TILES[0][1])).source
+    shift = int(re.search(r"constexpr int E4M3_SHIFT = (\d+);", source).group(1))
+    unit = float.fromhex(re.search(r"constexpr float E4M3_UNIT = (0x1p\d+)f;", source).group(1))
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.int32)   # 0x7f, 0xff: NaN
+    top = codes << 8                                                 # the byte at the top of a 16-bit half
+    bits = (top & 0x8000) | ((top & 0x7F00) >> shift)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    moved = bits.to(torch.int16).view(torch_dtype).double() * unit
+    expected = codes.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    assert torch.equal(moved, expected)
+    assert torch.equal(moved.to(torch_dtype).double(), expected)     # and the product is exact in q's dtype
+    assert torch.equal(torch.signbit(moved), torch.signbit(expected))
+
+
 @pytest.mark.parametrize("fmt", FP8)
 def test_the_dispatcher_runs_fp8_caches_on_the_heuristic_tile(fmt):
     """Without a table an FP8 cache runs on the heuristic's mma tile (lockstep, cp.async loads;

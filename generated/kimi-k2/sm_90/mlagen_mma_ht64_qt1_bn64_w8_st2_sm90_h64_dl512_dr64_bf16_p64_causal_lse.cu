@@ -610,6 +610,7 @@ constexpr int NTO = DIMS_W / 8;
 constexpr int PS = 72;                                // P row stride (padded)
 constexpr int KV_TILES = STAGES;                                    // 16-bit KV tiles in shared memory
 constexpr int STAGED_BYTES = 0;
+constexpr int AHEAD = STAGES - 1;                                   // tiles loading while one is used (cp.async)
 
 constexpr int MT_O = MT, NT_O = NTO;                                // every warp: all rows, DIMS_W dims
 constexpr int HEAD_TILES = H / HT;
@@ -946,12 +947,12 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
     auto stage = [&](int kb) { return smem_addr(sKV + ((kb - kb_begin) % STAGES) * BN * D); };
     fetch_pages(kb_begin);
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < AHEAD; ++s) {
       prepare_kv(kb_begin + s);
       if (kb_begin + s < kb_end) kv.copy_all(stage(kb_begin + s));
       cp_async_commit();
     }
-    prepare_kv(kb_begin + STAGES - 1);
+    prepare_kv(kb_begin + AHEAD);
     if (MASK_TREE) load_tree_rows<QT, WARPS>(p, b, q0, S, sBits, warp, lane);
     if (threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;
 

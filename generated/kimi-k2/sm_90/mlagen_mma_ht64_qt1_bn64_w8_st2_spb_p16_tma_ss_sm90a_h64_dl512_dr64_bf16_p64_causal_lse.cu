@@ -1010,6 +1010,7 @@ constexpr int NTO = DIMS_W / 8;
 constexpr int PS = 72;                                // P row stride (padded)
 constexpr int KV_TILES = STAGES;                                    // 16-bit KV tiles in shared memory
 constexpr int STAGED_BYTES = 0;
+constexpr int AHEAD = STAGES - 1;                                   // tiles loading while one is used (cp.async)
 
 // Output on wgmma: warpgroup wnq holds all 64 rows x dims [DL/2*wnq, +DL/2); its warp wmq rows
 // 16*wmq.. as one m16 piece of DL/16 n8 pieces (the same register order as mma.sync pieces).
