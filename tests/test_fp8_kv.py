@@ -407,8 +407,10 @@ def test_fp8_tiles_match_the_reference_of_their_dequantized_rows(fmt, name, mask
     """Each FP8 tile this GPU runs, on shuffled pages among NaN ones (one page size a 64-key tile
     spans, one it does not), an empty request, the e4m3 scale as a float and as a device tensor,
     ds_mla's group scales as powers of two and (the second case) half of them not (vLLM's
-    unrounded scales, which the tiles dequantize through fp32): every row against the fp64
-    reference over the same FP8 cache, with bf16's tolerance."""
+    unrounded scales): every row against the fp64 reference over the same FP8 cache, with
+    bf16's tolerance; with unrounded scales, over the cache dequantized and rounded to q's dtype,
+    as the tiles use it (the rounding errs alike for equal stored values of a group, a bias that
+    moves the lse past bf16's tolerance on long requests; docs/design.md)."""
     variant = parse_variant(name)
     if not runs_on(variant.arch, device_info(torch.cuda.current_device())[0]):
         pytest.skip(f"{variant.arch} code does not run on this GPU")
@@ -417,11 +419,14 @@ def test_fp8_tiles_match_the_reference_of_their_dequantized_rows(fmt, name, mask
                          seed=30 + seed, empty=[False, True, False])
         cache, scale = mlagen.quantize_kv(case.kv_cache, fmt)
         scale = scale if as_tensor or scale is None else float(scale)
+        ref_cache = cache
         if fmt == "ds_mla" and seed == 1:
             cache[..., kv_layout.SCALES_AT:kv_layout.ROPE_AT].view(torch.float32)[..., 1::2] *= 1.37
+            ref_cache = mlagen.dequantize_kv(cache, fmt, dtype=case.q.dtype).reshape(case.kv_cache.shape)
         out, lse = mlagen.verify_attention(case.q, cache, case.block_table, case.cache_seqlens, kv_scale=scale,
                                            variant=variant, return_lse=True, **case.kwargs())
-        ref_out, ref_lse = mlagen.reference(case.q, cache, case.block_table, case.cache_seqlens, kv_scale=scale,
+        ref_out, ref_lse = mlagen.reference(case.q, ref_cache, case.block_table, case.cache_seqlens,
+                                            kv_scale=scale if ref_cache is cache else None,
                                             dtype=torch.float64, **case.kwargs())
         problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2))
         assert problem is None, (name, mask, page_size, problem)
