@@ -27,6 +27,7 @@ import torch
 
 from ..dsl.spec import MAX_SEQLEN_Q, Variant
 from .inputs import InputError, key_bound, values_requested
+from .kv_formats import as_bytes
 from .op import verify_attention
 from .varlen import check_varlen, verify_attention_varlen
 
@@ -160,7 +161,7 @@ def cp_shard_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seql
     n = cp_local_seqlens(_check_lengths(cache_seqlens, block_table.shape[0]), rank=rank, world=world,
                          interleave=interleave)
     kv = kv_cache.reshape(kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[-1])
-    kv = kv.view(torch.uint8) if kv.element_size() == 1 else kv      # FP8 rows move as their bytes
+    kv = as_bytes(kv)                                                  # FP8 rows move as their bytes
     page_size = kv.shape[1]
     B, max_pages = block_table.shape
     pages = max(1, -(-_local_length(max_pages * page_size, rank, world, interleave) // page_size))

@@ -256,6 +256,12 @@ def dequantize_kv(kv_cache: torch.Tensor, layout: str, kv_scale: float | torch.T
     return torch.cat(((latent * scales[..., None]).flatten(-2), rope), dim=-1).to(dtype)
 
 
+def as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor viewed as its bytes (uint8, same shape), for the gathers and copies that
+    float8 dtypes lack; any other tensor as it is."""
+    return x.view(torch.uint8) if x.dtype == E4M3 else x
+
+
 def dequantize_e4m3(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn values x scale (a float or a one-element fp32 tensor), in fp32, x's shape:
     the flat e4m3 cache's rule, also for FP8 queries. Unchecked: see `check_scale`."""

@@ -30,6 +30,7 @@ import torch
 
 from ..dsl.spec import Variant
 from . import inputs
+from .kv_formats import as_bytes
 from .op import verify_attention
 
 
@@ -53,8 +54,7 @@ class VarlenLayout:
     def pad_queries(self, q: torch.Tensor) -> torch.Tensor:
         """[total_q, H, D] -> [B, S, H, D] (padded slots hold copies of real rows); e4m3 rows move
         as their bytes."""
-        rows = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
-        return rows.index_select(0, self.src).view(q.dtype).view(self.batch, self.max_seqlen_q, *q.shape[1:])
+        return as_bytes(q).index_select(0, self.src).view(q.dtype).view(self.batch, self.max_seqlen_q, *q.shape[1:])
 
     def pad_tree_mask(self, tree_mask: torch.Tensor) -> torch.Tensor:
         """Packed mask ([B, S, S] or [S, S], top-left per request) -> the padded problem's
