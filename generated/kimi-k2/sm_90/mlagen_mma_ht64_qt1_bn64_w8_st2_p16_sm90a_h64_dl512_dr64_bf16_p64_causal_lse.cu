@@ -770,6 +770,7 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
 }
 
 
+
 // wgmma descriptor of a 128-byte-swizzled operand at shared address `addr`. K-major: 8-row
 // groups 1024 bytes apart (stride byte offset), the leading byte offset unused. Read N-major
 // (V as the B of P·V): 64-dim column blocks `lbo` bytes apart, 8-key groups `sbo` apart.

@@ -665,6 +665,51 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
 }
 
 
+// s += Q K^T for this warp's score piece, rows [wmq*ROWS_W, +ROWS_W) x keys [wnq*KEYS_W, +KEYS_W)
+// over all D dims: Q at shared address `q`, the KV tile at `tile`, both swizzled.
+__device__ __forceinline__ void scores_mma(float (&s)[MTQ][NTQ][4], unsigned q, unsigned tile, int wmq, int wnq, int lane) {
+#pragma unroll 4
+  for (int ks = 0; ks < D / 16; ++ks) {
+    unsigned a[MTQ][4], bk[NTQ / 2][4];
+#pragma unroll
+    for (int mt = 0; mt < MTQ; ++mt)
+      ldsm_x4(q + 2 * swz<M_PAD>(wmq * ROWS_W + mt * 16 + lane % 16, 2 * ks + lane / 16), a[mt]);
+#pragma unroll
+    for (int np = 0; np < NTQ / 2; ++np) {
+      const int mi = lane / 8;
+      ldsm_x4(tile + 2 * swz<BN>(wnq * KEYS_W + np * 16 + lane % 8 + 8 * (mi / 2), 2 * ks + mi % 2), bk[np]);
+    }
+#pragma unroll
+    for (int mt = 0; mt < MTQ; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTQ; ++nt) mma16816(s[mt][nt], a[mt], &bk[nt / 2][2 * (nt % 2)]);
+  }
+}
+
+// o += P V for this warp's output dims [warp*DIMS_W, +DIMS_W), all rows, over the tile's BN keys:
+// P at shared address `pa` (padded rows of PS), V = the KV tile at `tile` read transposed.
+__device__ __forceinline__ void pv_mma(float (&o)[MT][NTO][4], unsigned pa, unsigned tile, int warp, int lane) {
+#pragma unroll 2
+  for (int ks = 0; ks < BN / 16; ++ks) {
+    unsigned a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      ldsm_x4(pa + 2 * ((mt * 16 + lane % 16) * PS + ks * 16 + 8 * (lane / 16)), a[mt]);
+#pragma unroll
+    for (int np = 0; np < NTO / 2; ++np) {
+      unsigned bv[4];
+      const int mi = lane / 8;
+      ldsm_x4_t(tile + 2 * swz<BN>(ks * 16 + lane % 8 + 8 * (mi % 2), (warp * DIMS_W + np * 16) / 8 + mi / 2), bv);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma16816(o[mt][2 * np], a[mt], bv);
+        mma16816(o[mt][2 * np + 1], a[mt], bv + 2);
+      }
+    }
+  }
+}
+
+
 
 // Running max of `row` after the current tile, from the one in sM and every warp's tile maximum.
 // It moves only when the tile's maximum passes it by more than RESCALE_SLACK (log2 units), so on
@@ -981,22 +1026,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
         if (kr < kb_end) kv.copy_all(stage(kr));
         cp_async_commit();
       }
-#pragma unroll 4
-      for (int ks = 0; ks < D / 16; ++ks) {
-        unsigned a[MTQ][4], bk[NTQ / 2][4];
-#pragma unroll
-        for (int mt = 0; mt < MTQ; ++mt)
-          ldsm_x4(sQa + 2 * swz<M_PAD>(wmq * ROWS_W + mt * 16 + lane % 16, 2 * ks + lane / 16), a[mt]);
-#pragma unroll
-        for (int np = 0; np < NTQ / 2; ++np) {
-          const int mi = lane / 8;
-          ldsm_x4(tileA + 2 * swz<BN>(wnq * KEYS_W + np * 16 + lane % 8 + 8 * (mi / 2), 2 * ks + mi % 2), bk[np]);
-        }
-#pragma unroll
-        for (int mt = 0; mt < MTQ; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < NTQ; ++nt) mma16816(s[mt][nt], a[mt], &bk[nt / 2][2 * (nt % 2)]);
-      }
+      scores_mma(s, sQa, tileA, wmq, wnq, lane);
 
       // ---- mask, scale, and this warp's row maxima ----
       // A tile inside every row's prefix needs no mask. Its padding rows (past ROWS or S) then
@@ -1081,25 +1111,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
 
       // ---- O += P V over the tile's keys ----
 
-      // this warp's dims [warp*DIMS_W, +DIMS_W)
-#pragma unroll 2
-      for (int ks = 0; ks < BN / 16; ++ks) {
-        unsigned a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          ldsm_x4(sPa + 2 * ((mt * 16 + lane % 16) * PS + ks * 16 + 8 * (lane / 16)), a[mt]);
-#pragma unroll
-        for (int np = 0; np < NTO / 2; ++np) {
-          unsigned bv[4];
-          const int mi = lane / 8;
-          ldsm_x4_t(tileA + 2 * swz<BN>(ks * 16 + lane % 8 + 8 * (mi % 2), (warp * DIMS_W + np * 16) / 8 + mi / 2), bv);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            mma16816(o[mt][2 * np], a[mt], bv);
-            mma16816(o[mt][2 * np + 1], a[mt], bv + 2);
-          }
-        }
-      }
+      pv_mma(o, sPa, tileA, warp, lane);
       if (STAGES > 1) prepare_kv(kr + 1);
       if (threadIdx.x < M_PAD)      // after P V's issue, off its path; read after the next tile's barriers
         sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
