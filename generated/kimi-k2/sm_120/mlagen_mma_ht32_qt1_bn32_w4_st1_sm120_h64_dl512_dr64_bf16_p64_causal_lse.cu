@@ -624,6 +624,7 @@ constexpr int HEAD_TILES = H / HT;
 constexpr int STAGE_STRIDE = DL + 8;
 constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * (int)sizeof(part_t) <= (M_PAD + KV_TILES * BN) * D * (int)sizeof(elem_t) + STAGED_BYTES;
 static_assert(!PART16 || STAGE_EPILOGUE, "16-bit rows always fit the buffers: their epilogue stages them");
+constexpr bool SCORES_WGMMA = false, PV_WGMMA = false;   // which products run on wgmma
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
 static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
@@ -650,6 +651,12 @@ __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned* r) {
 __device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned* r) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// Orders this thread's shared-memory stores and landed cp.async data before the async proxy's reads
+// (wgmma operands): where products that read them run on wgmma (ON), else nothing.
+template <bool ON>
+__device__ __forceinline__ void async_proxy_fence() {
+  if constexpr (ON) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 // c += a * b for one m16n8k16 piece.
 __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b) {
@@ -1014,6 +1021,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
         prepare_kv(kb + 1);
       }
       cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
+      async_proxy_fence<SCORES_WGMMA>();                    // cp.async data -> wgmma reads
       __syncthreads();                                      // tile kb landed; tile kb-1 fully used
       MLAGEN_TRACE(tile_landed);
       const int kr = kb + STAGES - 1;                       // refilled this iteration, into tile kb-1's buffer
@@ -1106,7 +1114,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
 #pragma unroll
           for (int nt = 0; nt < NT_O; ++nt) { o[mt][nt][2 * half] *= alpha; o[mt][nt][2 * half + 1] *= alpha; }
         }
-
+      async_proxy_fence<PV_WGMMA>();                        // P stores -> wgmma reads
       __syncthreads();                                      // P complete; sM and sPart read
 
       // ---- O += P V over the tile's keys ----
