@@ -611,6 +611,7 @@ constexpr int PS = 40;                                // P row stride (padded)
 constexpr int KV_TILES = STAGES;                                    // 16-bit KV tiles in shared memory
 constexpr int STAGED_BYTES = 0;
 constexpr int AHEAD = STAGES - 1;                                   // tiles loading while one is used (cp.async)
+constexpr int STAGE_ROW = D, STAGED_CHUNKS = 0;                     // cp.async stages: the swizzled 16-bit tiles
 
 constexpr int MT_O = MT, NT_O = NTO;                                // every warp: all rows, DIMS_W dims
 constexpr int HEAD_TILES = H / HT;
@@ -935,6 +936,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
   elem_t* sKV = sQ + M_PAD * D;                                           // (KV_TILES, BN, D) swizzled
+  kv_t* sStage = sKV;                                                     // cp.async copies land in the 16-bit tiles
   elem_t* sP = sKV + STAGES * BN * D;                                     // (M_PAD, PS)
   float* sPart = reinterpret_cast<float*>(sP + M_PAD * PS);               // (WNQ, M_PAD) row max / sum parts
   float* sM = sPart + WNQ * M_PAD;                                        // (M_PAD,) running row max
@@ -982,7 +984,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     // KV tiles load in order, each one in two steps a tile apart (H=64 S=9 at 65536 keys: -10%):
     // block-table ids are read (fetch_pages) a tile before the row lookups (prepare_kv), and
     // the lookups a tile before the copies, so no copy waits on a dependent global read.
-    using KvLoad = RowLoad<BN, THREADS>;
+    using KvLoad = RowLoad<BN, THREADS, kv_t, STAGED_CHUNKS>;   // (FP8 rows staged as they are)
     KvLoad kv;                                 // the prepared copies of the next tile to load
     int next_pages[KvLoad::PASSES];            // block-table ids of the tile after it (-1: none)
     auto fetch_pages = [&](int kb) {
@@ -996,7 +998,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       kv.prepare(threadIdx.x, p.kv, [&](int r, int k) { return kb < kb_end ? kv_row_in(p, next_pages[k], kb * BN + r) : nullptr; });
       fetch_pages(kb + 1);
     };
-    auto stage = [&](int kb) { return smem_addr(sKV + ((kb - kb_begin) % STAGES) * BN * D); };
+    auto stage = [&](int kb) { return smem_addr(sStage + ((kb - kb_begin) % STAGES) * BN * STAGE_ROW); };
     fetch_pages(kb_begin);
 #pragma unroll
     for (int s = 0; s < AHEAD; ++s) {

@@ -1011,6 +1011,7 @@ constexpr int PS = 72;                                // P row stride (padded)
 constexpr int KV_TILES = STAGES;                                    // 16-bit KV tiles in shared memory
 constexpr int STAGED_BYTES = 0;
 constexpr int AHEAD = STAGES - 1;                                   // tiles loading while one is used (cp.async)
+constexpr int STAGE_ROW = D, STAGED_CHUNKS = 0;                     // cp.async stages: the swizzled 16-bit tiles
 
 // Output on wgmma: warpgroup wnq holds all 64 rows x dims [DL/2*wnq, +DL/2); its warp wmq rows
 // 16*wmq.. as one m16 piece of DL/16 n8 pieces (the same register order as mma.sync pieces).
@@ -1649,6 +1650,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
   elem_t* sKV = sQ + M_PAD * D;                                           // (KV_TILES, BN, D) swizzled
+  kv_t* sStage = sKV;                                                     // cp.async copies land in the 16-bit tiles
   elem_t* sP = sKV + STAGES * BN * D;                                     // (M_PAD, PS)
   float* sPart = reinterpret_cast<float*>(sP + M_PAD * PS);               // (WNQ, M_PAD) row max / sum parts
   float* sM = sPart + WNQ * M_PAD;                                        // (M_PAD,) running row max
