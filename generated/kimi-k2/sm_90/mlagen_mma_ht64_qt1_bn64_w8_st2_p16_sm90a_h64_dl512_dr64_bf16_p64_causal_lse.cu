@@ -730,6 +730,7 @@ constexpr int HEAD_TILES = H / HT;
 constexpr int STAGE_STRIDE = DL + 8;
 constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * (int)sizeof(part_t) <= (M_PAD + KV_TILES * BN) * D * (int)sizeof(elem_t) + STAGED_BYTES;
 static_assert(!PART16 || STAGE_EPILOGUE, "16-bit rows always fit the buffers: their epilogue stages them");
+constexpr bool FP8 = false;   // an FP8 cache: its tiles load right after their dequantize, not during the scores
 constexpr bool SCORES_WGMMA = true, PV_WGMMA = true;   // which products run on wgmma
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
@@ -1155,13 +1156,13 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
       // mma.sync accumulator layout (per 8 keys: row g cols 2t,2t+1; row g+8 likewise).
       static_assert(MTQ == 1 && NTQ == 4 && M_PAD == 64, "one m64n32 wgmma per warpgroup");
       asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-      // Tile kr's copies go out between the score wgmmas, one column block per 4 k-steps: the
-      // tensor cores stay fed while this warp issues them.
+      // A 16-bit tile kr's copies go out between the score wgmmas, one column block per 4 k-steps:
+      // the tensor cores stay fed while this warp issues them.
       scores_wgmma(&s[0][0][0], sQa, tileA + wnq * KEYS_W * 128, [&](int blk) {
-        if (STAGES > 1) kv.copy(stage(kr), blk);
+        if (!FP8 && STAGES > 1) kv.copy(stage(kr), blk);
       });
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      cp_async_commit();
+      if (!FP8) cp_async_commit();
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 
       // ---- mask, scale, and this warp's row maxima ----
@@ -1250,7 +1251,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
       asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
       pv_wgmma(&o[0][0][0], sPa, tileA + (DL / 128) * wnq * (BN * 128));
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      if (STAGES > 1) prepare_kv(kr + 1);                   // while the tensor cores run P V
+      if (FP8 || STAGES > 1) prepare_kv(kr + 1);            // while the tensor cores run P V
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       if (threadIdx.x < M_PAD)      // after P V's issue, off its path; read after the next tile's barriers
         sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);

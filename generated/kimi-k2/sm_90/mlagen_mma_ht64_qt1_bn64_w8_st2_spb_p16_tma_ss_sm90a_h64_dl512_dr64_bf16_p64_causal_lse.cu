@@ -1027,6 +1027,7 @@ constexpr int HEAD_TILES = H / HT;
 constexpr int STAGE_STRIDE = DL + 8;
 constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * (int)sizeof(part_t) <= (M_PAD + KV_TILES * BN) * D * (int)sizeof(elem_t) + STAGED_BYTES;
 static_assert(!PART16 || STAGE_EPILOGUE, "16-bit rows always fit the buffers: their epilogue stages them");
+constexpr bool FP8 = false;   // an FP8 cache: its tiles load right after their dequantize, not during the scores
 constexpr bool SCORES_WGMMA = true, PV_WGMMA = true;   // which products run on wgmma
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
