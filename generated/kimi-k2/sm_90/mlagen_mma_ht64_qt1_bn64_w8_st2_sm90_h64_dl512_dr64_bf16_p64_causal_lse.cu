@@ -1012,8 +1012,8 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
     if (threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;
 
     float o[MT_O][NT_O][4] = {};
-
-    const int o_row0 = 0, o_dim0 = warp * DIMS_W;
+    // This warp's output piece: on wgmma its warpgroup's DL/2 dims, rows 16*wmq..; else all rows, DIMS_W dims.
+    const int o_row0 = PV_WGMMA ? 16 * wmq : 0, o_dim0 = PV_WGMMA ? (DL / 2) * wnq : warp * DIMS_W;
     float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
     const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
     for (int kb = kb_begin; kb < kb_end; ++kb) {
