@@ -55,6 +55,8 @@ FP8_TILES = [
     ("e4m3", "mma_ht8_qt4_bn64_w4_st2_sp3_sm90"), ("ds_mla", "mma_ht8_qt4_bn32_w4_st2_spa_sm90"),
     ("e4m3", "mma_ht8_qt4_bn32_w4_st2_sp3_sm80"), ("ds_mla", "mma_ht8_qt4_bn32_w4_st1_spb_sm89"),
     ("e4m3", "mma_ht8_qt4_bn32_w4_st1_spa_sm120"),
+    # 32-key tiles of 8 warps: eight threads a row in the dequantize
+    ("e4m3", "mma_ht64_qt1_bn32_w8_st3_spa_sm90"), ("ds_mla", "mma_ht64_qt1_bn32_w8_st3_spb_sm90"),
 ]
 
 
