@@ -6,6 +6,7 @@ cache, row by row."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -97,8 +98,6 @@ def test_the_tiles_e4m3_bit_moves_give_every_value_exactly(dtype):
     """The tiles' dequantize moves an e4m3 byte's bits into a 16-bit value (E4M3_SHIFT) and
     multiplies by E4M3_UNIT, both as rendered: for each of the 254 finite e4m3 codes, denormals
     and both zeros included, that is the e4m3 value, exactly, in q's dtype."""
-    import re
-
     source = build(Problem(kv_format="e4m3", dtype=dtype), parse_variant(FP8_TILES[0][1])).source
     shift = int(re.search(r"constexpr int E4M3_SHIFT = (\d+);", source).group(1))
     unit = float.fromhex(re.search(r"constexpr float E4M3_UNIT = (0x1p\d+)f;", source).group(1))

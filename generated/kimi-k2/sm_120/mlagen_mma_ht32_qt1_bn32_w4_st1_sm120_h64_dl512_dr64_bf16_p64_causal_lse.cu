@@ -999,7 +999,8 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       kv.prepare(threadIdx.x, p.kv, [&](int r, int k) { return kb < kb_end ? kv_row_in(p, next_pages[k], kb * BN + r) : nullptr; });
       fetch_pages(kb + 1);
     };
-    auto stage = [&](int kb) { return smem_addr(sStage + ((kb - kb_begin) % STAGES) * BN * STAGE_ROW); };
+    auto stage_rows = [&](int kb) { return sStage + ((kb - kb_begin) % STAGES) * BN * STAGE_ROW; };   // tile kb's stage
+    auto stage = [&](int kb) { return smem_addr(stage_rows(kb)); };
     fetch_pages(kb_begin);
 #pragma unroll
     for (int s = 0; s < AHEAD; ++s) {
