@@ -47,15 +47,23 @@ def test_templates_found():
     assert {p.name for p in TEMPLATES} >= {"mma.cu.j2", "merge.cuh.j2", "launcher.h.j2"}
 
 
-# What a template pulls in: {% include "x" %}, {% import "x" as y %}, {% from "x" import y %}.
-PULLS = re.compile(r"\{%-?\s*(?:include|import|from)\s+\"([^\"]+)\"")
+# What a template pulls in: {% include "x" %}, {% import "x" as y %}, {% from "x" import y %},
+# and each name of a choice: {% include "x" if a else "y" %}.
+PULLING = re.compile(r"\{%-?\s*(?:include|import|from)\s+(.*?)-?%\}", re.S)
+NAME = re.compile(r"\"([^\"]+\.j2)\"")
+
+
+def pulls(text: str) -> list[str]:
+    """The templates `text` pulls in, in order."""
+    return [name for statement in PULLING.findall(text) for name in NAME.findall(statement)]
+
 
 
 def test_every_fragment_is_included_and_says_what_it_holds():
     """A kernel's or launcher's template (`*.cu.j2`, `*.h.j2`) is an entry that no template pulls
     in; every fragment (`*.cuh.j2`) is included or imported by another template, and opens with a
     Jinja comment that says what it holds."""
-    pulled = {name: {p.name for p in TEMPLATES if name in PULLS.findall(p.read_text())}
+    pulled = {name: {p.name for p in TEMPLATES if name in pulls(p.read_text())}
               for name in (p.name for p in TEMPLATES)}
     problems = []
     for path in TEMPLATES:
@@ -77,7 +85,7 @@ def test_merge_fragment_includes_the_split_concerns_in_order():
     """merge.cuh.j2 is the split families' fragment: it opens the kernel's namespace and includes
     one file per concern, in the order they depend on each other."""
     text = (template_dir() / "merge.cuh.j2").read_text()
-    assert PULLS.findall(text) == ["split_partials.cuh.j2", "split_counters.cuh.j2", "split_work_list.cuh.j2",
+    assert pulls(text) == ["split_partials.cuh.j2", "split_counters.cuh.j2", "split_work_list.cuh.j2",
                                    "split_pair_merge.cuh.j2", "split_merge_blocks.cuh.j2"]
 
 

@@ -218,8 +218,8 @@ class KernelPlan:
     @property
     def merge_after_ranges(self) -> bool:
         """Whether merge blocks run the balanced split's (empty) range loop and merge after it, so
-        that their code is laid out after the tile loop (templates/mma_ops.cuh.j2,
-        balanced_ranges_loop): the balanced seesaw and transposed tile, whose long tile loops
+        that their code is laid out after the tile loop (templates/split_merge_blocks.cuh.j2,
+        balanced_block): the balanced seesaw and transposed tile, whose long tile loops
         would otherwise reach past the kernel's first 64 KB of code (the paired schedules)."""
         return self.balanced and self.schedule.paired
 
