@@ -7,13 +7,15 @@ directory holding a `templates/` folder, such as a checkout of another commit
 Every cell renders, compiles and loads its kernel from its tree's templates (the disk cache keys
 the source, so each tree's kernels compile once); the Python package is this one's.
 
-    python3 benchmarks/ab_trees.py ROUNDS LABEL=DIR,... 'H,B,S,prefix[:FP8]=LABEL/VARIANT|...' ...
+    python3 benchmarks/ab_trees.py ROUNDS LABEL=DIR,... 'H,B,S,prefix[:FP8][:MASK]=LABEL/VARIANT|...' ...
     python3 benchmarks/ab_trees.py 3 main=.,new=/tmp/new \\
         '16,64,4,4096=main/mma_ht16_qt4_bn64_w8_st2_sp2_p16_tma_ss_sm90a|main/dispatch|new/dispatch' \\
-        '8,16,9,16384:e4m3=main/dispatch|new/dispatch'
+        '8,16,9,16384:e4m3=main/dispatch|new/dispatch' '64,8,9,4096:tree=main/dispatch|new/dispatch'
 
 A cell's VARIANT is a variant name or `dispatch` (the dispatcher's pick). A row's `:FP8` suffix
-(one of e4m3, ds_mla, e4m3-q: `mlagen bench --fp8`'s cases) times it on the inputs quantized.
+(one of e4m3, ds_mla, e4m3-q: `mlagen bench --fp8`'s cases) times it on the inputs quantized, and
+a `:MASK` suffix (causal, the default, tree or tree-per-request: `mlagen bench --mask`'s) under
+that mask.
 
 Prints each cell's µs per round (CUDA graph replay, the bench's inputs, rotated past the L2) and
 its best.
@@ -33,7 +35,7 @@ from mlagen.dsl.spec import parse_variant
 from mlagen.runtime import launch, op
 from mlagen.tools.grids import Row, parse_row
 from mlagen.tools.timing import l2_bytes, measure
-from mlagen.tools.workload import FP8_CASES, InputSet, Workload, make_workload, mlagen_call, with_fp8
+from mlagen.tools.workload import FP8_CASES, MASKS, InputSet, Workload, make_workload, mlagen_call, with_fp8
 
 
 def use_templates(tree: Path) -> None:
@@ -52,21 +54,28 @@ def use_templates(tree: Path) -> None:
 Cell = tuple[str, str]   # (tree label, variant name or "dispatch")
 
 
-def fp8_case(row_text: str) -> tuple[str, str | None]:
-    """'H,B,S,prefix[:FP8]' as ('H,B,S,prefix', the FP8 case or None), the case checked."""
-    row_only, _, case = row_text.partition(":")
-    if case and case not in FP8_CASES:
-        raise SystemExit(f"{row_text!r}: expected an FP8 case after ':', one of {sorted(FP8_CASES)}")
-    return row_only, case or None
+def row_suffixes(row_text: str) -> tuple[str, str | None, str]:
+    """'H,B,S,prefix[:FP8][:MASK]' as ('H,B,S,prefix', the FP8 case or None, the mask), checked."""
+    row_only, *suffixes = row_text.split(":")
+    case, mask = None, "causal"
+    for suffix in suffixes:
+        if suffix in FP8_CASES and case is None:
+            case = suffix
+        elif suffix in MASKS and suffix != "causal" and mask == "causal":
+            mask = suffix
+        else:
+            raise SystemExit(f"{row_text!r}: expected after ':' an FP8 case (one of {sorted(FP8_CASES)}) or a mask "
+                             f"(one of {list(MASKS)}), each once")
+    return row_only, case, mask
 
 
 def parse_cells(spec: str, trees: dict[str, Path] | None = None) -> tuple[str, Row, list[Cell]]:
-    """'H,B,S,prefix[:FP8]=tree/variant|...': the row's text, the row and its cells, each variant
-    checked by name and each tree among `trees` (when given)."""
+    """'H,B,S,prefix[:FP8][:MASK]=tree/variant|...': the row's text, the row and its cells, each
+    variant checked by name and each tree among `trees` (when given)."""
     if "=" not in spec:
-        raise SystemExit(f"{spec!r}: expected H,B,S,prefix[:FP8]=TREE/VARIANT|...")
+        raise SystemExit(f"{spec!r}: expected H,B,S,prefix[:FP8][:MASK]=TREE/VARIANT|...")
     row_text, cells_text = spec.split("=", 1)
-    row_only, _ = fp8_case(row_text)
+    row_only, _, _ = row_suffixes(row_text)
     cells: list[Cell] = []
     for text in cells_text.split("|"):
         tree, _, variant = text.partition("/")
@@ -83,12 +92,12 @@ def parse_cells(spec: str, trees: dict[str, Path] | None = None) -> tuple[str, R
 
 
 def row_cells(spec: str) -> tuple[str, Workload, list[Cell]]:
-    """'H,B,S,prefix[:FP8]=tree/variant|...': the row's text, its workload (the bench's, quantized
-    for an FP8 case) and its cells."""
+    """'H,B,S,prefix[:FP8][:MASK]=tree/variant|...': the row's text, its workload (the bench's,
+    under the mask, quantized for an FP8 case) and its cells."""
     row_text, row, cells = parse_cells(spec)
     l2 = l2_bytes(torch.cuda.current_device())
-    work = make_workload(row, 64, "causal", "bf16", l2)
-    case = fp8_case(row_text)[1]
+    _, case, mask = row_suffixes(row_text)
+    work = make_workload(row, 64, mask, "bf16", l2)
     return row_text, with_fp8(work, case, l2) if case else work, cells
 
 

@@ -515,9 +515,11 @@ def test_ab_trees_parses_rows_and_trees(tmp_path):
     assert (text, row, cells) == ("16,64,4,4096", Row(16, 64, 4, 4096), [("main", SEESAW), ("new", "dispatch")])
     assert ab_trees.parse_cells("8,16,9,16384:e4m3=main/dispatch", {"main": ROOT})[:2] == (
         "8,16,9,16384:e4m3", Row(8, 16, 9, 16384))
-    assert ab_trees.fp8_case("8,16,9,16384:ds_mla") == ("8,16,9,16384", "ds_mla")
+    assert ab_trees.row_suffixes("8,16,9,16384:ds_mla") == ("8,16,9,16384", "ds_mla", "causal")
+    assert ab_trees.row_suffixes("8,16,9,16384:tree") == ("8,16,9,16384", None, "tree")
+    assert ab_trees.row_suffixes("8,16,9,16384:e4m3:tree-per-request") == ("8,16,9,16384", "e4m3", "tree-per-request")
     for bad in ("16,64,4,4096", "16,64,4,4096=other/dispatch", "16,64,4=main/dispatch", "8,1,9,64=main/mma_x",
-                "8,1,9,64:fp4=main/dispatch"):
+                "8,1,9,64:fp4=main/dispatch", "8,1,9,64:tree:tree=main/dispatch", "8,1,9,64:e4m3:ds_mla=main/dispatch"):
         with pytest.raises(SystemExit):
             ab_trees.parse_cells(bad, {"main": ROOT})
     assert ab_trees.parse_args(__file__, None, ["2", f"main={ROOT}", "8,1,9,64=main/dispatch"]) == (
