@@ -257,6 +257,16 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
+// The e4m3 cache's kv_scale: the device value when given one, else the launch's.
+__device__ __forceinline__ float kv_scale_of(const VerifyParams& p) {
+  return p.kv_scale_ptr != nullptr ? *p.kv_scale_ptr : p.kv_scale;
+}
+
+// The e4m3 queries' q_scale on the device, or 1 when the host folded it into scale_log2.
+__device__ __forceinline__ float q_scale_of(const VerifyParams& p) {
+  return p.q_scale_ptr != nullptr ? *p.q_scale_ptr : 1.f;
+}
+
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
   const elem2_t* h = reinterpret_cast<const elem2_t*>(&v);
 #pragma unroll
@@ -608,10 +618,23 @@ constexpr int MT = M_PAD / 16;                                      // output m1
 constexpr int DIMS_W = 128;                              // output dims per warp
 constexpr int NTO = DIMS_W / 8;
 constexpr int PS = 40;                                // P row stride (padded)
-constexpr int KV_TILES = STAGES;                                    // 16-bit KV tiles in shared memory
+// The KV tiles: a 16-bit cache's land in STAGES swizzled 16-bit tiles. An FP8 cache's rows are
+// staged as the cache holds them (ROW_BYTES each, STAGED_BYTES for STAGES tiles with padding) and
+// dequantized into one 16-bit tile, which both products read.
+constexpr bool FP8 = false;
+constexpr int ROW_BYTES = 1152;
 constexpr int STAGED_BYTES = 0;
-constexpr int AHEAD = STAGES - 1;                                   // tiles loading while one is used (cp.async)
-constexpr int STAGE_ROW = D, STAGED_CHUNKS = 0;                     // cp.async stages: the swizzled 16-bit tiles
+constexpr int KV_TILES = FP8 ? 1 : STAGES;                          // 16-bit KV tiles in shared memory
+constexpr int AHEAD = FP8 ? STAGES : STAGES - 1;                    // tiles loading while one is used (cp.async)
+constexpr int STAGE_ROW = FP8 ? ROW_BYTES : D;                      // a cp.async stage's row, in kv_t values
+constexpr int STAGED_CHUNKS = FP8 ? ROW_BYTES / 16 : 0;             // its 16-byte chunks (0: a swizzled 16-bit tile)
+static_assert(!FP8 || (ROW_BYTES % 16 == 0 && STAGED_BYTES >= STAGES * BN * ROW_BYTES && STAGED_BYTES % 1024 == 0),
+              "staged rows in whole 16-byte chunks; P after them 1024-byte aligned");
+// An e4m3 cache's tiles hold its stored values, which 16 bits hold exactly: kv_scale multiplies
+// the scores and the output instead of every element.
+constexpr bool E4M3 = false;
+constexpr bool SEESAW = false;
+constexpr int MBARRIERS = 0, LOAD_MBARRIERS = 0;   // TMA loads' (and the seesaw's P hand-offs)
 
 constexpr int MT_O = MT, NT_O = NTO;                                // every warp: all rows, DIMS_W dims
 constexpr int HEAD_TILES = H / HT;
@@ -625,7 +648,6 @@ constexpr int HEAD_TILES = H / HT;
 constexpr int STAGE_STRIDE = DL + 8;
 constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * (int)sizeof(part_t) <= (M_PAD + KV_TILES * BN) * D * (int)sizeof(elem_t) + STAGED_BYTES;
 static_assert(!PART16 || STAGE_EPILOGUE, "16-bit rows always fit the buffers: their epilogue stages them");
-constexpr bool FP8 = false;   // an FP8 cache: its tiles load right after their dequantize, not during the scores
 constexpr bool SCORES_WGMMA = false, PV_WGMMA = false;   // which products run on wgmma
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
@@ -633,7 +655,7 @@ static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W
 static_assert(CH % 8 == 0, "the swizzle permutes chunks within groups of 8");
 static_assert((M_PAD * D * 2) % 1024 == 0 && (BN * D * 2) % 1024 == 0, "tiles start 1024-byte aligned");
 static_assert(M_PAD * D * 2 + KV_TILES * BN * D * 2 + STAGED_BYTES + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + TREE_ROWS * 8
-              + 0 == 77184, "shared-memory plan matches mlagen/plan/mma_plan.py");
+              + MBARRIERS * 8 == 77184, "shared-memory plan matches mlagen/plan/mma_plan.py");
 
 // Element offset of 16-byte chunk `c` of row `r` in a tile of NROWS rows: the tile is stored as
 // D/64 column blocks of [NROWS][64] (128-byte rows) and chunks are XOR-swizzled by row % 8, so
@@ -660,6 +682,7 @@ template <bool ON>
 __device__ __forceinline__ void async_proxy_fence() {
   if constexpr (ON) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+
 // c += a * b for one m16n8k16 piece.
 __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b) {
   if (FP16) {
@@ -672,7 +695,6 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
 }
-
 
 // s += Q K^T for this warp's score piece, rows [wmq*ROWS_W, +ROWS_W) x keys [wnq*KEYS_W, +KEYS_W)
 // over all D dims: Q at shared address `q`, the KV tile at `tile`, both swizzled.
@@ -693,6 +715,14 @@ __device__ __forceinline__ void scores_mma(float (&s)[MTQ][NTQ][4], unsigned q, 
 #pragma unroll
       for (int nt = 0; nt < NTQ; ++nt) mma16816(s[mt][nt], a[mt], &bk[nt / 2][2 * (nt % 2)]);
   }
+}
+// s = Q K^T of tile kb (its 16-bit tile at `tile`) for this warp's score piece, the KV
+// pipeline's copies of a later tile issued first (kv.load_before_scores).
+template <class Tiles>
+__device__ __forceinline__ void tile_scores(float (&s)[MTQ][NTQ][4], unsigned q, unsigned tile, Tiles& kv, int kb, int wmq,
+                                            int wnq, int lane) {
+  kv.load_before_scores(kb);
+  scores_mma(s, q, tile, wmq, wnq, lane);
 }
 
 // o += P V for this warp's output dims [warp*DIMS_W, +DIMS_W), all rows, over the tile's BN keys:
@@ -717,7 +747,15 @@ __device__ __forceinline__ void pv_mma(float (&o)[MT][NTO][4], unsigned pa, unsi
     }
   }
 }
-
+// o += P V of tile kb for this warp's dims, then the KV pipeline's lookups (kv.during_pv).
+template <class Tiles>
+__device__ __forceinline__ void tile_pv(float (&o)[MT_O][NT_O][4], unsigned pa, unsigned tile, Tiles& kv, int kb, int warp,
+                                        int, int lane) {
+  pv_mma(o, pa, tile, warp, lane);
+  kv.during_pv(kb);
+}
+// Element offset of P(row, key) in shared memory: padded rows for ldmatrix.
+__device__ __forceinline__ int p_off(int row, int key) { return row * PS + key; }
 
 
 // Running max of `row` after the current tile, from the one in sM and every warp's tile maximum.
@@ -733,13 +771,6 @@ __device__ __forceinline__ float new_max(const float* sM, const float* sPart, in
 #pragma unroll
   for (int w = 0; w < WNQ; ++w) tile = fmaxf(tile, sPart[w * M_PAD + row]);
   return tile > m + RESCALE_SLACK ? tile : m;      // m = -inf: any finite tile maximum moves it
-}
-
-// Element offset of P(row, key) in shared memory: on wgmma the K-major 128-byte-swizzle layout
-// (BN = 64 keys = one 128-byte row), else padded rows for ldmatrix.
-__device__ __forceinline__ int p_off(int row, int key) {
-
-  return row * PS + key;
 }
 
 // One thread's share of loading NROWS rows with cp.async: 8 threads per row (thread `tid` of
@@ -801,6 +832,99 @@ struct RowLoad {
     for (int blk = 0; blk < COLUMNS; ++blk) copy(tile, blk);
   }
 };
+
+
+// A segment's KV tiles [kb_begin, kb_end) of request b (n keys), copied with cp.async by every
+// thread, one commit group a tile, into STAGES stages of rows STAGE_ROW kv_t values apart. Each
+// tile loads in three steps a tile apart (H=64 S=9 at 65536 keys: -10%): the block-table ids are
+// read (fetch_pages) a tile before the row lookups (prepare), and the lookups a tile before the
+// copies, so no copy waits on a dependent global read.
+struct KvRows {
+  using Load = RowLoad<BN, THREADS, kv_t, STAGED_CHUNKS>;
+  const VerifyParams& p;
+  int b, n, kb_begin, kb_end, t_base;
+  elem_t* sKV;                     // (KV_TILES, BN, D) swizzled 16-bit tiles
+  kv_t* sStage;                    // (STAGES, BN, STAGE_ROW): where the copies land
+  Load kv;                         // the prepared copies of the next tile to load
+  int next_pages[Load::PASSES];    // block-table ids of the tile after it (-1: none)
+
+  __device__ __forceinline__ KvRows(const VerifyParams& p, int b, int n, int kb_begin, int kb_end, int tiles_done,
+                                    elem_t* sKV, kv_t* sStage, unsigned long long*)
+      : p(p), b(b), n(n), kb_begin(kb_begin), kb_end(kb_end), t_base(tiles_done), sKV(sKV), sStage(sStage) {}
+  static __device__ __forceinline__ void init(unsigned long long*, const VerifyParams&) {}   // (no mbarriers)
+  __device__ __forceinline__ void fetch_pages(int kb) {
+#pragma unroll
+    for (int k = 0; k < Load::PASSES; ++k) {
+      const int r = threadIdx.x / 8 + k * (THREADS / 8), j = kb * BN + r;
+      next_pages[k] = r < BN && j < n ? kv_page(p, b, j) : -1;
+    }
+  }
+  // Tile kb's copies, and the pages of the tile after it. Past kb_end: zero-fill (those copies
+  // land in a free buffer). (The lookup compares with a local copy of kb_end: read through this
+  // struct inside the lambda, it costs the wgmma tiles up to 5 registers.)
+  __device__ __forceinline__ void prepare(int kb) {
+    const int end = kb_end;
+    kv.prepare(threadIdx.x, p.kv, [&](int r, int k) { return kb < end ? kv_row_in(p, next_pages[k], kb * BN + r) : nullptr; });
+    fetch_pages(kb + 1);
+  }
+  __device__ __forceinline__ kv_t* stage_rows(int kb) const { return sStage + ((kb - kb_begin) % STAGES) * BN * STAGE_ROW; }
+  __device__ __forceinline__ unsigned stage(int kb) const { return smem_addr(stage_rows(kb)); }
+  // The first AHEAD tiles, one commit group each (Q's copies, issued just before, join the first).
+  __device__ __forceinline__ void start() {
+    fetch_pages(kb_begin);
+#pragma unroll
+    for (int s = 0; s < AHEAD; ++s) {
+      prepare(kb_begin + s);
+      if (kb_begin + s < kb_end) kv.copy_all(stage(kb_begin + s));
+      cp_async_commit();
+    }
+    prepare(kb_begin + AHEAD);
+  }
+  __device__ __forceinline__ void release(int) const {}
+  // The block's tiles after this segment's.
+  __device__ __forceinline__ int tiles_after() const { return t_base + kb_end - kb_begin; }
+};
+
+
+// 16-bit rows land in STAGES swizzled tiles, AHEAD = STAGES - 1 of them loading while one is used;
+// a tile's copies go out during the previous tile's scores, into the buffer that tile used. The
+// lockstep loop calls, per tile: acquire, the products with the hooks, release.
+struct KvTiles : KvRows {
+  using KvRows::KvRows;
+  // Waits for tile kb and for every thread's use of the tile before it; returns its shared address.
+  __device__ __forceinline__ unsigned acquire(int kb) {
+    if (STAGES == 1) {                                    // one buffer: refill it once all used it
+      __syncthreads();
+      kv.copy_all(stage(kb));
+      cp_async_commit();
+      prepare(kb + 1);
+    }
+    cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
+    async_proxy_fence<SCORES_WGMMA>();                    // cp.async data -> wgmma reads
+    __syncthreads();                                      // tile kb landed; tile kb-1 fully used
+    MLAGEN_TRACE(tile_landed);
+    return stage(kb);
+  }
+  // With two or more stages tile kb + AHEAD's copies go into tile kb-1's buffer during tile kb's
+  // scores: a column block at a time between the score wgmmas (the tensor cores stay fed while
+  // this warp issues them) ...
+  __device__ __forceinline__ void load_during_scores(int kb, int blk) const {
+    if (STAGES > 1) kv.copy(stage(kb + AHEAD), blk);
+  }
+  __device__ __forceinline__ void scores_issued() const { cp_async_commit(); }
+  // ... or all at once before the mma.sync scores.
+  __device__ __forceinline__ void load_before_scores(int kb) const {
+    if (STAGES > 1) {
+      if (kb + AHEAD < kb_end) kv.copy_all(stage(kb + AHEAD));
+      cp_async_commit();
+    }
+  }
+  // The lookups of the tile after the one just refilled, while the tensor cores run P V.
+  __device__ __forceinline__ void during_pv(int kb) {
+    if (STAGES > 1) prepare(kb + AHEAD + 1);
+  }
+};
+
 
 
 // Which rows a segment ends and how: row group x of request b (queries q0.. of S, heads h0..),
@@ -937,11 +1061,14 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
   elem_t* sKV = sQ + M_PAD * D;                                           // (KV_TILES, BN, D) swizzled
-  kv_t* sStage = sKV;                                                     // cp.async copies land in the 16-bit tiles
-  elem_t* sP = sKV + STAGES * BN * D;                                     // (M_PAD, PS)
+  // (STAGES, BN, ROW_BYTES) an FP8 cache's staged rows; 16-bit rows land in the 16-bit tiles
+  kv_t* sStage = FP8 ? reinterpret_cast<kv_t*>(sKV + KV_TILES * BN * D) : reinterpret_cast<kv_t*>(sKV);
+  elem_t* sP = reinterpret_cast<elem_t*>(reinterpret_cast<unsigned char*>(sKV + KV_TILES * BN * D) + STAGED_BYTES);   // (M_PAD, PS)
   float* sPart = reinterpret_cast<float*>(sP + M_PAD * PS);               // (WNQ, M_PAD) row max / sum parts
   float* sM = sPart + WNQ * M_PAD;                                        // (M_PAD,) running row max
   unsigned long long* sBits = reinterpret_cast<unsigned long long*>(sM + M_PAD);   // (TREE_ROWS,)
+  const float kv_scale = E4M3 ? kv_scale_of(p) : 1.f;   // the output's factor (E4M3: the products ran on stored values)
+  const float scale_log2 = p.scale_log2 * kv_scale;     // the scores'
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates
@@ -954,6 +1081,9 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     MLAGEN_TRACE(merge_end);
     return;
   }
+  unsigned long long* sFull = sBits + TREE_ROWS;        // (MBARRIERS,) after the tree-mask rows
+  KvTiles::init(sFull, p);
+  int tiles_done = 0;                                   // this block's KV tiles over its segments
   auto row_sum = [&](int row) {                          // a row's sum, once the epilogue met its parts
     float l = 0.f;
 #pragma unroll
@@ -982,35 +1112,10 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       });
       ql.copy_all(smem_addr(sQ));
     }
-    // KV tiles load in order, each one in two steps a tile apart (H=64 S=9 at 65536 keys: -10%):
-    // block-table ids are read (fetch_pages) a tile before the row lookups (prepare_kv), and
-    // the lookups a tile before the copies, so no copy waits on a dependent global read.
-    using KvLoad = RowLoad<BN, THREADS, kv_t, STAGED_CHUNKS>;   // (FP8 rows staged as they are)
-    KvLoad kv;                                 // the prepared copies of the next tile to load
-    int next_pages[KvLoad::PASSES];            // block-table ids of the tile after it (-1: none)
-    auto fetch_pages = [&](int kb) {
-#pragma unroll
-      for (int k = 0; k < KvLoad::PASSES; ++k) {
-        const int r = threadIdx.x / 8 + k * (THREADS / 8), j = kb * BN + r;
-        next_pages[k] = r < BN && j < n ? kv_page(p, b, j) : -1;
-      }
-    };
-    auto prepare_kv = [&](int kb) {            // past kb_end: zero-fill (those copies land in a free buffer)
-      kv.prepare(threadIdx.x, p.kv, [&](int r, int k) { return kb < kb_end ? kv_row_in(p, next_pages[k], kb * BN + r) : nullptr; });
-      fetch_pages(kb + 1);
-    };
-    auto stage_rows = [&](int kb) { return sStage + ((kb - kb_begin) % STAGES) * BN * STAGE_ROW; };   // tile kb's stage
-    auto stage = [&](int kb) { return smem_addr(stage_rows(kb)); };
-    fetch_pages(kb_begin);
-#pragma unroll
-    for (int s = 0; s < AHEAD; ++s) {
-      prepare_kv(kb_begin + s);
-      if (kb_begin + s < kb_end) kv.copy_all(stage(kb_begin + s));
-      cp_async_commit();
-    }
-    prepare_kv(kb_begin + AHEAD);
+    KvTiles kv(p, b, n, kb_begin, kb_end, tiles_done, sKV, sStage, sFull);
+    kv.start();
     if (MASK_TREE) load_tree_rows<QT, WARPS>(p, b, q0, S, sBits, warp, lane);
-    if (threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;
+    if (!SEESAW && threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;   // (the seesaw starts its own)
 
     float o[MT_O][NT_O][4] = {};
     // This warp's output piece: on wgmma its warpgroup's DL/2 dims, rows 16*wmq..; else all rows, DIMS_W dims.
@@ -1018,27 +1123,11 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
     const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
     for (int kb = kb_begin; kb < kb_end; ++kb) {
-      if (STAGES == 1) {                                    // one buffer: refill it once all used it
-        __syncthreads();
-        kv.copy_all(stage(kb));
-        cp_async_commit();
-        prepare_kv(kb + 1);
-      }
-      cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
-      async_proxy_fence<SCORES_WGMMA>();                    // cp.async data -> wgmma reads
-      __syncthreads();                                      // tile kb landed; tile kb-1 fully used
-      MLAGEN_TRACE(tile_landed);
-      const int kr = kb + STAGES - 1;                       // refilled this iteration, into tile kb-1's buffer
-      const unsigned tileA = stage(kb);
+      const unsigned tileA = kv.acquire(kb);               // tile kb landed (16-bit); tile kb-1 fully used
 
       // ---- scores: rows [wmq*ROWS_W, +ROWS_W) x keys [wnq*KEYS_W, +KEYS_W), k over D ----
       float s[MTQ][NTQ][4] = {};
-
-      if (!FP8 && STAGES > 1) {
-        if (kr < kb_end) kv.copy_all(stage(kr));
-        cp_async_commit();
-      }
-      scores_mma(s, sQa, tileA, wmq, wnq, lane);
+      tile_scores(s, sQa, tileA, kv, kb, wmq, wnq, lane);
 
       // ---- mask, scale, and this warp's row maxima ----
       // A tile inside every row's prefix needs no mask. Its padding rows (past ROWS or S) then
@@ -1059,7 +1148,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 float& x = s[mt][nt][2 * half + e];
-                x *= p.scale_log2;
+                x *= scale_log2;
                 mx = fmaxf(mx, x);
               }
           } else {
@@ -1069,7 +1158,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
               for (int e = 0; e < 2; ++e) {
                 const int j = kb * BN + wnq * KEYS_W + nt * 8 + 2 * t + e;
                 float& x = s[mt][nt][2 * half + e];
-                x = live & key_visible(j, n, i, S, bits) ? x * p.scale_log2 : -INFINITY;   // `&`: a select, no branch
+                x = live & key_visible(j, n, i, S, bits) ? x * scale_log2 : -INFINITY;   // `&`: a select, no branch
                 mx = fmaxf(mx, x);
               }
           }
@@ -1110,9 +1199,15 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       for (int mt = 0; mt < MT_O; ++mt)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-
-          const int row = o_row0 + mt * 16 + g + 8 * half;
-          const float m_old = sM[row], m_new = new_max(sM, sPart, row);
+          float m_old, m_new;
+          if constexpr (PV_WGMMA) {         // output rows = score rows (o_row0 = 16 * wmq)
+            m_old = m_prev[mt][half];
+            m_new = m_next[mt][half];
+          } else {
+            const int row = o_row0 + mt * 16 + g + 8 * half;
+            m_old = sM[row];
+            m_new = new_max(sM, sPart, row);
+          }
           if (m_new == m_old) continue;     // most tiles of a long row: alpha = 1, skip the multiplies
           const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
 #pragma unroll
@@ -1122,13 +1217,19 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
       __syncthreads();                                      // P complete; sM and sPart read
 
       // ---- O += P V over the tile's keys ----
-
-      pv_mma(o, sPa, tileA, warp, lane);
-      if (FP8 || STAGES > 1) prepare_kv(kr + 1);
+      tile_pv(o, sPa, tileA, kv, kb, warp, wnq, lane);
       if (threadIdx.x < M_PAD)      // after P V's issue, off its path; read after the next tile's barriers
         sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
+      kv.release(kb);                                       // tile kb's buffer is free
     }
+    tiles_done = kv.tiles_after();
     MLAGEN_TRACE(loop_end);
+#pragma unroll
+    for (int mt = 0; mt < MT_O; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][nt][e] *= kv_scale;   // (E4M3: the products ran on stored values)
     end_segment(p, SegmentEnd{b, x, S, q0, h0, t0, split, splits, direct}, FragmentAt{warp, lane, g, t, wmq, wnq, o_row0, o_dim0},
                 o, lpart, smem_raw, sM, sPart, row_sum);
   };

@@ -264,6 +264,16 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
+// The e4m3 cache's kv_scale: the device value when given one, else the launch's.
+__device__ __forceinline__ float kv_scale_of(const VerifyParams& p) {
+  return p.kv_scale_ptr != nullptr ? *p.kv_scale_ptr : p.kv_scale;
+}
+
+// The e4m3 queries' q_scale on the device, or 1 when the host folded it into scale_log2.
+__device__ __forceinline__ float q_scale_of(const VerifyParams& p) {
+  return p.q_scale_ptr != nullptr ? *p.q_scale_ptr : 1.f;
+}
+
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
   const elem2_t* h = reinterpret_cast<const elem2_t*>(&v);
 #pragma unroll
@@ -711,10 +721,23 @@ constexpr int MT = M_PAD / 16;                                      // output m1
 constexpr int DIMS_W = 64;                              // output dims per warp
 constexpr int NTO = DIMS_W / 8;
 constexpr int PS = 72;                                // P row stride (padded)
-constexpr int KV_TILES = STAGES;                                    // 16-bit KV tiles in shared memory
+// The KV tiles: a 16-bit cache's land in STAGES swizzled 16-bit tiles. An FP8 cache's rows are
+// staged as the cache holds them (ROW_BYTES each, STAGED_BYTES for STAGES tiles with padding) and
+// dequantized into one 16-bit tile, which both products read.
+constexpr bool FP8 = false;
+constexpr int ROW_BYTES = 1152;
 constexpr int STAGED_BYTES = 0;
-constexpr int AHEAD = STAGES - 1;                                   // tiles loading while one is used (cp.async)
-constexpr int STAGE_ROW = D, STAGED_CHUNKS = 0;                     // cp.async stages: the swizzled 16-bit tiles
+constexpr int KV_TILES = FP8 ? 1 : STAGES;                          // 16-bit KV tiles in shared memory
+constexpr int AHEAD = FP8 ? STAGES : STAGES - 1;                    // tiles loading while one is used (cp.async)
+constexpr int STAGE_ROW = FP8 ? ROW_BYTES : D;                      // a cp.async stage's row, in kv_t values
+constexpr int STAGED_CHUNKS = FP8 ? ROW_BYTES / 16 : 0;             // its 16-byte chunks (0: a swizzled 16-bit tile)
+static_assert(!FP8 || (ROW_BYTES % 16 == 0 && STAGED_BYTES >= STAGES * BN * ROW_BYTES && STAGED_BYTES % 1024 == 0),
+              "staged rows in whole 16-byte chunks; P after them 1024-byte aligned");
+// An e4m3 cache's tiles hold its stored values, which 16 bits hold exactly: kv_scale multiplies
+// the scores and the output instead of every element.
+constexpr bool E4M3 = false;
+constexpr bool SEESAW = false;
+constexpr int MBARRIERS = 0, LOAD_MBARRIERS = 0;   // TMA loads' (and the seesaw's P hand-offs)
 
 // Output on wgmma: warpgroup wnq holds all 64 rows x dims [DL/2*wnq, +DL/2); its warp wmq rows
 // 16*wmq.. as one m16 piece of DL/16 n8 pieces (the same register order as mma.sync pieces).
@@ -730,7 +753,6 @@ constexpr int HEAD_TILES = H / HT;
 constexpr int STAGE_STRIDE = DL + 8;
 constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * (int)sizeof(part_t) <= (M_PAD + KV_TILES * BN) * D * (int)sizeof(elem_t) + STAGED_BYTES;
 static_assert(!PART16 || STAGE_EPILOGUE, "16-bit rows always fit the buffers: their epilogue stages them");
-constexpr bool FP8 = false;   // an FP8 cache: its tiles load right after their dequantize, not during the scores
 constexpr bool SCORES_WGMMA = true, PV_WGMMA = true;   // which products run on wgmma
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
@@ -738,7 +760,7 @@ static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W
 static_assert(CH % 8 == 0, "the swizzle permutes chunks within groups of 8");
 static_assert((M_PAD * D * 2) % 1024 == 0 && (BN * D * 2) % 1024 == 0, "tiles start 1024-byte aligned");
 static_assert(M_PAD * D * 2 + KV_TILES * BN * D * 2 + STAGED_BYTES + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + TREE_ROWS * 8
-              + 0 == 231680, "shared-memory plan matches mlagen/plan/mma_plan.py");
+              + MBARRIERS * 8 == 231680, "shared-memory plan matches mlagen/plan/mma_plan.py");
 
 // Element offset of 16-byte chunk `c` of row `r` in a tile of NROWS rows: the tile is stored as
 // D/64 column blocks of [NROWS][64] (128-byte rows) and chunks are XOR-swizzled by row % 8, so
@@ -765,6 +787,7 @@ template <bool ON>
 __device__ __forceinline__ void async_proxy_fence() {
   if constexpr (ON) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+
 // c += a * b for one m16n8k16 piece.
 __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b) {
   if (FP16) {
@@ -778,8 +801,6 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
   }
 }
 
-
-
 // wgmma descriptor of a 128-byte-swizzled operand at shared address `addr`. K-major: 8-row
 // groups 1024 bytes apart (stride byte offset), the leading byte offset unused. Read N-major
 // (V as the B of P·V): 64-dim column blocks `lbo` bytes apart, 8-key groups `sbo` apart.
@@ -788,21 +809,6 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
 __device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned lbo = 16, unsigned sbo = 1024) {
   return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16)
          | ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
-}
-// o += P V for P = 64 rows x 16 keys (K-major, shared) and V = 16 keys x DL/2 dims read
-// N-major (transposed) from the KV tile: 64-dim column blocks BN*128 bytes apart (leading byte
-// offset), 8-key groups 1024 bytes apart (stride byte offset), as probed on the H200 (the other
-// order gives garbage).
-// d (+)= A B, m64n256k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
-// shared memory, read N-major.
-// `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
-__device__ __forceinline__ void wgmma_pv(float* d, unsigned long long a, unsigned long long b, int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-               "%128, %129, p, 1, 1, 0, 1;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-               : "l"(a), "l"(b), "r"(accumulate));
 }
 // d (+)= A B, m64n32k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
 // shared memory.
@@ -829,6 +835,36 @@ __device__ __forceinline__ void scores_wgmma(float* s, unsigned q, unsigned tile
     if (ks % 4 == 3) after_block(block);
   }
 }
+// s = Q K^T of tile kb (its 16-bit tile at `tile`) for this warp's score piece: warpgroup wnq
+// takes all 64 rows x keys [32*wnq, +32), and its warp wmq gets rows 16*wmq.. in the mma.sync
+// accumulator layout (per 8 keys: row g cols 2t,2t+1; row g+8 likewise). The KV pipeline's
+// copies of a later tile go out between the wgmmas (kv.load_during_scores).
+template <class Tiles>
+__device__ __forceinline__ void tile_scores(float (&s)[MTQ][NTQ][4], unsigned q, unsigned tile, Tiles& kv, int kb, int,
+                                            int wnq, int) {
+  static_assert(MTQ == 1 && NTQ == 4 && M_PAD == 64, "one m64n32 wgmma per warpgroup");
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  scores_wgmma(&s[0][0][0], q, tile + wnq * KEYS_W * 128, [&](int blk) { kv.load_during_scores(kb, blk); });
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  kv.scores_issued();
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+// o += P V for P = 64 rows x 16 keys (K-major, shared) and V = 16 keys x DL/2 dims read
+// N-major (transposed) from the KV tile: 64-dim column blocks BN*128 bytes apart (leading byte
+// offset), 8-key groups 1024 bytes apart (stride byte offset), as probed on the H200 (the other
+// order gives garbage).
+// d (+)= A B, m64n256k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
+// shared memory, read N-major.
+// `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
+__device__ __forceinline__ void wgmma_pv(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+               "%128, %129, p, 1, 1, 0, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+               : "l"(a), "l"(b), "r"(accumulate));
+}
 // O (+)= P V for one warpgroup: P (64 rows x BN keys) at `pa`, V = the KV tile at `tile`
 // (offset to the warpgroup's DL/2 dims).
 __device__ __forceinline__ void pv_wgmma(float* o, unsigned pa, unsigned tile) {
@@ -836,6 +872,21 @@ __device__ __forceinline__ void pv_wgmma(float* o, unsigned pa, unsigned tile) {
 #pragma unroll
   for (int ks = 0; ks < BN / 16; ++ks) wgmma_pv(o, pd + ks * 2, vd + ks * 128, 1);   // 32 and 2048 bytes
 }
+// o += P V of tile kb for warpgroup wnq's DL/2 dims (its warp's 16 rows), the KV pipeline's
+// lookups going out while the tensor cores run (kv.during_pv).
+template <class Tiles>
+__device__ __forceinline__ void tile_pv(float (&o)[MT_O][NT_O][4], unsigned pa, unsigned tile, Tiles& kv, int kb, int,
+                                        int wnq, int) {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  pv_wgmma(&o[0][0][0], pa, tile + (DL / 128) * wnq * (BN * 128));
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  kv.during_pv(kb);
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Element offset of P(row, key) in shared memory: the K-major 128-byte-swizzle layout (BN = 64
+// keys = one 128-byte row) that wgmma reads.
+__device__ __forceinline__ int p_off(int row, int key) { return row * 64 + ((((key >> 3) ^ row) & 7) << 3) + (key & 7); }
+
 
 // Running max of `row` after the current tile, from the one in sM and every warp's tile maximum.
 // It moves only when the tile's maximum passes it by more than RESCALE_SLACK (log2 units), so on
@@ -850,13 +901,6 @@ __device__ __forceinline__ float new_max(const float* sM, const float* sPart, in
 #pragma unroll
   for (int w = 0; w < WNQ; ++w) tile = fmaxf(tile, sPart[w * M_PAD + row]);
   return tile > m + RESCALE_SLACK ? tile : m;      // m = -inf: any finite tile maximum moves it
-}
-
-// Element offset of P(row, key) in shared memory: on wgmma the K-major 128-byte-swizzle layout
-// (BN = 64 keys = one 128-byte row), else padded rows for ldmatrix.
-__device__ __forceinline__ int p_off(int row, int key) {
-
-  return row * 64 + ((((key >> 3) ^ row) & 7) << 3) + (key & 7);
 }
 
 // One thread's share of loading NROWS rows with cp.async: 8 threads per row (thread `tid` of
@@ -918,6 +962,99 @@ struct RowLoad {
     for (int blk = 0; blk < COLUMNS; ++blk) copy(tile, blk);
   }
 };
+
+
+// A segment's KV tiles [kb_begin, kb_end) of request b (n keys), copied with cp.async by every
+// thread, one commit group a tile, into STAGES stages of rows STAGE_ROW kv_t values apart. Each
+// tile loads in three steps a tile apart (H=64 S=9 at 65536 keys: -10%): the block-table ids are
+// read (fetch_pages) a tile before the row lookups (prepare), and the lookups a tile before the
+// copies, so no copy waits on a dependent global read.
+struct KvRows {
+  using Load = RowLoad<BN, THREADS, kv_t, STAGED_CHUNKS>;
+  const VerifyParams& p;
+  int b, n, kb_begin, kb_end, t_base;
+  elem_t* sKV;                     // (KV_TILES, BN, D) swizzled 16-bit tiles
+  kv_t* sStage;                    // (STAGES, BN, STAGE_ROW): where the copies land
+  Load kv;                         // the prepared copies of the next tile to load
+  int next_pages[Load::PASSES];    // block-table ids of the tile after it (-1: none)
+
+  __device__ __forceinline__ KvRows(const VerifyParams& p, int b, int n, int kb_begin, int kb_end, int tiles_done,
+                                    elem_t* sKV, kv_t* sStage, unsigned long long*)
+      : p(p), b(b), n(n), kb_begin(kb_begin), kb_end(kb_end), t_base(tiles_done), sKV(sKV), sStage(sStage) {}
+  static __device__ __forceinline__ void init(unsigned long long*, const VerifyParams&) {}   // (no mbarriers)
+  __device__ __forceinline__ void fetch_pages(int kb) {
+#pragma unroll
+    for (int k = 0; k < Load::PASSES; ++k) {
+      const int r = threadIdx.x / 8 + k * (THREADS / 8), j = kb * BN + r;
+      next_pages[k] = r < BN && j < n ? kv_page(p, b, j) : -1;
+    }
+  }
+  // Tile kb's copies, and the pages of the tile after it. Past kb_end: zero-fill (those copies
+  // land in a free buffer). (The lookup compares with a local copy of kb_end: read through this
+  // struct inside the lambda, it costs the wgmma tiles up to 5 registers.)
+  __device__ __forceinline__ void prepare(int kb) {
+    const int end = kb_end;
+    kv.prepare(threadIdx.x, p.kv, [&](int r, int k) { return kb < end ? kv_row_in(p, next_pages[k], kb * BN + r) : nullptr; });
+    fetch_pages(kb + 1);
+  }
+  __device__ __forceinline__ kv_t* stage_rows(int kb) const { return sStage + ((kb - kb_begin) % STAGES) * BN * STAGE_ROW; }
+  __device__ __forceinline__ unsigned stage(int kb) const { return smem_addr(stage_rows(kb)); }
+  // The first AHEAD tiles, one commit group each (Q's copies, issued just before, join the first).
+  __device__ __forceinline__ void start() {
+    fetch_pages(kb_begin);
+#pragma unroll
+    for (int s = 0; s < AHEAD; ++s) {
+      prepare(kb_begin + s);
+      if (kb_begin + s < kb_end) kv.copy_all(stage(kb_begin + s));
+      cp_async_commit();
+    }
+    prepare(kb_begin + AHEAD);
+  }
+  __device__ __forceinline__ void release(int) const {}
+  // The block's tiles after this segment's.
+  __device__ __forceinline__ int tiles_after() const { return t_base + kb_end - kb_begin; }
+};
+
+
+// 16-bit rows land in STAGES swizzled tiles, AHEAD = STAGES - 1 of them loading while one is used;
+// a tile's copies go out during the previous tile's scores, into the buffer that tile used. The
+// lockstep loop calls, per tile: acquire, the products with the hooks, release.
+struct KvTiles : KvRows {
+  using KvRows::KvRows;
+  // Waits for tile kb and for every thread's use of the tile before it; returns its shared address.
+  __device__ __forceinline__ unsigned acquire(int kb) {
+    if (STAGES == 1) {                                    // one buffer: refill it once all used it
+      __syncthreads();
+      kv.copy_all(stage(kb));
+      cp_async_commit();
+      prepare(kb + 1);
+    }
+    cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
+    async_proxy_fence<SCORES_WGMMA>();                    // cp.async data -> wgmma reads
+    __syncthreads();                                      // tile kb landed; tile kb-1 fully used
+    MLAGEN_TRACE(tile_landed);
+    return stage(kb);
+  }
+  // With two or more stages tile kb + AHEAD's copies go into tile kb-1's buffer during tile kb's
+  // scores: a column block at a time between the score wgmmas (the tensor cores stay fed while
+  // this warp issues them) ...
+  __device__ __forceinline__ void load_during_scores(int kb, int blk) const {
+    if (STAGES > 1) kv.copy(stage(kb + AHEAD), blk);
+  }
+  __device__ __forceinline__ void scores_issued() const { cp_async_commit(); }
+  // ... or all at once before the mma.sync scores.
+  __device__ __forceinline__ void load_before_scores(int kb) const {
+    if (STAGES > 1) {
+      if (kb + AHEAD < kb_end) kv.copy_all(stage(kb + AHEAD));
+      cp_async_commit();
+    }
+  }
+  // The lookups of the tile after the one just refilled, while the tensor cores run P V.
+  __device__ __forceinline__ void during_pv(int kb) {
+    if (STAGES > 1) prepare(kb + AHEAD + 1);
+  }
+};
+
 
 
 // Which rows a segment ends and how: row group x of request b (queries q0.. of S, heads h0..),
@@ -1051,11 +1188,14 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
   elem_t* sKV = sQ + M_PAD * D;                                           // (KV_TILES, BN, D) swizzled
-  kv_t* sStage = sKV;                                                     // cp.async copies land in the 16-bit tiles
-  elem_t* sP = sKV + STAGES * BN * D;                                     // (M_PAD, PS)
+  // (STAGES, BN, ROW_BYTES) an FP8 cache's staged rows; 16-bit rows land in the 16-bit tiles
+  kv_t* sStage = FP8 ? reinterpret_cast<kv_t*>(sKV + KV_TILES * BN * D) : reinterpret_cast<kv_t*>(sKV);
+  elem_t* sP = reinterpret_cast<elem_t*>(reinterpret_cast<unsigned char*>(sKV + KV_TILES * BN * D) + STAGED_BYTES);   // (M_PAD, PS)
   float* sPart = reinterpret_cast<float*>(sP + M_PAD * PS);               // (WNQ, M_PAD) row max / sum parts
   float* sM = sPart + WNQ * M_PAD;                                        // (M_PAD,) running row max
   unsigned long long* sBits = reinterpret_cast<unsigned long long*>(sM + M_PAD);   // (TREE_ROWS,)
+  const float kv_scale = E4M3 ? kv_scale_of(p) : 1.f;   // the output's factor (E4M3: the products ran on stored values)
+  const float scale_log2 = p.scale_log2 * kv_scale;     // the scores'
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates
@@ -1068,6 +1208,9 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
     MLAGEN_TRACE(merge_end);
     return;
   }
+  unsigned long long* sFull = sBits + TREE_ROWS;        // (MBARRIERS,) after the tree-mask rows
+  KvTiles::init(sFull, p);
+  int tiles_done = 0;                                   // this block's KV tiles over its segments
   auto row_sum = [&](int row) {                          // a row's sum, once the epilogue met its parts
     float l = 0.f;
 #pragma unroll
@@ -1101,35 +1244,10 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
       });
       ql.copy_all(smem_addr(sQ));
     }
-    // KV tiles load in order, each one in two steps a tile apart (H=64 S=9 at 65536 keys: -10%):
-    // block-table ids are read (fetch_pages) a tile before the row lookups (prepare_kv), and
-    // the lookups a tile before the copies, so no copy waits on a dependent global read.
-    using KvLoad = RowLoad<BN, THREADS, kv_t, STAGED_CHUNKS>;   // (FP8 rows staged as they are)
-    KvLoad kv;                                 // the prepared copies of the next tile to load
-    int next_pages[KvLoad::PASSES];            // block-table ids of the tile after it (-1: none)
-    auto fetch_pages = [&](int kb) {
-#pragma unroll
-      for (int k = 0; k < KvLoad::PASSES; ++k) {
-        const int r = threadIdx.x / 8 + k * (THREADS / 8), j = kb * BN + r;
-        next_pages[k] = r < BN && j < n ? kv_page(p, b, j) : -1;
-      }
-    };
-    auto prepare_kv = [&](int kb) {            // past kb_end: zero-fill (those copies land in a free buffer)
-      kv.prepare(threadIdx.x, p.kv, [&](int r, int k) { return kb < kb_end ? kv_row_in(p, next_pages[k], kb * BN + r) : nullptr; });
-      fetch_pages(kb + 1);
-    };
-    auto stage_rows = [&](int kb) { return sStage + ((kb - kb_begin) % STAGES) * BN * STAGE_ROW; };   // tile kb's stage
-    auto stage = [&](int kb) { return smem_addr(stage_rows(kb)); };
-    fetch_pages(kb_begin);
-#pragma unroll
-    for (int s = 0; s < AHEAD; ++s) {
-      prepare_kv(kb_begin + s);
-      if (kb_begin + s < kb_end) kv.copy_all(stage(kb_begin + s));
-      cp_async_commit();
-    }
-    prepare_kv(kb_begin + AHEAD);
+    KvTiles kv(p, b, n, kb_begin, kb_end, tiles_done, sKV, sStage, sFull);
+    kv.start();
     if (MASK_TREE) load_tree_rows<QT, WARPS>(p, b, q0, S, sBits, warp, lane);
-    if (threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;
+    if (!SEESAW && threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;   // (the seesaw starts its own)
 
     float o[MT_O][NT_O][4] = {};
     // This warp's output piece: on wgmma its warpgroup's DL/2 dims, rows 16*wmq..; else all rows, DIMS_W dims.
@@ -1137,34 +1255,11 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
     float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
     const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
     for (int kb = kb_begin; kb < kb_end; ++kb) {
-      if (STAGES == 1) {                                    // one buffer: refill it once all used it
-        __syncthreads();
-        kv.copy_all(stage(kb));
-        cp_async_commit();
-        prepare_kv(kb + 1);
-      }
-      cp_async_wait<STAGES == 1 ? 0 : STAGES - 2>();
-      async_proxy_fence<SCORES_WGMMA>();                    // cp.async data -> wgmma reads
-      __syncthreads();                                      // tile kb landed; tile kb-1 fully used
-      MLAGEN_TRACE(tile_landed);
-      const int kr = kb + STAGES - 1;                       // refilled this iteration, into tile kb-1's buffer
-      const unsigned tileA = stage(kb);
+      const unsigned tileA = kv.acquire(kb);               // tile kb landed (16-bit); tile kb-1 fully used
 
       // ---- scores: rows [wmq*ROWS_W, +ROWS_W) x keys [wnq*KEYS_W, +KEYS_W), k over D ----
       float s[MTQ][NTQ][4] = {};
-
-      // Warpgroup wnq: all 64 rows x keys [32*wnq, +32); its warp wmq gets rows 16*wmq.. in the
-      // mma.sync accumulator layout (per 8 keys: row g cols 2t,2t+1; row g+8 likewise).
-      static_assert(MTQ == 1 && NTQ == 4 && M_PAD == 64, "one m64n32 wgmma per warpgroup");
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-      // A 16-bit tile kr's copies go out between the score wgmmas, one column block per 4 k-steps:
-      // the tensor cores stay fed while this warp issues them.
-      scores_wgmma(&s[0][0][0], sQa, tileA + wnq * KEYS_W * 128, [&](int blk) {
-        if (!FP8 && STAGES > 1) kv.copy(stage(kr), blk);
-      });
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      if (!FP8) cp_async_commit();
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      tile_scores(s, sQa, tileA, kv, kb, wmq, wnq, lane);
 
       // ---- mask, scale, and this warp's row maxima ----
       // A tile inside every row's prefix needs no mask. Its padding rows (past ROWS or S) then
@@ -1185,7 +1280,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 float& x = s[mt][nt][2 * half + e];
-                x *= p.scale_log2;
+                x *= scale_log2;
                 mx = fmaxf(mx, x);
               }
           } else {
@@ -1195,7 +1290,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
               for (int e = 0; e < 2; ++e) {
                 const int j = kb * BN + wnq * KEYS_W + nt * 8 + 2 * t + e;
                 float& x = s[mt][nt][2 * half + e];
-                x = live & key_visible(j, n, i, S, bits) ? x * p.scale_log2 : -INFINITY;   // `&`: a select, no branch
+                x = live & key_visible(j, n, i, S, bits) ? x * scale_log2 : -INFINITY;   // `&`: a select, no branch
                 mx = fmaxf(mx, x);
               }
           }
@@ -1236,9 +1331,15 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
       for (int mt = 0; mt < MT_O; ++mt)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-
-          static_assert(MT_O == MTQ && ROWS_W == 16, "output rows = score rows (o_row0 = 16 * wmq)");
-          const float m_old = m_prev[mt][half], m_new = m_next[mt][half];
+          float m_old, m_new;
+          if constexpr (PV_WGMMA) {         // output rows = score rows (o_row0 = 16 * wmq)
+            m_old = m_prev[mt][half];
+            m_new = m_next[mt][half];
+          } else {
+            const int row = o_row0 + mt * 16 + g + 8 * half;
+            m_old = sM[row];
+            m_new = new_max(sM, sPart, row);
+          }
           if (m_new == m_old) continue;     // most tiles of a long row: alpha = 1, skip the multiplies
           const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
 #pragma unroll
@@ -1248,16 +1349,19 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
       __syncthreads();                                      // P complete; sM and sPart read
 
       // ---- O += P V over the tile's keys ----
-
-      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-      pv_wgmma(&o[0][0][0], sPa, tileA + (DL / 128) * wnq * (BN * 128));
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      if (FP8 || STAGES > 1) prepare_kv(kr + 1);            // while the tensor cores run P V
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      tile_pv(o, sPa, tileA, kv, kb, warp, wnq, lane);
       if (threadIdx.x < M_PAD)      // after P V's issue, off its path; read after the next tile's barriers
         sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
+      kv.release(kb);                                       // tile kb's buffer is free
     }
+    tiles_done = kv.tiles_after();
     MLAGEN_TRACE(loop_end);
+#pragma unroll
+    for (int mt = 0; mt < MT_O; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][nt][e] *= kv_scale;   // (E4M3: the products ran on stored values)
     end_segment(p, SegmentEnd{b, x, S, q0, h0, t0, split, splits, direct}, FragmentAt{warp, lane, g, t, wmq, wnq, o_row0, o_dim0},
                 o, lpart, smem_raw, sM, sPart, row_sum, pair_at);
   };

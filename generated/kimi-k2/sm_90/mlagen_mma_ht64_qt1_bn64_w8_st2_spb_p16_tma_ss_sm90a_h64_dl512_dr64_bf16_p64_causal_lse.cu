@@ -264,6 +264,16 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
+// The e4m3 cache's kv_scale: the device value when given one, else the launch's.
+__device__ __forceinline__ float kv_scale_of(const VerifyParams& p) {
+  return p.kv_scale_ptr != nullptr ? *p.kv_scale_ptr : p.kv_scale;
+}
+
+// The e4m3 queries' q_scale on the device, or 1 when the host folded it into scale_log2.
+__device__ __forceinline__ float q_scale_of(const VerifyParams& p) {
+  return p.q_scale_ptr != nullptr ? *p.q_scale_ptr : 1.f;
+}
+
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
   const elem2_t* h = reinterpret_cast<const elem2_t*>(&v);
 #pragma unroll
@@ -556,6 +566,9 @@ __device__ __forceinline__ int ceil_div(int a, int d) { return (int)(((unsigned)
 constexpr int WORK_UNIT = 2;
 constexpr int SEGMENT_COST = 2;
 constexpr int UNSPLIT_SLACK = 1;
+// Whether merge blocks run the range loop (empty) and merge after it (balanced_block), rather than
+// returning at the top of the kernel.
+constexpr bool MERGE_AFTER_RANGES = true;
 // A request's work units: its KV tiles, WORK_UNIT to a unit, rounded up.
 __device__ __forceinline__ int request_units(const VerifyParams& p, int b) {
   return ceil_div(request_keys(p, b), 64 * WORK_UNIT);
@@ -752,6 +765,39 @@ __device__ __forceinline__ void range_tiles(const WorkList& wl, int t, int start
   }
 }
 
+// The balanced split's range loop: split block (x, y) runs range y = blockIdx.y of its row group
+// x = blockIdx.x, calling segment(b, x, t0, t1, split, direct, splits) once for every request the
+// range meets, with that request's KV tiles [t0, t1) of the range, its workspace slot y + b, and
+// whether its one range writes it out directly. A block that `merging` runs an empty range (its
+// kernel merges after the loop, so that the merge's code is laid out after the tile loop). wl
+// and lt are the kernel's work list and its lanes' request tiles; after the first request the
+// loop reads the lengths. Every value of the range goes through a lane-0 broadcast: the same
+// values, but ptxas then sees the request loop as uniform and keeps the tile loop's indices and
+// shared addresses in uniform registers (without the broadcast every wgmma descriptor is rebuilt
+// per instruction: H=64 S=9 at 65536 keys, 231 µs against 197 for the adaptive split).
+template <class Segment>
+__device__ __forceinline__ void run_range(const VerifyParams& p, const WorkList& wl, const LaneRequests& lt, int lane,
+                                          bool merging, Segment&& segment) {
+  auto uniform = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
+  // (b, start, tiles): a request this range meets, its first position, its tiles.
+  int b = p.batch, start = 0, tiles = 0;
+  const int u0 = uniform(blockIdx.y * wl.per);
+  const int u1 = merging ? u0 : uniform(u0 + wl.per < wl.total ? u0 + wl.per : wl.total);
+  if (u0 < u1) request_at(p, wl, lt, u0, lane, &b, &start, &tiles);
+  for (b = uniform(b), start = uniform(start), tiles = uniform(tiles); u0 < u1 && start < u1;
+       tiles = ++b < p.batch ? uniform(request_units(p, b)) : 0) {   // the requests this range meets
+    int first, splits, t0, t1;
+    request_splits(wl, tiles, start, &first, &splits);
+    range_tiles(wl, tiles, start, u0, u1, &t0, &t1);
+    if (t0 < t1) {                                        // the range meets its tiles (request_splits counts so)
+      __syncthreads();                                    // the previous request's shared reads are done
+      segment(b, blockIdx.x, uniform(t0 * WORK_UNIT), uniform(t1 * WORK_UNIT), uniform(blockIdx.y + b), splits == 1,
+              uniform(splits));   // units to KV tiles: segment caps them at the request's
+    }
+    start += uniform(request_span(wl, tiles));
+  }
+}
+
 // Whether a row group of `splits` splits ends as a pair. Only where each split block runs one
 // segment (a fixed split; the balanced split's aligned layout): a packed range's block that ended
 // one request as the second of its pair would merge before its next request's segment, on its
@@ -936,6 +982,26 @@ __device__ void merge_block(const VerifyParams& p, const WorkList& wl) {
   }
 }
 
+// A balanced split's block: its range's segments (run_range). Where merge blocks merge after the
+// range loop (MERGE_AFTER_RANGES), a merge block runs an empty range, then merges: reached only
+// through the loop's exit, its code is laid out after the tile loop. With the merge in a branch at
+// the top, ptxas put it before, and the seesaw's tile loop would end past the kernel's first 64 KB,
+// where the warps stall on instruction fetch up to three times as often (Nsight Compute, H=16
+// B=64 S=4 at 4096 keys: 0.72 stalls per issue with 18 KB of the loop past it, 0.26 with none).
+// (The lockstep kernels' loops are short, 13 KB; the mma.sync ones have no registers to spare.)
+// Otherwise merge blocks returned at the top of the kernel.
+template <class Segment>
+__device__ __forceinline__ void balanced_block(const VerifyParams& p, const WorkList& wl, const LaneRequests& lt, int lane,
+                                               Segment&& segment) {
+  const bool merging = MERGE_AFTER_RANGES && blockIdx.z >= merge_z0(p);
+  run_range(p, wl, lt, lane, merging, segment);
+  if (merging) {
+    MLAGEN_TRACE(merge_begin);
+    merge_block(p, wl);
+    MLAGEN_TRACE(merge_end);
+  }
+}
+
 }  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
@@ -1008,10 +1074,23 @@ constexpr int MT = M_PAD / 16;                                      // output m1
 constexpr int DIMS_W = 64;                              // output dims per warp
 constexpr int NTO = DIMS_W / 8;
 constexpr int PS = 72;                                // P row stride (padded)
-constexpr int KV_TILES = STAGES;                                    // 16-bit KV tiles in shared memory
+// The KV tiles: a 16-bit cache's land in STAGES swizzled 16-bit tiles. An FP8 cache's rows are
+// staged as the cache holds them (ROW_BYTES each, STAGED_BYTES for STAGES tiles with padding) and
+// dequantized into one 16-bit tile, which both products read.
+constexpr bool FP8 = false;
+constexpr int ROW_BYTES = 1152;
 constexpr int STAGED_BYTES = 0;
-constexpr int AHEAD = STAGES - 1;                                   // tiles loading while one is used (cp.async)
-constexpr int STAGE_ROW = D, STAGED_CHUNKS = 0;                     // cp.async stages: the swizzled 16-bit tiles
+constexpr int KV_TILES = FP8 ? 1 : STAGES;                          // 16-bit KV tiles in shared memory
+constexpr int AHEAD = FP8 ? STAGES : STAGES - 1;                    // tiles loading while one is used (cp.async)
+constexpr int STAGE_ROW = FP8 ? ROW_BYTES : D;                      // a cp.async stage's row, in kv_t values
+constexpr int STAGED_CHUNKS = FP8 ? ROW_BYTES / 16 : 0;             // its 16-byte chunks (0: a swizzled 16-bit tile)
+static_assert(!FP8 || (ROW_BYTES % 16 == 0 && STAGED_BYTES >= STAGES * BN * ROW_BYTES && STAGED_BYTES % 1024 == 0),
+              "staged rows in whole 16-byte chunks; P after them 1024-byte aligned");
+// An e4m3 cache's tiles hold its stored values, which 16 bits hold exactly: kv_scale multiplies
+// the scores and the output instead of every element.
+constexpr bool E4M3 = false;
+constexpr bool SEESAW = true;
+constexpr int MBARRIERS = 6, LOAD_MBARRIERS = 4;   // TMA loads' (and the seesaw's P hand-offs)
 
 // Output on wgmma: warpgroup wnq holds all 64 rows x dims [DL/2*wnq, +DL/2); its warp wmq rows
 // 16*wmq.. as one m16 piece of DL/16 n8 pieces (the same register order as mma.sync pieces).
@@ -1027,7 +1106,6 @@ constexpr int HEAD_TILES = H / HT;
 constexpr int STAGE_STRIDE = DL + 8;
 constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * (int)sizeof(part_t) <= (M_PAD + KV_TILES * BN) * D * (int)sizeof(elem_t) + STAGED_BYTES;
 static_assert(!PART16 || STAGE_EPILOGUE, "16-bit rows always fit the buffers: their epilogue stages them");
-constexpr bool FP8 = false;   // an FP8 cache: its tiles load right after their dequantize, not during the scores
 constexpr bool SCORES_WGMMA = true, PV_WGMMA = true;   // which products run on wgmma
 constexpr bool FP16 = false;
 static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
@@ -1035,7 +1113,7 @@ static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W
 static_assert(CH % 8 == 0, "the swizzle permutes chunks within groups of 8");
 static_assert((M_PAD * D * 2) % 1024 == 0 && (BN * D * 2) % 1024 == 0, "tiles start 1024-byte aligned");
 static_assert(M_PAD * D * 2 + KV_TILES * BN * D * 2 + STAGED_BYTES + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + TREE_ROWS * 8
-              + 6 * 8 == 231728, "shared-memory plan matches mlagen/plan/mma_plan.py");
+              + MBARRIERS * 8 == 231728, "shared-memory plan matches mlagen/plan/mma_plan.py");
 
 // Element offset of 16-byte chunk `c` of row `r` in a tile of NROWS rows: the tile is stored as
 // D/64 column blocks of [NROWS][64] (128-byte rows) and chunks are XOR-swizzled by row % 8, so
@@ -1062,6 +1140,7 @@ template <bool ON>
 __device__ __forceinline__ void async_proxy_fence() {
   if constexpr (ON) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+
 // c += a * b for one m16n8k16 piece.
 __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsigned* b) {
   if (FP16) {
@@ -1075,8 +1154,6 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
   }
 }
 
-
-
 // wgmma descriptor of a 128-byte-swizzled operand at shared address `addr`. K-major: 8-row
 // groups 1024 bytes apart (stride byte offset), the leading byte offset unused. Read N-major
 // (V as the B of P·V): 64-dim column blocks `lbo` bytes apart, 8-key groups `sbo` apart.
@@ -1085,21 +1162,6 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
 __device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned lbo = 16, unsigned sbo = 1024) {
   return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16)
          | ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
-}
-// o += P V for P = 64 rows x 16 keys (K-major, shared) and V = 16 keys x DL/2 dims read
-// N-major (transposed) from the KV tile: 64-dim column blocks BN*128 bytes apart (leading byte
-// offset), 8-key groups 1024 bytes apart (stride byte offset), as probed on the H200 (the other
-// order gives garbage).
-// d (+)= A B, m64n256k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
-// shared memory, read N-major.
-// `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
-__device__ __forceinline__ void wgmma_pv(float* d, unsigned long long a, unsigned long long b, int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-               "%128, %129, p, 1, 1, 0, 1;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-               : "l"(a), "l"(b), "r"(accumulate));
 }
 // d (+)= A B, m64n32k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
 // shared memory.
@@ -1126,41 +1188,35 @@ __device__ __forceinline__ void scores_wgmma(float* s, unsigned q, unsigned tile
     if (ks % 4 == 3) after_block(block);
   }
 }
-// d (+)= A B, m64n64k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
-// shared memory.
-// `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
-__device__ __forceinline__ void wgmma_m64n64k16(float* d, unsigned long long a, unsigned long long b, int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-               "%32, %33, p, 1, 1, 0, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-               : "l"(a), "l"(b), "r"(accumulate));
+// s = Q K^T of tile kb (its 16-bit tile at `tile`) for this warp's score piece: warpgroup wnq
+// takes all 64 rows x keys [32*wnq, +32), and its warp wmq gets rows 16*wmq.. in the mma.sync
+// accumulator layout (per 8 keys: row g cols 2t,2t+1; row g+8 likewise). The KV pipeline's
+// copies of a later tile go out between the wgmmas (kv.load_during_scores).
+template <class Tiles>
+__device__ __forceinline__ void tile_scores(float (&s)[MTQ][NTQ][4], unsigned q, unsigned tile, Tiles& kv, int kb, int,
+                                            int wnq, int) {
+  static_assert(MTQ == 1 && NTQ == 4 && M_PAD == 64, "one m64n32 wgmma per warpgroup");
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  scores_wgmma(&s[0][0][0], q, tile + wnq * KEYS_W * 128, [&](int blk) { kv.load_during_scores(kb, blk); });
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  kv.scores_issued();
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
-// Scores of a whole tile for one warpgroup (seesaw): all 64 rows of Q at `q` x all 64 keys of
-// the KV tile at `tile`, over all D dims.
-__device__ __forceinline__ void scores_wgmma64(float* s, unsigned q, unsigned tile) {
-  const unsigned long long qd = wgmma_desc(q), kd = wgmma_desc(tile);
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
-    const unsigned within = (ks % 4) * 32, block = ks / 4;
-    wgmma_m64n64k16(s, qd + ((block * (M_PAD * 128) + within) >> 4), kd + ((block * (BN * 128) + within) >> 4), ks > 0);
-  }
-}
-// d (+)= A B, m64n256k16 with fp32 accumulators, for one warpgroup: A from registers, B from
-// shared memory, read N-major. A: a thread's 4 pairs of 16-bit values in the m64n16 accumulator layout.
+
+// o += P V for P = 64 rows x 16 keys (K-major, shared) and V = 16 keys x DL/2 dims read
+// N-major (transposed) from the KV tile: 64-dim column blocks BN*128 bytes apart (leading byte
+// offset), 8-key groups 1024 bytes apart (stride byte offset), as probed on the H200 (the other
+// order gives garbage).
+// d (+)= A B, m64n256k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
+// shared memory, read N-major.
 // `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
-__device__ __forceinline__ void wgmma_pv_regs(float* d, const unsigned* a, unsigned long long b, int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+__device__ __forceinline__ void wgmma_pv(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
                "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-               "{ %128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+               "%128, %129, p, 1, 1, 0, 1;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-// Named barrier `id` over `count` threads.
-__device__ __forceinline__ void named_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+               : "l"(a), "l"(b), "r"(accumulate));
 }
 // O (+)= P V for one warpgroup: P (64 rows x BN keys) at `pa`, V = the KV tile at `tile`
 // (offset to the warpgroup's DL/2 dims).
@@ -1169,6 +1225,21 @@ __device__ __forceinline__ void pv_wgmma(float* o, unsigned pa, unsigned tile) {
 #pragma unroll
   for (int ks = 0; ks < BN / 16; ++ks) wgmma_pv(o, pd + ks * 2, vd + ks * 128, 1);   // 32 and 2048 bytes
 }
+// o += P V of tile kb for warpgroup wnq's DL/2 dims (its warp's 16 rows), the KV pipeline's
+// lookups going out while the tensor cores run (kv.during_pv).
+template <class Tiles>
+__device__ __forceinline__ void tile_pv(float (&o)[MT_O][NT_O][4], unsigned pa, unsigned tile, Tiles& kv, int kb, int,
+                                        int wnq, int) {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  pv_wgmma(&o[0][0][0], pa, tile + (DL / 128) * wnq * (BN * 128));
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  kv.during_pv(kb);
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Element offset of P(row, key) in shared memory: the K-major 128-byte-swizzle layout (BN = 64
+// keys = one 128-byte row) that wgmma reads.
+__device__ __forceinline__ int p_off(int row, int key) { return row * 64 + ((((key >> 3) ^ row) & 7) << 3) + (key & 7); }
+
 
 // Running max of `row` after the current tile, from the one in sM and every warp's tile maximum.
 // It moves only when the tile's maximum passes it by more than RESCALE_SLACK (log2 units), so on
@@ -1183,13 +1254,6 @@ __device__ __forceinline__ float new_max(const float* sM, const float* sPart, in
 #pragma unroll
   for (int w = 0; w < WNQ; ++w) tile = fmaxf(tile, sPart[w * M_PAD + row]);
   return tile > m + RESCALE_SLACK ? tile : m;      // m = -inf: any finite tile maximum moves it
-}
-
-// Element offset of P(row, key) in shared memory: on wgmma the K-major 128-byte-swizzle layout
-// (BN = 64 keys = one 128-byte row), else padded rows for ldmatrix.
-__device__ __forceinline__ int p_off(int row, int key) {
-
-  return row * 64 + ((((key >> 3) ^ row) & 7) << 3) + (key & 7);
 }
 
 // One thread's share of loading NROWS rows with cp.async: 8 threads per row (thread `tid` of
@@ -1251,6 +1315,95 @@ struct RowLoad {
     for (int blk = 0; blk < COLUMNS; ++blk) copy(tile, blk);
   }
 };
+
+// A segment's KV tiles [kb_begin, kb_end) of request b (n keys), TMA boxes counted by one
+// mbarrier per stage. tiles_done counts the block's tiles before this segment, so tile kb uses
+// stage (t_base + kb - kb_begin) % STAGES and completes phase (t_base + kb - kb_begin) / STAGES % 2
+// of its mbarrier. Thread 0 issues tile kb as D/64 boxes of [64 dims, BN rows] of its page (a tile
+// is one page's run of rows: validate checks PAGE % BN == 0), reading the block-table id an
+// iteration before the tile is issued. The lockstep loop calls, per tile: acquire, the products
+// (with the hooks, which TMA does not need), release.
+struct KvTiles {
+  const VerifyParams& p;
+  int b, n, kb_begin, kb_end, t_base;
+  elem_t* sKV;                     // (STAGES, BN, D) swizzled
+  unsigned long long* sFull;       // one mbarrier per stage (the seesaw's: MBARRIERS)
+  int page_next = 0;               // thread 0: block-table id of the next tile to issue
+
+  __device__ __forceinline__ KvTiles(const VerifyParams& p, int b, int n, int kb_begin, int kb_end, int tiles_done,
+                                     elem_t* sKV, kv_t*, unsigned long long* sFull)
+      : p(p), b(b), n(n), kb_begin(kb_begin), kb_end(kb_end), t_base(tiles_done), sKV(sKV), sFull(sFull) {}
+
+  // The block's mbarriers, once per launch: LOAD_MBARRIERS count one arrival (the issuing
+  // thread's, with the bytes it expects); the seesaw's others a warpgroup's.
+  static __device__ __forceinline__ void init(unsigned long long* sFull, const VerifyParams& p) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < MBARRIERS; ++s) mbar_init(smem_addr(&sFull[s]), s < LOAD_MBARRIERS ? 1 : 128);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+      tma_acquire(p.kv_map);
+    }
+    __syncthreads();
+  }
+  // Tile kb's page id; -1 past the segment.
+  __device__ __forceinline__ int page(int kb) const { return kb < kb_end ? kv_page(p, b, kb * BN) : -1; }
+  __device__ __forceinline__ unsigned stage(int kb) const { return smem_addr(sKV + ((t_base + kb - kb_begin) % STAGES) * BN * D); }
+  __device__ __forceinline__ unsigned full(int kb) const { return smem_addr(&sFull[(t_base + kb - kb_begin) % STAGES]); }
+  // Thread 0: tile kb's boxes (none past the segment).
+  __device__ __forceinline__ void issue(int kb, int page) const {
+    if (kb >= kb_end) return;
+    const unsigned bar = full(kb), dst = stage(kb);
+    mbar_expect(bar, BN * D * (int)sizeof(elem_t));
+#pragma unroll
+    for (int blk = 0; blk < CH / 8; ++blk) tma_load(dst + blk * (BN * 128), p.kv_map, blk * 64, (kb * BN) % PAGE, page, bar);
+  }
+  // Before the first tile: the previous segment's epilogue read and wrote these buffers through
+  // the generic proxy, and TMA writes through the async proxy: fence, then barrier, then issue the
+  // first STAGES tiles (the seesaw issues its own, in pairs). Q's copies, issued just before, are
+  // the only cp.async group.
+  __device__ __forceinline__ void start() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    if constexpr (!SEESAW) {
+      if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) issue(kb_begin + s, page(kb_begin + s));
+        page_next = page(kb_begin + STAGES);
+      }
+    }
+    cp_async_commit();
+  }
+  // Waits for tile kb (issued STAGES tiles ago, right after its buffer's last use) and returns its
+  // shared address. The first tile also waits for Q; the last zeroes its rows past the request's
+  // keys, which a box brings in from the page.
+  __device__ __forceinline__ unsigned acquire(int kb) const {
+    mbar_wait(full(kb), ((t_base + kb - kb_begin) / STAGES) & 1);
+    MLAGEN_TRACE(tile_landed);
+    if (kb == kb_begin || (kb + 1) * BN > n) {            // block-uniform: the first and the last tile
+      cp_async_wait<0>();                                 // Q's copies
+      MLAGEN_TRACE(q_landed);
+      if ((kb + 1) * BN > n) zero_tile_rows(stage(kb), n - kb * BN, BN, CH, threadIdx.x, THREADS);
+      async_proxy_fence<SCORES_WGMMA>();                  // Q and zeroed rows -> wgmma reads
+      __syncthreads();                                    // everyone's stores above, sM's start
+    }
+    return stage(kb);
+  }
+  __device__ __forceinline__ void load_during_scores(int, int) const {}
+  __device__ __forceinline__ void scores_issued() const {}
+  __device__ __forceinline__ void load_before_scores(int) const {}
+  __device__ __forceinline__ void during_pv(int) const {}
+  // Tile kb's buffer is free (its wgmmas were waited for) and sM settled: refill the buffer now,
+  // before waiting for tile kb + 1, so STAGES tiles stay in flight while one is in use.
+  __device__ __forceinline__ void release(int kb) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      issue(kb + STAGES, page_next);
+      page_next = page(kb + STAGES + 1);
+    }
+  }
+  // The block's tiles after this segment's.
+  __device__ __forceinline__ int tiles_after() const { return t_base + kb_end - kb_begin; }
+};
+
 
 
 // Which rows a segment ends and how: row group x of request b (queries q0.. of S, heads h0..),
@@ -1345,6 +1498,43 @@ __device__ __forceinline__ void end_segment(const VerifyParams& p, const Segment
   if (!direct && !in_pair) count_split_done(p, b, x, splits);
   MLAGEN_TRACE(counted);}
 
+
+// d (+)= A B, m64n64k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
+// shared memory.
+// `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
+__device__ __forceinline__ void wgmma_m64n64k16(float* d, unsigned long long a, unsigned long long b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+               "%32, %33, p, 1, 1, 0, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+               : "l"(a), "l"(b), "r"(accumulate));
+}
+// Scores of a whole tile for one warpgroup: all 64 rows of Q at `q` x all 64 keys of the KV tile
+// at `tile`, over all D dims.
+__device__ __forceinline__ void scores_wgmma64(float* s, unsigned q, unsigned tile) {
+  const unsigned long long qd = wgmma_desc(q), kd = wgmma_desc(tile);
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const unsigned within = (ks % 4) * 32, block = ks / 4;
+    wgmma_m64n64k16(s, qd + ((block * (M_PAD * 128) + within) >> 4), kd + ((block * (BN * 128) + within) >> 4), ks > 0);
+  }
+}
+// d (+)= A B, m64n256k16 with fp32 accumulators, for one warpgroup: A from registers, B from
+// shared memory, read N-major. A: a thread's 4 pairs of 16-bit values in the m64n16 accumulator layout.
+// `accumulate` 0 overwrites d. Asynchronous until wgmma.wait_group.
+__device__ __forceinline__ void wgmma_pv_regs(float* d, const unsigned* a, unsigned long long b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+               "{ %0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+               "{ %128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+// Named barrier `id` over `count` threads.
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+}
 
 // The seesaw's tile loop over tiles [kb_begin, kb_end) of a request with n keys, for the row
 // group of queries q0.. of S: o, lpart and sM end as the lockstep loop leaves them for
@@ -1651,11 +1841,14 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
   elem_t* sKV = sQ + M_PAD * D;                                           // (KV_TILES, BN, D) swizzled
-  kv_t* sStage = sKV;                                                     // cp.async copies land in the 16-bit tiles
-  elem_t* sP = sKV + STAGES * BN * D;                                     // (M_PAD, PS)
+  // (STAGES, BN, ROW_BYTES) an FP8 cache's staged rows; 16-bit rows land in the 16-bit tiles
+  kv_t* sStage = FP8 ? reinterpret_cast<kv_t*>(sKV + KV_TILES * BN * D) : reinterpret_cast<kv_t*>(sKV);
+  elem_t* sP = reinterpret_cast<elem_t*>(reinterpret_cast<unsigned char*>(sKV + KV_TILES * BN * D) + STAGED_BYTES);   // (M_PAD, PS)
   float* sPart = reinterpret_cast<float*>(sP + M_PAD * PS);               // (WNQ, M_PAD) row max / sum parts
   float* sM = sPart + WNQ * M_PAD;                                        // (M_PAD,) running row max
   unsigned long long* sBits = reinterpret_cast<unsigned long long*>(sM + M_PAD);   // (TREE_ROWS,)
+  const float kv_scale = E4M3 ? kv_scale_of(p) : 1.f;   // the output's factor (E4M3: the products ran on stored values)
+  const float scale_log2 = p.scale_log2 * kv_scale;     // the scores'
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;                 // mma fragment coordinates
@@ -1665,16 +1858,9 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   const LaneRequests lt = lane_tiles(p, lane);             // the requests' tiles, for the work list and the range's lookup
   const WorkList wl = balanced_ranges(p, lt, lane);     // once, for the merge and the split blocks alike
   MLAGEN_TRACE(work_list);
-  // One mbarrier per KV stage; tiles_done counts this block's tiles over its segments, so tile
-  // k (in that count) uses stage k % STAGES and completes phase k / STAGES % 2 of its mbarrier.
-  unsigned long long* sFull = sBits + TREE_ROWS;                          // (6,) after the tree-mask rows
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < 6; ++s) mbar_init(smem_addr(&sFull[s]), s < 4 ? 1 : 128);   // 4 load parts; P0, P1 (a warpgroup)
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    tma_acquire(p.kv_map);
-  }
-  __syncthreads();
-  int tiles_done = 0;
+  unsigned long long* sFull = sBits + TREE_ROWS;        // (MBARRIERS,) after the tree-mask rows
+  KvTiles::init(sFull, p);
+  int tiles_done = 0;                                   // this block's KV tiles over its segments
   auto row_sum = [&](int row) {                          // a row's sum, once the epilogue met its parts
     float l = 0.f;
 #pragma unroll
@@ -1710,68 +1896,30 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
       });
       ql.copy_all(smem_addr(sQ));
     }
-    // KV tiles load in order, each one in two steps a tile apart (H=64 S=9 at 65536 keys: -10%):
-    // block-table ids are read (fetch_pages) a tile before the row lookups (prepare_kv), and
-    // the lookups a tile before the copies, so no copy waits on a dependent global read.
-    // Thread 0 issues tile kb as D/64 boxes of [64 dims, BN rows] of its page (a tile is one
-    // page's run of rows: validate checks PAGE % BN == 0), reading the block-table id an
-    // iteration before the tile is issued.
-    // The previous segment's epilogue read and wrote these buffers through the generic proxy;
-    // the TMA writes below are the async proxy's: fence, then barrier, then issue.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    const int t_base = tiles_done;
-    auto tile_page = [&](int kb) { return kb < kb_end ? kv_page(p, b, kb * BN) : -1; };
-    cp_async_commit();                         // Q's copies: the only cp.async group
+    KvTiles kv(p, b, n, kb_begin, kb_end, tiles_done, sKV, sStage, sFull);
+    kv.start();
     if (MASK_TREE) load_tree_rows<QT, WARPS>(p, b, q0, S, sBits, warp, lane);
+    if (!SEESAW && threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;   // (the seesaw starts its own)
 
     float o[MT_O][NT_O][4] = {};
     // This warp's output piece: on wgmma its warpgroup's DL/2 dims, rows 16*wmq..; else all rows, DIMS_W dims.
     const int o_row0 = PV_WGMMA ? 16 * wmq : 0, o_dim0 = PV_WGMMA ? (DL / 2) * wnq : warp * DIMS_W;
     float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
     const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
-    tiles_done += seesaw_tiles(p, n, S, q0, kb_begin, kb_end, t_base, tile_page, o, lpart, sQa, sKV, sFull, sBits, sPart, sM,
+    tiles_done += seesaw_tiles(p, n, S, q0, kb_begin, kb_end, kv.t_base, [&](int kb) { return kv.page(kb); }, o, lpart, sQa, sKV, sFull, sBits, sPart, sM,
                                smem_raw, FragmentAt{warp, lane, g, t, wmq, wnq, o_row0, o_dim0});
     MLAGEN_TRACE(loop_end);
+#pragma unroll
+    for (int mt = 0; mt < MT_O; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][nt][e] *= kv_scale;   // (E4M3: the products ran on stored values)
     end_segment(p, SegmentEnd{b, x, S, q0, h0, t0, split, splits, direct}, FragmentAt{warp, lane, g, t, wmq, wnq, o_row0, o_dim0},
                 o, lpart, smem_raw, sM, sPart, row_sum, pair_at, wl);
   };
 
-// Every value of the range goes through a lane-0 broadcast: the same values, but ptxas then
-  // sees the request loop as uniform and keeps the tile loop's indices and shared addresses in
-  // uniform registers (without the broadcast every wgmma descriptor is rebuilt per instruction:
-  // H=64 S=9 at 65536 keys, 231 µs against 197 for the adaptive split).
-  auto uniform = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
-  // Merge blocks run an empty range, then merge after the loop. Reached only through the loop's
-  // exit, their code is laid out after the tile loop: with it in a branch at the top, ptxas put
-  // it before, and the seesaw's tile loop would end past the kernel's first 64 KB, where the
-  // warps stall on instruction fetch up to three times as often (Nsight Compute, H=16 B=64 S=4 at
-  // 4096 keys: 0.72 stalls per issue with 18 KB of the loop past it, 0.26 with none).
-  // (The lockstep kernels' loops are short, 13 KB; the mma.sync ones have no registers to spare.)
-  const bool merging = blockIdx.z >= merge_z0(p);
-  // (b, start, tiles): a request this range meets, its first position, its tiles. wl and lt: the
-  // kernel's work list and its lanes' tiles; after the first request the loop reads the lengths.
-  int b = p.batch, start = 0, tiles = 0;
-  const int u0 = uniform(blockIdx.y * wl.per);
-  const int u1 = merging ? u0 : uniform(u0 + wl.per < wl.total ? u0 + wl.per : wl.total);
-  if (u0 < u1) request_at(p, wl, lt, u0, lane, &b, &start, &tiles);
-  for (b = uniform(b), start = uniform(start), tiles = uniform(tiles); u0 < u1 && start < u1;
-       tiles = ++b < p.batch ? uniform(request_units(p, b)) : 0) {   // the requests this range meets
-    int first, splits, t0, t1;
-    request_splits(wl, tiles, start, &first, &splits);
-    range_tiles(wl, tiles, start, u0, u1, &t0, &t1);
-    if (t0 < t1) {                                        // the range meets its tiles (request_splits counts so)
-      __syncthreads();                                    // the previous request's shared reads are done
-      segment(b, blockIdx.x, uniform(t0 * WORK_UNIT), uniform(t1 * WORK_UNIT), uniform(blockIdx.y + b), splits == 1,
-              uniform(splits));   // units to KV tiles: segment caps them at the request's
-    }
-    start += uniform(request_span(wl, tiles));
-  }
-  if (merging) {
-    MLAGEN_TRACE(merge_begin);
-    merge_block(p, wl);
-    MLAGEN_TRACE(merge_end);
-  }
+  balanced_block(p, wl, lt, lane, segment);
   if (pair_at >= 0) {                                     // its rows are still staged: its range ran one segment
     // its slot and the other block's: a fixed split's two; a balanced request's ranges have
     // consecutive slots, y + b

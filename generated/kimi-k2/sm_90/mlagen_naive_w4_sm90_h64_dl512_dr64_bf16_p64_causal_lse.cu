@@ -251,6 +251,16 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
+// The e4m3 cache's kv_scale: the device value when given one, else the launch's.
+__device__ __forceinline__ float kv_scale_of(const VerifyParams& p) {
+  return p.kv_scale_ptr != nullptr ? *p.kv_scale_ptr : p.kv_scale;
+}
+
+// The e4m3 queries' q_scale on the device, or 1 when the host folded it into scale_log2.
+__device__ __forceinline__ float q_scale_of(const VerifyParams& p) {
+  return p.q_scale_ptr != nullptr ? *p.q_scale_ptr : 1.f;
+}
+
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
   const elem2_t* h = reinterpret_cast<const elem2_t*>(&v);
 #pragma unroll
