@@ -71,7 +71,7 @@ def test_fp8_tiles_compile_without_spills(fmt, name):
     built = build(problem, variant)
     resources = built.module.resources[built.plan.main_kernel]
     assert not resources.spills, resources
-    assert "STAGED_CHUNKS = ROW_BYTES / 16" in built.source and "dequantize_tile(" in built.source
+    assert "constexpr bool FP8 = true;" in built.source and "dequantize_tile(stage_rows(kb), sKV);" in built.source
     row = 576 if fmt == "e4m3" else 656
     staged = -(-variant.stages * variant.block_n * row // 1024) * 1024
     assert built.plan.fp8_staging_bytes == staged and built.plan.kv_row_bytes == row
@@ -79,8 +79,9 @@ def test_fp8_tiles_compile_without_spills(fmt, name):
     tiles = variant.stages * variant.block_n * 576 * 2
     assert built.plan.smem_bytes == bf16.smem_bytes - tiles + variant.block_n * 576 * 2 + staged
     # e4m3's stored values enter the tile unscaled; kv_scale scales the scores and the output.
-    folded = ("p.scale_log2 * kv_scale" in built.source, "o[mt][nt][e] *= kv_scale" in built.source)
-    assert folded == ((True, True) if fmt == "e4m3" else (False, False))
+    assert f"constexpr bool E4M3 = {'true' if fmt == 'e4m3' else 'false'};" in built.source
+    assert "const float kv_scale = E4M3 ? kv_scale_of(p) : 1.f;" in built.source
+    assert "p.scale_log2 * kv_scale" in built.source and "o[mt][nt][e] *= kv_scale" in built.source
 
 
 def test_fp8_tiles_need_the_shared_memory_of_their_rows():

@@ -312,8 +312,9 @@ BLOCK_TRACES = [
     ("mma_ht32_qt2_bn64_w8_st2_spa_p16_sm90a", 15),   # rows staged and written, a pair's merge done
     ("mma_ht32_qt2_bn64_w8_st2_spa_p16_tma_sm90a", 15),
     ("mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a", 9),     # (split_merge_blocks.cuh.j2's merge wait, which it never runs)
-    # the seesaw: no tile-0 stamp; 16-bit rows: a pair's merge done, rows staged and written (4 more)
-    ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 15),
+    # the seesaw: 16-bit rows: a pair's merge done, rows staged and written (4 more); its source also
+    # holds the TMA pipeline's tile-0 stamp, in the acquire only the lockstep loop calls
+    ("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a", 16),
     ("mma_ht8_qt9_bn64_w8_st2_spb_p16_tma_tr_sm90a", 14),   # rows staged, stores issued
 ]
 # compiled traced by default: the largest kernels, where a stamp is likeliest to cost a spill
