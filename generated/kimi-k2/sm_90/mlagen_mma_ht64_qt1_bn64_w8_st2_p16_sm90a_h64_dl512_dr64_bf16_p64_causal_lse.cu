@@ -1,11 +1,11 @@
 // mlagen generated kernel: mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
-// family mma: head-tiled split-KV on the tensor cores (mma.sync m16n8k16, fp32 accumulation).
-// One block per (query tile x head tile, split, request) holds q_tile*head_tile = 64 query
-// rows (padded to 64); each KV tile of 64 keys is staged once in shared memory
-// (2-stage cp.async pipeline) and feeds both products:
-//   scores S = Q K^T: warps form a 4 x 2 grid over (64 rows, 64 keys);
+// family mma, lockstep schedule: head-tiled split-KV on the tensor cores (scores on
+// wgmma, P V on wgmma, fp32 accumulation). One block per (query tile x head tile,
+// split, request) holds q_tile*head_tile = 64 query rows (padded to 64); each KV tile of
+// 64 keys is staged once in shared memory (2-stage cp.async pipeline, KvTiles) and feeds both products:
+//   scores S = Q K^T: warps form a 4 x 2 grid over (64 rows, 64 keys) (tile_scores);
 //   their row maxima meet in shared memory, P = exp2(S - m) goes to shared memory as bf16;
-//   output O += P V: every warp holds all rows and 64 of the 512 value dims, in registers.
+//   output O += P V, accumulated in registers (tile_pv).
 // With one split the block writes out/lse; otherwise partials go to the workspace for the row
 // group's merge blocks (z slabs after the requests').
 #include <cuda_bf16.h>
