@@ -57,16 +57,16 @@ Cell = tuple[str, str]   # (tree label, variant name or "dispatch")
 def row_suffixes(row_text: str) -> tuple[str, str | None, str]:
     """'H,B,S,prefix[:FP8][:MASK]' as ('H,B,S,prefix', the FP8 case or None, the mask), checked."""
     row_only, *suffixes = row_text.split(":")
-    case, mask = None, "causal"
+    case = mask = None
     for suffix in suffixes:
         if suffix in FP8_CASES and case is None:
             case = suffix
-        elif suffix in MASKS and suffix != "causal" and mask == "causal":
+        elif suffix in MASKS and mask is None:
             mask = suffix
         else:
             raise SystemExit(f"{row_text!r}: expected after ':' an FP8 case (one of {sorted(FP8_CASES)}) or a mask "
-                             f"(one of {list(MASKS)}), each once")
-    return row_only, case, mask
+                             f"(one of {list(MASKS)}), each at most once")
+    return row_only, case, mask or "causal"
 
 
 def parse_cells(spec: str, trees: dict[str, Path] | None = None) -> tuple[str, Row, list[Cell]]:

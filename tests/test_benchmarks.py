@@ -518,6 +518,7 @@ def test_ab_trees_parses_rows_and_trees(tmp_path):
         "8,16,9,16384:e4m3", Row(8, 16, 9, 16384))
     assert ab_trees.row_suffixes("8,16,9,16384:ds_mla") == ("8,16,9,16384", "ds_mla", "causal")
     assert ab_trees.row_suffixes("8,16,9,16384:tree") == ("8,16,9,16384", None, "tree")
+    assert ab_trees.row_suffixes("8,16,9,16384:causal") == ("8,16,9,16384", None, "causal")
     assert ab_trees.row_suffixes("8,16,9,16384:e4m3:tree-per-request") == ("8,16,9,16384", "e4m3", "tree-per-request")
     for bad in ("16,64,4,4096", "16,64,4,4096=other/dispatch", "16,64,4=main/dispatch", "8,1,9,64=main/mma_x",
                 "8,1,9,64:fp4=main/dispatch", "8,1,9,64:tree:tree=main/dispatch", "8,1,9,64:e4m3:ds_mla=main/dispatch"):

@@ -58,7 +58,6 @@ def pulls(text: str) -> list[str]:
     return [name for statement in PULLING.findall(text) for name in NAME.findall(statement)]
 
 
-
 def test_every_fragment_is_included_and_says_what_it_holds():
     """A kernel's or launcher's template (`*.cu.j2`, `*.h.j2`) is an entry that no template pulls
     in; every fragment (`*.cuh.j2`) is included or imported by another template, and opens with a
@@ -86,7 +85,7 @@ def test_merge_fragment_includes_the_split_concerns_in_order():
     one file per concern, in the order they depend on each other."""
     text = (template_dir() / "merge.cuh.j2").read_text()
     assert pulls(text) == ["split_partials.cuh.j2", "split_counters.cuh.j2", "split_work_list.cuh.j2",
-                                   "split_pair_merge.cuh.j2", "split_merge_blocks.cuh.j2"]
+                           "split_pair_merge.cuh.j2", "split_merge_blocks.cuh.j2"]
 
 
 @pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.name)
