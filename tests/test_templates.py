@@ -88,6 +88,30 @@ def test_merge_fragment_includes_the_split_concerns_in_order():
                            "split_pair_merge.cuh.j2", "split_merge_blocks.cuh.j2"]
 
 
+# A Jinja statement, and the statements a kernel template may name its load kind (`tma`) in: its
+# binding, a choice between files to include, and the guard of the TMA helpers' include.
+STATEMENT = re.compile(r"\{%.*?%\}", re.S)
+NAMES_LOADS = re.compile(r"\btma\b")
+CHOOSES_FILES = re.compile(r"\{%-?\s*(?:set tma = plan\.tma\s*-?|include\s[^%]*)%\}|\{% if tma %\}(?=\{% include \"tma\.cuh\.j2\" %\})")
+
+
+def load_branches(text: str) -> list[str]:
+    """The statements of `text` that name the load kind other than to choose a file."""
+    return [m.group(0) for m in STATEMENT.finditer(text)
+            if NAMES_LOADS.search(m.group(0)) and not CHOOSES_FILES.match(text, m.start())]
+
+
+@pytest.mark.parametrize("name", ["mma.cu.j2", "mma_transposed.cu.j2"])
+def test_load_kind_picks_files_not_branches(name: str):
+    """A kernel's KV loads (TMA boxes or cp.async rows) are one file of a pair with one interface:
+    the entry template names `tma` only to choose which file it includes, never to branch inside
+    the kernel's body."""
+    text = (template_dir() / name).read_text()
+    assert not load_branches(text), f"{name} branches on the load kind"
+    assert any("_kv_tma" in n for n in pulls(text)), f"{name} includes no load file"
+    assert load_branches(text.replace("{% include", "{% if tma %}x{% endif %}{% include", 1))
+
+
 @pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.name)
 def test_template_reads_no_variant(path: Path):
     text = path.read_text()
