@@ -479,7 +479,8 @@ def test_seesaw_trace_defines_both_schedules():
 
 @pytest.mark.parametrize("name,heads,trace", [
     (BLOCK_TRACE, 64, trace_blocks.block_trace), (EXCHANGE, 64, trace_exchange.exchange_trace),
-    (TRANSPOSED, 8, trace_seesaw.paired_trace), (SEESAW, 64, trace_seesaw.paired_trace)])
+    (TRANSPOSED, 8, trace_seesaw.paired_trace), (TRANSPOSED_TMA, 8, trace_seesaw.paired_trace),
+    (SEESAW, 64, trace_seesaw.paired_trace)])
 def test_traced_source_compiles(name, heads, trace):
     """Each tool's traced source of its default variant (and the seesaw's) compiles with NVRTC,
     its wgmmas still asynchronous and without spills (the 72-row transposed tile spills a little
