@@ -92,7 +92,8 @@ def test_merge_fragment_includes_the_split_concerns_in_order():
 # binding, a choice between files to include, and the guard of the TMA helpers' include.
 STATEMENT = re.compile(r"\{%.*?%\}", re.S)
 NAMES_LOADS = re.compile(r"\btma\b")
-CHOOSES_FILES = re.compile(r"\{%-?\s*(?:set tma = plan\.tma\s*-?|include\s[^%]*)%\}|\{% if tma %\}(?=\{% include \"tma\.cuh\.j2\" %\})")
+CHOOSES_FILES = re.compile(r"\{%-?\s*(?:set tma = plan\.tma\s*-?|include\s[^%]*)%\}"
+                           r"|\{% if tma %\}(?=\{% include \"tma\.cuh\.j2\" %\})")
 
 
 def load_branches(text: str) -> list[str]:
