@@ -14,8 +14,9 @@
 #              on the three small cases, every family (--cases 0-2)
 #   racecheck2 the same on the balanced splits' and the P exchange's  4-5 min             480 s
 #              cases (--cases 3-8)
-#   racecheck3 the same on the engine features (--only feature+):  under 2 min         420 s
-#              batch-invariant splits, FP8, context-parallel shards
+#   racecheck3 the same on the engine features (--only feature+,     under 2 min         420 s
+#              --skip _tr_): batch-invariant splits, FP8, context-parallel
+#              shards, ragged rows
 #   racecheck  racecheck1 racecheck2 racecheck3 (three calls)
 #   sanitize   memcheck synccheck racecheck1 racecheck2 racecheck3 (four calls)
 #   tune       mlagen tune, seed and serving grids, into mlagen/dispatch/tables/  under 5 min      420 s
@@ -150,7 +151,7 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         [[ $step == synccheck ]] && pick=(--only _tr_)
         [[ $step == racecheck1 ]] && pick=(--skip _tr_ --cases 0-2)
         [[ $step == racecheck2 ]] && pick=(--skip _tr_ --cases 3-8)
-        [[ $step == racecheck3 ]] && pick=(--only feature+)
+        [[ $step == racecheck3 ]] && pick=(--only feature+ --skip _tr_)
         MLAGEN_LINEINFO=1 timeout "${LIMIT[$step]}" compute-sanitizer --tool "${step%[123]}" --print-limit 20 \
           --error-exitcode 1 \
           python3 benchmarks/sanitize.py "${pick[@]}" 2>&1 | tee "$results/sanitize_$step.log"

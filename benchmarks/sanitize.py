@@ -28,7 +28,7 @@ import torch
 from bench_cli import parser, require_gpu
 
 import mlagen
-from mlagen.dsl.spec import Problem, Variant, naive
+from mlagen.dsl.spec import Problem, Variant, naive, parse_variant
 from mlagen.tools.testing import Case, assert_matches, make_case, pinned_balanced_ranges
 
 CASES = [
@@ -49,12 +49,23 @@ SHORT = dict(batch=3, seqlen_q=9, heads=64, prefixes=[247, 0, 120], page_size=16
 
 # Lengths of 1, 2, 3 and 8 batch-invariant splits (2048 keys a split, at most 8).
 INVARIANT = dict(batch=4, seqlen_q=9, heads=64, prefixes=[300, 3000, 5000, 16000], page_size=64, mask="causal")
-# (feature, case, make_case's extra arguments): each runs on the dispatcher's pick.
+# Ragged rows: twelve requests of 0..9 real rows (query tiles of 4 positions: three slots to deal
+# them round), some crossing range ends.
+RAGGED = dict(batch=12, seqlen_q=9, heads=16, prefixes=[900, 0, 2000, 70, 1500, 300, 2600, 5, 1200, 800, 0, 1700],
+              page_size=64, mask="tree", per_request_tree=True)
+RAGGED_COUNTS = [9, 0, 4, 1, 9, 6, 2, 9, 5, 3, 7, 8]
+# The ragged features' variants: the seesaw's, and the transposed tile's (its name holds `_tr_`,
+# so that racecheck skips it and synccheck takes it, as for the tile's other cases).
+RAGGED_VARIANTS = {"ragged_rows": "mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_rg_sm90a",
+                   "ragged_rows_tr_": "mma_ht16_qt2_bn64_w8_st2_spb_p16_tr_rg_sm90a"}
+# (feature, case, make_case's extra arguments): each runs on the dispatcher's pick (ragged rows:
+# on RAGGED_VARIANTS).
 FEATURES = [("invariant", INVARIANT, {}), ("invariant", CASES[0], {}),
             ("fp8_e4m3", CASES[1], {"kv_format": "e4m3"}), ("fp8_ds_mla", CASES[0], {"kv_format": "ds_mla"}),
             ("q_e4m3", CASES[2], {"kv_format": "e4m3", "q_format": "e4m3"}),
             ("cp_shards", CASES[0] | {"per_request_tree": True}, {}), ("cp_shards", CASES[1], {}),
-            ("fp8_tile", CROSSING, {"kv_format": "e4m3"}), ("fp8_tile", CASES[0], {"kv_format": "ds_mla"})]
+            ("fp8_tile", CROSSING, {"kv_format": "e4m3"}), ("fp8_tile", CASES[0], {"kv_format": "ds_mla"}),
+            ("ragged_rows", RAGGED, {}), ("ragged_rows_tr_", RAGGED, {})]
 
 Run = tuple[dict, list[Variant | None], int | None]   # (case, variants, balanced ranges pinned or None)
 
@@ -168,6 +179,16 @@ def run_feature(feature: str, case: Case, arch: str) -> tuple[torch.Tensor, torc
         return mlagen.verify_attention(*args, variant=fp8_tile(fmt, arch), return_lse=True, **case.kwargs())
     if feature == "invariant":
         return mlagen.verify_attention(*args, return_lse=True, batch_invariant=True, **case.kwargs())
+    if feature in RAGGED_VARIANTS:
+        # Each request's rows before its last RAGGED_COUNTS[b] are padding, whose outputs are
+        # unspecified: they are taken from the dense run, and the real ones checked with them.
+        counts = torch.tensor(RAGGED_COUNTS, dtype=torch.int32, device=case.q.device)
+        dense, dense_lse = mlagen.verify_attention(*args, return_lse=True, **case.kwargs())
+        got, got_lse = mlagen.verify_attention(*args, return_lse=True, q_counts=counts,
+                                               variant=parse_variant(RAGGED_VARIANTS[feature]), **case.kwargs())
+        S = case.q.shape[1]
+        real = torch.arange(S, device=case.q.device)[None, :] >= S - counts.long()[:, None]   # [B, S]
+        return torch.where(real[:, :, None, None], got, dense), torch.where(real[:, None, :], got_lse, dense_lse)
     if feature == "cp_shards":
         merged = None
         for rank in range(2):

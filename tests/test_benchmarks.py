@@ -166,8 +166,9 @@ def test_sanitize_runs_every_family_on_valid_shapes():
 
 def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
     """The features (racecheck3's --only feature+) come after the variant runs: batch-invariant
-    lengths of 1, 2, 3 and 8 splits, both FP8 cache formats, e4m3 queries, and context-parallel
-    shards under a per-request tree mask."""
+    lengths of 1, 2, 3 and 8 splits, both FP8 cache formats, e4m3 queries, context-parallel
+    shards under a per-request tree mask, and ragged rows on the seesaw and the transposed tile
+    (the latter named for synccheck's --only _tr_)."""
     features = sanitize.main("feature+", None, "sm_90", listing=True)
     assert features == len(sanitize.FEATURES)
     out = capsys.readouterr().out
@@ -175,7 +176,11 @@ def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
     for i, (feature, _, _) in enumerate(sanitize.FEATURES, start=first):
         assert f"case {i} feature+{feature}: listed" in out
     assert {f for f, _, _ in sanitize.FEATURES} == {"invariant", "fp8_e4m3", "fp8_ds_mla", "q_e4m3", "cp_shards",
-                                                    "fp8_tile"}
+                                                    "fp8_tile", "ragged_rows", "ragged_rows_tr_"}
+    assert "_tr_" in "feature+ragged_rows_tr_" and "_tr_" in sanitize.RAGGED_VARIANTS["ragged_rows_tr_"]
+    assert "_ss_rg_" in sanitize.RAGGED_VARIANTS["ragged_rows"]
+    counts = sanitize.RAGGED_COUNTS
+    assert len(counts) == sanitize.RAGGED["batch"] and 0 in counts and max(counts) == sanitize.RAGGED["seqlen_q"]
     tiles = [extra["kv_format"] for f, _, extra in sanitize.FEATURES if f == "fp8_tile"]
     assert sorted(tiles) == ["ds_mla", "e4m3"]
     for arch in ("sm_90", "sm_80"):
@@ -188,7 +193,7 @@ def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
     assert sorted({min(-(-n // (1 << INVARIANT_SPLIT_KEYS_LOG2)), 8) for n in lengths}) == [1, 2, 3, 8]
 
 
-@pytest.mark.parametrize("feature", ["q_e4m3", "cp_shards", "fp8_tile"])
+@pytest.mark.parametrize("feature", ["q_e4m3", "cp_shards", "fp8_tile", "ragged_rows"])
 def test_sanitize_feature_calls_match_the_reference(feature, monkeypatch):
     """On the CPU, the fp64 reference standing in for the kernels: each feature's call gives the
     case's own result."""

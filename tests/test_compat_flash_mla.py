@@ -412,7 +412,7 @@ def planner(monkeypatch):
     plans = []
 
     def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, table_capacity, device,
-                variant, invariant=False, kv_format="dtype", q_format="dtype"):
+                variant, invariant=False, kv_format="dtype", q_format="dtype", ragged=False):
         plans.append((heads, kv_capacity))
         raise _Planned
 

@@ -309,6 +309,20 @@ def test_the_h200s_picks_match_the_snapshot():
         f"{len(moved)} rows of picks moved (set {SNAPSHOT_ENV}=1 to write them):\n" + "\n".join(moved[:20])
 
 
+@pytest.mark.parametrize("heads,seqlen_q,batch,keys", [(64, 16, 32, 4096), (16, 9, 64, 4096), (8, 9, 16, 16384),
+                                                      (64, 9, 1, 256), (64, 9, 1, 65536)])
+def test_ragged_rows_take_the_balanced_picks_ragged_kernel(heads, seqlen_q, batch, keys):
+    """A call that says which rows are real (q_counts) runs the same pick, with ragged rows where
+    it is a balanced split, and the same pick otherwise."""
+    problem = Problem(heads=heads, mask="tree")
+    dense = policy.choose_variant(problem, seqlen_q, batch, keys, "sm_90a", "NVIDIA H200")
+    ragged = policy.choose_variant(problem, seqlen_q, batch, keys, "sm_90a", "NVIDIA H200", ragged_rows=True)
+    if dense.kv_split == "balanced":
+        assert ragged == dense.with_(rows="ragged") and validate(problem, ragged).ragged_rows
+    else:
+        assert ragged == dense
+
+
 def test_untuned_short_one_wave_launches_run_the_p_exchange_on_sm90a():
     """Without a table, the heuristic's sm_90a tile runs as a P exchange where the block table
     holds at most 8 KV tiles and row groups x requests x cluster size fit one wave of the device's

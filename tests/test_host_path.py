@@ -22,7 +22,7 @@ from mlagen.runtime.inputs import InputError
 B, S, H, D, DL, PAGES, PAGE = 2, 3, 4, 576, 512, 5, 16
 MAIN = (0x7F00, 8, 2, B + 4, 256, 1, 1, 100_000)    # function, grid (2 splits, merge slabs), block, smem
 GROUPS = 8 * B                                        # row groups: grid x * B
-_FORMAT = struct.Struct("<13Q11q7iffi")
+_FORMAT = struct.Struct("<14Q11q7iffi")
 
 
 class Driver:
@@ -52,9 +52,9 @@ def fake_gpu(monkeypatch):
     kernel = launch.KernelLaunch(args=MAIN, name="main_k")
 
     def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, table_capacity, device,
-                variant, invariant=False, kv_format="dtype", q_format="dtype"):
+                variant, invariant=False, kv_format="dtype", q_format="dtype", ragged=False):
         prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, device, variant,
-                         invariant, kv_format, q_format))
+                         invariant, kv_format, q_format, ragged))
         rows, value_bytes = 2 * batch * seqlen_q * heads, 2 if variant and variant.partials == "16bit" else 4
         return op._Prepared(loaded=None, kernel=kernel, splits=2, merge_blocks=3,
                                  layout=workspace.Layout.of(rows, dl * value_bytes, GROUPS))
@@ -167,6 +167,30 @@ def test_launch_gets_pointers_strides_and_sizes(fake_gpu):
     assert (f["batch"], f["seqlen_q"], f["max_pages"], f["num_pages"], f["num_splits"]) == (B, S, 2, PAGES, 2)
     assert (f["merge_blocks"], f["dependent"]) == (3, 0)   # a plain launch
     assert f["scale_log2"] == pytest.approx(0.5 * op.LOG2E)
+
+
+def test_q_counts_reach_the_plan_and_the_parameter_block(fake_gpu):
+    """q_counts (ragged rows) plan the call apart (the dispatcher's balanced split then runs
+    ragged rows) and its pointer goes into the block; a call without it passes null."""
+    a = make_args()
+    call(a)
+    assert fields(fake_gpu.driver.launches[-1][1])["q_counts"] == 0 and fake_gpu.prepared[-1][-1] is False
+    counts = torch.tensor([3, 1], dtype=torch.int32)
+    call(a, q_counts=counts)
+    assert fields(fake_gpu.driver.launches[-1][1])["q_counts"] == counts.data_ptr()
+    assert fake_gpu.prepared[-1][-1] is True and len(fake_gpu.prepared) == 2
+
+
+@pytest.mark.parametrize("counts,match", [
+    (torch.tensor([3, 1], dtype=torch.int64), r"q_counts: got torch.int64 \(2,\), expected int32 \[B\]=\[2\]"),
+    (torch.tensor([3], dtype=torch.int32), r"q_counts: got torch.int32 \(1,\), expected int32 \[B\]=\[2\]"),
+    (torch.tensor([3, 4], dtype=torch.int32), r"q_counts\[1\]: got 4, expected 0..S=3"),
+    ([3, 1], r"q_counts: got list"),
+])
+def test_bad_q_counts_are_named(fake_gpu, counts, match):
+    with pytest.raises(InputError, match=match):
+        call(make_args(), q_counts=counts, check_values=True)
+    assert not fake_gpu.driver.launches
 
 
 def test_default_scale_and_pointers_refresh_on_a_hit(fake_gpu):
@@ -463,7 +487,7 @@ def test_batch_invariant_calls_plan_apart_and_follow_the_environment(fake_gpu, m
     call(a)
     call(a, batch_invariant=True)
     call(a, batch_invariant=True)
-    assert [p[-3] for p in fake_gpu.prepared] == [False, True] and len(op._calls) == 2
+    assert [p[-4] for p in fake_gpu.prepared] == [False, True] and len(op._calls) == 2
     monkeypatch.setattr(op, "BATCH_INVARIANT_DEFAULT", True)
     call(a)                                                            # the same call as batch_invariant=True
     assert len(fake_gpu.prepared) == 2
@@ -477,7 +501,7 @@ def test_fp8_caches_reach_the_plan_with_their_scale(fake_gpu):
     each launch; a ds_mla cache plans as "ds_mla" and takes no kv_scale."""
     e4m3 = make_args(kv_cache=torch.zeros(PAGES, PAGE, D, dtype=torch.float8_e4m3fn))
     call(e4m3, kv_scale=0.5)
-    assert fake_gpu.prepared[-1][-2:] == ("e4m3", "dtype")
+    assert fake_gpu.prepared[-1][-3:-1] == ("e4m3", "dtype")
     block = fields(fake_gpu.driver.launches[-1][1])
     assert block["kv_scale"] == 0.5 and block["kv_scale_ptr"] == 0
     call(e4m3, kv_scale=0.25)
@@ -490,7 +514,7 @@ def test_fp8_caches_reach_the_plan_with_their_scale(fake_gpu):
     assert fields(fake_gpu.driver.launches[-1][1])["kv_scale_ptr"] == other.data_ptr() and len(op._calls) == 3
     ds = make_args(kv_cache=torch.zeros(PAGES, PAGE, 1, 656, dtype=torch.uint8))
     call(ds)
-    assert fake_gpu.prepared[-1][-2:] == ("ds_mla", "dtype")
+    assert fake_gpu.prepared[-1][-3:-1] == ("ds_mla", "dtype")
     assert fields(fake_gpu.driver.launches[-1][1])["kv_stride_row"] == 656
 
 
@@ -532,12 +556,12 @@ def test_e4m3_queries_plan_with_their_scale_and_the_caches_output_dtype(fake_gpu
     q8 = torch.zeros(B, S, H, D, dtype=torch.float8_e4m3fn)
     out = call(make_args(q=q8, kv_cache=torch.zeros(PAGES, PAGE, D, dtype=torch.float16)), q_scale=0.5,
                softmax_scale=0.1)
-    assert out.dtype == torch.float16 and fake_gpu.prepared[-1][3] == "fp16" and fake_gpu.prepared[-1][-1] == "e4m3"
+    assert out.dtype == torch.float16 and fake_gpu.prepared[-1][3] == "fp16" and fake_gpu.prepared[-1][-2] == "e4m3"
     block = fields(fake_gpu.driver.launches[-1][1])
     assert _math.isclose(block["scale_log2"], 0.1 * 0.5 * op.LOG2E, rel_tol=1e-6) and block["q_scale_ptr"] == 0
     scale = torch.ones(1, dtype=torch.float32)
     out = call(make_args(q=q8, kv_cache=torch.zeros(PAGES, PAGE, 656, dtype=torch.uint8)), q_scale=scale)
-    assert out.dtype == torch.bfloat16 and fake_gpu.prepared[-1][-2:] == ("ds_mla", "e4m3")
+    assert out.dtype == torch.bfloat16 and fake_gpu.prepared[-1][-3:-1] == ("ds_mla", "e4m3")
     assert fields(fake_gpu.driver.launches[-1][1])["q_scale_ptr"] == scale.data_ptr()
     with pytest.raises(InputError, match="^q_scale: got None, expected a float or a one-element"):
         call(make_args(q=q8))

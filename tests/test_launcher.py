@@ -40,6 +40,9 @@ PLANS = [
     validate(Problem(heads=64), Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=2,
                                         arch="sm_90a", partials="16bit", loads="tma",
                                         schedule="seesaw")),   # adaptive, pairs
+    validate(Problem(heads=16, lse=True), Variant(family="mma", head_tile=16, q_tile=4, block_n=64, warps=8,
+                                                  kv_split="balanced", arch="sm_90a", partials="16bit",
+                                                  rows="ragged")),   # partial rows over whole query tiles
     TMA_PLAN,
     validate(Problem(heads=16, dtype="fp16", page_size=128), Variant(family="mma", head_tile=16, q_tile=4, block_n=64,
                                                                      warps=8, arch="sm_90a", loads="tma")),
@@ -180,8 +183,9 @@ def test_tma_header_encodes_the_runtimes_tensor_map():
     assert "constexpr bool kUsesTma = false;" in plain and "<cuda.h>" not in plain
     assert "make_kv_map(const void*, long long, long long, int, void*) { return cudaSuccess; }" in plain
     assert ("bool programmatic = false, const void* kv_map = nullptr,\n"
-            "    float kv_scale = 1.0f, const float* kv_scale_ptr = nullptr, const float* q_scale_ptr = nullptr)"
-            ) in plain
+            "    float kv_scale = 1.0f, const float* kv_scale_ptr = nullptr, const float* q_scale_ptr = nullptr,\n"
+            "    const int* q_counts = nullptr)") in plain
+    assert "p.q_counts = q_counts;" in plain
 
 
 def test_header_refuses_a_balanced_launch_past_its_work_list():

@@ -13,6 +13,7 @@ from mlagen.dsl.spec import (
     LOADS,
     MAX_SEQLEN_Q,
     PARTIALS,
+    ROWS,
     SCHEDULES,
     Problem,
     Variant,
@@ -40,6 +41,7 @@ variants = st.builds(
     combine=st.sampled_from(COMBINES),
     partials=st.sampled_from(PARTIALS),
     mma_pv=st.booleans(),
+    rows=st.sampled_from(ROWS),
 )
 
 
@@ -272,3 +274,16 @@ def test_with_formats_names_the_output_dtype():
     assert fp16.with_formats("dtype", "e4m3") == fp16.with_(q_format="e4m3")
     both = fp16.with_formats("ds_mla", "e4m3")
     assert (both.dtype, both.kv_format, both.q_format) == ("bf16", "ds_mla", "e4m3")
+
+
+def test_ragged_rows_are_a_balanced_splits_and_named_rg():
+    """Variant.rows "ragged" names the kernel `_rg`, plans ragged rows (partial rows over whole
+    query tiles, no pair merge in the kernel) and needs the balanced split, whose work list skips
+    the padded rows; validation names the field otherwise."""
+    v = parse_variant("mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_sm90a").with_(rows="ragged")
+    assert v.name == "mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_rg_sm90a" and parse_variant(v.name) == v
+    plan, dense = validate(Problem(heads=16), v), validate(Problem(heads=16), v.with_(rows="dense"))
+    assert plan.ragged_rows and not dense.ragged_rows and plan.name != dense.name
+    assert plan.partial_rows(3, 9, 8) == (8 + 3 - 1) * 12 * 16 and dense.partial_rows(3, 9, 8) == (8 + 3 - 1) * 9 * 16
+    with pytest.raises(SpecError, match=r"variant.rows: got 'ragged'.*kv_split 'balanced'"):
+        validate(Problem(heads=16), v.with_(kv_split="adaptive"))

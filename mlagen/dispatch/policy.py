@@ -466,7 +466,8 @@ def _table_or_heuristic(problem: Problem, seqlen_q: int, batch: int, kv_capacity
 
 @functools.lru_cache(maxsize=8192)
 def choose_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
-                   gpu: str = "", *, policy: DispatchPolicy = H200, table_capacity: int | None = None) -> Variant:
+                   gpu: str = "", *, policy: DispatchPolicy = H200, table_capacity: int | None = None,
+                   ragged_rows: bool = False) -> Variant:
     """The variant `verify_attention(variant=None)` runs for this shape on a `gpu` of `arch`
     whose figures (SM count, shared memory per block) `policy` holds (`policy_for`; default
     `H200`, 132 SMs).
@@ -478,6 +479,8 @@ def choose_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int
     for the whole table; a balanced split whose work list cannot count the table's tiles over
     the batch (`balanced_list_fits`, past ~2^37 keys) runs its tile with the adaptive split.
     FP8 inputs take the table's pick like any problem, else `untuned_variant`'s.
+    ragged_rows: the call says which rows of each request are real (q_counts): a balanced split
+    then runs ragged rows (`Variant.rows`), whose work lists skip the padded row groups.
     """
     table = kv_capacity if table_capacity is None else table_capacity
     v = _table_or_heuristic(problem, seqlen_q, batch, kv_capacity, arch, gpu, policy)
@@ -485,6 +488,8 @@ def choose_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int
         v = _table_or_heuristic(problem, seqlen_q, batch, table, arch, gpu, policy)
     if v.kv_split == "balanced" and not balanced_list_fits(v, batch, table):
         v = v.with_(kv_split="adaptive")
+    if ragged_rows and v.kv_split == "balanced":
+        v = v.with_(rows="ragged")
     return v
 
 

@@ -26,6 +26,7 @@ Schedule = Literal["lockstep", "seesaw", "transposed", "p_exchange"]
 Loads = Literal["cp_async", "tma"]
 Combine = Literal["merge", "cluster"]
 Partials = Literal["fp32", "16bit"]
+Rows = Literal["dense", "ragged"]
 
 DTYPES: tuple[str, ...] = ("bf16", "fp16")
 KV_FORMATS: tuple[str, ...] = ("dtype", "e4m3", "ds_mla")
@@ -37,6 +38,7 @@ SCHEDULES: tuple[str, ...] = ("lockstep", "seesaw", "transposed", "p_exchange")
 LOADS: tuple[str, ...] = ("cp_async", "tma")
 COMBINES: tuple[str, ...] = ("merge", "cluster")
 PARTIALS: tuple[str, ...] = ("fp32", "16bit")
+ROWS: tuple[str, ...] = ("dense", "ragged")
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,12 @@ class Variant:
         the merged row gets anyway). Named `_p16`.
     mma_pv: sm_90a only: the output product P·V on mma.sync instead of wgmma (the scores stay
         on wgmma). Shorter per-tile latency, less tensor throughput; named `_pvm`.
+    rows: which of a request's S query rows the kernel runs (ROWS): "dense" (all of them) or
+        "ragged" (balanced split only; named `_rg`): request b's real rows are its last
+        q_counts[b] (`verify_attention_varlen` pads shorter drafts at the front), and each row
+        group's work list holds only the requests for which it has a real row, with every
+        request's real row groups dealt round the blocks' row-group slots so that each slot holds
+        about the same work. The outputs of padded rows are unspecified.
     """
 
     family: Family = "flash"
@@ -176,6 +184,7 @@ class Variant:
     combine: Combine = "merge"
     partials: Partials = "fp32"
     mma_pv: bool = False
+    rows: Rows = "dense"
 
     @property
     def name(self) -> str:
@@ -241,6 +250,7 @@ class Variant:
 TAGS: tuple[tuple[str, object, str], ...] = (
     ("mma_pv", True, "pvm"), ("combine", "cluster", "cl"), ("partials", "16bit", "p16"), ("loads", "tma", "tma"),
     ("schedule", "seesaw", "ss"), ("schedule", "transposed", "tr"), ("schedule", "p_exchange", "px"),
+    ("rows", "ragged", "rg"),
 )
 
 

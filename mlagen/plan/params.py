@@ -28,6 +28,8 @@ FIELDS: tuple[Field, ...] = (
     Field("block_table", "const int*", "Q", "(B, max_pages) page ids of each request, in order"),
     Field("seqlens", "const int*", "Q", "(B,) valid keys per request, draft tokens included"),
     Field("tree_mask", "const unsigned char*", "Q", "(B or 1, S, S) bool, tree mask kind only"),
+    Field("q_counts", "const int*", "Q", "(B,) ragged rows (Variant.rows 'ragged'): request b's real query rows "
+          "are its last q_counts[b], the rows before them padding; null: all S rows are real"),
     Field("out", "elem_t*", "Q", "(B, S, H, Dl)"),
     Field("lse", "float*", "Q", "(B, H, S) fp32, natural log; written when the problem has lse"),
     Field("part_o", "void*", "Q", "(num_splits, B, S, H, Dl) partial outputs: fp32 unnormalized, "

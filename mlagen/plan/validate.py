@@ -23,6 +23,7 @@ from ..dsl.spec import (
     MAX_SEQLEN_Q,
     PARTIALS,
     Q_FORMATS,
+    ROWS,
     SCHEDULES,
     Problem,
     Variant,
@@ -199,6 +200,12 @@ class KernelPlan:
         return self.variant.kv_split == "balanced"
 
     @property
+    def ragged_rows(self) -> bool:
+        """Whether the balanced work list runs only each request's real row groups, its last
+        q_counts[b] rows (Variant.rows "ragged"; templates/split_work_list.cuh.j2, RowSlots)."""
+        return self.variant.rows == "ragged"
+
+    @property
     def fixed_splits(self) -> int:
         """The split count of a fixed split (kv_split_kind "fixed"); 0 for the others."""
         return self.variant.kv_split if isinstance(self.variant.kv_split, int) else 0
@@ -241,7 +248,7 @@ class KernelPlan:
         """Whether a row group split in two ends as a pair, the second block merging both rows
         into the output with no merge block (templates/split_counters.cuh.j2, PAIR_MERGE):
         `part16_workspace` kernels, but for the transposed tile, whose rows split in more than
-        two."""
+        two. (Ragged rows never end as a pair: split_pair_merge.cuh.j2, pair_merge.)"""
         return self.part16_workspace and self.variant.schedule != "transposed"
 
     @property
@@ -309,11 +316,14 @@ class KernelPlan:
         """Partial rows the workspace holds for a launch (0 without a split).
         Split k of request b has its own B*S*H rows; the balanced split (num_splits = its ranges)
         numbers its partials by slot, range + request, so num_splits + B - 1 slots of S*H rows
-        suffice whatever the lengths (templates/split_partials.cuh.j2)."""
+        suffice whatever the lengths (templates/split_partials.cuh.j2); with ragged rows, of S*H
+        rows rounded up to whole query tiles."""
         if not self.split_launch(num_splits):
             return 0
         slots = num_splits + batch - 1 if self.balanced else num_splits * batch
-        return slots * seqlen_q * self.problem.heads
+        # ragged rows: a slot's rows over whole query tiles (templates/common.cuh.j2, part_row)
+        positions = -(-seqlen_q // self.variant.q_tile) * self.variant.q_tile if self.ragged_rows else seqlen_q
+        return slots * positions * self.problem.heads
 
     @property
     def segment_tiles(self) -> int:
@@ -429,6 +439,8 @@ def _check_common(v: Variant) -> None:
             f"one of {LOADS}: 'tma' for the mma family (on sm_90a)")
     require(v.schedule == "lockstep" or (v.schedule in SCHEDULES and v.family == "mma"), "variant.schedule",
             v.schedule, f"one of {SCHEDULES}: 'lockstep' for the naive and flash families")
+    require(v.rows == "dense" or (v.rows == "ragged" and v.kv_split == "balanced"), "variant.rows", v.rows,
+            f"one of {ROWS}: 'ragged' with kv_split 'balanced' (its work list skips the padded rows)")
 
 
 def _check_fp8_family(p: Problem, v: Variant) -> None:

@@ -193,6 +193,18 @@ def check_out(out: object, q: torch.Tensor, shapes: Shapes) -> None:
     _aligned_rows("out", out, (0, 1, 2))
 
 
+def check_q_counts(q_counts: object, batch: int, seqlen_q: int, device: torch.device, values: bool) -> None:
+    """Ragged rows' counts: int32 [B] on q's device; with `values` (a device read), each in 0..S."""
+    counts = _tensor("q_counts", q_counts)
+    _on("q_counts", counts, device)
+    if counts.dtype != torch.int32 or tuple(counts.shape) != (batch,):
+        _fail("q_counts", f"{counts.dtype} {tuple(counts.shape)}", f"int32 [B]=[{batch}]")
+    if values:
+        for b, c in enumerate(counts.tolist()):
+            if not 0 <= c <= seqlen_q:
+                _fail(f"q_counts[{b}]", c, f"0..S={seqlen_q} (request b's real query rows)")
+
+
 def key_bound(max_seqlen_k: object) -> int | None:
     """max_seqlen_k checked (None, or an int >= 0) and rounded up to a quarter octave, at least
     one 64-key tile: at most 19% over it, so a bound that grows call by call re-plans a few

@@ -79,17 +79,18 @@ class _Prepared:
 
 
 def pick_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, table_capacity: int, arch: str,
-                 gpu: str, variant: Variant | None, *, policy: DispatchPolicy) -> Variant:
+                 gpu: str, variant: Variant | None, *, policy: DispatchPolicy, ragged_rows: bool = False) -> Variant:
     """The variant a call runs on a `gpu` of `arch` whose dispatch figures `policy` holds
     (`device_policy`): `variant` when given, checked against the device's `arch` and the block
     table, else the dispatcher's choice (`policy.choose_variant`) for requests of up to
     kv_capacity keys under a block table that addresses table_capacity. A given variant that
     cannot run every key the table addresses (a P exchange whose cluster holds fewer tiles) or
     whose balanced work list could not count the table's tiles over the batch
-    (`policy.balanced_list_fits`, past ~2^37 keys) is refused."""
+    (`policy.balanced_list_fits`, past ~2^37 keys) is refused. ragged_rows: the call says which
+    rows are real (q_counts), for the dispatcher's choice."""
     if variant is None:
         return choose_variant(problem, seqlen_q, batch, kv_capacity, arch, gpu, policy=policy,
-                              table_capacity=table_capacity)
+                              table_capacity=table_capacity, ragged_rows=ragged_rows)
     if not runs_on(variant.arch, arch):
         raise inputs.InputError(f"variant.arch: got {variant.arch!r}, expected a target that runs "
                                 f"on this {arch} device (e.g. {arch!r})")
@@ -110,11 +111,12 @@ def pick_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, 
 def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str, lse: bool,
              batch: int, seqlen_q: int, kv_capacity: int, table_capacity: int, device: int,
              variant: Variant | None, invariant: bool = False, kv_format: str = "dtype",
-             q_format: str = "dtype") -> _Prepared:
+             q_format: str = "dtype", ragged: bool = False) -> _Prepared:
     """Problem, variant (given, batch-invariant, or dispatched), loaded kernels, split and grids
     of a shape, planned for requests of up to kv_capacity keys (of the table_capacity the block
     table addresses): memoized on plain values, since a serving step repeats the same shapes and
-    each piece costs host time."""
+    each piece costs host time. ragged: the call passes q_counts (the dispatcher's balanced split
+    then runs ragged rows)."""
     problem = Problem(heads=heads, dl=dl, dr=dr, dtype=dtype, page_size=page_size, mask=mask, lse=lse,
                       kv_format=kv_format, q_format=q_format)
     device_arch = device_info(device)[0]
@@ -123,7 +125,7 @@ def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str
     if invariant:
         variant = batch_invariant_variant(problem, seqlen_q, device_arch, dispatch)
     variant = pick_variant(problem, seqlen_q, batch, kv_capacity, table_capacity, device_arch, device_name(device),
-                           variant, policy=dispatch)
+                           variant, policy=dispatch, ragged_rows=ragged)
     loaded = load(problem, variant, device)
     splits = num_splits(variant, heads, batch, seqlen_q, kv_capacity, dispatch, loaded.blocks_per_sm)
     plan = loaded.plan
@@ -189,12 +191,14 @@ def _check_scale_arg(name: str, scale: object, taken: bool, refusal: str, device
 def _lookup(q: object, kv_cache: object, block_table: object, cache_seqlens: object, tree_mask: object,
             out: object, head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
             variant: Variant | None, bound: int | None, invariant: bool,
-            kv_scale: object = None, q_scale: object = None) -> tuple[tuple | None, _Call | None]:
+            kv_scale: object = None, q_scale: object = None,
+            q_counts: object = None) -> tuple[tuple | None, _Call | None]:
     """(key, remembered _Call or None) for these arguments; the key is None for arguments that
     are not tensors or not hashable (the full checks name those)."""
     try:
         key = (inputs.signature(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale),
-               causal, return_lse, variant, bound, invariant, _scale_key(kv_scale), _scale_key(q_scale))
+               causal, return_lse, variant, bound, invariant, _scale_key(kv_scale), _scale_key(q_scale),
+               None if q_counts is None else (type(q_counts), q_counts.shape, q_counts.dtype, q_counts.device))
         return key, _calls.get(key)           # (the get hashes the key: TypeError if it cannot be)
     except (AttributeError, TypeError, RuntimeError):
         return None, None
@@ -209,7 +213,8 @@ def _require_cuda(q: object) -> None:
 def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: object, cache_seqlens: object,
                   tree_mask: object, out: object, head_dim_v: int, softmax_scale: float | None, causal: bool,
                   return_lse: bool, variant: Variant | None, check_values: bool | None, bound: int | None,
-                  invariant: bool = False, kv_scale: object = None, q_scale: object = None) -> _Call:
+                  invariant: bool = False, kv_scale: object = None, q_scale: object = None,
+                  q_counts: object = None) -> _Call:
     """Every check, in the op's order (each names the bad argument), then the _Call, which is
     remembered under `key` (from `_lookup`). bound: `inputs.key_bound(max_seqlen_k)`."""
     _require_cuda(q)
@@ -220,6 +225,8 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
                      "scales)" if shapes.kv_format == "ds_mla" else f"for a {shapes.dtype} cache", q.device, values)
     _check_scale_arg("q_scale", q_scale, shapes.q_format == "e4m3",
                      f"for {q.dtype} queries (only float8_e4m3fn queries take one)", q.device, values)
+    if q_counts is not None:
+        inputs.check_q_counts(q_counts, shapes.batch, shapes.seqlen_q, q.device, values)
     if values:
         inputs.check_values(shapes, block_table, cache_seqlens)
     B, S, H, dl = shapes.batch, shapes.seqlen_q, shapes.heads, shapes.dl
@@ -228,7 +235,7 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
     capacity = shapes.max_pages * shapes.page_size
     prep = _prepare(H, dl, shapes.head_dim - dl, shapes.dtype, shapes.page_size, mask,
                     return_lse, B, S, capacity if bound is None else min(capacity, bound), capacity, device, variant,
-                    invariant, shapes.kv_format, shapes.q_format)
+                    invariant, shapes.kv_format, shapes.q_format, q_counts is not None)
     if out is not None:
         inputs.check_out(out, q, shapes)
     out_size = (B, S, H, dl)
@@ -281,6 +288,7 @@ def verify_attention(
     batch_invariant: bool | None = None,
     kv_scale: float | torch.Tensor | None = None,
     q_scale: float | torch.Tensor | None = None,
+    q_counts: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA verify attention over a paged latent KV cache.
 
@@ -327,6 +335,12 @@ def verify_attention(
         q_scale: float8_e4m3fn queries' scale (real value = stored value x q_scale): a float
             (folded into the scores' scale) or a one-element fp32 tensor on q's device, read at
             each launch. None for 16-bit queries.
+        q_counts: optional [B] int32 on q's device, for requests padded to S draft tokens at the
+            front: request b's real query rows are its last q_counts[b] (0..S), and the rows
+            before them are padding, whose out and lse are unspecified. The dispatcher's balanced
+            split then runs only the real rows (`Variant.rows` "ragged");
+            `verify_attention_varlen` passes its draft counts so. Read on the device (checked
+            with check_values).
 
     Returns:
         out [B, S, H, Dl] in q's dtype (e4m3 queries: see q), and lse if return_lse. A row that sees no key gives
@@ -339,13 +353,13 @@ def verify_attention(
                                   causal=causal, tree_mask=tree_mask, return_lse=True, variant=variant,
                                   head_dim_v=head_dim_v, check_values=check_values, out=out,
                                   max_seqlen_k=max_seqlen_k, batch_invariant=batch_invariant, kv_scale=kv_scale,
-                                  q_scale=q_scale)
+                                  q_scale=q_scale, q_counts=q_counts)
         sinks.apply_attn_sink_(result[0], result[1].transpose(1, 2), attn_sink)
         return result if return_lse else result[0]
     bound = inputs.key_bound(max_seqlen_k) if max_seqlen_k is not None else None
     invariant = BATCH_INVARIANT_DEFAULT if batch_invariant is None else bool(batch_invariant)
     key, call = _lookup(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale, causal,
-                        return_lse, variant, bound, invariant, kv_scale, q_scale)
+                        return_lse, variant, bound, invariant, kv_scale, q_scale, q_counts)
     if call is not None:
         # Pointers change from call to call, so alignment is checked every time; a misaligned
         # one goes through the full checks, which name it.
@@ -355,13 +369,15 @@ def verify_attention(
     if call is None:
         call = _checked_call(key, q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v,
                              softmax_scale, causal, return_lse, variant, check_values, bound, invariant, kv_scale,
-                             q_scale)
+                             q_scale, q_counts)
         q_ptr, kv_ptr = q.data_ptr(), kv_cache.data_ptr()
     elif check_values or (check_values is None and inputs.CHECK_VALUES_DEFAULT):   # values_requested, inlined
         inputs.check_values(call.shapes, block_table, cache_seqlens)
         for name, scale in (("kv_scale", kv_scale), ("q_scale", q_scale)):    # a tensor's value is new each call
             if isinstance(scale, torch.Tensor):
                 check_scale(name, scale, q.device, check_values=True)
+        if q_counts is not None:
+            inputs.check_q_counts(q_counts, call.shapes.batch, call.shapes.seqlen_q, q.device, True)
 
     # Sizes as separate ints: torch.empty parses those faster than a tuple.
     if out is None:
@@ -380,7 +396,8 @@ def verify_attention(
               if call.tma_rows else 0)
     # kv_cache's pointer is the [num_pages, page_size, D] view's too (a 4-dim cache's index 0).
     pointers = (q_ptr, kv_ptr, kv_map, block_table.data_ptr(), cache_seqlens.data_ptr(),
-                tree_mask.data_ptr() if tree_mask is not None else 0, out.data_ptr(),
+                tree_mask.data_ptr() if tree_mask is not None else 0,
+                q_counts.data_ptr() if q_counts is not None else 0, out.data_ptr(),
                 lse.data_ptr() if lse is not None else 0, part_o, part_ml, counters,
                 kv_scale.data_ptr() if isinstance(kv_scale, torch.Tensor) else 0,
                 q_scale.data_ptr() if isinstance(q_scale, torch.Tensor) else 0)

@@ -13,7 +13,11 @@ request is padded to S = max_seqlen_q with its s_b queries placed at the END of 
 - Tree: the request's s_b x s_b mask goes in the bottom-right block of the S x S mask and the
   columns k' < S-s_b (prefix keys) are made visible to every row.
 
-The padded rows (positions < S-s_b) are computed and dropped. Every index is built on the
+The padded rows (positions < S-s_b) are dropped. When the counts differ, the kernels get them
+(`q_counts`) and the dispatcher's balanced split runs ragged rows (`Variant.rows`): each of its
+blocks' work lists skips the padded row groups, and every request's real ones are dealt round
+the row-group slots, so a batch costs about its real rows, not B * max_seqlen_q. Other kernels
+compute the padded rows too. Every index is built on the
 device from cu_seqlens_q with torch ops: no host reads, so the op can be captured in a CUDA
 graph (max_seqlen_q is a host int, as in other varlen attention APIs).
 
@@ -191,11 +195,15 @@ def verify_attention_varlen(
         empty = q.new_empty(0, q.shape[1], head_dim_v, dtype=dtype)
         return (empty, q.new_empty(q.shape[1], 0, dtype=torch.float32)) if return_lse else empty
     padded_mask = layout.pad_tree_mask(tree_mask) if tree_mask is not None else None
+    # Ragged counts: the kernels learn which rows are real, and a balanced split skips the rest.
+    ragged = total_q < layout.batch * max_seqlen_q
+    q_counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]) if ragged else None
     result = verify_attention(layout.pad_queries(q), kv_cache, block_table, cache_seqlens,
                               softmax_scale=softmax_scale, causal=causal, tree_mask=padded_mask,
                               return_lse=return_lse, variant=variant, head_dim_v=head_dim_v,
                               check_values=check_values, max_seqlen_k=max_seqlen_k, attn_sink=attn_sink,
-                              batch_invariant=batch_invariant, kv_scale=kv_scale, q_scale=q_scale)
+                              batch_invariant=batch_invariant, kv_scale=kv_scale, q_scale=q_scale,
+                              q_counts=q_counts)
     if not return_lse:
         return layout.unpad_out(result)
     out, lse = result

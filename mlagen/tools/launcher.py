@@ -44,7 +44,8 @@ _LOG2E = "1.4426950408889634f"
 _ASSIGN: dict[str, str] = {
     "q": "q", "kv": "kv_cache", "kv_map": "kUsesTma ? kv_map : nullptr", "block_table": "block_table",
     "seqlens": "cache_seqlens",
-    "tree_mask": "kTreeMask ? tree_mask : nullptr", "out": "out", "lse": "kWritesLse ? lse : nullptr",
+    "tree_mask": "kTreeMask ? tree_mask : nullptr", "q_counts": "q_counts", "out": "out",
+    "lse": "kWritesLse ? lse : nullptr",
     "part_o": "part_o", "part_ml": "part_ml", "counters": "counters",
     "kv_scale_ptr": "kE4m3Cache ? kv_scale_ptr : nullptr", "q_scale_ptr": "kE4m3Q ? q_scale_ptr : nullptr",
     "q_stride_b": "q_stride_b", "q_stride_s": "q_stride_s", "q_stride_h": "q_stride_h",

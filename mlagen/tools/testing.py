@@ -158,11 +158,13 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
 def reference_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                  *, return_lse: bool = False, variant: object = None, check_values: object = None,
                  max_seqlen_k: object = None, batch_invariant: object = None, attn_sink: None = None,
-                 **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 q_counts: object = None, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`verify_attention` with the fp64 reference as its kernel, for tests that stand it in for
     the op on the CPU (monkeypatched where a caller imports the op): out in the op's output
     dtype, lse fp32. The arguments that choose or check a kernel (variant, check_values,
-    max_seqlen_k, batch_invariant) change nothing here; sinks are the op's, not modelled."""
+    max_seqlen_k, batch_invariant) change nothing here, nor does q_counts (the reference computes
+    the padded rows too, whose outputs the op leaves unspecified); sinks are the op's, not
+    modelled."""
     if attn_sink is not None:
         raise ValueError("reference_op: attn_sink is not modelled; expected None")
     out, lse = reference(q, kv_cache, block_table, cache_seqlens, dtype=torch.float64, **kwargs)

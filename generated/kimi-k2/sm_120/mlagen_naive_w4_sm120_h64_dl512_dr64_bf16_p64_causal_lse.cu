@@ -54,6 +54,7 @@ struct __align__(8) VerifyParams {
   const int* block_table;  // (B, max_pages) page ids of each request, in order
   const int* seqlens;  // (B,) valid keys per request, draft tokens included
   const unsigned char* tree_mask;  // (B or 1, S, S) bool, tree mask kind only
+  const int* q_counts;  // (B,) ragged rows (Variant.rows 'ragged'): request b's real query rows are its last q_counts[b], the rows before them padding; null: all S rows are real
   elem_t* out;  // (B, S, H, Dl)
   float* lse;  // (B, H, S) fp32, natural log; written when the problem has lse
   void* part_o;  // (num_splits, B, S, H, Dl) partial outputs: fp32 unnormalized, or normalized in elem_t (part16)
@@ -331,14 +332,19 @@ __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, i
 }
 
 // Workspace rows from one split's (slot's) row (b, i, h) to the next one's: a split holds every
-// request's rows; a balanced-split slot holds one request's (see its work list in merge.cuh.j2).
+// request's rows; a balanced-split slot holds one request's (see its work list in merge.cuh.j2),
+// with ragged rows one request's per row-group slot, each over whole query tiles.
 __device__ __forceinline__ long long part_slot_rows(const VerifyParams& p) {
   return (long long)p.batch * p.seqlen_q * H;
 }
 
 // Index of row (split, b, i, h) in the partial-result workspace (the balanced split passes its
-// slot as `split`).
-__device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h) {
+// slot as `split`). With ragged rows a slot's request numbers are unique within one row-group
+// slot's list only, and that list holds different query tiles of its requests: the row goes to
+// its position in the slot's query tile, qs (a split block's own, blockIdx.x / head tiles; a
+// merge block passes the group's).
+__device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h,
+                                              int qs = blockIdx.x / 64) {
   const long long row = ((long long)b * p.seqlen_q + i) * H + h;
   return split * part_slot_rows(p) + row;
 }

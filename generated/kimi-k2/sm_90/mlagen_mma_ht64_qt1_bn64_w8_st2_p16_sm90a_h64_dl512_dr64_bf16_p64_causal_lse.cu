@@ -67,6 +67,7 @@ struct __align__(8) VerifyParams {
   const int* block_table;  // (B, max_pages) page ids of each request, in order
   const int* seqlens;  // (B,) valid keys per request, draft tokens included
   const unsigned char* tree_mask;  // (B or 1, S, S) bool, tree mask kind only
+  const int* q_counts;  // (B,) ragged rows (Variant.rows 'ragged'): request b's real query rows are its last q_counts[b], the rows before them padding; null: all S rows are real
   elem_t* out;  // (B, S, H, Dl)
   float* lse;  // (B, H, S) fp32, natural log; written when the problem has lse
   void* part_o;  // (num_splits, B, S, H, Dl) partial outputs: fp32 unnormalized, or normalized in elem_t (part16)
@@ -344,14 +345,19 @@ __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, i
 }
 
 // Workspace rows from one split's (slot's) row (b, i, h) to the next one's: a split holds every
-// request's rows; a balanced-split slot holds one request's (see its work list in merge.cuh.j2).
+// request's rows; a balanced-split slot holds one request's (see its work list in merge.cuh.j2),
+// with ragged rows one request's per row-group slot, each over whole query tiles.
 __device__ __forceinline__ long long part_slot_rows(const VerifyParams& p) {
   return (long long)p.batch * p.seqlen_q * H;
 }
 
 // Index of row (split, b, i, h) in the partial-result workspace (the balanced split passes its
-// slot as `split`).
-__device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h) {
+// slot as `split`). With ragged rows a slot's request numbers are unique within one row-group
+// slot's list only, and that list holds different query tiles of its requests: the row goes to
+// its position in the slot's query tile, qs (a split block's own, blockIdx.x / head tiles; a
+// merge block passes the group's).
+__device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h,
+                                              int qs = blockIdx.x / 1) {
   const long long row = ((long long)b * p.seqlen_q + i) * H + h;
   return split * part_slot_rows(p) + row;
 }
@@ -400,8 +406,9 @@ __device__ __forceinline__ float2 partial_stats(float m, float l) {
   return make_float2(l > 0.f ? m : -INFINITY, l);
 }
 
-__device__ __forceinline__ part_t* partial_row(const VerifyParams& p, int split, int b, int i, int h) {
-  return static_cast<part_t*>(p.part_o) + part_row(p, split, b, i, h) * DL;
+__device__ __forceinline__ part_t* partial_row(const VerifyParams& p, int split, int b, int i, int h,
+                                               int qs = blockIdx.x / 1) {
+  return static_cast<part_t*>(p.part_o) + part_row(p, split, b, i, h, qs) * DL;
 }
 
 // The values of one 16-byte piece of a partial row (4 floats, or 8 of the output's type).
@@ -532,6 +539,8 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 // segment (a fixed split; the balanced split's aligned layout): a packed range's block that ended
 // one request as the second of its pair would merge before its next request's segment, on its
 // range's path (H=64 B=32 S=9 at 4096 keys: 3% slower), where a merge block does that off it.
+// Not with ragged rows: a pair's blocks are those of one row-group slot, which holds different
+// row groups of a request from slot to slot.
 __device__ __forceinline__ bool pair_merge(int splits) {
   return PAIR_MERGE && splits == 2;
 }
@@ -619,17 +628,17 @@ __device__ __forceinline__ void end_pair(const VerifyParams& p, int b, int x, in
 // more than 32 splits rescale what the earlier rounds summed. A split without keys has l = 0:
 // weight 0, by select.
 constexpr int MERGE_BATCH = PART16 ? 6 : 3;
-__device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, int splits, int slot0) {
+__device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, int splits, int slot0, int qs) {
   constexpr int E = 16 / (int)sizeof(part_t);   // values per 16-byte load
   constexpr int V = DL / (32 * E);              // 16-byte loads per lane and partial row
   float acc[V * E] = {};
   float m = -INFINITY, l = 0.f;
   for (int k0 = 0; k0 < splits; k0 += 32) {
     const int n = splits - k0 < 32 ? splits - k0 : 32;
-    const float2 ml = lane < n ? __ldcg(&p.part_ml[part_row(p, slot0 + k0 + lane, b, i, h)])
+    const float2 ml = lane < n ? __ldcg(&p.part_ml[part_row(p, slot0 + k0 + lane, b, i, h, qs)])
                                : make_float2(-INFINITY, 0.f);
     uint4 x[MERGE_BATCH][V];
-    const uint4* src = reinterpret_cast<const uint4*>(partial_row(p, slot0 + k0, b, i, h)) + lane;
+    const uint4* src = reinterpret_cast<const uint4*>(partial_row(p, slot0 + k0, b, i, h, qs)) + lane;
     const long long split_stride = part_slot_rows(p) * (DL / E);   // in 16-byte loads
 #pragma unroll
     for (int j = 0; j < MERGE_BATCH; ++j)
@@ -684,7 +693,7 @@ __device__ void merge_block(const VerifyParams& p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int h0 = (x % 1) * 64;
   const int q0 = (x / 1) * 1;
-  const int splits = group_splits(p, b, q0, 1), slot0 = 0;
+  const int splits = group_splits(p, b, q0, 1), slot0 = 0, qs = 0;   // (qs: balanced only)
   if (splits == 1 || pair_merge(splits)) return;        // its split block wrote it, or the pair's second merges it
   unsigned* counter = group_counter(p, b, x);
   if (threadIdx.x == 0) {
@@ -697,7 +706,7 @@ __device__ void merge_block(const VerifyParams& p) {
   const int end = (part + 1) * per < GROUP_ROWS ? (part + 1) * per : GROUP_ROWS;
   for (int r = part * per + warp; r < end; r += MERGE_WARPS) {
     const int i = q0 + r / 64, h = h0 + r % 64;
-    if (i < p.seqlen_q) merge_row(p, b, i, h, lane, splits, slot0);
+    if (i < p.seqlen_q) merge_row(p, b, i, h, lane, splits, slot0, qs);
   }
 }
 

@@ -66,6 +66,7 @@ struct __align__(8) VerifyParams {
   const int* block_table;  // (B, max_pages) page ids of each request, in order
   const int* seqlens;  // (B,) valid keys per request, draft tokens included
   const unsigned char* tree_mask;  // (B or 1, S, S) bool, tree mask kind only
+  const int* q_counts;  // (B,) ragged rows (Variant.rows 'ragged'): request b's real query rows are its last q_counts[b], the rows before them padding; null: all S rows are real
   elem_t* out;  // (B, S, H, Dl)
   float* lse;  // (B, H, S) fp32, natural log; written when the problem has lse
   void* part_o;  // (num_splits, B, S, H, Dl) partial outputs: fp32 unnormalized, or normalized in elem_t (part16)
@@ -343,14 +344,19 @@ __device__ __forceinline__ void store_out(const VerifyParams& p, int b, int i, i
 }
 
 // Workspace rows from one split's (slot's) row (b, i, h) to the next one's: a split holds every
-// request's rows; a balanced-split slot holds one request's (see its work list in merge.cuh.j2).
+// request's rows; a balanced-split slot holds one request's (see its work list in merge.cuh.j2),
+// with ragged rows one request's per row-group slot, each over whole query tiles.
 __device__ __forceinline__ long long part_slot_rows(const VerifyParams& p) {
   return (long long)p.seqlen_q * H;
 }
 
 // Index of row (split, b, i, h) in the partial-result workspace (the balanced split passes its
-// slot as `split`).
-__device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h) {
+// slot as `split`). With ragged rows a slot's request numbers are unique within one row-group
+// slot's list only, and that list holds different query tiles of its requests: the row goes to
+// its position in the slot's query tile, qs (a split block's own, blockIdx.x / head tiles; a
+// merge block passes the group's).
+__device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h,
+                                              int qs = blockIdx.x / 1) {
   const long long row = (long long)i * H + h;
   return split * part_slot_rows(p) + row;
 }
@@ -399,8 +405,9 @@ __device__ __forceinline__ float2 partial_stats(float m, float l) {
   return make_float2(l > 0.f ? m : -INFINITY, l);
 }
 
-__device__ __forceinline__ part_t* partial_row(const VerifyParams& p, int split, int b, int i, int h) {
-  return static_cast<part_t*>(p.part_o) + part_row(p, split, b, i, h) * DL;
+__device__ __forceinline__ part_t* partial_row(const VerifyParams& p, int split, int b, int i, int h,
+                                               int qs = blockIdx.x / 1) {
+  return static_cast<part_t*>(p.part_o) + part_row(p, split, b, i, h, qs) * DL;
 }
 
 // The values of one 16-byte piece of a partial row (4 floats, or 8 of the output's type).
@@ -581,11 +588,80 @@ constexpr int LANE_REQUESTS = 4;
 struct LaneRequests {
   int v[LANE_REQUESTS];   // a value of request lane + 32k
 };
+// Ragged rows (Variant.rows "ragged"): request b's real rows are its last q_counts[b] of S (the
+// rows before them are padding), so its real query tiles are the last `count` of the Q_TILES,
+// from `first`. Block x of the grid is then a row-group slot, query-tile slot x / HEAD_TILES of
+// head tile x % HEAD_TILES: slot qs holds request b's real query tile k = (qs - rot_b) mod
+// Q_TILES while k < count (tile first + k), and no row group of b otherwise. rot_b, the real tiles
+// of the requests before b modulo Q_TILES, deals each request's tiles round the slots after the
+// previous request's, so that every slot's work list (its requests only) holds about the same
+// work; a block's range streams one slot's list. With all rows real rot_b = 0 and slot qs holds
+// tile qs: the dense layout. So it is where the requests are not dealt (`dealt`): q_counts null,
+// or more than 32 LANE_REQUESTS requests, whose counts the lanes' registers do not hold (the
+// padded rows are then computed, as on the dense kernels).
+constexpr bool RAGGED_ROWS = false;
+constexpr int SLOT_HEAD_TILES = 1;
+constexpr int SLOT_Q_TILE = 1;
+struct RealTiles {
+  int first, count;   // request b's first real query tile; its real tiles (0 without real rows)
+};
+__device__ __forceinline__ int query_tiles(const VerifyParams& p) { return ceil_div(p.seqlen_q, SLOT_Q_TILE); }
+__device__ __forceinline__ RealTiles real_tiles(const VerifyParams& p, int b) {   // (q_counts given)
+  const int S = p.seqlen_q, qn = query_tiles(p);
+  const int c = min(max(__ldg(p.q_counts + b), 0), S);
+  const int first = (int)((unsigned)(S - c) / (unsigned)SLOT_Q_TILE);   // the tile holding row S - c
+  return {first, c > 0 ? qn - first : 0};
+}
+// Ragged rows: whether the requests are dealt round the slots (rot_b from the lanes' registers).
+__device__ __forceinline__ bool dealt(const VerifyParams& p) {
+  return RAGGED_ROWS && p.q_counts != nullptr && p.batch <= 32 * LANE_REQUESTS;
+}
+// The query tile of request b in query-tile slot qs, given its rotation; -1 where b has none.
+__device__ __forceinline__ int slot_q_tile(const VerifyParams& p, int b, int qs, int rot) {
+  if (!dealt(p)) return qs;
+  const RealTiles r = real_tiles(p, b);
+  const unsigned qn = query_tiles(p), k = ((unsigned)qs + qn - (unsigned)rot) % qn;
+  return k < (unsigned)r.count ? r.first + (int)k : -1;
+}
+// Request b's work units in query-tile slot qs: request_units where the slot holds one of its row
+// groups, else none.
+__device__ __forceinline__ int slot_units(const VerifyParams& p, int b, int qs, int rot) {
+  if (!dealt(p)) return request_units(p, b);
+  return slot_q_tile(p, b, qs, rot) >= 0 ? request_units(p, b) : 0;
+}
 
-__device__ __forceinline__ LaneRequests lane_tiles(const VerifyParams& p, int lane) {
+// rot_b (every lane): the real query tiles of requests 0 .. b-1, modulo Q_TILES; 0 where the
+// requests are not dealt.
+__device__ __forceinline__ int rotation(const VerifyParams& p, int b, int lane) {
+  if (!dealt(p)) return 0;
+  int sum = 0;
+  for (int k0 = 0; k0 < b; k0 += 32)                    // the same trips in every lane: a uniform loop
+    sum += k0 + lane < b ? real_tiles(p, k0 + lane).count : 0;
+  return (int)((unsigned)warp_sum_uniform(sum) % (unsigned)query_tiles(p));
+}
+
+// The lanes' requests' units in query-tile slot qs (every request's where the rows are dense).
+__device__ __forceinline__ LaneRequests lane_tiles(const VerifyParams& p, int qs, int lane) {
   LaneRequests lt;
+  int rot = 0;                                            // ragged rows: rot of request 32k
 #pragma unroll
-  for (int k = 0; k < LANE_REQUESTS; ++k) lt.v[k] = lane + 32 * k < p.batch ? request_units(p, lane + 32 * k) : 0;
+  for (int k = 0; k < LANE_REQUESTS; ++k) {
+    const int b = lane + 32 * k;
+    if (dealt(p)) {
+      const int count = b < p.batch ? real_tiles(p, b).count : 0;
+      int upto = count;                                   // inclusive scan over the lanes
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, upto, d);
+        if (lane >= d) upto += v;
+      }
+      const int mine = (int)((unsigned)(rot + upto - count) % (unsigned)query_tiles(p));
+      rot += __shfl_sync(0xffffffffu, upto, 31);
+      lt.v[k] = b < p.batch ? slot_units(p, b, qs, mine) : 0;
+    } else {
+      lt.v[k] = b < p.batch ? request_units(p, b) : 0;
+    }
+  }
   return lt;
 }
 
@@ -596,7 +672,7 @@ __device__ __forceinline__ void for_lane_requests(const VerifyParams& p, const L
 #pragma unroll
   for (int k = 0; k < LANE_REQUESTS; ++k) f(lane + 32 * k, lt.v[k]);
 #pragma unroll 1
-  for (int b = lane + 32 * LANE_REQUESTS; b < p.batch; b += 32) f(b, request_units(p, b));
+  for (int b = lane + 32 * LANE_REQUESTS; b < p.batch; b += 32) f(b, request_units(p, b));   // (such a batch: not dealt)
 }
 
 struct WorkList {
@@ -683,7 +759,7 @@ __device__ __forceinline__ void request_at(const VerifyParams& p, const WorkList
   }
 #pragma unroll 1
   for (int b0 = 32 * LANE_REQUESTS; b0 < p.batch; b0 += 32) {
-    const int t = b0 + lane < p.batch ? request_units(p, b0 + lane) : 0;
+    const int t = b0 + lane < p.batch ? request_units(p, b0 + lane) : 0;   // (such a batch: not dealt)
     if (find_in_chunk(request_span(wl, t), t, b0, u, lane, &base, b_at, start, tiles)) return;
   }
   *start = base;
@@ -765,12 +841,13 @@ __device__ __forceinline__ void range_tiles(const WorkList& wl, int t, int start
 }
 
 // The balanced split's range loop: split block (x, y) runs range y = blockIdx.y of its row group
-// x = blockIdx.x, calling segment(b, x, t0, t1, split, direct, splits) once for every request the
-// range meets, with that request's KV tiles [t0, t1) of the range, its workspace slot y + b, and
-// whether its one range writes it out directly. A block that `merging` runs an empty range (its
-// kernel merges after the loop, so that the merge's code is laid out after the tile loop). wl
-// and lt are the kernel's work list and its lanes' request tiles; after the first request the
-// loop reads the lengths. Every value of the range goes through a lane-0 broadcast: the same
+// x = blockIdx.x (with ragged rows, of row-group slot x's list), calling segment(b, x, t0, t1,
+// split, direct, splits) once for every request the range meets, with that request's row group x
+// (with ragged rows, the one slot x holds), its KV tiles [t0, t1) of the range, its workspace
+// slot y + b, and whether its one range writes it out directly. A block that `merging` runs an
+// empty range (its kernel merges after the loop, so that the merge's code is laid out after the
+// tile loop). wl and lt are the kernel's work list and its lanes' request tiles; after the first
+// request the loop reads the lengths. Every value of the range goes through a lane-0 broadcast: the same
 // values, but ptxas then sees the request loop as uniform and keeps the tile loop's indices and
 // shared addresses in uniform registers (without the broadcast every wgmma descriptor is rebuilt
 // per instruction: H=64 S=9 at 65536 keys, 231 µs against 197 for the adaptive split).
@@ -779,18 +856,24 @@ __device__ __forceinline__ void run_range(const VerifyParams& p, const WorkList&
                                           bool merging, Segment&& segment) {
   auto uniform = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
   // (b, start, tiles): a request this range meets, its first position, its tiles.
+  // With ragged rows, rot_b is computed again for each request (a pass over the counts) rather
+  // than carried across its segment, where one more live register makes the seesaw spill.
   int b = p.batch, start = 0, tiles = 0;
+  const int slot = blockIdx.x / SLOT_HEAD_TILES;
   const int u0 = uniform(blockIdx.y * wl.per);
   const int u1 = merging ? u0 : uniform(u0 + wl.per < wl.total ? u0 + wl.per : wl.total);
   if (u0 < u1) request_at(p, wl, lt, u0, lane, &b, &start, &tiles);
-  for (b = uniform(b), start = uniform(start), tiles = uniform(tiles); u0 < u1 && start < u1;
-       tiles = ++b < p.batch ? uniform(request_units(p, b)) : 0) {   // the requests this range meets
+  for (b = uniform(b), start = uniform(start), tiles = uniform(tiles); u0 < u1 && start < u1;   // the requests
+       tiles = ++b < p.batch ? uniform(slot_units(p, b, slot, rotation(p, b, lane))) : 0) {      // it meets
     int first, splits, t0, t1;
     request_splits(wl, tiles, start, &first, &splits);
     range_tiles(wl, tiles, start, u0, u1, &t0, &t1);
     if (t0 < t1) {                                        // the range meets its tiles (request_splits counts so)
       __syncthreads();                                    // the previous request's shared reads are done
-      segment(b, blockIdx.x, uniform(t0 * WORK_UNIT), uniform(t1 * WORK_UNIT), uniform(blockIdx.y + b), splits == 1,
+      const int x = RAGGED_ROWS ? uniform(slot_q_tile(p, b, slot, rotation(p, b, lane))) * SLOT_HEAD_TILES
+                                      + blockIdx.x % SLOT_HEAD_TILES
+                                : blockIdx.x;
+      segment(b, x, uniform(t0 * WORK_UNIT), uniform(t1 * WORK_UNIT), uniform(blockIdx.y + b), splits == 1,
               uniform(splits));   // units to KV tiles: segment caps them at the request's
     }
     start += uniform(request_span(wl, tiles));
@@ -801,8 +884,10 @@ __device__ __forceinline__ void run_range(const VerifyParams& p, const WorkList&
 // segment (a fixed split; the balanced split's aligned layout): a packed range's block that ended
 // one request as the second of its pair would merge before its next request's segment, on its
 // range's path (H=64 B=32 S=9 at 4096 keys: 3% slower), where a merge block does that off it.
+// Not with ragged rows: a pair's blocks are those of one row-group slot, which holds different
+// row groups of a request from slot to slot.
 __device__ __forceinline__ bool pair_merge(int splits, const WorkList& wl) {
-  return PAIR_MERGE && splits == 2 && wl.tiles != 0;
+  return PAIR_MERGE && splits == 2 && !RAGGED_ROWS && wl.tiles != 0;
 }
 
 // A pair's block, after its range (its rows still staged: sStage + r * stride, final values in
@@ -888,17 +973,17 @@ __device__ __forceinline__ void end_pair(const VerifyParams& p, int b, int x, in
 // more than 32 splits rescale what the earlier rounds summed. A split without keys has l = 0:
 // weight 0, by select.
 constexpr int MERGE_BATCH = PART16 ? 6 : 3;
-__device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, int splits, int slot0) {
+__device__ void merge_row(const VerifyParams& p, int b, int i, int h, int lane, int splits, int slot0, int qs) {
   constexpr int E = 16 / (int)sizeof(part_t);   // values per 16-byte load
   constexpr int V = DL / (32 * E);              // 16-byte loads per lane and partial row
   float acc[V * E] = {};
   float m = -INFINITY, l = 0.f;
   for (int k0 = 0; k0 < splits; k0 += 32) {
     const int n = splits - k0 < 32 ? splits - k0 : 32;
-    const float2 ml = lane < n ? __ldcg(&p.part_ml[part_row(p, slot0 + k0 + lane, b, i, h)])
+    const float2 ml = lane < n ? __ldcg(&p.part_ml[part_row(p, slot0 + k0 + lane, b, i, h, qs)])
                                : make_float2(-INFINITY, 0.f);
     uint4 x[MERGE_BATCH][V];
-    const uint4* src = reinterpret_cast<const uint4*>(partial_row(p, slot0 + k0, b, i, h)) + lane;
+    const uint4* src = reinterpret_cast<const uint4*>(partial_row(p, slot0 + k0, b, i, h, qs)) + lane;
     const long long split_stride = part_slot_rows(p) * (DL / E);   // in 16-byte loads
 #pragma unroll
     for (int j = 0; j < MERGE_BATCH; ++j)
@@ -953,16 +1038,29 @@ __device__ void merge_block(const VerifyParams& p, const WorkList& wl) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // Its request's positions start after the spans of the requests before it: one warp sum. The
   // lengths are read here again, not kept from the work list's pass: in the seesaw this runs
-  // after the tile loop, which has no registers to hold them.
-  const int t = request_units(p, b);
-  const LaneRequests s = lane_spans(wl, lane_tiles(p, lane));
+  // after the tile loop, which has no registers to hold them. With ragged rows the list is that
+  // of the slot holding the group (split_work_list.cuh.j2), and a padded group has no split to
+  // merge: its rows' outputs are unspecified.
+  int qs = x / 1, rot = 0;          // the group's query-tile slot, its request's rot_b
+  WorkList gl = wl;
+  if (dealt(p)) {
+    const RealTiles r = real_tiles(p, b);
+    const int k = qs - r.first;                         // which of its real query tiles
+    if (k < 0) return;
+    rot = rotation(p, b, lane);
+    qs = (int)((unsigned)(rot + k) % (unsigned)query_tiles(p));
+  }
+  const LaneRequests lt = lane_tiles(p, qs, lane);
+  if (dealt(p)) gl = balanced_ranges(p, lt, lane);
+  const int t = slot_units(p, b, qs, rot);
+  const LaneRequests s = lane_spans(gl, lt);
   int before = 0, first, splits;
 #pragma unroll
   for (int k = 0; k < LANE_REQUESTS; ++k) before += lane + 32 * k < b ? s.v[k] : 0;
 #pragma unroll 1
-  for (int k = lane + 32 * LANE_REQUESTS; k < b; k += 32) before += request_span(wl, request_units(p, k));
-  request_splits(wl, t, warp_sum_uniform(before), &first, &splits);
-  if (splits == 1 || pair_merge(splits, wl)) return;    // its split blocks wrote it (one, or a pair)
+  for (int k = lane + 32 * LANE_REQUESTS; k < b; k += 32) before += request_span(gl, request_units(p, k));   // (not dealt)
+  request_splits(gl, t, warp_sum_uniform(before), &first, &splits);
+  if (splits == 1 || pair_merge(splits, gl)) return;    // its split blocks wrote it (one, or a pair)
   const int slot0 = first + b;                          // its ranges' workspace slots (the work list above)
   const int h0 = (x % 1) * 64;
   const int q0 = (x / 1) * 1;
@@ -977,7 +1075,7 @@ __device__ void merge_block(const VerifyParams& p, const WorkList& wl) {
   const int end = (part + 1) * per < GROUP_ROWS ? (part + 1) * per : GROUP_ROWS;
   for (int r = part * per + warp; r < end; r += MERGE_WARPS) {
     const int i = q0 + r / 64, h = h0 + r % 64;
-    if (i < p.seqlen_q) merge_row(p, b, i, h, lane, splits, slot0);
+    if (i < p.seqlen_q) merge_row(p, b, i, h, lane, splits, slot0, qs);
   }
 }
 
@@ -1855,7 +1953,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   // wnq through a lane-0 broadcast: the same value, but ptxas then knows it is warp-uniform.
   const int wmq = warp % WMQ, wnq = __shfl_sync(0xffffffffu, warp / WMQ, 0);   // wgmma: wnq is the warpgroup
   MLAGEN_TRACE(start);
-  const LaneRequests lt = lane_tiles(p, lane);             // the requests' tiles, for the work list and the range's lookup
+  const LaneRequests lt = lane_tiles(p, blockIdx.x / SLOT_HEAD_TILES, lane);   // the requests' tiles, for the work list and the range's lookup
   const WorkList wl = balanced_ranges(p, lt, lane);     // once, for the merge and the split blocks alike
   MLAGEN_TRACE(work_list);
   unsigned long long* sFull = sBits + TREE_ROWS;        // (MBARRIERS,) after the tree-mask rows
