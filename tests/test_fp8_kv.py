@@ -432,3 +432,31 @@ def test_fp8_tiles_match_the_reference_of_their_dequantized_rows(fmt, name, mask
                                             dtype=torch.float64, **case.kwargs())
         problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2))
         assert problem is None, (name, mask, page_size, problem)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e4m3", "ds_mla"])
+def test_fp8_tiles_run_ragged_rows(fmt):
+    """The sm_90a FP8 tile as a balanced split with ragged rows, as the dispatcher runs a balanced
+    FP8 table pick for a call with q_counts: 12 requests of 0..9 real rows, each real row against
+    the fp64 reference over the same FP8 cache."""
+    if not runs_on("sm_90a", device_info(torch.cuda.current_device())[0]):
+        pytest.skip("sm_90a code does not run on this GPU")
+    case = make_case(batch=12, seqlen_q=9, heads=16, page_size=64, mask="tree", per_request_tree=True, seed=71,
+                     prefixes=[900, 0, 2000, 70, 1500, 300, 2600, 5, 1200, 800, 0, 1700])
+    counts = [9, 0, 4, 1, 9, 6, 2, 9, 5, 3, 7, 8]
+    cache, scale = mlagen.quantize_kv(case.kv_cache, fmt)
+    problem = Problem(heads=16, mask="tree", lse=True, kv_format=fmt)
+    variant = fp8_tile(problem, 9, "sm_90a", H200).with_(kv_split="balanced", rows="ragged")
+    assert variant.kv_split == "balanced" and validate(problem, variant).ragged_rows
+    q_counts = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    out, lse = mlagen.verify_attention(case.q, cache, case.block_table, case.cache_seqlens, kv_scale=scale,
+                                       variant=variant, return_lse=True, q_counts=q_counts, **case.kwargs())
+    ref_out, ref_lse = mlagen.reference(case.q, cache, case.block_table, case.cache_seqlens, kv_scale=scale,
+                                        dtype=torch.float64, **case.kwargs())
+    rows = [(b, i) for b, c in enumerate(counts) for i in range(9 - c, 9)]
+    problem_rows = compare_rows(torch.stack([out[b, i] for b, i in rows]),
+                                torch.stack([lse[b, :, i] for b, i in rows]),
+                                torch.stack([ref_out[b, i] for b, i in rows]),
+                                torch.stack([ref_lse[b, :, i] for b, i in rows]), dims=("row", "h"))
+    assert problem_rows is None, problem_rows
