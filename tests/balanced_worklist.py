@@ -87,3 +87,26 @@ def work_list(tiles: list[int], ranges: int, cost: int, unsplit_slack: int) -> W
     elif m > packed.per + unsplit_slack:
         return packed
     return WorkList(tiles, cost, ranges, aligned_ranges(tiles, m) * (cost + m), cost + m, m)
+
+
+def real_tiles(count: int, seqlen_q: int, q_tile: int) -> tuple[int, int]:
+    """Ragged rows: (first real query tile, real tiles) of a request whose last `count` of
+    seqlen_q rows are real (split_work_list.cuh.j2, real_tiles)."""
+    tiles, first = _ceil(seqlen_q, q_tile), (seqlen_q - count) // q_tile
+    return first, (tiles - first if count > 0 else 0)
+
+
+def rotations(counts: list[int], seqlen_q: int, q_tile: int) -> list[int]:
+    """rot_b: the real query tiles of the requests before b, modulo the query tiles."""
+    tiles, out, total = _ceil(seqlen_q, q_tile), [], 0
+    for c in counts:
+        out.append(total % tiles)
+        total += real_tiles(c, seqlen_q, q_tile)[1]
+    return out
+
+
+def slot_q_tile(count: int, rot: int, slot: int, seqlen_q: int, q_tile: int) -> int:
+    """The query tile of a request (its count, rot_b) that query-tile slot `slot` holds, or -1."""
+    first, real = real_tiles(count, seqlen_q, q_tile)
+    k = (slot - rot) % _ceil(seqlen_q, q_tile)
+    return first + k if k < real else -1

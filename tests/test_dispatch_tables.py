@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from balanced_worklist import aligned_ranges, packed_list, work_list
+from balanced_worklist import aligned_ranges, packed_list, real_tiles, rotations, slot_q_tile, work_list
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -894,3 +894,55 @@ def test_the_batch_invariant_pick_follows_the_problem_alone(arch):
                 v, = picks
                 assert v.kv_split in (INVARIANT_SPLITS, 1) and v.combine == "merge" and not v.p_exchange, v.name
                 validate(problem, v)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), batch=st.integers(1, 40), seqlen_q=st.integers(1, 24), q_tile=st.sampled_from([1, 2, 4, 8]),
+       ranges=st.integers(1, 12))
+def test_ragged_rows_deal_each_real_row_group_to_one_slot_and_rows_of_its_own(data, batch, seqlen_q, q_tile, ranges):
+    """Ragged rows worked through as the kernel does it (templates/split_work_list.cuh.j2,
+    split_merge_blocks.cuh.j2, common.cuh.j2's part_row; tests/balanced_worklist.py its twin):
+    each query-tile slot's list holds the requests with a real tile there; every real (request,
+    query tile) sits in exactly one slot, whose ranges run each of its KV tiles once, where the
+    merge looks for it; no padded tile runs; partial rows, numbered range + request within a
+    slot's list and placed at the slot's query-tile position, never meet another group's and stay
+    inside ranges + B - 1 slots of whole query tiles; with every row real the layout is the dense
+    one."""
+    counts = data.draw(st.lists(st.integers(0, seqlen_q), min_size=batch, max_size=batch))
+    units = data.draw(st.lists(st.integers(0, 30), min_size=batch, max_size=batch))
+    slots = -(-seqlen_q // q_tile)
+    rot = rotations(counts, seqlen_q, q_tile)
+    assert rotations([seqlen_q] * batch, seqlen_q, q_tile) == [0] * batch
+    assert all(slot_q_tile(seqlen_q, 0, qs, seqlen_q, q_tile) == qs for qs in range(slots))
+    ran: dict[tuple[int, int, int], int] = {}          # (request, query tile, KV tile) -> slot
+    rows: dict[tuple[int, int], tuple[int, int]] = {}  # (workspace slot, slot row) -> (request, query tile)
+    for qs in range(slots):
+        held = [slot_q_tile(c, r, qs, seqlen_q, q_tile) for c, r in zip(counts, rot, strict=True)]
+        wl = work_list([u if x >= 0 else 0 for u, x in zip(units, held, strict=True)], ranges, 3, 2)
+        for y in range(ranges):                            # run_range: the requests from request_at on
+            u0, u1 = y * wl.per, min(y * wl.per + wl.per, wl.total)
+            b0 = wl.request_at(u0) if u0 < u1 else batch
+            start = wl.start(b0) if b0 < batch else u1
+            for b in range(b0, batch):
+                if start >= u1:
+                    break
+                share, start = wl.range_tiles(b, u0, u1), start + wl.span(b)
+                if not share:
+                    continue
+                x = held[b]
+                assert x >= 0 and y + b < ranges + batch - 1
+                for t in share:
+                    assert (b, x, t) not in ran
+                    ran[(b, x, t)] = qs
+                for r in range(q_tile):
+                    assert rows.setdefault((y + b, qs * q_tile + r), (b, x)) == (b, x)
+                    assert qs * q_tile + r < slots * q_tile
+    for b, (c, r) in enumerate(zip(counts, rot, strict=True)):
+        first, real = real_tiles(c, seqlen_q, q_tile)
+        for x in range(slots):
+            padded = not first <= x < first + real
+            assert padded == (x * q_tile + q_tile <= seqlen_q - c or c == 0)
+            for t in range(units[b]):
+                assert ((b, x, t) in ran) != padded
+                if not padded:
+                    assert ran[(b, x, t)] == (r + x - first) % slots       # the merge's slot
