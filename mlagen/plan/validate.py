@@ -202,7 +202,7 @@ class KernelPlan:
     @property
     def ragged_rows(self) -> bool:
         """Whether the balanced work list runs only each request's real row groups, its last
-        q_counts[b] rows (Variant.rows "ragged"; templates/split_work_list.cuh.j2, RowSlots)."""
+        q_counts[b] rows (Variant.rows "ragged"; templates/split_work_list.cuh.j2, slot_q_tile)."""
         return self.variant.rows == "ragged"
 
     @property

@@ -194,11 +194,14 @@ def check_out(out: object, q: torch.Tensor, shapes: Shapes) -> None:
 
 
 def check_q_counts(q_counts: object, batch: int, seqlen_q: int, device: torch.device, values: bool) -> None:
-    """Ragged rows' counts: int32 [B] on q's device; with `values` (a device read), each in 0..S."""
+    """Ragged rows' counts: int32 [B], contiguous (the kernels read q_counts[b] at b), on q's
+    device; with `values` (a device read), each in 0..S."""
     counts = _tensor("q_counts", q_counts)
     _on("q_counts", counts, device)
     if counts.dtype != torch.int32 or tuple(counts.shape) != (batch,):
         _fail("q_counts", f"{counts.dtype} {tuple(counts.shape)}", f"int32 [B]=[{batch}]")
+    if batch > 1 and counts.stride(0) != 1:
+        _fail("q_counts.stride()", tuple(counts.stride()), "(1,): contiguous")
     if values:
         for b, c in enumerate(counts.tolist()):
             if not 0 <= c <= seqlen_q:

@@ -198,7 +198,8 @@ def _lookup(q: object, kv_cache: object, block_table: object, cache_seqlens: obj
     try:
         key = (inputs.signature(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale),
                causal, return_lse, variant, bound, invariant, _scale_key(kv_scale), _scale_key(q_scale),
-               None if q_counts is None else (type(q_counts), q_counts.shape, q_counts.dtype, q_counts.device))
+               None if q_counts is None else (type(q_counts), q_counts.shape, q_counts.stride(), q_counts.dtype,
+                                              q_counts.device))
         return key, _calls.get(key)           # (the get hashes the key: TypeError if it cannot be)
     except (AttributeError, TypeError, RuntimeError):
         return None, None
