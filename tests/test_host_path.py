@@ -186,7 +186,8 @@ def test_q_counts_reach_the_plan_and_the_parameter_block(fake_gpu):
     (torch.tensor([3], dtype=torch.int32), r"q_counts: got torch.int32 \(1,\), expected int32 \[B\]=\[2\]"),
     (torch.tensor([3, 4], dtype=torch.int32), r"q_counts\[1\]: got 4, expected 0..S=3"),
     ([3, 1], r"q_counts: got list"),
-    (torch.tensor([3, 0, 1, 0], dtype=torch.int32)[::2], r"q_counts.stride\(\): got \(2,\), expected \(1,\): contiguous"),
+    (torch.tensor([3, 0, 1, 0], dtype=torch.int32)[::2],
+     r"q_counts.stride\(\): got \(2,\), expected \(1,\): contiguous"),
 ])
 def test_bad_q_counts_are_named(fake_gpu, counts, match):
     with pytest.raises(InputError, match=match):
