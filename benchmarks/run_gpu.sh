@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# What the GPU machine is for: GPU tests, compute-sanitizer, tuning, the benchmark, ragged batches,
-# host cost and fuzzing, as named steps. Each group below fits one 10-minute device call:
+# Runs mlagen's GPU tests, compute-sanitizer, tuning, the benchmark, ragged batches, host cost
+# and fuzzing on this machine's GPU, as named steps, and writes each step's output to a results
+# folder. It may be started from any folder: it runs in the repository root.
 #
-#   bash benchmarks/run_gpu.sh STEP...
-#   bash benchmarks/run_gpu.sh          # tests verify sanitize bench: about 30 min, more than one call
+#   bash benchmarks/run_gpu.sh                 # tests verify sanitize bench: about 30 min on an H200
+#   bash benchmarks/run_gpu.sh STEP...         # the named steps, in order
 #
-#   step       what                                                   time on the H200    timeout
+#   step       what it runs                                           time on the H200    timeout
 #   tests      pytest -m gpu tests/, all but test_gpu_verify.py       6-7 min, cold       540 s
 #   verify     pytest -m gpu tests/test_gpu_verify.py                 6-7 min             540 s
 #   memcheck   compute-sanitizer memcheck on benchmarks/sanitize.py  2.5 min             300 s
@@ -17,11 +18,12 @@
 #   racecheck3 the same on the engine features (--only feature+,     under 2 min         420 s
 #              --skip _tr_): batch-invariant splits, FP8, context-parallel
 #              shards, ragged rows
-#   racecheck  racecheck1 racecheck2 racecheck3 (three calls)
-#   sanitize   memcheck synccheck racecheck1 racecheck2 racecheck3 (four calls)
-#   tune       mlagen tune, seed and serving grids, into mlagen/dispatch/tables/  under 5 min      420 s
-#   tune8      mlagen tune --kv e4m3, then --kv ds_mla, serving grid (FP8  ~5 min, unmeasured 540 s
-#              caches' own table entries; after the FP8 GPU tests pass)
+#   racecheck  racecheck1 racecheck2 racecheck3
+#   sanitize   memcheck synccheck racecheck1 racecheck2 racecheck3
+#   tune       mlagen tune, seed and serving grids, into the shipped   under 5 min         420 s
+#              table mlagen/dispatch/tables/<gpu>.json (--write-default)
+#   tune8      mlagen tune --kv e4m3, then --kv ds_mla, serving grid  ~5 min, estimated  540 s
+#              (the FP8 caches' entries of that table)
 #   bench      mlagen bench, seed, serving and trees grids; the      under 2 min warm    585 s
 #              dispatcher's pick under tree masks too, batch-invariant mode's and on FP8 inputs
 #   ragged     benchmarks/ragged.py on three batch shapes, then       1-4 min             450 s
@@ -30,27 +32,35 @@
 #   fuzz       mlagen fuzz for 4 minutes                              4.5 min             330 s
 #   facts      only gpu.txt (every run writes it first)
 #
-# "Cold" is a fresh machine, whose kernels all compile first (the sanitizer steps compile them
-# again, with line info). One call per group (CALLS below): `tests`, `verify`, `memcheck synccheck`,
-# `racecheck1`, `racecheck2`, `racecheck3`, `tune`, `tune8`, `bench`, `ragged host`, `fuzz`. Run `tune`
-# (and `tune8`) before `bench`: bench times the dispatcher's picks from the table tune writes.
+# "Cold" is an empty compile cache: every kernel compiles first (the sanitizer steps compile
+# theirs again, with line info). Compiled kernels go to $MLAGEN_CACHE_DIR, /tmp/mlagen-cache
+# unless it is set. Run `tune` (and `tune8`) before `bench`, since bench times the dispatcher's
+# picks from the table tune writes; users tuning for their own GPU run `mlagen tune` instead,
+# which leaves the shipped table alone.
 #
-# Outputs rewrite the files in benchmarks/results/<gpu>/ (gpu: the GPU's name as a short slug,
-# "NVIDIA H200" -> h200; RESULTS=dir overrides): gpu.txt (name, driver, clocks, date, torch, cupy
-# and NVRTC versions), gpu_tests.log, gpu_verify.log, sanitize_<step>.log, tune.log, tune8.log, bench.json/.md/.png,
-# ragged.log, host_cost.log, fuzz.log. Where $OUT is set (the device tool returns the files under
-# it: at most 8, two folders deep), the files a step wrote are copied to $OUT/<gpu>/ as it ends
-# (so a call cut short returns the steps it finished), and tune's table to $OUT/tables/. Exits
-# non-zero when a step fails or times out; later steps still run.
+# Each step writes into benchmarks/results/<gpu>/ (<gpu>: the GPU's name as a short slug,
+# "NVIDIA H200" -> h200, "NVIDIA H100 80GB HBM3" -> h100-80gb-hbm3), or into RESULTS=dir,
+# replacing the files of the same name there:
+#   every run  gpu.txt (GPU name, driver, clocks, date, torch, CuPy and NVRTC versions)
+#   tests      gpu_tests.log            verify     gpu_verify.log
+#   memcheck, synccheck, racecheck1-3   sanitize_<step>.log
+#   tune       tune.log                 tune8      tune8.log
+#   bench      bench.json, bench.md, bench.png
+#   ragged     ragged.log               host       host_cost.log        fuzz    fuzz.log
+#
+# COPY_TO=dir also copies the files of each step to dir/<gpu>/ as soon as the step ends (and the
+# tuned table to dir/tables/), so a run that is stopped part-way leaves the finished steps there.
+#
+# The timeout is a safety limit, well above the step's usual time: a step that runs past it is
+# stopped and counts as failed. Later steps still run, and the script exits non-zero when any
+# step failed or timed out.
 set -uo pipefail
 
 STEPS="tests verify memcheck synccheck racecheck1 racecheck2 racecheck3 racecheck sanitize tune tune8 bench ragged host fuzz facts"
 DEFAULT_STEPS="tests verify sanitize bench"
-# Each step's timeout in seconds (ragged: all its runs together), and the groups of steps that share one
-# device call: each group's timeouts add up to less than the call's 600 s.
+# Each step's timeout in seconds (ragged: all its runs together), a safety limit against a hung step.
 declare -A LIMIT=([tests]=540 [verify]=540 [memcheck]=300 [synccheck]=150 [racecheck1]=360 [racecheck2]=480 [racecheck3]=420 [tune]=420 [tune8]=540
                   [bench]=585 [ragged]=450 [host]=120 [fuzz]=330 [facts]=0)
-CALLS=("tests" "verify" "memcheck synccheck" "racecheck1" "racecheck2" "racecheck3" "tune" "tune8" "bench" "ragged host" "fuzz")
 
 usage() {
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -88,12 +98,12 @@ main() {
   fi
   if [[ $# -eq 0 ]]; then
     set -- $DEFAULT_STEPS
-    echo "run_gpu.sh: no steps named, so $DEFAULT_STEPS (about 30 min; one group a device call: see --help)" >&2
+    echo "run_gpu.sh: no steps named, so $DEFAULT_STEPS (about 30 min on an H200; --help lists the steps)" >&2
   fi
   local steps
   steps=$(expand_steps "$@") || return 2
   if ! command -v nvidia-smi >/dev/null 2>&1; then
-    echo "run_gpu.sh: no GPU here (nvidia-smi not found); run it on the GPU machine" >&2
+    echo "run_gpu.sh: no GPU here (nvidia-smi not found); run it on a machine with an NVIDIA GPU and its driver" >&2
     return 1
   fi
   local root name driver slug
@@ -102,7 +112,7 @@ main() {
   IFS=, read -r name driver < <(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1)
   name=$(echo "$name" | xargs) driver=$(echo "$driver" | xargs)
   if [[ -z $name ]]; then
-    echo "run_gpu.sh: nvidia-smi names no GPU; run it on the GPU machine" >&2
+    echo "run_gpu.sh: nvidia-smi names no GPU" >&2
     return 1
   fi
   slug=$(gpu_slug "$name")
@@ -120,15 +130,15 @@ main() {
 print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>&1
   } >"$results/gpu.txt"
   cat "$results/gpu.txt"
-  copy_out() {
-    [[ -n ${OUT:-} ]] || return 0
-    mkdir -p "$OUT/$slug"
+  copy_done() {   # COPY_TO=dir: the files the steps so far wrote, to dir/<gpu>/ (tables to dir/tables/)
+    [[ -n ${COPY_TO:-} ]] || return 0
+    mkdir -p "$COPY_TO/$slug"
     local f
     for f in "${written[@]}"; do
-      [[ -f $results/$f ]] && cp "$results/$f" "$OUT/$slug/"
+      [[ -f $results/$f ]] && cp "$results/$f" "$COPY_TO/$slug/"
     done
     if [[ ${#tables[@]} -gt 0 ]]; then
-      mkdir -p "$OUT/tables" && cp "${tables[@]}" "$OUT/tables/"
+      mkdir -p "$COPY_TO/tables" && cp "${tables[@]}" "$COPY_TO/tables/"
     fi
   }
 
@@ -140,7 +150,7 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         timeout ${LIMIT[tests]} python3 -m pytest -q -m gpu tests/ --ignore=tests/test_gpu_verify.py 2>&1 |
           tee "$results/gpu_tests.log"
         rc=${PIPESTATUS[0]}; written+=(gpu_tests.log) ;;
-      verify)   # the kernels against the fp64 reference, family by family: a call of its own
+      verify)   # the kernels against the fp64 reference, family by family
         timeout ${LIMIT[verify]} python3 -m pytest -q -m gpu tests/test_gpu_verify.py 2>&1 | tee "$results/gpu_verify.log"
         rc=${PIPESTATUS[0]}; written+=(gpu_verify.log) ;;
       memcheck | synccheck | racecheck1 | racecheck2 | racecheck3)
@@ -196,11 +206,8 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
     esac
     echo "== $step: rc $rc, $((SECONDS - start)) s"
     [[ $rc -ne 0 ]] && failed+=("$step")
-    copy_out   # after every step: a call cut short still returns the steps it finished
+    copy_done   # after every step: a run stopped part-way has copied the steps it finished
   done
-  local count
-  [[ -n ${OUT:-} ]] && count=$(find "$OUT" -type f | wc -l) && [[ $count -gt 8 ]] &&
-    echo "run_gpu.sh: $count files under \$OUT; the device tool returns 8 at most" >&2
   if [[ ${#failed[@]} -gt 0 ]]; then
     echo "run_gpu.sh: failed: ${failed[*]}" >&2
     return 1
