@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mlagen.plan.params import FIELD_NAMES, PARAMS_SIZE, POINTER_NAMES, TAIL_NAMES, tail
-from mlagen.runtime import inputs, launch, op, workspace
+from mlagen.runtime import inputs, lasting, launch, op, workspace
 from mlagen.runtime.inputs import InputError
 
 B, S, H, D, DL, PAGES, PAGE = 2, 3, 4, 576, 512, 5, 16
@@ -69,6 +69,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False, raising=False)
     monkeypatch.setattr(workspace, "_buffers", {})
     monkeypatch.setattr(workspace, "_arenas", {})
+    monkeypatch.setattr(lasting, "make", lambda build, device: build())   # no CUDA streams to run it on
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda device=None: types.SimpleNamespace(synchronize=lambda: None))
     monkeypatch.setattr(launch, "_launch_kernel", lambda: driver)

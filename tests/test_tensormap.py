@@ -49,17 +49,21 @@ def test_a_refused_descriptor_names_the_cache(monkeypatch):
 
 def test_device_map_buffers_per_cache_eager_and_captured(monkeypatch):
     """One buffer per cache outside capture, written before the call returns; a cache first met
-    under capture gets one buffer that every capture copies into again (a node of each graph),
-    and once an eager call has written the cache's buffer, captures use it with no copy. CPU
-    tensors stand in for the device and pinned buffers."""
+    under capture gets one buffer that every capture copies into again (a node of each graph):
+    from the graph's pool before any eager descriptor, else a slot of the device's arena, each
+    slot handed out once. Once an eager call has written the cache's buffer, captures use it with
+    no copy. CPU tensors stand in for the device and pinned buffers."""
     import torch
 
     fake, copies = FakeEncode(), []
     monkeypatch.setattr(tensormap, "_encode_tiled", lambda: fake)
     monkeypatch.setattr(tensormap, "_maps", {})
     monkeypatch.setattr(tensormap, "_captured", {})
-    monkeypatch.setattr(tensormap, "_buffers", lambda device, desc: (torch.zeros(len(desc), dtype=torch.uint8),
-                                                                     torch.tensor(list(desc), dtype=torch.uint8)))
+    monkeypatch.setattr(tensormap, "_slots", {})
+    monkeypatch.setattr(tensormap, "_device", lambda index: torch.device("cpu"))
+    monkeypatch.setattr(tensormap, "_host", lambda desc: torch.tensor(list(desc), dtype=torch.uint8))
+    made = []
+    monkeypatch.setattr(tensormap.lasting, "make", lambda build, device: made.append(device) or build())
     real_copy = torch.Tensor.copy_
     monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, non_blocking=False:
                         copies.append(non_blocking) or real_copy(self, src))
@@ -73,12 +77,18 @@ def test_device_map_buffers_per_cache_eager_and_captured(monkeypatch):
     first = address(0x1000)
     assert address(0x1000) == first                       # a second capture: the same buffer...
     assert copies == [True, True] and len(fake.calls) == 1   # ...written again by its own node
-    assert len(tensormap._captured) == 1 and not tensormap._maps
+    assert len(tensormap._captured) == 1 and not tensormap._maps and not made and not tensormap._slots
     capturing[0] = False
     eager = address(0x1000)
     assert eager != first and copies[-1] is False         # eager: its own buffer, copied synchronously
+    assert made == [0]                                    # made outside any pool, with the device's slots
     (dev, host), = tensormap._maps.values()
     assert torch.equal(dev, host) and dev.data_ptr() == eager
     capturing[0] = True
     assert address(0x1000) == eager and len(copies) == 3   # captured after: no copy recorded
-    assert address(0x2000) not in (first, eager) and len(tensormap._captured) == 2   # another cache
+    slots = tensormap._slots[0]
+    assert address(0x2000) == slots.buffers[0].data_ptr() and len(tensormap._captured) == 2   # another cache: a slot
+    assert address(0x2000) == slots.buffers[0].data_ptr() and slots.used == 1
+    assert address(0x3000) == slots.buffers[1].data_ptr()
+    slots.used = tensormap.CAPTURE_SLOTS
+    assert address(0x4000) not in {s.data_ptr() for s in slots.buffers}   # slots spent: the graph's pool

@@ -6,11 +6,15 @@ cuTensorMapEncodeTiled, 128-byte swizzle: the layout the wgmma kernels read). Th
 carries the descriptor's device address (`kv_map`). Outside graph capture a descriptor is
 encoded once per cache tensor (its address, shape, strides and dtype) and copied to the device
 before the call returns, so a launch on any stream may read it; a call under capture then uses
-it as it is. A cache first met under capture gets a buffer of its own for captured graphs: each
+it as it is. A cache first met under capture gets a slot of its own for captured graphs: each
 capture records a copy into it from pinned host memory, a node ahead of its kernels, so a graph
 writes it before every replay (graphs that share it write the same bytes), and an eager call
-never reads it before a replay has written it. Descriptors are never freed: a graph may still
-use one; there is one or two per cache tensor, and an engine has a few.
+never reads it before a replay has written it. The slots come from an arena that the device's
+first eager descriptor sets up beside it (`mlagen.runtime.lasting`, outside any private pool:
+torch.compile's CUDA graph trees copy a non-static cache to an address of their own before they
+record, and refuse a buffer kept in their pool); past `CAPTURE_SLOTS` caches, the graph's own pool
+holds the slot. Descriptors are never freed: a graph may still use one; there is one or two per
+cache tensor, and an engine has a few.
 """
 
 from __future__ import annotations
@@ -21,18 +25,38 @@ import sys
 
 import torch
 
+from . import lasting
+
 MAP_BYTES = 128                  # sizeof(CUtensorMap)
 _DTYPE = {"bf16": 9, "fp16": 6}  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 / _FLOAT16
 _ELEM_BYTES = 2                  # both of them
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 BOX_DIMS = 64                    # dims per box: one 128-byte swizzled column block
+CAPTURE_SLOTS = 64               # descriptors per device for caches first met under capture
 
 # (device, address, num_pages, page_size, D, page stride, row stride, dtype, rows per box) ->
 # (device tensor, pinned host tensor it is copied from): descriptors copied outside capture
 _maps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 # the same for caches first met under capture: captured graphs copy into these
 _captured: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+class _Slots:
+    """CAPTURE_SLOTS descriptor buffers of one device, handed out once each to `_captured`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.buffers = torch.empty(CAPTURE_SLOTS, MAP_BYTES, dtype=torch.uint8, device=device)
+        self.used = 0
+
+    def take(self) -> torch.Tensor | None:
+        if self.used == CAPTURE_SLOTS:
+            return None
+        self.used += 1
+        return self.buffers[self.used - 1]
+
+
+_slots: dict[int, _Slots] = {}
 
 
 @functools.cache
@@ -60,11 +84,34 @@ def encode(address: int, num_pages: int, page_size: int, head_dim: int, strides:
     return bytes(desc)
 
 
-def _buffers(device: int, desc: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-    """A device buffer for descriptor `desc` on CUDA device `device`, and the pinned host copy
-    of `desc` it is written from."""
-    host = torch.frombuffer(bytearray(desc), dtype=torch.uint8).pin_memory()
-    return torch.empty(MAP_BYTES, dtype=torch.uint8, device=torch.device("cuda", device)), host
+def _host(desc: bytes) -> torch.Tensor:
+    """Descriptor `desc` in pinned host memory, the source of its copies to the device."""
+    return torch.frombuffer(bytearray(desc), dtype=torch.uint8).pin_memory()
+
+
+def _device(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+def _eager_buffer(device: int) -> torch.Tensor:
+    """A device buffer for one descriptor, outside any private pool; the device's capture slots
+    are set up with the first one."""
+    cuda = _device(device)
+
+    def build() -> torch.Tensor:
+        if device not in _slots:
+            _slots[device] = _Slots(cuda)
+        return torch.empty(MAP_BYTES, dtype=torch.uint8, device=cuda)
+
+    return lasting.make(build, device)
+
+
+def _capture_buffer(device: int) -> torch.Tensor:
+    """A device buffer for one descriptor under capture: the next free slot of the device's
+    arena, else one from the graph's pool."""
+    slots = _slots.get(device)
+    slot = slots.take() if slots is not None else None
+    return slot if slot is not None else torch.empty(MAP_BYTES, dtype=torch.uint8, device=_device(device))
 
 
 def device_map(device: int, address: int, num_pages: int, page_size: int, head_dim: int, strides: tuple[int, int],
@@ -81,8 +128,8 @@ def device_map(device: int, address: int, num_pages: int, page_size: int, head_d
     table = _captured if capturing else _maps
     held = table.get(key)
     if held is None:
-        held = table[key] = _buffers(device, encode(address, num_pages, page_size, head_dim, strides, dtype,
-                                                    box_rows))
+        desc = _host(encode(address, num_pages, page_size, head_dim, strides, dtype, box_rows))
+        held = table[key] = (_capture_buffer(device) if capturing else _eager_buffer(device), desc)
     # under capture a node of the graph; outside, finished before the return (other streams'
     # launches may read it next)
     held[0].copy_(held[1], non_blocking=capturing)

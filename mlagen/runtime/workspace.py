@@ -5,13 +5,18 @@ The counters must be zero when a launch starts; every launch leaves them zero. S
 
 - Eager calls reuse their buffers per (device, stream), the counters zeroed once when
   allocated: work on a stream runs in order, so a call's launch never overlaps the previous
-  one on that stream, and reusing skips a torch.empty per call (~3 µs of host time on the
-  H200 machine). Other streams get their own.
+  one on that stream, and reusing skips a torch.empty and a memset per call. Other streams get
+  their own. These buffers, and the arenas below, are made by `mlagen.runtime.lasting`, outside
+  any private memory pool: torch.compile's CUDA graph trees warm a function up with its
+  allocations routed into their pool, and refuse a buffer kept there.
 - A call being captured in a CUDA graph takes its partials from torch's allocator (the graph's
   private pool) and its counters from a zeroed arena that eager calls set up on the device:
   slices handed out once and never again, so no two graphs, and no graph and eager call,
   share anything. Without arena room (no eager call yet on the device, or exhausted) the
   capture records a memset of its own counters instead, which the graph repeats per replay.
+
+Every path is tested under torch.compile's modes, CUDA graph trees included, and under
+engine-style captures (tests/test_gpu_compile.py).
 
 The buffers are torch tensors, counted in torch's memory statistics; `release()` drops the
 eager ones (torch's caching allocator then holds the memory until `torch.cuda.empty_cache()`).
@@ -22,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from . import lasting
 
 ARENA_COUNTERS = 1 << 16      # uint32 counters per arena (256 KB)
 _MAX_STREAMS = 64
@@ -96,17 +103,22 @@ def _grow(device: int, stream: int, layout: Layout, torch_device: torch.device,
           bufs: tuple | None) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
     if bufs is None and len(_buffers) >= _MAX_STREAMS:
         _buffers.clear()   # stream-ordered frees: work queued on those streams stays valid
-    # The current stream is `stream`, so torch's allocator ties the memory to it: freed memory
-    # (a smaller buffer replaced here) is reused on it only after queued work.
-    partials = bufs[0] if bufs is not None and bufs[4] >= layout.numel else \
-        torch.empty(layout.numel, dtype=torch.float32, device=torch_device)
-    counters = bufs[1] if bufs is not None and bufs[5] >= layout.counters else \
-        torch.zeros(layout.counters, dtype=torch.int32, device=torch_device)
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        # On `stream` (lasting.make), so torch's allocator ties the memory to it: freed memory (a
+        # smaller buffer replaced here) is reused on it only after queued work.
+        partials = bufs[0] if bufs is not None and bufs[4] >= layout.numel else \
+            torch.empty(layout.numel, dtype=torch.float32, device=torch_device)
+        counters = bufs[1] if bufs is not None and bufs[5] >= layout.counters else \
+            torch.zeros(layout.counters, dtype=torch.int32, device=torch_device)
+        arenas = _arenas.setdefault(device, [])
+        if not arenas or arenas[-1].used * 2 > ARENA_COUNTERS:
+            arenas.append(_Arena(torch_device))
+        return partials, counters
+
+    partials, counters = lasting.make(build, device)
     bufs = _buffers[(device, stream)] = (partials, counters, partials.data_ptr(), counters.data_ptr(),
                                          partials.numel(), counters.numel())
-    arenas = _arenas.setdefault(device, [])
-    if not arenas or arenas[-1].used * 2 > ARENA_COUNTERS:
-        arenas.append(_Arena(torch_device))
     return bufs
 
 
