@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.table import Table
-from rich.text import Text
 
 from .bench import (
     DISPATCH,
@@ -36,6 +35,7 @@ from .bench import (
     fp8_case_of,
     mask_cell,
 )
+from .tables import markdown_table, text_table
 from .workload import FP8_CASES
 
 if TYPE_CHECKING:
@@ -43,28 +43,6 @@ if TYPE_CHECKING:
     from .tune import RowTune, Trial
 
 FILES = ("bench.json", "bench.md", "bench.png")
-FORMATS = ("table", "markdown", "json")     # what `--format` of bench, tune and fuzz accepts
-
-
-def text_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]],
-               red: Callable[[str, str], bool] = lambda column, cell: False, caption: str | None = None,
-               right: Callable[[str], bool] = lambda column: False) -> Table:
-    """A rich table of plain text cells (never read as markup); red(column, cell) marks a cell red
-    and right(column) right-aligns a column. Columns fold a cell too long for them, never cut it."""
-    table = Table(title=title, caption=caption)
-    for col in columns:
-        table.add_column(col, justify="right" if right(col) else "left", overflow="fold")
-    for row in rows:
-        table.add_row(*[Text(cell, style="red" if red(col, cell) else "") for col, cell in zip(columns, row,
-                                                                                               strict=True)])
-    return table
-
-
-def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """A GitHub markdown table, as lines: a '|' in a cell is escaped, a line break becomes a space."""
-    def cells(row: Sequence[str]) -> str:
-        return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in row) + " |"
-    return [cells(columns), "|" + "---|" * len(columns), *(cells(r) for r in rows)]
 
 
 def _timed_columns(result: BenchResult) -> list[str]:
