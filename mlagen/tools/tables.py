@@ -16,7 +16,7 @@ def text_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str |
     """A rich table of plain text cells (never read as markup); red(column, cell) marks a cell red
     and right(column) right-aligns a column. A cell given as a rich Text keeps its own style.
     Columns fold a cell too long for them, never cut it."""
-    table = Table(title=title, caption=caption)
+    table = Table(title=title, caption=caption, caption_justify="left")
     for col in columns:
         table.add_column(col, justify="right" if right(col) else "left", overflow="fold")
     for row in rows:
