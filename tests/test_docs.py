@@ -255,3 +255,20 @@ def test_heading_links_resolve():
             doc = (folder / target).resolve().relative_to(ROOT).as_posix() if target else name
             if doc in docs:
                 assert anchor in _anchors(docs[doc]), f"{name}: link to {target}#{anchor} names no heading"
+
+
+def test_family_and_tree_figures_are_the_latest_bench():
+    """The families' distance from the floor on one long request, and a tree's cost over causal."""
+    rows = [r for r in _bench()["rows"] if r["batch"] == 1 and r["prefix"] >= 65536]
+    x = {f: [r["cells"][f]["us"] / r["floor_us"] for r in rows] for f in ("naive", "flash", "mma")}
+    design = re.sub(r"\s+", " ", _doc("docs/design.md"))
+    assert f"| {5 * round(min(x['naive']) / 5)}-{5 * round(max(x['naive']) / 5)}x the floor |" in design
+    assert f"scalar FMA | {min(x['flash']):.0f}-{max(x['flash']):.0f}x |" in design
+    assert f"the tensor cores | {min(x['mma']):.1f}-{max(x['mma']):.1f}x |" in design
+    one = next(r for r in rows if (r["heads"], r["seqlen_q"], r["prefix"]) == (64, 9, 65536))
+    naive, flash, mma = (one["cells"][f]["us"] / one["floor_us"] for f in ("naive", "flash", "mma"))
+    guide = re.sub(r"\s+", " ", _doc("docs/guide.md"))
+    assert (f"naive runs at about {10 * round(naive / 10)}× the floor, flash at {flash:.0f}× and mma at "
+            f"{mma:.1f}×") in guide
+    trees = _ratio_range("dispatch:tree") + _ratio_range("dispatch:tree-per-request")
+    assert f"a random tree costs {min(trees):.2f}-{max(trees):.2f}x the causal time" in guide
