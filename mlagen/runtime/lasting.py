@@ -11,7 +11,7 @@ allocator then ties them to that stream exactly as if the caller had made them, 
 later is ordered after the work queued on it.
 
 Only calls that create or grow a kept buffer come here (the first call per stream, a larger
-workspace, a new cache's descriptor): a thread hand-off costs tens of µs, once. Never under graph
+workspace, a new cache's descriptor), so the thread hand-off is paid once, not per call. Never under graph
 capture: in torch's default capture mode another thread's cudaMalloc breaks the capture, so
 captured calls take what they need from the graph's own pool, or from arenas made here before.
 """
