@@ -152,7 +152,7 @@ class DeepseekV3Verifier:
         if isinstance(self.backend, MlagenBackend) and self.dtype not in MLAGEN_DTYPES:
             raise InputError(f"model: got {self.dtype} weights, expected torch.bfloat16 or torch.float16 for the "
                              "mlagen backend (model.to(torch.bfloat16)), or backend=ReferenceBackend()")
-        self.attention = [AbsorbedMLA(layer.self_attn, self.config) for layer in self.layers]
+        self.mla = [AbsorbedMLA(layer.self_attn, self.config) for layer in self.layers]
         max_pages = -(-max_context // page_size)
         self.cache = PagedLatentCache(
             num_layers=len(self.layers), num_pages=num_pages or max_requests * max_pages, page_size=page_size,
@@ -226,7 +226,7 @@ class DeepseekV3Verifier:
     def _attend(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: RowIndex,
                 table: torch.Tensor, seqlens: torch.Tensor, mask: torch.Tensor | None, longest: int) -> torch.Tensor:
         """Layer i's attention of x [B, S, hidden]: writes the rows, runs the backend, projects out."""
-        mla = self.attention[i]
+        mla = self.mla[i]
         q, rows = mla.project(x, cos, sin)
         self.cache.write(i, index, rows)
         latent = self.backend(q.contiguous(), self.cache.layer(i), table, seqlens, softmax_scale=mla.scale,

@@ -195,7 +195,8 @@ class PagedLatentCache:
         if self.kv_format is None:
             stored = flat.to(self.dtype)
         else:
-            stored, _ = quantize_kv(flat, self.kv_format, self.kv_scale(layer))
+            source = flat if flat.dtype in (torch.bfloat16, torch.float16, torch.float32) else flat.float()
+            stored, _ = quantize_kv(source, self.kv_format, self.kv_scale(layer))
         target = self._bytes(self.pages[layer])
         target[index.page.reshape(-1), index.offset.reshape(-1)] = self._bytes(stored).reshape(-1, target.shape[-1])
 
