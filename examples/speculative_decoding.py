@@ -82,8 +82,8 @@ def seeded_config(args: argparse.Namespace) -> object:
         vocab_size=args.vocab, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
         moe_intermediate_size=args.hidden_size // 4, num_hidden_layers=args.layers, n_shared_experts=1,
         n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
-        q_lora_rank=3 * args.hidden_size // 2, max_position_embeddings=4096, rope_interleave=True, attn_implementation="eager",
-        experts_implementation="eager", **KIMI_K2_ATTENTION)
+        q_lora_rank=3 * args.hidden_size // 2, max_position_embeddings=4096, rope_interleave=True,
+        attn_implementation="eager", experts_implementation="eager", **KIMI_K2_ATTENTION)
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:

@@ -195,8 +195,7 @@ def test_speculative_decoding_emits_the_models_greedy_tokens():
     worst = []
 
     def check(step):
-        for j, b in enumerate(step.requests):
-            tree = step.trees[j]
+        for j, tree in enumerate(step.trees):
             ref = model_logits(model, step.contexts[j], tree)
             worst.append((step.logits[j, : len(tree)] - ref).abs().max().item() / ref.abs().max().item())
 
