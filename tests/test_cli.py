@@ -4,6 +4,7 @@ alone, and the table/markdown/json results of bench, tune and fuzz on synthetic 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import io
 import json
@@ -18,13 +19,15 @@ from rich.console import Console
 from rich.text import Text
 from typer.testing import CliRunner
 
-import cli
-from cli import app
+from mlagen.codegen.compiler import Resources
 from mlagen.codegen.render import render
 from mlagen.dispatch.presets import DEFAULT_EMIT_ARCHS, PRESETS
-from mlagen.dsl.spec import parse_variant
+from mlagen.dsl.spec import Variant, parse_variant
+from mlagen.plan.mma_plan import TRANSPOSED_STACK, stack_budget
 from mlagen.plan.validate import validate
+from mlagen.tools import cli
 from mlagen.tools.bench import DISPATCH, EAGER, BenchResult, Cell, RowResult
+from mlagen.tools.cli import app
 from mlagen.tools.fuzz import Outcome, Report, draw
 from mlagen.tools.grids import Row
 from mlagen.tools.report import (
@@ -178,21 +181,111 @@ def test_help_speaks_to_users():
     for command in ("", "emit", "list", "show", "check", "bench", "tune", "fuzz"):
         result = runner.invoke(app, [command, "--help"] if command else ["--help"], env={"COLUMNS": "200"})
         assert result.exit_code == 0, result.output
-        for jargon in ("mma_plan", "stack_budget", "72-row", "kernels files", "poisoned"):
+        for jargon in ("mma_plan", "stack_budget", "72-row", "kernels files", "poisoned", "<bool>"):
             assert jargon not in result.output, (command, jargon)
 
 
-def test_emit_counts_kernel_files(tmp_path):
+def test_help_wraps_whole_paragraphs():
+    """A docstring's paragraph reflows to the terminal's width: no line break where the source had one."""
+    result = runner.invoke(app, ["emit", "--help"], env={"COLUMNS": "200"})
+    assert "the variants that differ only in the split, and its name leaves the split out." in " ".join(
+        result.output.split())
+    paragraph = result.output.split("\n\n")[2].splitlines()     # wrapped where the width ends, not where the source
+    assert all(len(a) + 1 + len(b.split()[0]) > 78 for a, b in zip(paragraph, paragraph[1:], strict=False))
+    assert "--launcher  " in result.output and "--no-launcher" not in result.output      # a flag, no placeholder
+
+
+def test_bench_help_names_every_mask_and_fp8_case():
+    """bench's help names the choices in words (the module holding them needs torch)."""
+    from mlagen.tools.workload import FP8_CASES, MASKS
+
+    text = " ".join(runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "200"}).output.split())
+    for name in (*MASKS, *FP8_CASES):
+        assert f" {name} (" in text or f" {name}," in text, name
+
+
+def test_allowed_spills_say_what_check_allows():
+    """The allowance that check prints is stack_budget's: a transposed tile of more than 32 rows,
+    TRANSPOSED_STACK bytes; no other kernel may spill."""
+    assert f"more than 32 query rows (q_tile x head_tile) may keep up to {TRANSPOSED_STACK} bytes" in cli.ALLOWED_SPILLS
+    tile = Variant(family="mma", head_tile=8, q_tile=4, block_n=64, warps=8, arch="sm_90a", schedule="transposed")
+    assert stack_budget(tile) == 0 and stack_budget(tile.with_(q_tile=5)) == TRANSPOSED_STACK
+    assert stack_budget(tile.with_(schedule="lockstep", q_tile=8)) == 0
+    def spills(stack: int, spilled: int) -> Resources:
+        return Resources(registers=255, shared_static=0, stack_frame=stack, spill_stores=spilled, spill_loads=spilled)
+    assert cli._spill_verdict(spills(0, 0), 0)[0] == "none"
+    assert cli._spill_verdict(spills(8, 4), 0) == ("fails", Text("fails: 8 bytes (no spills allowed)", style="red"))
+    status, text = cli._spill_verdict(spills(48, 44), TRANSPOSED_STACK)
+    assert status == "allowed" and text.plain == f"88 bytes: allowed (transposed tile, stack 48 <= {TRANSPOSED_STACK})"
+    assert cli._spill_verdict(spills(TRANSPOSED_STACK + 8, 80), TRANSPOSED_STACK)[0] == "fails"
+
+
+def test_show_compile_prints_a_table(monkeypatch):
+    """ptxas's report as a table of named columns, not a Python repr."""
+    import mlagen.codegen.build
+
+    v = PRESETS["kimi-k2"].variants("sm_90")[1]
+    real = mlagen.codegen.build.build
+
+    def build(problem, variant):
+        built = real(problem, variant)
+        fake = Resources(registers=246, shared_static=16, stack_frame=0, spill_stores=0, spill_loads=0)
+        return dataclasses.replace(built, module=dataclasses.replace(built.module, resources={
+            built.plan.main_kernel: fake}))
+    monkeypatch.setattr(mlagen.codegen.build, "build", build)
+    result = runner.invoke(app, ["show", v.name, "--compile"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "Resources(" not in result.stdout and "registers=" not in result.stdout
+    header = next(line for line in result.stdout.splitlines() if "registers" in line and "spill stores" in line)
+    assert "static smem" in header and "stack" in header
+    row = next(line for line in result.stdout.splitlines() if "│ main" in line and "246" in line)
+    assert row.split("│")[2].strip() == "246" and row.split("│")[3].strip() == "16"
+
+
+def test_emit_says_what_it_wrote_per_file(tmp_path):
+    """A line per file, manifests and launchers included: written, or unchanged (it already held
+    that text); the source's line names the variant; stale kernels' removal is listed too."""
     result = runner.invoke(app, ["emit", "--variant", "naive_w4_sm80", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    assert result.stdout.endswith("1 kernel file for preset kimi-k2, 1 changed\n")
-    result = runner.invoke(app, ["emit", "--arch", "sm_80", "--out", str(tmp_path)])
+    folder = tmp_path / "kimi-k2" / "sm_80"
+    name = validate(PRESETS["kimi-k2"].problem, parse_variant("naive_w4_sm80")).name
+    assert result.stdout.splitlines() == [
+        f"written    {folder / name}.cu  (variant naive_w4_sm80)",
+        f"written    {folder / name}.json",
+        "1 kernel file for preset kimi-k2, with its manifests: 2 of 2 files written, 0 unchanged"]
+    stale = folder / "mlagen_old_kernel.cu"
+    stale.write_text("// an earlier emit's\n")
+    result = runner.invoke(app, ["emit", "--arch", "sm_80", "--launcher", "--out", str(tmp_path)])
     n = len(PRESETS["kimi-k2"].variants("sm_80"))
-    assert result.stdout.endswith(f"{n} kernel files for preset kimi-k2, {n - 1} changed\n")
+    lines = result.stdout.splitlines()
+    assert f"unchanged  {folder / name}.cu  (variant naive_w4_sm80)" in lines
+    assert f"unchanged  {folder / name}.json" in lines and f"written    {folder / name}_launch.h" in lines
+    assert f"removed    {stale}  (a kernel the preset no longer has)" in lines and not stale.exists()
+    assert lines[-1] == (f"{n} kernel files for preset kimi-k2, with their manifests and launchers: {3 * n - 2} of "
+                         f"{3 * n} files written, 2 unchanged, 1 stale file removed")
+    assert len(lines) == 3 * n + 2
+
+
+def test_emit_into_a_folder_that_cannot_be_made(tmp_path):
+    """/proc takes no new folders (even for root, whom os.access lets write anywhere): one line, exit 2."""
+    for command in ("emit", "bench"):
+        result = runner.invoke(app, [command, "--out", "/proc/mlagen-out"])
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+        assert result.stderr.startswith("error: --out: got '/proc/mlagen-out', expected a folder you may write to")
 
 
 def _list_lines(stdout: str) -> list[str]:
     return [line.strip() for line in stdout.splitlines()]
+
+
+def _variant_lines(lines: list[str], start: int, n: int) -> list[tuple[str, str]]:
+    """(variant, kernel) of the n lines after `start`: 'VARIANT  kernel KERNEL'."""
+    found = []
+    for line in lines[start + 1:start + 1 + n]:
+        variant, word, kernel = line.split()
+        assert word == "kernel", line
+        found.append((variant, kernel))
+    return found
 
 
 def test_list_prints_whole_names_in_a_narrow_pipe():
@@ -205,21 +298,36 @@ def test_list_prints_whole_names_in_a_narrow_pipe():
     for p in PRESETS.values():
         assert p.description in run.stdout
         for arch in DEFAULT_EMIT_ARCHS:
-            names = [v.name for v in p.variants(arch)]
-            start = lines.index(f"{p.name} on {arch}: {len(names)} variant{'s' if len(names) != 1 else ''}")
-            assert lines[start + 1:start + 1 + len(names)] == names
+            vs = p.variants(arch)
+            start = lines.index(f"{p.name} on {arch}: {len(vs)} variant{'s' if len(vs) != 1 else ''}, in files "
+                                f"mlagen_KERNEL_{p.problem.name}.cu")
+            assert _variant_lines(lines, start, len(vs)) == [(v.name, v.code_name) for v in vs]
+
+
+def test_list_names_the_file_each_variant_lands_in(tmp_path):
+    """One name everywhere: a listed variant emitted alone lands in mlagen_<its listed kernel>_<problem>.cu."""
+    result = runner.invoke(app, ["list", "--arch", "sm_90"])
+    lines = _list_lines(result.stdout)
+    p = PRESETS["kimi-k2"]
+    start = next(i for i, line in enumerate(lines) if line.startswith("kimi-k2 on sm_90:"))
+    pairs = _variant_lines(lines, start, len(p.variants("sm_90")))
+    assert any(v != k for v, k in pairs)                       # an adaptive split's kernel leaves it out
+    for variant, kernel in pairs:
+        runner.invoke(app, ["emit", "--variant", variant, "--out", str(tmp_path)])
+        assert (tmp_path / "kimi-k2" / parse_variant(variant).arch / f"mlagen_{kernel}_{p.problem.name}.cu").exists()
 
 
 def test_list_arch():
     result = runner.invoke(app, ["list", "--arch", "sm_80", "--arch", "sm_90a", "--arch", "sm_80"])
     assert result.exit_code == 0, result.output
     lines = _list_lines(result.stdout)
-    headers = [line for line in lines if " on sm_" in line]
+    headers = [line.partition(", in files")[0] for line in lines if " on sm_" in line]
     def count(n: int) -> str:
         return f"{n} variant" + ("s" if n != 1 else "")
     assert headers == [f"{p.name} on {a}: {count(len(p.variants(a)))}" for p in PRESETS.values()
                        for a in ("sm_80", "sm_90a")]
-    assert "naive_w4_sm80" in lines and "naive_w4_sm90" not in lines and "naive_w4_sm120" not in lines
+    names = [line.split()[0] for line in lines if line]
+    assert "naive_w4_sm80" in names and "naive_w4_sm90" not in names and "naive_w4_sm120" not in names
 
 
 def test_show_source_is_the_source_alone():

@@ -6,7 +6,6 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from cli import app
 from mlagen.codegen.compiler import compile_source
 from mlagen.codegen.render import render
 from mlagen.dispatch.policy import H200, untuned_variant
@@ -15,14 +14,15 @@ from mlagen.dsl.arch import runs_on
 from mlagen.dsl.spec import naive
 from mlagen.plan.params import FIELDS, PARAMS_SIZE
 from mlagen.plan.validate import validate
-from mlagen.tools.emit import emit_preset
+from mlagen.tools.cli import app
+from mlagen.tools.emit import emit_one, emit_preset
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
 
 
 def test_generated_folder_is_up_to_date(tmp_path):
-    fresh = emit_preset(PRESETS["kimi-k2"], DEFAULT_EMIT_ARCHS, tmp_path)
+    fresh = emit_preset(PRESETS["kimi-k2"], DEFAULT_EMIT_ARCHS, tmp_path).kernels
     for e in fresh:
         committed = ROOT / "generated" / e.source.relative_to(tmp_path)
         for mine, theirs in ((e.source, committed), (e.manifest, committed.with_suffix(".json"))):
@@ -71,7 +71,8 @@ def test_emit_default_writes_sm90_and_sm120_with_manifests(tmp_path):
                 assert re.search(rf'__global__ void __launch_bounds__\({k["block"][0]}(, 1)?\)\s*{k["name"]}\(',
                                  f.read_text())
     again = runner.invoke(app, ["emit", "--out", str(tmp_path)])
-    assert "0 changed" in again.output
+    assert re.search(r": 0 of (\d+) files written, \1 unchanged$", again.stdout.splitlines()[-1]), again.stdout
+    assert all(line.startswith("unchanged  ") for line in again.stdout.splitlines()[:-1])
 
 
 def test_emitted_file_compiles_alone(tmp_path):
@@ -89,8 +90,8 @@ def test_preset_emit_removes_its_stale_kernels_only(tmp_path):
     stale.write_text("// an earlier emit's kernel\n")
     mine = folder / "engine_notes.cu"
     mine.write_text("// the user's own file\n")
-    emit_preset(PRESETS["kimi-k2"], ("sm_90",), tmp_path)
-    assert not stale.exists() and mine.exists()
+    done = emit_preset(PRESETS["kimi-k2"], ("sm_90",), tmp_path)
+    assert not stale.exists() and mine.exists() and done.removed == [stale]
     assert {p.name for p in folder.glob("mlagen_*.cu")} == {
         f"{validate(PRESETS['kimi-k2'].problem, v).name}.cu" for v in PRESETS["kimi-k2"].variants("sm_90")}
 
@@ -129,7 +130,25 @@ def test_list_show_check():
     assert shown.exit_code == 0, shown.output
     plan = validate(PRESETS["kimi-k2"].problem, v)
     assert shown.stdout == render(plan).rstrip("\n") + "\n"          # the source alone on stdout
-    assert f"{plan.main_kernel}: " in shown.stderr and "registers=" in shown.stderr     # the compile report beside it
+    assert "registers" in shown.stderr and "spill stores" in shown.stderr     # the compile report beside it
     checked = runner.invoke(app, ["check", "--arch", "sm_90", "--preset", "kimi-k2-tp8"])
     assert checked.exit_code == 0, checked.output
-    assert "no spills" in checked.output
+    assert "bytes: allowed (transposed tile, stack" in checked.stdout          # which spills pass, and why
+    assert "Spills fail check, but for one allowance: a transposed tile" in " ".join(checked.stdout.split())
+    assert checked.stdout.splitlines()[-1].endswith("within the transposed tile's allowance, none beyond it")
+
+
+def test_variants_that_differ_in_a_launch_split_share_one_file(tmp_path):
+    """_spa and _sp2 run one kernel: one file, the same bytes whichever is emitted, named by the kernel."""
+    p = PRESETS["kimi-k2"]
+    adaptive = next(v for v in p.variants("sm_90") if v.kv_split == "adaptive" and v.family == "mma")
+    first = emit_one(p.problem, adaptive, tmp_path / "a")
+    second = emit_one(p.problem, adaptive.with_(kv_split=2), tmp_path / "b")
+    assert first.source.name == second.source.name == f"mlagen_{adaptive.code_name}_{p.problem.name}.cu"
+    assert "_spa" not in first.source.name and "_sp2_" in second.variant.name
+    for a, b in zip(first.files, second.files, strict=True):
+        assert a.read_bytes() == b.read_bytes()
+    out = runner.invoke(app, ["emit", "--variant", adaptive.name, "--variant", adaptive.with_(kv_split=2).name,
+                              "--out", str(tmp_path)])
+    assert f"(variants {adaptive.name}, {adaptive.with_(kv_split=2).name})" in out.stdout
+    assert out.stdout.splitlines()[-1].startswith("1 kernel file for preset kimi-k2")

@@ -111,7 +111,8 @@ class _Group(TyperGroup):
         try:
             code = super().main(args=argv, prog_name=prog_name, complete_var=complete_var, standalone_mode=False,
                                 **extra)
-        except getattr(click_errors, "NoArgsIsHelpError", ()) as e:    # `mlagen` alone: the help is printed
+        except getattr(click_errors, "NoArgsIsHelpError", ()) as e:    # `mlagen` alone: its help, on stdout
+            _write(e.format_message())
             sys.exit(e.exit_code)
         except click_errors.UsageError as e:
             command = " ".join(["mlagen", *argv[:1]]) if argv[:1] and argv[0] in self.commands else "mlagen"
