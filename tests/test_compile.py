@@ -19,7 +19,8 @@ from mlagen.dispatch.presets import PRESETS
 from mlagen.dsl.arch import CI_ARCHS
 from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import Problem, Variant, naive, parse_variant
-from mlagen.plan.mma_plan import TRANSPOSED_STACK, stack_budget
+from mlagen.plan.mma_plan import TRANSPOSED_STACK
+from mlagen.plan.schedules import stack_budget
 from mlagen.plan.validate import is_valid, validate
 
 MATRIX = pytest.mark.compile_matrix

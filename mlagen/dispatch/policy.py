@@ -39,8 +39,9 @@ from dataclasses import dataclass
 from ..dsl.arch import get_arch, runs_on, specializations
 from ..dsl.errors import SpecError
 from ..dsl.spec import Problem, Variant, naive, parse_variant
-from ..plan.mma_plan import TRANSPOSED_ROWS, padded_rows
-from ..plan.space import exchange_variants
+from ..plan.mma_plan import padded_rows
+from ..plan.schedules import SEESAW, TRANSPOSED, schedule_of
+from ..plan.space import tile_a_block_variants
 from ..plan.tiles import FLASH_Q_TILE, balanced_q_tile, enumerate_tiles
 from ..plan.validate import MAX_CLUSTER, SEGMENT_TILES, split_unit, validate
 from . import tables
@@ -297,14 +298,15 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
     tiles = -(-kv_capacity // v.block_n)
     if _row_groups(v, problem.heads, seqlen_q) * batch * tiles < policy.seesaw_tiles:
         return v
-    seesaw = v.with_(loads="tma", schedule="seesaw", kv_split="balanced")
-    return seesaw if policy.fits(problem, seesaw) else v
+    seesaw = SEESAW.twin(v)
+    balanced = seesaw.with_(kv_split="balanced") if seesaw is not None else None
+    return balanced if balanced is not None and policy.fits(problem, balanced) else v
 
 
 def exchange_tile(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
                   policy: DispatchPolicy) -> Variant | None:
-    """The heuristic's sm_90a tile as a P exchange (`Variant.p_exchange`: a cluster with one KV
-    tile a block, `space.exchange_variants`) where the block table holds at most
+    """The heuristic's sm_90a tile as a P exchange (a cluster with one KV tile a block,
+    `space.tile_a_block_variants`) where the block table holds at most
     `DispatchPolicy.exchange_max_tiles` tiles of 64 keys and the launch's blocks, row groups x
     requests x cluster size, fit `DispatchPolicy.exchange_blocks` (one wave of the device's SMs); None elsewhere.
     H200, S=9 H=64 with 256 keys (5 tiles, 45 blocks): 9.4 µs against the split's 10.6-10.8;
@@ -314,7 +316,7 @@ def exchange_tile(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
     v = heuristic_variant(problem, seqlen_q, arch, policy)
     if v.arch != "sm_90a":
         return None
-    found = [w for w in exchange_variants(problem, v, kv_capacity) if policy.fits(problem, w)]
+    found = [w for w in tile_a_block_variants(problem, v, kv_capacity) if policy.fits(problem, w)]
     if not found or batch * _row_groups(found[0], problem.heads, seqlen_q) * int(found[0].kv_split) > \
             policy.exchange_blocks:
         return None
@@ -349,10 +351,10 @@ def transposed_tile(problem: Problem, seqlen_q: int, arch: str, policy: Dispatch
     slower on the H200, and 72-row ones anywhere from 3% faster to 4% slower from one timing to
     the next, so they are left to the tuner."""
     rows = problem.heads * seqlen_q
-    if rows not in TRANSPOSED_ROWS or rows % 64 == 0 or not runs_on("sm_90a", arch):
+    if rows not in TRANSPOSED.rows or rows % 64 == 0 or not runs_on("sm_90a", arch):
         return None
-    v = Variant(family="mma", head_tile=problem.heads, q_tile=seqlen_q, kv_split="balanced", block_n=64,
-                warps=8, stages=2, arch="sm_90a", partials="16bit", schedule="transposed")
+    v = TRANSPOSED.adopt(Variant(family="mma", head_tile=problem.heads, q_tile=seqlen_q, kv_split="balanced",
+                                 arch="sm_90a", partials="16bit"))
     return v if policy.fits(problem, v) else None
 
 
@@ -400,17 +402,18 @@ def batch_invariant_variant(problem: Problem, seqlen_q: int, arch: str, policy: 
     if problem.fp8:
         return fp8_variant(arch)
     v = transposed_tile(problem, seqlen_q, arch, policy) or heuristic_variant(problem, seqlen_q, arch, policy)
-    if v.family == "mma" and v.arch == "sm_90a" and not v.transposed:
-        seesaw = v.with_(loads="tma", schedule="seesaw")
-        v = seesaw if policy.fits(problem, seesaw.with_(kv_split=INVARIANT_SPLITS)) else v
+    seesaw = SEESAW.twin(v) if v.family == "mma" and v.arch == "sm_90a" else None
+    if seesaw is not None and policy.fits(problem, seesaw.with_(kv_split=INVARIANT_SPLITS)):
+        v = seesaw
     fixed = v.with_(kv_split=INVARIANT_SPLITS)
     return fixed if policy.fits(problem, fixed) else v.with_(kv_split=1)
 
 
 def covers(variant: Variant, kv_capacity: int) -> bool:
-    """Whether `variant` runs requests of up to `kv_capacity` keys: every variant but a P
-    exchange (`Variant.p_exchange`), whose cluster holds one block_n-key tile a block."""
-    return not variant.p_exchange or kv_capacity <= int(variant.kv_split) * variant.block_n
+    """Whether `variant` runs requests of up to `kv_capacity` keys: every variant but one whose
+    cluster holds one block_n-key tile a block (`TileSchedule.max_keys`: the P exchange)."""
+    max_keys = schedule_of(variant).max_keys(variant)
+    return not max_keys or kv_capacity <= max_keys
 
 
 def _tuned_keys(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int) -> list[str]:
@@ -426,7 +429,7 @@ def tuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
                   gpu: str, policy: DispatchPolicy, family: str | None = None) -> Variant | None:
     """The tuned table's pick (within `family` if given) for this shape, or None.
 
-    A P exchange entry (`Variant.p_exchange`) whose cluster holds fewer keys than the block
+    A P exchange entry whose cluster holds fewer keys than the block
     table addresses says the P exchange wins a length step shorter: it gives way to the
     P exchange sized for these keys (`exchange_tile`) where one fits, rather than to a longer
     neighbour's split. H200, S=9 H=64 with 512 keys, where the table has entries at 256 (the

@@ -62,7 +62,7 @@ def _score_split(m_pad: int, block_n: int, warps: int) -> tuple[int, int] | None
     return None if best is None else (best[1], best[2])
 
 
-# The transposed tile (schedule "transposed"): its N = rows in multiples of 8, at most what leaves
+# The transposed tile: its N = rows in multiples of 8, at most what leaves
 # two 64-key stages and P^T's 1 KB blocks room in sm_90a's 227 KB (templates/mma_transposed.cu.j2).
 TRANSPOSED_ROWS = range(16, 73, 8)
 KV_COLUMN_BLOCK = 64 * 128          # bytes of a 64-key tile's 64-dim column block
@@ -71,7 +71,8 @@ KV_COLUMN_BLOCK = 64 * 128          # bytes of a 64-key tile's 64-dim column blo
 def transposed_layout(p: Problem, v: Variant) -> MmaLayout | str:
     """The transposed tile's layout, or what it needs beyond its schedule's rules
     (`schedules.SCHEDULES`): Q [rows][576], two stages of 64 keys, and two 1 KB blocks (P^T's
-    ninth column group and the running max between the warpgroups)."""
+    ninth column group and the running max between the warpgroups; its stages' mbarriers live in
+    them with TMA loads)."""
     rows = v.q_tile * v.head_tile
     if rows not in TRANSPOSED_ROWS:
         return f"q_tile*head_tile a multiple of 8 from 16 to 72 for transposed, got {rows}"
@@ -83,16 +84,27 @@ def transposed_layout(p: Problem, v: Variant) -> MmaLayout | str:
 
 
 # Stack that a transposed tile of more than 32 rows may take: its 144 output accumulators (72
-# rows) fill the registers, and ptxas spills 40-56 bytes (88-96 with a tree mask's byte reads),
-# as in the kernels timed on the H200 (docs/design.md, "Transposed tile"). More means something
-# grew.
+# rows) fill the registers, and ptxas spills a few dozen bytes (more with a tree mask's byte
+# reads; docs/design.md, "Transposed tile"). More means something grew.
 TRANSPOSED_STACK = 128
 
 
 def stack_budget(v: Variant) -> int:
-    """Bytes of stack (spills) `v`'s kernels may take: 0, but for a transposed tile of more than
-    32 rows TRANSPOSED_STACK."""
-    return TRANSPOSED_STACK if v.schedule == "transposed" and v.q_tile * v.head_tile > 32 else 0
+    """Bytes of stack (spills) `v`'s kernels may take: its schedule's (`schedules.stack_budget`,
+    where the registry keeps each schedule's need), for callers that check compiled kernels."""
+    from .schedules import stack_budget as schedule_stack  # the registry imports this module
+
+    return schedule_stack(v)
+
+
+def no_stack(v: Variant) -> int:
+    """The stack (spills) a kernel that keeps everything in registers may take: none."""
+    return 0
+
+
+def transposed_stack(v: Variant) -> int:
+    """The stack a transposed tile may take: TRANSPOSED_STACK for more than 32 rows, else none."""
+    return TRANSPOSED_STACK if v.q_tile * v.head_tile > 32 else 0
 
 
 # The seesaw's mbarriers: its tile pair loads in SEESAW_LOAD_PARTS parts, each with one (stage
@@ -103,32 +115,42 @@ SEESAW_LOAD_PARTS = 4
 SEESAW_BARRIERS = SEESAW_LOAD_PARTS + 2
 
 
-# The P exchange (schedule "p_exchange", templates/mma_exchange.cu.j2): a block's slot holds its
+# The P exchange (templates/mma_exchange.cu.j2): a block's slot holds its
 # tile's P (64 rows x 64 keys, 16-bit, 1024-byte aligned for wgmma) and the rows' sums; the rows'
 # maxima go first, in slots of 64 floats.
 EXCHANGE_SLOT = 9 * 1024
 EXCHANGE_MAX_SLOT = 64 * 4
+# The rows a P exchange block holds: those of one m64 wgmma row group, 49 to 64.
+EXCHANGE_ROWS = range(49, 65)
 
 
-def mbarriers(v: Variant) -> int:
-    """The mbarriers `v`'s kernel keeps after its tree-mask rows in shared memory, 8 bytes each:
-    with the P exchange one for the cluster's row maxima and one a slot, with the seesaw
-    SEESAW_BARRIERS, with TMA loads one per stage, else none. (The transposed tile keeps its
-    stages' mbarriers inside its 1 KB blocks: none of its own.)"""
-    if v.schedule == "p_exchange":
-        return 1 + int(v.kv_split)
-    if v.schedule == "transposed":
-        return 0
-    return SEESAW_BARRIERS if v.schedule == "seesaw" else v.stages if v.loads == "tma" else 0
+def no_mbarriers(v: Variant) -> int:
+    """mbarriers of a kernel that keeps none after its tree-mask rows (the transposed tile keeps
+    its stages' inside its 1 KB blocks)."""
+    return 0
 
 
-def load_mbarriers(v: Variant) -> int:
-    """Those of `mbarriers(v)` that count KV bytes landing (one TMA arrival each): the seesaw's
-    SEESAW_LOAD_PARTS, one per stage with TMA loads, else none. The seesaw's others count a
-    warpgroup's arrivals; the P exchange's count its peers' bulk copies."""
-    if v.schedule in ("p_exchange", "transposed"):
-        return 0
-    return SEESAW_LOAD_PARTS if v.schedule == "seesaw" else mbarriers(v)
+def stage_mbarriers(v: Variant) -> int:
+    """The lockstep loop's mbarriers: one per stage with TMA loads, each counting a tile's bytes;
+    none with cp.async copies."""
+    return v.stages if v.loads == "tma" else 0
+
+
+def seesaw_mbarriers(v: Variant) -> int:
+    """The seesaw's mbarriers: SEESAW_BARRIERS."""
+    return SEESAW_BARRIERS
+
+
+def seesaw_load_mbarriers(v: Variant) -> int:
+    """Those of the seesaw's mbarriers that count KV bytes landing: one a load part
+    (SEESAW_LOAD_PARTS); its others count a warpgroup's arrivals."""
+    return SEESAW_LOAD_PARTS
+
+
+def exchange_mbarriers(v: Variant) -> int:
+    """The P exchange's mbarriers: one for the cluster's row maxima and one a slot (its peers'
+    bulk copies, none a KV load)."""
+    return 1 + int(v.kv_split)
 
 
 def exchange_units(p: Problem, cluster: int) -> int:
@@ -141,17 +163,17 @@ def exchange_layout(p: Problem, v: Variant) -> MmaLayout | str:
     """The P exchange's layout, or what it needs beyond its schedule's rules
     (`schedules.SCHEDULES`): Q (its buffer later holds the cluster's slots), the block's own
     tile, the value slices of the other tiles for its column blocks, the cluster's row maxima,
-    the row max / sum parts, the tree-mask rows and mbarriers (the maxima's, one a slot)."""
+    the row max / sum parts and the tree-mask rows (its mbarriers follow: `TileSchedule.block_layout`)."""
     rows = v.q_tile * v.head_tile
-    if not 49 <= rows <= 64:
-        return f"q_tile*head_tile from 49 to 64 for p_exchange (one m64 wgmma row group), got {rows}"
+    if rows not in EXCHANGE_ROWS:
+        return (f"q_tile*head_tile from {EXCHANGE_ROWS[0]} to {EXCHANGE_ROWS[-1]} for p_exchange (one m64 wgmma row "
+                f"group), got {rows}")
     if p.head_dim % 64 or p.dl % 64:
         return f"Dl and Dl+Dr multiples of 64 for p_exchange (64-dim column blocks), got Dl={p.dl} Dr={p.dr}"
     k = int(v.kv_split)
     tile = 64 * p.head_dim * 2
     slices = exchange_units(p, k) * (k - 1) * KV_COLUMN_BLOCK
-    smem = (max(tile, k * EXCHANGE_SLOT) + tile + slices + k * EXCHANGE_MAX_SLOT + 4 * 64 * 4 + MAX_SEQLEN_Q * 8
-            + mbarriers(v) * 8)
+    smem = max(tile, k * EXCHANGE_SLOT) + tile + slices + k * EXCHANGE_MAX_SLOT + 4 * 64 * 4 + MAX_SEQLEN_Q * 8
     return MmaLayout(m_pad=64, wmq=4, wnq=2, rows_w=16, keys_w=32, dims_w=64, p_stride=64,
                      smem_bytes=smem, wgmma=True, pv_wgmma=True)
 
@@ -181,7 +203,8 @@ def kv_stage_bytes(p: Problem, v: Variant) -> int:
 
 def lockstep_layout(p: Problem, v: Variant) -> MmaLayout | str:
     """The layout of the lockstep tile loop (templates/mma.cu.j2), which the seesaw shares, or a
-    message saying which rule the variant breaks."""
+    message saying which rule the variant breaks; the schedule's mbarriers follow its tree-mask
+    rows (`TileSchedule.block_layout`)."""
     rows = v.q_tile * v.head_tile
     m_pad = padded_rows(rows)
     if p.head_dim % 64:
@@ -211,11 +234,9 @@ def lockstep_layout(p: Problem, v: Variant) -> MmaLayout | str:
                 "pieces for the scores")
     wmq, wnq = split
     p_stride = v.block_n + 8
-    # Q, the KV stages, P, the row max / sum parts, the running max, the tree-mask rows, and the
-    # mbarriers (in the dynamic block: a static one would be padded to the dynamic block's
-    # 1024-byte alignment).
+    # Q, the KV stages, P, the row max / sum parts, the running max and the tree-mask rows.
     smem = (m_pad * p.head_dim * 2 + kv_stage_bytes(p, v) + m_pad * p_stride * 2
-            + wnq * m_pad * 4 + m_pad * 4 + MAX_SEQLEN_Q * 8 + mbarriers(v) * 8)
+            + wnq * m_pad * 4 + m_pad * 4 + MAX_SEQLEN_Q * 8)
     return MmaLayout(m_pad=m_pad, wmq=wmq, wnq=wnq, rows_w=m_pad // wmq, keys_w=v.block_n // wnq,
                      dims_w=dims_w, p_stride=p_stride, smem_bytes=smem, wgmma=wgmma,
                      pv_wgmma=wgmma and not v.mma_pv)

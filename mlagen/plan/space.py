@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 
 from ..dsl.spec import Problem, Variant, naive
+from .schedules import SCHEDULES
 from .tiles import MAX_ROWS, enumerate_tiles
 from .validate import MAX_CLUSTER, is_valid
 
@@ -71,50 +72,56 @@ def structures(problem: Problem, seqlen_q: int, arch: str, family: str,
 def split_variants(problem: Problem, variant: Variant, kv_capacity: int, skip: int) -> list[Variant]:
     """`variant` with each fixed split that leaves every split at least one KV tile, except
     `skip` (the split its adaptive rule already picks); for the mma family also the balanced
-    split, the cluster splits of CLUSTER_SIZES that `problem` and the arch allow, and the P
-    exchange where the block table holds few enough tiles (`exchange_variants`)."""
+    split, the cluster splits of CLUSTER_SIZES that `problem` and the arch allow, and the
+    schedules that run a tile a block of a cluster (the P exchange) where the block table holds
+    few enough tiles (`tile_a_block_variants`)."""
     tiles = max(1, -(-kv_capacity // variant.block_n))
     fixed = [variant.with_(kv_split=s) for s in SPLITS if s <= tiles and s != skip]
     if variant.family != "mma":
         return fixed
     clusters = [variant.with_(kv_split=s, combine="cluster") for s in CLUSTER_SIZES if s <= tiles]
     return (fixed + [variant.with_(kv_split="balanced")] + [c for c in clusters if is_valid(problem, c)]
-            + exchange_variants(problem, variant, kv_capacity))
+            + tile_a_block_variants(problem, variant, kv_capacity))
 
 
-def exchange_variants(problem: Problem, variant: Variant, kv_capacity: int) -> list[Variant]:
-    """`variant`'s tile as a P exchange (`Variant.p_exchange`) over the smallest cluster that
-    gives every KV tile of the block table a block of its own, where one fits; else none."""
-    tiles = max(1, -(-kv_capacity // 64))
-    for size in range(max(2, tiles), MAX_CLUSTER + 1):
-        v = variant.with_(kv_split=size, combine="cluster", schedule="p_exchange", block_n=64, warps=8, stages=1,
-                          mma_pv=False, partials="fp32", loads="cp_async")
-        if is_valid(problem, v):
-            return [v]
-    return []
+def tile_a_block_variants(problem: Problem, variant: Variant, kv_capacity: int) -> list[Variant]:
+    """`variant`'s tile on each schedule that runs one KV tile a block of a cluster
+    (`TileSchedule.tile_a_block`: the P exchange), over the smallest cluster that gives every
+    tile of the block table a block of its own, where one fits."""
+    found = []
+    for schedule in SCHEDULES.values():
+        if not schedule.tile_a_block:
+            continue
+        base = schedule.adopt(variant)
+        tiles = max(1, -(-kv_capacity // base.block_n))
+        found += [v for v in (base.with_(kv_split=size) for size in range(max(2, tiles), MAX_CLUSTER + 1))
+                  if is_valid(problem, v)][:1]
+    return found
 
 
 def structure_of(v: Variant) -> Variant:
     """`v` as a structure: its adaptive-split, knob-free form (what `structures` lists)."""
-    return v.with_(kv_split="adaptive", combine="merge", partials="fp32", loads="cp_async", schedule="lockstep")
+    defaults = Variant()
+    return v.with_(kv_split=defaults.kv_split, combine=defaults.combine, partials=defaults.partials,
+                   loads=defaults.loads, schedule=defaults.schedule)
 
 
 def twin_variants(problem: Problem, variants: list[Variant]) -> list[Variant]:
     """The knob twins of each of `variants` that the tuner times last, in order: with 16-bit
     partials (an mma variant that exchanges partial rows between split blocks: its split is not
-    1), with TMA loads, with both, then a lockstep variant as the seesaw (which loads with TMA)
-    with fp32 and with 16-bit partials, where valid for `problem`; each once, none of
-    `variants`."""
+    1), with TMA loads, with both, then on each schedule that twins the variant's
+    (`TileSchedule.twin`: a lockstep variant as the seesaw, which loads with TMA) with its
+    partials and with 16-bit ones, where valid for `problem`; each once, none of `variants`."""
     found: list[Variant] = []
     for v in variants:
         if v.family != "mma":
             continue
-        for part16, tma, seesaw in ((True, False, False), (False, True, False), (True, True, False),
-                                    (False, True, True), (True, True, True)):
-            if (part16 and v.kv_split == 1) or (seesaw and v.schedule != "lockstep"):
-                continue
-            w = v.with_(partials="16bit" if part16 else v.partials, loads="tma" if tma else v.loads,
-                        schedule="seesaw" if seesaw else v.schedule)
+        split = v.kv_split != 1
+        twins = [w for w in (s.twin(v) for s in SCHEDULES.values()) if w is not None]
+        knobs = ([v.with_(partials="16bit")] * split + [v.with_(loads="tma")]
+                 + [v.with_(partials="16bit", loads="tma")] * split
+                 + [t for w in twins for t in [w] + [w.with_(partials="16bit")] * split])
+        for w in knobs:
             if w not in variants and w not in found and is_valid(problem, w):
                 found.append(w)
     return found

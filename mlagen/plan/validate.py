@@ -24,22 +24,13 @@ from ..dsl.spec import (
     PARTIALS,
     Q_FORMATS,
     ROWS,
-    SCHEDULES,
     Problem,
     Variant,
     kernel_name,
 )
-from .mma_plan import (
-    EXCHANGE_MAX_SLOT,
-    EXCHANGE_SLOT,
-    STAGE_PAD,
-    MmaLayout,
-    fp8_staging_bytes,
-    kv_stage_bytes,
-    load_mbarriers,
-    mbarriers,
-)
-from .schedules import TileSchedule, schedule_of
+from .mma_plan import EXCHANGE_MAX_SLOT, EXCHANGE_SLOT, STAGE_PAD, MmaLayout, fp8_staging_bytes, kv_stage_bytes
+from .schedules import SCHEDULES, TileSchedule, schedule_of
+from .terms import N, Term, ceil_div, select
 
 MERGE_TARGET_BLOCKS = 128  # merge blocks a split launch aims for in all (about one wave on big GPUs)
 CHUNK = 8                  # elements per 16-byte load
@@ -172,9 +163,9 @@ class KernelPlan:
 
     @property
     def seesaw(self) -> bool:
-        """Whether the tile loop runs the seesaw schedule, a tile pair at a time (Variant.schedule
-        "seesaw")."""
-        return self.variant.schedule == "seesaw"
+        """Whether mma.cu.j2 runs the seesaw's tile pairs in place of its lockstep loop
+        (`TileSchedule.seesaw_loop`)."""
+        return self.schedule.seesaw_loop
 
     @property
     def cluster(self) -> bool:
@@ -212,9 +203,10 @@ class KernelPlan:
 
     @property
     def max_keys(self) -> int:
-        """Most keys the block table may address (max_pages * page size), in keys: for the P
-        exchange one block_n tile per block of its cluster; 0 for no bound."""
-        return self.cluster_size * self.block_n if self.variant.schedule == "p_exchange" else 0
+        """Most keys the block table may address (max_pages * page size), in keys: one block_n
+        tile per block of the cluster for a schedule that runs one a block (the P exchange,
+        `TileSchedule.max_keys`); 0 for no bound."""
+        return self.schedule.max_keys(self.variant)
 
     @property
     def merge_blocks_in_grid(self) -> bool:
@@ -247,9 +239,10 @@ class KernelPlan:
     def pair_merge(self) -> bool:
         """Whether a row group split in two ends as a pair, the second block merging both rows
         into the output with no merge block (templates/split_counters.cuh.j2, PAIR_MERGE):
-        `part16_workspace` kernels, but for the transposed tile, whose rows split in more than
-        two. (Ragged rows never end as a pair: split_pair_merge.cuh.j2, pair_merge.)"""
-        return self.part16_workspace and self.variant.schedule != "transposed"
+        `part16_workspace` kernels of a schedule that merges pairs (`TileSchedule.pair_merge`: not
+        the transposed tile, whose rows split in more than two). (Ragged rows never end as a
+        pair: split_pair_merge.cuh.j2, pair_merge.)"""
+        return self.part16_workspace and self.schedule.pair_merge
 
     @property
     def programmatic_launch(self) -> bool:
@@ -261,14 +254,12 @@ class KernelPlan:
     @property
     def prefetches_inputs(self) -> bool:
         """Whether the kernel, launched as a programmatic dependent, prefetches its Q rows and
-        first KV tile into L2 while the previous grid drains: the P exchange, and the mma
-        family's lockstep kernels (templates/mma.cu.j2) where `programmatic_launch`, but for the
-        balanced split (its ranges need every request's length), the seesaw (its first TMA
-        boxes go out right after the wait) and FP8 caches (the prefetch reads 16-bit rows)."""
-        v = self.variant
-        if not self.programmatic_launch or v.family != "mma" or v.schedule == "transposed" or self.problem.fp8_kv:
-            return False
-        return v.schedule == "p_exchange" or not (self.balanced or self.seesaw)
+        first KV tile into L2 while the previous grid drains: the mma family's kernels of a
+        schedule that prefetches (`TileSchedule.prefetches`) where `programmatic_launch`, but for
+        the balanced split (its ranges need every request's length) and FP8 caches (the prefetch
+        reads 16-bit rows)."""
+        return (self.programmatic_launch and self.variant.family == "mma" and self.schedule.prefetches
+                and not self.balanced and not self.problem.fp8_kv)
 
     @property
     def arch_specific(self) -> bool:
@@ -278,13 +269,13 @@ class KernelPlan:
 
     @property
     def mbarriers(self) -> int:
-        """mbarriers in shared memory after the tree-mask rows, 8 bytes each (`mma_plan.mbarriers`)."""
-        return mbarriers(self.variant)
+        """mbarriers in shared memory after the tree-mask rows, 8 bytes each (`TileSchedule.mbarriers`)."""
+        return self.schedule.mbarriers(self.variant)
 
     @property
     def load_mbarriers(self) -> int:
-        """Those of `mbarriers` that count a KV load's bytes (`mma_plan.load_mbarriers`)."""
-        return load_mbarriers(self.variant)
+        """Those of `mbarriers` that count a KV load's bytes (`TileSchedule.load_mbarriers`)."""
+        return self.schedule.load_mbarriers(self.variant)
 
     @property
     def max_merge_blocks(self) -> int:
@@ -358,35 +349,31 @@ class KernelPlan:
         """Workspace bytes per partial row: Dl values, then the row's (max, sum) as two floats."""
         return self.problem.dl * self.part_elem_bytes + 8
 
-    def grid(self, batch: int, seqlen_q: int, num_splits: int) -> tuple[int, int, int]:
-        """Grid of the kernel. Split launches add z slabs after the B request slabs for the merge
-        blocks, so that every merge block comes after every split block in grid order (a cluster
-        split has none: its y is the cluster). A balanced split has (row groups of a request,
-        ranges) split blocks in slab 0, num_splits being its ranges (`policy.balanced_parts`),
-        and always its merge slabs."""
+    def _grid(self, batch: N, seqlen_q: N, num_splits: N, merge_blocks: N) -> tuple[N | int, N, N]:
+        """The grid's formula, on ints (`grid`) or on Terms (`grid_expr`). Split launches add z
+        slabs after the B request slabs for the merge blocks, so that every merge block comes
+        after every split block in grid order (a cluster split has none: its y is the cluster).
+        A balanced split has (row groups of a request, ranges) split blocks in slab 0,
+        num_splits being its ranges (`policy.balanced_parts`), and always its merge slabs."""
         if self.variant.family == "naive":
             return (self.problem.heads, seqlen_q, batch)
-        merge = batch * self.merge_blocks(batch, seqlen_q)
-        x = self.q_tiles(seqlen_q) * self.head_tiles
+        x = ceil_div(seqlen_q, self.variant.q_tile) * self.head_tiles
+        merge_slabs = (batch * merge_blocks + num_splits - 1) // num_splits
         if self.balanced:
-            return (x, num_splits, 1 + -(-merge // num_splits))
-        if num_splits == 1:
-            return (x, 1, batch)
+            return (x, num_splits, 1 + merge_slabs)
         if self.cluster:
             return (x, num_splits, batch)
-        return (x, num_splits, batch + -(-merge // num_splits))
+        return (x, num_splits, select(num_splits > 1, batch + merge_slabs, batch))
+
+    def grid(self, batch: int, seqlen_q: int, num_splits: int) -> tuple[int, int, int]:
+        """Grid of the kernel for a launch (`_grid`)."""
+        return self._grid(batch, seqlen_q, num_splits, self.merge_blocks(batch, seqlen_q))
 
     def grid_expr(self) -> tuple[str, str, str]:
         """`grid` as C-like expressions of B, S, num_splits and merge_blocks (`merge_blocks`'s
-        value), for manifests and launchers."""
-        if self.variant.family == "naive":
-            return (str(self.problem.heads), "S", "B")
-        x = f"ceil(S / {self.variant.q_tile}) * {self.head_tiles}"
-        if self.balanced:
-            return (x, "num_splits", "1 + (B * merge_blocks + num_splits - 1) / num_splits")
-        if self.cluster:
-            return (x, "num_splits", "B")
-        return (x, "num_splits", "num_splits > 1 ? B + (B * merge_blocks + num_splits - 1) / num_splits : B")
+        value), for manifests and launchers (`_grid` on Terms)."""
+        x, y, z = self._grid(Term("B"), Term("S"), Term("num_splits"), Term("merge_blocks"))
+        return (str(x), str(y), str(z))
 
 
 def split_unit(variant: Variant) -> int:
@@ -437,25 +424,29 @@ def _check_common(v: Variant) -> None:
             f"one of {PARTIALS}: '16bit' for the mma family")
     require(v.loads == "cp_async" or (v.loads == "tma" and v.family == "mma"), "variant.loads", v.loads,
             f"one of {LOADS}: 'tma' for the mma family (on sm_90a)")
-    require(v.schedule == "lockstep" or (v.schedule in SCHEDULES and v.family == "mma"), "variant.schedule",
-            v.schedule, f"one of {SCHEDULES}: 'lockstep' for the naive and flash families")
+    schedule = SCHEDULES.get(v.schedule)
+    require(schedule is not None and v.family in schedule.families, "variant.schedule", v.schedule,
+            "one of " + "; ".join(f"{s.name!r} (family {' or '.join(s.families)})" for s in SCHEDULES.values()))
     require(v.rows == "dense" or (v.rows == "ragged" and v.kv_split == "balanced"), "variant.rows", v.rows,
             f"one of {ROWS}: 'ragged' with kv_split 'balanced' (its work list skips the padded rows)")
 
 
 def _check_fp8_family(p: Problem, v: Variant) -> None:
     """FP8 caches run on the naive family, which dequantizes each row as it reads it, and on the
-    mma family's lockstep loop with cp.async loads, which stages a tile's FP8 rows and dequantizes
-    them into the 16-bit tile its products read; e4m3 queries run on the naive family."""
+    mma family's schedules that stage a tile's FP8 rows and dequantize them into the 16-bit tile
+    their products read (`TileSchedule.fp8_kv_loads`); e4m3 queries run on the naive family."""
     require(not p.fp8_q or v.family == "naive", "variant.family", v.family,
             f"'naive' for problem.q_format={p.q_format!r} (the tiled families read 16-bit queries only)")
     if not p.fp8_kv or v.family == "naive":
         return
     fp8 = f"problem.kv_format={p.kv_format!r}"
     require(v.family == "mma", "variant.family", v.family, f"'naive' or 'mma' for {fp8}")
-    require(v.schedule == "lockstep", "variant.schedule", v.schedule,
-            f"'lockstep' for {fp8} (the mma family's loop that stages FP8 rows)")
-    require(v.loads == "cp_async", "variant.loads", v.loads, f"'cp_async' for {fp8} (TMA boxes copy 16-bit tiles)")
+    staging = [s.name for s in SCHEDULES.values() if s.fp8_kv_loads and v.family in s.families]
+    loads = schedule_of(v).fp8_kv_loads
+    require(bool(loads), "variant.schedule", v.schedule,
+            f"{' or '.join(map(repr, staging))} for {fp8} (the mma family's loops that stage FP8 rows)")
+    require(v.loads in loads, "variant.loads", v.loads,
+            f"{' or '.join(map(repr, loads))} for {fp8} (the loads that stage FP8 rows)")
 
 
 def _plan_naive(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
@@ -511,7 +502,7 @@ def plan_mma(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
     rule = schedule.check(v)
     if rule is not None:
         raise SpecError("variant.schedule", v.schedule, rule)
-    layout = schedule.layout(p, v)
+    layout = schedule.block_layout(p, v)
     if isinstance(layout, str):
         raise SpecError("variant", v.name, layout)
     require_smem(arch, layout.smem_bytes, v.name)

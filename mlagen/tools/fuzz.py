@@ -32,7 +32,7 @@ from ..dispatch.policy import DispatchPolicy
 from ..dsl.arch import specializations
 from ..dsl.errors import SpecError
 from ..dsl.spec import DTYPES, KV_FORMATS, MASKS, MAX_SEQLEN_Q, Q_FORMATS, Problem, Variant, naive
-from ..plan.mma_plan import TRANSPOSED_ROWS
+from ..plan.schedules import P_EXCHANGE, SEESAW, TRANSPOSED
 from ..plan.tiles import enumerate_tiles, head_tiles
 from ..plan.validate import MAX_CLUSTER, is_valid, validate
 from .testing import Case, Tolerance, make_case, mismatch, poison_allocator, poisoned_out
@@ -196,13 +196,14 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
         if family == "naive":
             v = naive(arch=target, warps=rng.choice([1, 2, 4, 8]))
         elif target == "sm_90a" and rng.random() < 1 / 6:
-            head_tile, q_tile = rng.choice([(h, q) for h, q in enumerate_tiles(shape.heads, MAX_SEQLEN_Q,
-                                                                                max(TRANSPOSED_ROWS))
-                                            if h * q in TRANSPOSED_ROWS])
-            v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2, arch=target,
-                        kv_split=rng.choice(["adaptive", "balanced", 1, 2, 4]),
-                        partials="16bit" if rng.random() < 0.5 else "fp32", schedule="transposed",
-                        loads="tma" if shape.page_size % 64 == 0 and rng.random() < 0.5 else "cp_async")
+            rows = TRANSPOSED.rows
+            head_tile, q_tile = rng.choice([(h, q) for h, q in enumerate_tiles(shape.heads, MAX_SEQLEN_Q, max(rows))
+                                            if h * q in rows])
+            v = TRANSPOSED.adopt(Variant(family="mma", head_tile=head_tile, q_tile=q_tile, arch=target,
+                                         kv_split=rng.choice(["adaptive", "balanced", 1, 2, 4]),
+                                         partials="16bit" if rng.random() < 0.5 else "fp32",
+                                         loads="tma" if shape.page_size % 64 == 0 and rng.random() < 0.5
+                                         else "cp_async"))
         elif target == "sm_90a" and rng.random() < 1 / 3:
             head_tile, q_tile = rng.choice([(h, q) for h, q in enumerate_tiles(shape.heads, MAX_SEQLEN_Q, 64)
                                             if h * q == 64])
@@ -210,13 +211,13 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
                         arch=target, kv_split=rng.choice(["adaptive", "balanced", 1, 2, 4]),
                         partials="16bit" if rng.random() < 0.5 else "fp32",
                         loads="tma" if rng.random() < 0.5 else "cp_async")
-            v = v.with_(schedule="seesaw" if v.loads == "tma" and rng.random() < 0.5 else "lockstep",
-                        combine="cluster" if isinstance(v.kv_split, int) and rng.random() < 0.3 else "merge",
+            seesaw = v.loads == "tma" and rng.random() < 0.5
+            v = v.with_(combine="cluster" if isinstance(v.kv_split, int) and rng.random() < 0.3 else "merge",
                         mma_pv=rng.random() < 0.2)
-            tiles = -(-shape.kv_capacity // 64)
+            v = (SEESAW.twin(v) or v) if seesaw else v
+            tiles = -(-shape.kv_capacity // P_EXCHANGE.block_ns[0])
             if tiles <= MAX_CLUSTER and rng.random() < 0.3:   # the P exchange: a tile a block of the cluster
-                v = v.with_(kv_split=max(2, tiles, rng.randint(2, MAX_CLUSTER)), combine="cluster",
-                            schedule="p_exchange", stages=1, partials="fp32", loads="cp_async", mma_pv=False)
+                v = P_EXCHANGE.adopt(v.with_(kv_split=max(2, tiles, rng.randint(2, MAX_CLUSTER))))
         else:
             v = Variant(family=family, head_tile=rng.choice(head_tiles(shape.heads)), q_tile=rng.randint(1, 16),
                         block_n=rng.choice([32, 64, 128]), warps=rng.choice([2, 4, 8, 16]), stages=rng.randint(1, 3),
