@@ -313,3 +313,43 @@ def test_compare_rows_names_rows_in_other_layouts():
     assert "worst (t=5, h=2)" in compare_rows(out, lse, ref, ref_lse, dims=("t", "h"))
     with pytest.raises(ValueError, match="ref_lse"):
         compare_rows(out, lse, ref, ref_lse.T)
+
+
+def _small_case():
+    return make_case(batch=2, seqlen_q=3, heads=2, prefixes=[5, 7], page_size=4, mask="causal", seed=0, device="cpu",
+                     dtype=torch.float32, dl=16, dr=8)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: {"q": c.q[..., :20]}, "q.shape[-1] and kv_cache.shape[-1]: got 20 and 24, expected one size"),
+    (lambda c: {"q": c.q[0]}, "q.shape: got (3, 2, 24), expected [B, S, H, Dl+Dr] (4 dims)"),
+    (lambda c: {"q": c.q.to(torch.int32)}, "q.dtype: got torch.int32, expected a floating dtype"),
+    (lambda c: {"q": c.q.tolist()}, "q: got list, expected a torch.Tensor"),
+    (lambda c: {"kv_cache": c.kv_cache[None]}, "kv_cache.shape: got (1, 8, 4, 24), expected [num_pages, page_size"),
+    (lambda c: {"kv_cache": c.kv_cache.to("meta")}, "kv_cache: got a tensor on meta, expected a tensor on cpu"),
+    (lambda c: {"block_table": c.block_table.float()}, "block_table.dtype: got torch.float32, expected an integer"),
+    (lambda c: {"block_table": c.block_table[:1]}, "block_table.shape: got (1, 4), expected [B=2, max_pages >= 1]"),
+    (lambda c: {"block_table": c.block_table + 100}, "block_table: got page id 10"),
+    (lambda c: {"cache_seqlens": c.cache_seqlens[:1]}, "cache_seqlens.shape: got (1,), expected [B=2]"),
+    (lambda c: {"cache_seqlens": c.cache_seqlens * 100}, "cache_seqlens[0]: got 800, expected 0..16"),
+    (lambda c: {"tree_mask": torch.ones(2, 2, dtype=torch.bool)}, "tree_mask.shape: got (2, 2), expected [S, S]"),
+    (lambda c: {"tree_mask": torch.ones(3, 3)}, "tree_mask.dtype: got torch.float32, expected torch.bool"),
+    (lambda c: {"head_dim_v": 25}, "head_dim_v: got 25, expected an int with 0 < head_dim_v <= q.shape[-1]=24"),
+])
+def test_reference_names_a_bad_argument(change, message):
+    """A bad argument is an InputError naming it, what it got and what was expected, before any work."""
+    import mlagen
+
+    case = _small_case()
+    args = {"q": case.q, "kv_cache": case.kv_cache, "block_table": case.block_table,
+            "cache_seqlens": case.cache_seqlens, "head_dim_v": 16, **change(case)}
+    with pytest.raises(mlagen.InputError) as info:
+        mlagen.reference(**args)
+    assert message in str(info.value)
+
+
+def test_reference_takes_any_integer_index_dtype():
+    case = _small_case()
+    out, _ = reference(case.q, case.kv_cache, case.block_table.long(), case.cache_seqlens.long(), head_dim_v=16)
+    expected, _ = reference(case.q, case.kv_cache, case.block_table, case.cache_seqlens, head_dim_v=16)
+    assert torch.equal(out, expected)
