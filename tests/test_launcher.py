@@ -15,7 +15,8 @@ from mlagen.dispatch import policy
 from mlagen.dispatch.policy import dependent_in_graphs, num_splits, policy_for
 from mlagen.dsl.arch import nvcc_arch_flags
 from mlagen.dsl.spec import Problem, Variant, naive
-from mlagen.plan.params import FIELDS
+from mlagen.plan import params
+from mlagen.plan.params import FIELDS, POINTER_NAMES
 from mlagen.plan.validate import SEGMENT_TILES, validate
 from mlagen.tools.launcher import _c_expr, emit_launcher, header_name, namespace, render_launcher
 
@@ -226,3 +227,12 @@ def test_tma_arguments_are_refused_before_any_cuda_call(tmp_path):
     _compile(["-std=c++17", "-o", "tma_args", "tma_args.cpp"], tmp_path)
     got = subprocess.run([str(tmp_path / "tma_args")], capture_output=True, text=True, check=True).stdout.split()
     assert got == ["1"] * len(calls)   # cudaErrorInvalidValue
+
+
+def test_pointers_are_packed_by_their_field_names():
+    """`params.pointers` orders a dict keyed by the pointer fields' names as the struct does, and
+    refuses a dict that misses one."""
+    values = {name: 16 * (i + 1) for i, name in enumerate(reversed(POINTER_NAMES))}
+    assert params.pointers(values) == tuple(values[name] for name in POINTER_NAMES)
+    with pytest.raises(KeyError):
+        params.pointers({name: 0 for name in POINTER_NAMES[1:]})

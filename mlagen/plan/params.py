@@ -8,7 +8,9 @@ layout has no padding and `struct.pack` reproduces it exactly.
 
 from __future__ import annotations
 
+import operator
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -87,10 +89,15 @@ def tail(values: dict[str, int | float]) -> tuple[int | float, ...]:
     return tuple(values[name] for name in TAIL_NAMES)
 
 
+# pointers({"q": ..., "kv": ..., ...}): the pointer fields' values (ints, 0 for none) in
+# POINTER_NAMES order, from a dict keyed by every pointer field's name (KeyError for a missing
+# one). The runtime names each pointer it passes, so the struct's order is this list's alone.
+pointers: Callable[[dict[str, int]], tuple[int, ...]] = operator.itemgetter(*POINTER_NAMES)
+
 # Byte offset of `dependent`, which `launch` sets on the packed block of a dependent launch.
 DEPENDENT_OFFSET = struct.calcsize("<" + "".join(f.fmt for f in FIELDS[:FIELD_NAMES.index("dependent")]))
 
-# pack_into(buffer, 0, *pointers, *rest): the struct into `buffer` (PARAMS_SIZE writable
-# bytes), `pointers` (ints, 0 for none) in POINTER_NAMES order, then `rest` as `tail` returns
-# it. It runs once per launch, so it is the struct's own method: no Python frame around it.
+# pack_into(buffer, 0, *pointer_values, *rest): the struct into `buffer` (PARAMS_SIZE writable
+# bytes), the pointers as `pointers` returns them, then `rest` as `tail` returns it. It runs once
+# per launch, so it is the struct's own method: no Python frame around it.
 pack_into = _STRUCT.pack_into

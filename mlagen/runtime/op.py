@@ -36,7 +36,7 @@ from ..dispatch.policy import (
 )
 from ..dsl.arch import arch_for_capability, runs_on
 from ..dsl.spec import Problem, Variant
-from ..plan.params import tail
+from ..plan.params import pointers, tail
 from . import inputs, sinks, tensormap, workspace
 from .kv_formats import check_scale
 from .launch import KernelLaunch, Loaded, kernel_launch, launch, load
@@ -396,16 +396,17 @@ def verify_attention(
                                    call.shapes.head_dim, call.shapes.kv_strides, call.shapes.dtype, call.tma_rows)
               if call.tma_rows else 0)
     # kv_cache's pointer is the [num_pages, page_size, D] view's too (a 4-dim cache's index 0).
-    pointers = (q_ptr, kv_ptr, kv_map, block_table.data_ptr(), cache_seqlens.data_ptr(),
-                tree_mask.data_ptr() if tree_mask is not None else 0,
-                q_counts.data_ptr() if q_counts is not None else 0, out.data_ptr(),
-                lse.data_ptr() if lse is not None else 0, part_o, part_ml, counters,
-                kv_scale.data_ptr() if isinstance(kv_scale, torch.Tensor) else 0,
-                q_scale.data_ptr() if isinstance(q_scale, torch.Tensor) else 0)
+    pointer_values = pointers({
+        "q": q_ptr, "kv": kv_ptr, "kv_map": kv_map, "block_table": block_table.data_ptr(),
+        "seqlens": cache_seqlens.data_ptr(), "tree_mask": tree_mask.data_ptr() if tree_mask is not None else 0,
+        "q_counts": q_counts.data_ptr() if q_counts is not None else 0, "out": out.data_ptr(),
+        "lse": lse.data_ptr() if lse is not None else 0, "part_o": part_o, "part_ml": part_ml, "counters": counters,
+        "kv_scale_ptr": kv_scale.data_ptr() if isinstance(kv_scale, torch.Tensor) else 0,
+        "q_scale_ptr": q_scale.data_ptr() if isinstance(q_scale, torch.Tensor) else 0})
     # torch.cuda.current_device() without its lazy-init check: q is a CUDA tensor, so CUDA is up.
     if torch._C._cuda_getDevice() == call.device:
-        launch(call.kernel, stream, pointers, call.tail)
+        launch(call.kernel, stream, pointer_values, call.tail)
     else:   # kernels load into, and launch in, the context of q's device
         with torch.cuda.device(call.device):
-            launch(call.kernel, stream, pointers, call.tail)
+            launch(call.kernel, stream, pointer_values, call.tail)
     return (out, lse) if return_lse else out
