@@ -14,7 +14,7 @@ emitted files, cache manifests and benchmark rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal, cast
 
 Dtype = Literal["bf16", "fp16"]
 KVFormatName = Literal["dtype", "e4m3", "ds_mla"]
@@ -95,7 +95,7 @@ class Problem:
             f"h{self.heads}_dl{self.dl}_dr{self.dr}_{self.dtype}{kv}_p{self.page_size}_{self.mask}{lse}"
         )
 
-    def with_(self, **changes: object) -> Problem:
+    def with_(self, **changes: Any) -> Problem:
         return replace(self, **changes)
 
     def with_formats(self, kv_format: str, q_format: str) -> Problem:
@@ -230,7 +230,7 @@ class Variant:
         arch = self.arch.replace("_", "")
         if self.family == "naive":
             return f"naive_w{self.warps}_{arch}"
-        split = {"adaptive": "a", "balanced": "b"}.get(self.kv_split, str(self.kv_split))
+        split = _SPLIT_TAGS[self.kv_split] if isinstance(self.kv_split, str) else str(self.kv_split)
         return (
             f"{self.family}_ht{self.head_tile}_qt{self.q_tile}_bn{self.block_n}"
             f"_w{self.warps}_st{self.stages}{f'_sp{split}' if with_split else ''}{self._tags}_{arch}"
@@ -241,7 +241,7 @@ class Variant:
         """The name's part for the knobs (TAGS; "" for the defaults)."""
         return "".join(f"_{tag}" for field, value, tag in TAGS if getattr(self, field) == value)
 
-    def with_(self, **changes: object) -> Variant:
+    def with_(self, **changes: Any) -> Variant:
         return replace(self, **changes)
 
 
@@ -252,6 +252,11 @@ TAGS: tuple[tuple[str, object, str], ...] = (
     ("schedule", "seesaw", "ss"), ("schedule", "transposed", "tr"), ("schedule", "p_exchange", "px"),
     ("rows", "ragged", "rg"),
 )
+
+
+# The name's part for a split that is not a count (`_spa`, `_spb`), and the split it names.
+_SPLIT_TAGS: dict[str, str] = {"adaptive": "a", "balanced": "b"}
+_SPLIT_NAMES: dict[str, Split] = {tag: cast(Split, split) for split, tag in _SPLIT_TAGS.items()}
 
 
 def naive(arch: str = "sm_90", warps: int = 4) -> Variant:
@@ -270,7 +275,7 @@ def kernel_name(problem: Problem, variant: Variant) -> str:
 def parse_variant(name: str) -> Variant:
     """The Variant whose `name` is `name` (inverse of Variant.name)."""
     parts = name.split("_")
-    knobs: dict[str, object] = {}
+    knobs: dict[str, Any] = {}
     for field, value, tag in reversed(TAGS):
         if len(parts) > 8 and parts[-2] == tag and field not in knobs:
             knobs[field] = value
@@ -287,10 +292,10 @@ def parse_variant(name: str) -> Variant:
             raise ValueError(f"variant name {name!r}: expected {key}<n> where {part!r} stands")
     split = fields["sp"][2:]
     return Variant(
-        family=parts[0], head_tile=_parse_int(fields["ht"][2:], name),
+        family=cast(Family, parts[0]), head_tile=_parse_int(fields["ht"][2:], name),
         q_tile=_parse_int(fields["qt"][2:], name), block_n=_parse_int(fields["bn"][2:], name),
         warps=_parse_int(fields["w"][1:], name), stages=_parse_int(fields["st"][2:], name),
-        kv_split={"a": "adaptive", "b": "balanced"}.get(split) or _parse_int(split, name),
+        kv_split=_SPLIT_NAMES.get(split) or _parse_int(split, name),
         arch=_parse_arch(parts[7], name), **knobs,
     )
 

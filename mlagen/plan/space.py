@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 
-from ..dsl.spec import Problem, Variant, naive
+from ..dsl.spec import Family, Problem, Variant, naive
 from .schedules import SCHEDULES
 from .tiles import MAX_ROWS, enumerate_tiles
 from .validate import MAX_CLUSTER, is_valid
@@ -36,12 +36,12 @@ def tile_shapes(heads: int, seqlen_q: int) -> list[tuple[int, int]]:
     return sorted(shapes, key=lambda hq: (-(-seqlen_q // hq[1]) * (heads // hq[0]), hq[0] * hq[1], -hq[0]))
 
 
-def structures(problem: Problem, seqlen_q: int, arch: str, family: str,
+def structures(problem: Problem, seqlen_q: int, arch: str, family: Family,
                limit: int | None = None) -> list[Variant]:
     """Valid adaptive-split variants of `family` for S=seqlen_q on `arch`, most promising first."""
     if family == "naive":
-        found = [v for v in (naive(arch=arch, warps=4), naive(arch=arch, warps=8)) if is_valid(problem, v)]
-        return found[:limit]
+        naives = [v for v in (naive(arch=arch, warps=4), naive(arch=arch, warps=8)) if is_valid(problem, v)]
+        return naives[:limit]
     knobs = list(itertools.product(SEARCH_BLOCK_NS, WARPS, STAGES, MMA_PV))
     shapes = tile_shapes(problem.heads, seqlen_q)
 
