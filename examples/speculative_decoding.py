@@ -64,26 +64,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=positive, default=2, help="decoder layers of the seeded model (default 2)")
     parser.add_argument("--hidden-size", type=positive, default=1024, help="seeded model's hidden size (default 1024)")
     parser.add_argument("--vocab", type=positive, default=4096, help="seeded model's vocabulary (default 4096)")
+    parser.add_argument("--experts", type=positive, default=4, help="seeded model's routed experts (default 4)")
+    parser.add_argument("--experts-per-token", type=positive, default=2, help="routed experts per token (default 2)")
     parser.add_argument("--kv-format", choices=("e4m3", "ds_mla"), help="an FP8 latent cache (default: the dtype)")
     parser.add_argument("--page-size", type=positive, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                         help="run each mode once before timing it (compiles the kernels; default: on CUDA)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not 2 <= args.experts_per_token <= args.experts:     # the router scores each group by its top 2
+        parser.error(f"--experts-per-token {args.experts_per_token}, --experts {args.experts}: expected "
+                     "2 <= experts per token <= experts")
+    return args
 
 
 def seeded_config(args: argparse.Namespace) -> object:
     """A small DeepSeek-V3 config with Kimi K2's attention shapes: q_lora_rank 1.5 x the hidden
-    size (Kimi K2's 1536 at 1024), layer 0 dense, the others MoE with 4 routed experts (2 per
-    token) and a shared one."""
+    size (Kimi K2's 1536 at 1024), layer 0 dense, the others MoE with --experts routed experts
+    (--experts-per-token per token) and a shared one."""
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(
         vocab_size=args.vocab, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
         moe_intermediate_size=args.hidden_size // 4, num_hidden_layers=args.layers, n_shared_experts=1,
-        n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
-        q_lora_rank=3 * args.hidden_size // 2, max_position_embeddings=4096, rope_interleave=True,
-        attn_implementation="eager", experts_implementation="eager", **KIMI_K2_ATTENTION)
+        n_routed_experts=args.experts, n_group=1, topk_group=1, num_experts_per_tok=args.experts_per_token,
+        first_k_dense_replace=1, q_lora_rank=3 * args.hidden_size // 2, max_position_embeddings=4096,
+        rope_interleave=True, attn_implementation="eager", experts_implementation="eager", **KIMI_K2_ATTENTION)
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
