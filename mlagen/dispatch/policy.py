@@ -73,31 +73,20 @@ class DispatchPolicy:
 
     # Without a table entry, an sm_90a tile runs the seesaw schedule (with TMA tile loads) from
     # this many KV tiles of work (row groups x requests x tiles) per SM, and a request whose rows
-    # fit one transposed tile runs that tile from as many over its one row group. Tuned over the
-    # bench grid on the H200, the seesaw wins every row from 16 tiles per SM on but one (H=16
-    # B=64 S=4 at 31, where the lockstep kernel with TMA wins and the seesaw runs 3% behind it),
-    # and on those rows the heuristic's lockstep tile takes 1.2 to 1.55x the best time. At 4-5
-    # tiles per SM the tune, which charged TMA calls a descriptor copy, had the seesaw lose (H=64
-    # S=9 at 4096 keys: 26.4 against 22.7 µs); timed without that copy it wins there (20.4
-    # against 22.0), so this threshold may be conservative; the table covers those rows
-    # (docs/performance.md, "Dispatch thresholds"). The transposed tile, against the seesaw or
-    # lockstep tile: 0.79-0.88x from 4096 key tiles of work (31 per SM), 0.97x at 2048 (15.5),
-    # 1.12-1.27x at 1024 and fewer (7.8). Scales: the figures are work per SM, and the same launch
-    # gives each SM of a device with fewer SMs more tiles.
+    # fit one transposed tile runs that tile from as many over its one row group: below it a
+    # pair's chain and a block's fixed costs outweigh what they hide. The threshold may be
+    # conservative; the table covers the rows near it (docs/performance.md, "Dispatch
+    # thresholds"). Scales: the figures are work per SM, and the same launch gives each SM of a
+    # device with fewer SMs more tiles.
     seesaw_tiles_per_sm: int = 12
     # Captured into a CUDA graph, an sm_90+ launch of at most this many KV tiles of work per SM
-    # goes as a programmatic dependent (`dependent_in_graphs`). H200, graph replay, same machine,
-    # every launch a dependent (MLAGEN_PDL=1) against plain: 0.6-0.9 µs less from 1 to 18 tiles
-    # per SM (S=9 at 1024 to 16384 keys, S=33 at 256 to 4096), no change at 31-35 (H=16 B=64
-    # S=4, H=8 B=16 S=9, H=64 B=8 S=9 at 4096 keys), 0.7-6.6% more from 62 on (65536 keys and
-    # up, H=64 B=64 S=2, H=64 B=128 S=1, H=128 B=32 S=4); 40 instead of 24 gained nothing.
-    # Scales: the gain is a short kernel's launch and tail hidden behind the kernel before it, and
-    # how short a launch runs is its work per SM.
+    # goes as a programmatic dependent (`dependent_in_graphs`): short launches gain, long ones pay
+    # (docs/performance.md). Scales: the gain is a short kernel's launch and tail hidden behind
+    # the kernel before it, and how short a launch runs is its work per SM.
     pdl_tiles_per_sm: int = 24
     # A short launch runs as a P exchange (`exchange_tile`) where its blocks, row groups x
-    # requests x cluster size, fit this many waves of one block per SM. H200, S=9 H=64 with 256
-    # keys (5 tiles, 45 blocks): 9.4 µs against the split's 10.6-10.8; 120 blocks: 0.97x the
-    # split; S=33 (165 blocks, two waves): 18.2 against 15.0. Scales: in waves of sm_count blocks.
+    # requests x cluster size, fit this many waves of one block per SM: past one wave the
+    # cluster split wins (docs/performance.md). Scales: in waves of sm_count blocks.
     exchange_waves: int = 1
 
     # --- Do not scale: per block, per row or per tile, the same on every device.
@@ -115,23 +104,21 @@ class DispatchPolicy:
     # thread (`arch.accumulator_budget`), and the height of a wgmma tile. Does not scale: a block's
     # register budget.
     max_mma_rows: int = 64
-    # sm_90a's wgmma scores run rows 1.25-1.45x faster than mma.sync on the H200 (H=64 S=9 at
-    # 65536 keys: 345 µs against 453); the heuristic weighs wgmma tiles' costs by this. Does not
-    # scale: the speed of one SM's tensor cores.
+    # sm_90a's wgmma scores run rows faster than mma.sync (docs/performance.md); the heuristic
+    # weighs wgmma tiles' costs by this. Does not scale: the speed of one SM's tensor cores.
     wgmma_cost: float = 0.75
     # Rows the scalar flash block holds at most: 8 warps x 8 rows, its accumulator budget. Does
     # not scale: a block's register budget.
     max_flash_rows: int = 64
     # A batch of at least this many requests runs an mma pick with the balanced split
-    # (`balanced_for_batch`). H200, ragged batches (log-uniform lengths up to the capacity, graph
-    # replay): 0.35x the adaptive split's time at H=64 B=64 S=2, 0.50x at H=8 B=16 S=9, 0.53x at
-    # H=16 B=64 S=4, 0.64x at H=128 B=32 S=4, 0.83x at H=64 B=32 S=9; uniform batches pay 1-11%.
-    # Does not scale: ragged lengths idle SMs on any device; one request has no raggedness.
+    # (`balanced_for_batch`): ragged batches gain much more than uniform ones pay
+    # (docs/performance.md). Does not scale: ragged lengths idle SMs on any device; one request
+    # has no raggedness.
     balanced_batch: int = 2
-    # The split-count model's costs (`num_splits`), in KV-tile times of one block (~4 us on an
-    # H200 for the mma family): the merge blocks' wait and start, and per query row and split the
-    # partial's 4 KB written and read back (~3 TB/s). Do not scale: the model counts the waves
-    # over sm_count itself; these are costs of one block and one row.
+    # The split-count model's costs (`num_splits`), in KV-tile times of one block: the merge
+    # blocks' wait and start, and per query row and split the partial's 4 KB written and read
+    # back. Do not scale: the model counts the waves over sm_count itself; these are costs of one
+    # block and one row.
     merge_tiles: float = 0.75
     split_tiles_per_row: float = 3.4e-4
     # The adaptive split's largest count. Does not scale: the C++ launchers' `default_num_splits`
@@ -200,7 +187,7 @@ def _tile_shapes(heads: int, seqlen_q: int, policy: DispatchPolicy) -> list[tupl
 def _fitting(problem: Problem, q_tile: int, head_tile: int, arch: str, policy: DispatchPolicy) -> Variant | None:
     """The widest KV tile and deepest pipeline that fit `arch` and the device's shared memory for
     this tile shape, or None. On sm_90a the splits exchange 16-bit partial rows (`partials`
-    "16bit": on the H200 1.5-2.8 µs less on short split rows, batched rows within noise)."""
+    "16bit": less time on short split rows, the same on batched ones)."""
     m_pad = padded_rows(q_tile * head_tile)
     for block_n, stages in ((64, 2), (32, 3), (32, 2), (64, 1), (32, 1)):
         v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, kv_split="adaptive",
@@ -276,11 +263,9 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
     page size TMA can box). Where a request's rows fit one transposed tile (`transposed_tile`)
     that tile runs instead, from the same work.
 
-    Such a launch takes the balanced split, a single request too: one range per SM, so one wave.
-    For a single request the adaptive split's model goes to two or three waves from ~2000 tiles
-    per row group (29 splits at 131072 keys, H=64 S=9). On the H200 that runs 12-13% slower than
-    one wave (280 against 250 µs; 283 against 250 at H=128 with 65536 keys). At one wave the two
-    splits tie (65536 keys, H=64: 142.3 against 144.4 µs).
+    Such a launch takes the balanced split, a single request too: one range per SM, so one wave,
+    where the adaptive split's model goes to two or three waves from ~2000 tiles per row group
+    and runs slower (docs/performance.md).
 
     An FP8 cache runs on the heuristic's mma tile that stages its rows (`fp8_tile`), where one
     fits; e4m3 queries, and FP8 caches where no tile fits, on the naive kernel (`fp8_variant`)."""
@@ -308,9 +293,8 @@ def exchange_tile(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
     """The heuristic's sm_90a tile as a P exchange (a cluster with one KV tile a block,
     `space.tile_a_block_variants`) where the block table holds at most
     `DispatchPolicy.exchange_max_tiles` tiles of 64 keys and the launch's blocks, row groups x
-    requests x cluster size, fit `DispatchPolicy.exchange_blocks` (one wave of the device's SMs); None elsewhere.
-    H200, S=9 H=64 with 256 keys (5 tiles, 45 blocks): 9.4 µs against the split's 10.6-10.8;
-    S=33 (165 blocks, two waves): 18.2 against 15.0."""
+    requests x cluster size, fit `DispatchPolicy.exchange_blocks` (one wave of the device's
+    SMs); None elsewhere."""
     if not runs_on("sm_90a", arch) or -(-kv_capacity // 64) > policy.exchange_max_tiles:
         return None
     v = heuristic_variant(problem, seqlen_q, arch, policy)
@@ -329,8 +313,8 @@ def dependent_in_graphs(variant: Variant, heads: int, seqlen_q: int, batch: int,
     kernel before it while its stream is captured into a CUDA graph: launches of at most
     `DispatchPolicy.pdl_tiles` KV tiles of work (row groups x requests x tiles; `pdl_tiles_per_sm` per
     SM of the device), P exchanges included. Its blocks are then scheduled while that kernel
-    drains, which hides the launch and tail of a short kernel; on long and batched launches it
-    costs up to 7% on the H200."""
+    drains, which hides the launch and tail of a short kernel; long and batched launches pay for
+    it."""
     tiles = _row_groups(variant, heads, seqlen_q) * batch * -(-kv_capacity // variant.block_n)
     return tiles <= policy.pdl_tiles
 
@@ -341,15 +325,13 @@ def transposed_tile(problem: Problem, seqlen_q: int, arch: str, policy: Dispatch
     runs sm_90a; None where there is none (or it does not fit the device's shared memory).
 
     Such rows take a padded 64-row group on the other tiles (H=16 S=2: half of it padding) or two
-    (H=8 S=9: 72 rows), and each group streams the request's keys. H200, graph replay, against
-    the dispatcher's seesaw or lockstep tile: 0.70-0.84x at 32 rows (H=16 S=2, H=8 S=4) and 16
-    (H=16 S=1), 0.79-0.88x at 72 (H=8 S=9) from 4096 key tiles of work, 0.97x at 2048, and
-    1.12-1.27x at 1024 and fewer: a block's fixed costs over too few tiles. Hence the seesaw's
-    threshold, counted over this tile's single row group.
+    (H=8 S=9: 72 rows), and each group streams the request's keys. From enough KV tiles of work
+    it beats the dispatcher's seesaw or lockstep tile; on fewer a block's fixed costs over too
+    few tiles lose (docs/performance.md). Hence the seesaw's threshold, counted over this tile's
+    single row group.
 
-    Its tiles load by cp.async: TMA loads (`loads` "tma", pages of 64) run 32- and 16-row tiles 2-5%
-    slower on the H200, and 72-row ones anywhere from 3% faster to 4% slower from one timing to
-    the next, so they are left to the tuner."""
+    Its tiles load by cp.async: TMA loads (`loads` "tma", pages of 64) gain nothing steady on
+    these rows, so they are left to the tuner."""
     rows = problem.heads * seqlen_q
     if rows not in TRANSPOSED.rows or rows % 64 == 0 or not runs_on("sm_90a", arch):
         return None
@@ -363,10 +345,8 @@ def transposed_tile(problem: Problem, seqlen_q: int, arch: str, policy: Dispatch
 # `group_splits`), merged in split order, so a request's bits follow from its own inputs and
 # these two numbers, never from the batch or the SM count. The launch's grid holds
 # INVARIANT_SPLITS splits a row group; a group's blocks past its count do nothing.
-# Measured on the H200's batched rows (the serving grid, invariant over the default dispatch):
-# splits of 2048 keys cost 1.08-1.23x (median 1.13x); 1024 keys pay for more partial rows (up
-# to 1.28x at H=128 B=32 S=4); 4096 keys leave small batches too few blocks (1.47x at H=64 B=8,
-# 1.41x at H=8 B=16 with 16384 keys). Short requests split less or not at all (up to 2048
+# Shorter splits pay for more partial rows, longer ones leave small batches too few blocks
+# (docs/performance.md holds the A/B). Short requests split less or not at all (up to 2048
 # keys: one split, written out directly, no merge); a single long request still leaves SMs idle
 # (65536 keys, H=64 S=9: 72 blocks on 132 SMs). docs/performance.md holds the A/B.
 INVARIANT_SPLITS = 8
@@ -384,8 +364,8 @@ def fp8_tile(problem: Problem, seqlen_q: int, arch: str, policy: DispatchPolicy)
     """The mma tile for an FP8 cache that the heuristic sizes (`heuristic_mma`: the lockstep loop
     with cp.async loads, which stages FP8 rows, and an adaptive split), or None where none fits
     and for e4m3 queries (the naive family's alone): the untuned pick for FP8 caches, which
-    `balanced_for_batch` moves to the balanced split for a batch. H200, e4m3, against the naive
-    kernel: 11.6 against 75 µs at H=64 B=1 S=9 with 256 keys, 294 against 17,610 with 65536."""
+    `balanced_for_batch` moves to the balanced split for a batch; it runs far ahead of the naive
+    kernel (docs/performance.md)."""
     return None if problem.fp8_q else heuristic_mma(problem, seqlen_q, arch, policy)
 
 
@@ -432,8 +412,7 @@ def tuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
     A P exchange entry whose cluster holds fewer keys than the block
     table addresses says the P exchange wins a length step shorter: it gives way to the
     P exchange sized for these keys (`exchange_tile`) where one fits, rather than to a longer
-    neighbour's split. H200, S=9 H=64 with 512 keys, where the table has entries at 256 (the
-    P exchange on 5 blocks) and 1024 (a split): 10.3 µs on 8 blocks against the split's 12.55."""
+    neighbour's split (docs/performance.md)."""
     entries = tables.entries_for(gpu, arch)
     if not entries:
         return None
@@ -503,10 +482,7 @@ def balanced_for_batch(problem: Problem, variant: Variant, batch: int, policy: D
     The host knows the block table's capacity, not the lengths; a serving batch mixes short and
     long requests, and the adaptive or a fixed split, sized by the capacity, then leaves most SMs
     idle while the longest requests finish. The balanced split's ranges follow the real lengths
-    on the device. H200, ragged batches (log-uniform lengths up to the capacity, graph replay):
-    0.35x the adaptive split's time at H=64 B=64 S=2, 0.50x at H=8 B=16 S=9, 0.53x at H=16 B=64
-    S=4, 0.64x at H=128 B=32 S=4, 0.83x at H=64 B=32 S=9; uniform batches pay 1-11% against the
-    adaptive split (H=64 B=128 S=1 at 4096 keys: 212 against 193 µs; docs/performance.md). The
+    on the device: ragged batches gain much more than uniform ones pay (docs/performance.md). The
     tuner times batches this way (`tune.as_dispatched`). Pass `variant=` to pin a split.
     """
     if batch < policy.balanced_batch or variant.family != "mma" or variant.kv_split == "balanced":
@@ -560,8 +536,7 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
     blocks, two full waves) rather than 30 (270 blocks, three waves). A seesaw block runs its
     tiles in pairs, and the kernel hands a split its tiles in whole pairs, so its tiles are
     counted so too: 65 tiles over 14 splits are 6 a block and three empty splits, which 11
-    splits run with fewer partials (H200, H=64 S=9 at 4096 keys: 20.4 µs against 21.0). Measured
-    by `mlagen bench`; a tuned table's fixed split overrides it.
+    splits run with fewer partials. A tuned table's fixed split overrides it.
     """
     if variant.family == "naive":
         return 1
@@ -596,7 +571,7 @@ def balanced_parts(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_c
     every request that range y meets. All row groups of a request stream the same keys at the
     same time, so each KV tile is read from memory once and from L2 by the others (a list over
     all row groups puts them out of phase, and with the KV past the L2 each row group reads it
-    from HBM: H=64 S=9 at 65536 keys 219 µs against 197 for the adaptive split). A request
+    from HBM). A request
     is split wherever a range ends; `KernelPlan.partial_rows` sizes the workspace for it, and
     templates/split_work_list.cuh.j2 has the kernel's side. More ranges than the block table can hold
     tiles would only be empty.

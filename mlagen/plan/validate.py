@@ -40,15 +40,14 @@ FLASH_BLOCK_NS = (32, 64)  # block_n values the flash family accepts (each lane 
 
 # What the balanced split counts a segment as (a range's share of one request: its Q, its first
 # tiles landing, its epilogue) on top of the segment's KV tiles, in KV tiles: a range that starts
-# a request then streams fewer tiles. Traces of the seesaw on the H200 put a segment boundary
-# at 4.8 µs (H=64 B=32 S=9, 2.6 tiles) to 7.1 µs (H=16 B=64 S=4, memory-bound: 2.9 tiles).
+# a request then streams fewer tiles. Traces of the seesaw put a segment boundary at 2.6 to 2.9
+# tiles (docs/performance.md).
 SEGMENT_TILES = 3
 # The balanced split lays its ranges out request-aligned (each range within one request, so each
 # block starts one segment) when a range then holds no more tiles than a packed range holds
 # positions, or this many more when every request then takes one range, which leaves no partial
-# rows and no merge (templates/split_work_list.cuh.j2). On the H200, one more tile than
-# packed: H=64 B=64 S=2 at 8192 keys runs 3% faster aligned (one range a request), H=8 B=16 S=9
-# at 16384 keys 2% slower (eight ranges a request either way), hence the slack only there.
+# rows and no merge (templates/split_work_list.cuh.j2): one range a request gains, where more
+# ranges a request either way lose (docs/performance.md).
 UNSPLIT_SLACK_TILES = 1
 
 

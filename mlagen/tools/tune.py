@@ -257,9 +257,8 @@ def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, 
 
 def _retime(work: Workload, result: RowTune, config: TuneConfig, advance: Callable[..., None]) -> None:
     """Time the fastest few again, in turns, so that each is ranked by the median of its timings:
-    one timing of a batched row can come out 10-25% slow or fast (H=64 B=128 S=1 at 4096 keys:
-    251-258 µs in one timing, 195-196 in the next), and a single one would then decide the
-    table's pick."""
+    one timing of a batched row can come out well off the others (docs/performance.md), and a
+    single one would then decide the table's pick."""
     top = sorted((t for t in result.trials if math.isfinite(t.us)), key=lambda t: t.us)[: config.retime_top]
     advance(len(top) * config.retimes)
     for _ in range(config.retimes):
