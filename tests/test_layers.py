@@ -21,14 +21,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "plan.validate")),
     ("codegen", ("codegen", "codegen.build", "codegen.compiler", "codegen.precompile", "codegen.render")),
     ("dispatch", ("dispatch", "dispatch.policy", "dispatch.presets", "dispatch.tables")),
-    ("runtime", ("runtime", "runtime.context_parallel", "runtime.inputs", "runtime.kv_formats", "runtime.launch",
-                 "runtime.merge", "runtime.op", "runtime.ops", "runtime.reference", "runtime.sinks",
+    ("runtime", ("runtime", "runtime.context_parallel", "runtime.inputs", "runtime.kv_formats", "runtime.lasting",
+                 "runtime.launch", "runtime.merge", "runtime.op", "runtime.ops", "runtime.reference", "runtime.sinks",
                  "runtime.tensormap", "runtime.varlen", "runtime.workspace", "compat", "compat.flash_mla")),
     # the package's public API: what `import mlagen` gives (__all__, __version__)
     ("api", ("",)),
-    ("tools", ("tools", "tools.bench", "tools.eager", "tools.emit", "tools.files", "tools.floor", "tools.fuzz",
-               "tools.grids", "tools.launcher", "tools.peers", "tools.report", "tools.sass", "tools.stamp",
-               "tools.testing", "tools.timing", "tools.tune", "tools.workload")),
+    # a model's attention through mlagen (transformers' DeepSeek-V3), above the runtime
+    ("integrations", ("integrations", "integrations.backends", "integrations.deepseek_v3", "integrations.drafting",
+                      "integrations.paged_cache", "integrations.speculative")),
+    ("tools", ("tools", "tools.bench", "tools.cli", "tools.eager", "tools.emit", "tools.files", "tools.floor",
+               "tools.fuzz", "tools.grids", "tools.launcher", "tools.peers", "tools.report", "tools.sass",
+               "tools.stamp", "tools.tables", "tools.testing", "tools.timing", "tools.tune", "tools.workload")),
 )
 
 
