@@ -209,10 +209,12 @@ def test_speculative_decoding_matches_the_models_own_forward(branches):
     may differ by the kernel's per-row tolerance, 2 eps relative, which moves the residual stream
     and so the logits by about as much relative to their scale.
 
-    Tokens: an emitted token is the model's greedy choice at an accepted node; it must equal the
-    argmax of the model's own logits there wherever their top-2 margin exceeds twice the bound
-    (if each logit may move by the bound, only a smaller margin lets the top two swap). Positions
-    under that margin are counted and printed.
+    Tokens: an emitted token is the greedy choice at an accepted node; it must equal the argmax
+    of the model's own logits there wherever their top-2 margin exceeds twice that node's
+    measured max |logit difference| d (at most the bound, as checked above): the top two can
+    swap only when margin <= 2 d, so any disagreement past it is a wrong token, not rounding.
+    With d typically a quarter of the bound, this checks more positions than margin > bound
+    would, and never fails spuriously. Positions under the margin are counted and printed.
 
     Every expert is routed to (experts per token = experts): top-k routing with k < n jumps at
     ties between expert scores, where two correct bf16 computations could route a token to
@@ -250,15 +252,16 @@ def test_speculative_decoding_matches_the_models_own_forward(branches):
             top = ref.topk(2, dim=-1)
             margin = (top.values[:, 0] - top.values[:, 1]).tolist()
             choice = top.indices[:, 0].tolist()
+            row_diff = (got - ref).abs().amax(dim=-1).tolist()
             for node, token in zip(step.accepted[j], step.emitted[j], strict=True):
-                if margin[node] <= 2 * bound:
+                if margin[node] <= 2 * row_diff[node]:
                     figures["under_margin"] += 1
                     continue
                 figures["checked"] += 1
                 if token != choice[node]:
                     failures.append(f"step {step_no[0]}, request {request}, node {node}: emitted token {token}, the "
-                                    f"model's greedy choice {choice[node]} (margin {margin[node]:.4g}, bound "
-                                    f"{bound:.4g})")
+                                    f"model's greedy choice {choice[node]} (margin {margin[node]:.4g} > 2 x the "
+                                    f"row's max |logit diff| {row_diff[node]:.4g})")
         step_no[0] += 1
 
     step_no = [1]
@@ -268,8 +271,8 @@ def test_speculative_decoding_matches_the_models_own_forward(branches):
     print(f"[{branches} branches] {result.steps} verify steps, {emitted / sum(map(len, result.emitted)):.2f} tokens "
           f"per request-step, {figures['nodes']} draft nodes ({figures['trees']} non-chain trees); max |logit diff| "
           f"{figures['worst']:.4g} = {figures['worst_over_bound']:.3f} x the bound ((1 + 2 x {layers}) eps x "
-          f"max |logit|); tokens checked against the model's greedy choice: {figures['checked']}, under the "
-          f"2 x bound margin (not checked): {figures['under_margin']}")
+          f"max |logit|); emitted tokens checked against the model's greedy choice: {figures['checked']}, under "
+          f"the 2 x |logit diff| margin (not checked): {figures['under_margin']}")
     assert not failures, f"{len(failures)} disagreements; first ones:\n" + "\n".join(failures[:10])
     assert all(len(t) == args.new_tokens for t in result.tokens)
     assert emitted > sum(map(len, result.emitted)), "no draft was ever accepted: the drafts went unexercised"

@@ -324,6 +324,11 @@ def test_clear_errors():
                          torch.zeros(1, MAX_SEQLEN_Q + 1, dtype=torch.long))
     with pytest.raises(InputError, match="slot"):
         verifier.accept(slot, [0])
+    verifier.verify([slot], [DraftTree.from_paths(1, [[2, 3], [4]])])      # nodes 1 | 2 3 | 4
+    with pytest.raises(InputError, match="nodes"):
+        verifier.accept(slot, [0, 1, 3])                                    # node 3's parent is 0
+    verifier.accept(slot, [0, 3])
+    assert verifier.cache.length(slot) == 2
     with pytest.raises(InputError, match="max_requests"):
         verifier.add_request()
     with pytest.raises(InputError, match="drafter"):

@@ -159,7 +159,7 @@ class DeepseekV3Verifier:
             max_requests=max_requests, max_pages=max_pages, latent_dim=int(self.config.kv_lora_rank),
             rope_dim=int(self.config.qk_rope_head_dim), dtype=self.dtype, kv_format=kv_format,
             kv_scale=kv_scale if kv_format == "e4m3" else None, device=self.device)
-        self._draft_start: dict[int, int] = {}
+        self._drafts: dict[int, tuple[int, DraftTree]] = {}   # slot -> (draft's first row, tree)
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self) -> int:
@@ -168,7 +168,7 @@ class DeepseekV3Verifier:
 
     def release(self, slot: int) -> None:
         """Frees a request slot and its pages."""
-        self._draft_start.pop(slot, None)
+        self._drafts.pop(slot, None)
         self.cache.release(slot)
 
     # -- the model --------------------------------------------------------------------------------
@@ -279,16 +279,24 @@ class DeepseekV3Verifier:
         positions = torch.tensor([[start + d for d in t.depths()] for start, t in zip(starts, padded, strict=True)])
         mask = None if all(t.is_chain for t in padded) else torch.stack([t.mask() for t in padded])
         logits = self.forward(slots, tokens, positions, mask)
-        for s, start in zip(slots, starts, strict=True):
-            self._draft_start[s] = start
+        for s, start, tree in zip(slots, starts, trees, strict=True):
+            self._drafts[s] = (start, tree)
         return logits
 
     def accept(self, slot: int, nodes: Sequence[int]) -> None:
-        """Keeps the rows of a verified tree's accepted nodes (ascending, node 0 first) as the
-        request's next committed rows, in order, and drops the tree's other rows."""
-        if slot not in self._draft_start:
+        """Keeps the rows of a verified tree's accepted nodes as the request's next committed rows
+        and drops the tree's other rows. nodes: a path from the root, [0, child of 0, its child,
+        ...] (`drafting.accept_greedy` gives it)."""
+        if slot not in self._drafts:
             raise InputError(f"slot: got {slot}, expected a slot verified since its last accept")
-        self.cache.keep(slot, self._draft_start.pop(slot), nodes)
+        start, tree = self._drafts[slot]
+        nodes = [int(k) for k in nodes]
+        if not nodes or nodes[0] != 0 or any(not 0 < k < len(tree) or tree.parents[k] != p
+                                             for p, k in zip(nodes, nodes[1:], strict=False)):
+            raise InputError(f"nodes: got {nodes}, expected a path from the root of the verified tree "
+                             f"(parents {list(tree.parents)})")
+        del self._drafts[slot]
+        self.cache.keep(slot, start, nodes)
 
 
 @torch.no_grad()
