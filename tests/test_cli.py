@@ -23,7 +23,8 @@ from mlagen.codegen.compiler import Resources
 from mlagen.codegen.render import render
 from mlagen.dispatch.presets import DEFAULT_EMIT_ARCHS, PRESETS
 from mlagen.dsl.spec import Variant, parse_variant
-from mlagen.plan.mma_plan import TRANSPOSED_STACK, stack_budget
+from mlagen.plan.mma_plan import TRANSPOSED_STACK
+from mlagen.plan.schedules import stack_budget
 from mlagen.plan.validate import validate
 from mlagen.tools import cli
 from mlagen.tools.bench import DISPATCH, EAGER, BenchResult, Cell, RowResult

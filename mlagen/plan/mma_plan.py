@@ -89,14 +89,6 @@ def transposed_layout(p: Problem, v: Variant) -> MmaLayout | str:
 TRANSPOSED_STACK = 128
 
 
-def stack_budget(v: Variant) -> int:
-    """Bytes of stack (spills) `v`'s kernels may take: its schedule's (`schedules.stack_budget`,
-    where the registry keeps each schedule's need), for callers that check compiled kernels."""
-    from .schedules import stack_budget as schedule_stack  # the registry imports this module
-
-    return schedule_stack(v)
-
-
 def no_stack(v: Variant) -> int:
     """The stack (spills) a kernel that keeps everything in registers may take: none."""
     return 0

@@ -469,7 +469,7 @@ def show(
 
 def _resources_table(plan: KernelPlan, resources: dict[str, Resources]) -> Table:
     """ptxas's report on `plan`'s kernels, a row per kernel, with the spills that `check` allows."""
-    from mlagen.plan.mma_plan import stack_budget
+    from mlagen.plan.schedules import stack_budget
 
     budget = stack_budget(plan.variant)
     rows = [[name.removeprefix(plan.name + "_"), str(r.registers), str(r.shared_static), str(plan.smem_bytes),
@@ -539,7 +539,7 @@ def check(
     """
     from mlagen.codegen.build import build
     from mlagen.codegen.compiler import CompileError
-    from mlagen.plan.mma_plan import stack_budget
+    from mlagen.plan.schedules import stack_budget
 
     archs = _archs(arch, CI_ARCHS)
     presets = [_preset(n) for n in dict.fromkeys(preset)] if preset else list(PRESETS.values())
