@@ -42,6 +42,7 @@ ATTENTION_MODULES = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_pro
 CONFIG_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_attention_heads",
                  "num_hidden_layers", "rope_interleave")
 MLAGEN_DTYPES = (torch.bfloat16, torch.float16)
+FLOAT_WEIGHTS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def check_model(model: object) -> None:
@@ -94,7 +95,13 @@ class AbsorbedMLA:
         self.latent, self.v_dim = int(config.kv_lora_rank), int(config.v_head_dim)
         self.interleave = bool(config.rope_interleave)
         self.scale = float(attn.scaling)
-        weight = attn.kv_b_proj.weight.detach().view(self.heads, self.nope + self.v_dim, self.latent)
+        weight = attn.kv_b_proj.weight.detach()
+        if weight.dtype not in FLOAT_WEIGHTS or tuple(weight.shape) != (self.heads * (self.nope + self.v_dim),
+                                                                         self.latent):
+            raise ValueError(f"model: kv_b_proj.weight is {weight.dtype} {tuple(weight.shape)}, expected a plain "
+                             f"{self.heads * (self.nope + self.v_dim)} x {self.latent} float weight to absorb "
+                             "(load quantized checkpoints dequantized, e.g. with dtype=torch.bfloat16)")
+        weight = weight.view(self.heads, self.nope + self.v_dim, self.latent)
         self.w_uk = weight[:, : self.nope]                     # [H, nope, Dl]: k_nope = W_UK c
         self.w_uv = weight[:, self.nope:]                      # [H, v, Dl]: v = W_UV c
 
@@ -132,7 +139,7 @@ class DeepseekV3Verifier:
             request may hold (the block table is ceil(max_context / page_size) pages wide);
             num_pages: the pool (default: every slot at max_context).
         kv_format: None (cache rows in the model's dtype), "e4m3" or "ds_mla" (FP8, 576-wide rows).
-        kv_scale: the e4m3 scale (a float, or one per layer); None for 1.0.
+        kv_scale: the e4m3 scale (a float, or one per layer; None for 1.0); None for other formats.
 
     Raises ValueError naming `model` for a model of another architecture, and InputError for a
     dtype that the backend cannot take (`mlagen.verify_attention`: bf16 or fp16).
@@ -142,6 +149,9 @@ class DeepseekV3Verifier:
                  max_requests: int = 8, max_context: int = 4096, num_pages: int | None = None,
                  kv_format: str | None = None, kv_scale: float | Sequence[float] | None = None) -> None:
         check_model(model)
+        for name, value in (("page_size", page_size), ("max_requests", max_requests), ("max_context", max_context)):
+            if not isinstance(value, int) or value < 1:
+                raise InputError(f"{name}: got {value!r}, expected an int >= 1")
         self.model = model
         self.config = model.config
         inner = model.model
@@ -158,7 +168,7 @@ class DeepseekV3Verifier:
             num_layers=len(self.layers), num_pages=num_pages or max_requests * max_pages, page_size=page_size,
             max_requests=max_requests, max_pages=max_pages, latent_dim=int(self.config.kv_lora_rank),
             rope_dim=int(self.config.qk_rope_head_dim), dtype=self.dtype, kv_format=kv_format,
-            kv_scale=kv_scale if kv_format == "e4m3" else None, device=self.device)
+            kv_scale=kv_scale, device=self.device)
         self._drafts: dict[int, tuple[int, DraftTree]] = {}   # slot -> (draft's first row, tree)
 
     # -- requests ---------------------------------------------------------------------------------
