@@ -67,10 +67,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--experts", type=positive, default=4, help="seeded model's routed experts (default 4)")
     parser.add_argument("--experts-per-token", type=positive, default=2, help="routed experts per token (default 2)")
     parser.add_argument("--kv-format", choices=("e4m3", "ds_mla"), help="an FP8 latent cache (default: the dtype)")
+    parser.add_argument("--kv-scale", type=float, help="the e4m3 cache's scale (default 1.0: rows up to 448)")
     parser.add_argument("--page-size", type=positive, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                        help="run each mode once before timing it (compiles the kernels; default: on CUDA)")
+                        help="run each mode once before timing it (compiles the kernels for every draft size; "
+                        "default: on CUDA)")
     args = parser.parse_args(argv)
     if not 2 <= args.experts_per_token <= args.experts:     # the router scores each group by its top 2
         parser.error(f"--experts-per-token {args.experts_per_token}, --experts {args.experts}: expected "
@@ -161,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, DecodeResult]:
     prompts = make_prompts(args, model.config.vocab_size)
     longest = max(map(len, prompts)) + args.new_tokens + args.draft_len * args.branches + 1
     verifier = DeepseekV3Verifier(model, backend=timer, page_size=args.page_size, max_requests=args.batch,
-                                  max_context=longest, kv_format=args.kv_format)
+                                  max_context=longest, kv_format=args.kv_format,
+                                  kv_scale=args.kv_scale if args.kv_format == "e4m3" else None)
     c = model.config
     print(f"model: {args.model or 'seeded'}, {c.num_hidden_layers} layers, {c.num_attention_heads} heads, "
           f"latent {c.kv_lora_rank} + rope {c.qk_rope_head_dim}, vocab {c.vocab_size}, {verifier.dtype}, "
@@ -174,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, DecodeResult]:
         "tree": functools.partial(lookup_tree, draft_len=args.draft_len, branches=args.branches),
     }
     warmup = args.warmup if args.warmup is not None else device.type == "cuda"
+    speculative_decode(verifier, prompts, 2)        # untimed: first calls (lazy set-up) out of the timings
     results: dict[str, DecodeResult] = {}
     base_rate = None
     for name, drafter in modes.items():
