@@ -238,7 +238,8 @@ class PagedLatentCache:
         self._check_slot(slot)
         n = self._lengths[slot]
         table = torch.tensor(self._owned[slot], dtype=torch.long, device=self.device)
-        return self.pages[layer].index_select(0, table).reshape(-1, self.pages.shape[-1])[:n]
+        pages = self._bytes(self.pages[layer]).index_select(0, table)
+        return pages.view(self.pages.dtype).reshape(-1, self.pages.shape[-1])[:n]
 
     # -- helpers ----------------------------------------------------------------------------------
     def _check_slot(self, slot: int) -> None:
