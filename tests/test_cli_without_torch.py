@@ -90,13 +90,6 @@ def test_import_registers_the_custom_op_where_torch_is():
     assert all(hasattr(mlagen, name) for name in mlagen.__all__)
 
 
-def test_launcher_constants_are_the_tensormap_module_s():
-    from mlagen.runtime import tensormap
-    from mlagen.tools import launcher
-
-    assert (launcher.KV_MAP_BYTES, launcher.KV_BOX_DIMS) == (tensormap.MAP_BYTES, tensormap.BOX_DIMS)
-
-
 def test_pyproject_keeps_torch_in_the_runtime_extra():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())

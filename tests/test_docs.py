@@ -19,7 +19,7 @@ from mlagen.dsl.spec import parse_variant
 from mlagen.plan import mma_plan
 from mlagen.plan import validate as validate_module
 from mlagen.tools import bench as bench_module
-from mlagen.tools import grids, launcher
+from mlagen.tools import grids
 from mlagen.tools.floor import floor_bytes, floor_flops
 from mlagen.tools.testing import E4M3_QUERY_TOLERANCE
 from mlagen.tools.tune import TuneConfig
@@ -73,7 +73,7 @@ def _code_value(name: str):
     """The value a doc's "`name` (value)" stands for: a constant of one of mlagen's modules, a
     DispatchPolicy field's default, or one of the few names below."""
     special = {
-        "kKvMapBytes": lambda: launcher.KV_MAP_BYTES,
+        "kKvMapBytes": lambda: mma_plan.TENSOR_MAP_BYTES,
         "--retimes": lambda: TuneConfig.retimes,
     }
     if name in special:

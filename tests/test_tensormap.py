@@ -31,7 +31,7 @@ def test_descriptor_describes_the_cache_as_pages_of_rows(monkeypatch, dtype, cod
     monkeypatch.setattr(tensormap, "_encode_tiled", lambda: fake)
     desc = tensormap.encode(0x7F0000001000, num_pages=300, page_size=64, head_dim=576, strides=(64 * 584, 584),
                             dtype=dtype, box_rows=64)
-    assert len(desc) == tensormap.MAP_BYTES == 128
+    assert len(desc) == tensormap.TENSOR_MAP_BYTES == 128
     assert desc[:8] == (1).to_bytes(8, "little")              # the bytes the driver wrote
     (call,) = fake.calls
     assert call == dict(dtype=code, rank=3, address=0x7F0000001000,

@@ -83,6 +83,12 @@ def transposed_layout(p: Problem, v: Variant) -> MmaLayout | str:
                      smem_bytes=smem, wgmma=True, pv_wgmma=True)
 
 
+# The KV cache as TMA loads read it (Variant.loads "tma"): boxes of TMA_BOX_DIMS dims, one
+# 128-byte swizzled column block of 16-bit values, described by a CUtensorMap of
+# TENSOR_MAP_BYTES (the runtime's mlagen/runtime/tensormap.py and the C++ launcher encode it).
+TMA_BOX_DIMS = 64
+TENSOR_MAP_BYTES = 128
+
 # Stack that a transposed tile of more than 32 rows may take: its 144 output accumulators (72
 # rows) fill the registers, and ptxas spills a few dozen bytes (more with a tree mask's byte
 # reads; docs/design.md, "Transposed tile"). More means something grew.

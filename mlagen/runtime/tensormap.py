@@ -25,14 +25,13 @@ import sys
 
 import torch
 
+from ..plan.mma_plan import TENSOR_MAP_BYTES, TMA_BOX_DIMS
 from . import lasting
 
-MAP_BYTES = 128                  # sizeof(CUtensorMap)
 _DTYPE = {"bf16": 9, "fp16": 6}  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 / _FLOAT16
 _ELEM_BYTES = 2                  # both of them
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
-BOX_DIMS = 64                    # dims per box: one 128-byte swizzled column block
 CAPTURE_SLOTS = 64               # descriptors per device for caches first met under capture
 
 # (device, address, num_pages, page_size, D, page stride, row stride, dtype, rows per box) ->
@@ -46,7 +45,7 @@ class _Slots:
     """CAPTURE_SLOTS descriptor buffers of one device, handed out once each to `_captured`."""
 
     def __init__(self, device: torch.device) -> None:
-        self.buffers = torch.empty(CAPTURE_SLOTS, MAP_BYTES, dtype=torch.uint8, device=device)
+        self.buffers = torch.empty(CAPTURE_SLOTS, TENSOR_MAP_BYTES, dtype=torch.uint8, device=device)
         self.used = 0
 
     def take(self) -> torch.Tensor | None:
@@ -74,7 +73,7 @@ def encode(address: int, num_pages: int, page_size: int, head_dim: int, strides:
     desc = (ctypes.c_uint64 * 16)()
     dims = (ctypes.c_uint64 * 3)(head_dim, page_size, num_pages)
     byte_strides = (ctypes.c_uint64 * 2)(strides[1] * _ELEM_BYTES, strides[0] * _ELEM_BYTES)
-    box = (ctypes.c_uint32 * 3)(BOX_DIMS, box_rows, 1)
+    box = (ctypes.c_uint32 * 3)(TMA_BOX_DIMS, box_rows, 1)
     unit = (ctypes.c_uint32 * 3)(1, 1, 1)
     code = _encode_tiled()(ctypes.byref(desc), _DTYPE[dtype], 3, ctypes.c_void_p(address), dims, byte_strides, box,
                            unit, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
@@ -101,7 +100,7 @@ def _eager_buffer(device: int) -> torch.Tensor:
     def build() -> torch.Tensor:
         if device not in _slots:
             _slots[device] = _Slots(cuda)
-        return torch.empty(MAP_BYTES, dtype=torch.uint8, device=cuda)
+        return torch.empty(TENSOR_MAP_BYTES, dtype=torch.uint8, device=cuda)
 
     return lasting.make(build, device)
 
@@ -111,7 +110,7 @@ def _capture_buffer(device: int) -> torch.Tensor:
     arena, else one from the graph's pool."""
     slots = _slots.get(device)
     slot = slots.take() if slots is not None else None
-    return slot if slot is not None else torch.empty(MAP_BYTES, dtype=torch.uint8, device=_device(device))
+    return slot if slot is not None else torch.empty(TENSOR_MAP_BYTES, dtype=torch.uint8, device=_device(device))
 
 
 def device_map(device: int, address: int, num_pages: int, page_size: int, head_dim: int, strides: tuple[int, int],

@@ -7,11 +7,10 @@ constants, `grid`, `row_groups`, `merge_blocks`, `workspace_bytes`, `counters_by
 split counters and a cudaStream_t, fills the parameter block and launches the kernel (whose grid
 holds the merge blocks when num_splits > 1) through cudaLaunchKernel. A TMA variant's header
 also has `make_kv_map`, which encodes the cache's tensor map (as mlagen/runtime/tensormap.py
-does) into a device buffer that `launch` then takes; KV_MAP_BYTES and KV_BOX_DIMS are that
-module's MAP_BYTES and BOX_DIMS (tests/test_cli_without_torch.py holds them equal), written here
-so that emitting a header needs no torch. `merge_blocks` and `default_num_splits` are C++ twins
-of `KernelPlan.merge_blocks` and `policy.num_splits`; tests/test_launcher.py compiles them and
-compares with the Python.
+does) into a device buffer that `launch` then takes, with the box and descriptor sizes of
+`mlagen.plan.mma_plan` (TMA_BOX_DIMS, TENSOR_MAP_BYTES). `merge_blocks` and
+`default_num_splits` are C++ twins of `KernelPlan.merge_blocks` and `policy.num_splits`;
+tests/test_launcher.py compiles them and compares with the Python.
 
 The header is meant for a different translation unit than the .cu (see the header's comment):
 it declares its own twin of the parameter block, rendered from the same field list
@@ -33,14 +32,13 @@ from ..codegen.render import environment
 from ..dispatch import policy
 from ..dsl.arch import nvcc_arch_flags
 from ..dsl.spec import MAX_SEQLEN_Q
+from ..plan.mma_plan import TENSOR_MAP_BYTES, TMA_BOX_DIMS
 from ..plan.params import FIELDS, PARAMS_SIZE, Field
 from ..plan.validate import MERGE_TARGET_BLOCKS, KernelPlan
 from ..runtime.launch import DEFAULT_SMEM_LIMIT
 from .files import write_if_changed
 
 _LOG2E = "1.4426950408889634f"
-KV_MAP_BYTES = 128     # sizeof(CUtensorMap)
-KV_BOX_DIMS = 64       # dims per TMA box: one 128-byte swizzled column block of 16-bit elements
 
 # How `launch` fills each field of the parameter block from its arguments; every field of
 # mlagen.plan.params.FIELDS needs an entry (checked when rendering).
@@ -113,7 +111,7 @@ def render_launcher(plan: KernelPlan) -> str:
         merge_tiles=repr(policy.H200.merge_tiles), split_tiles_per_row=repr(policy.H200.split_tiles_per_row),
         max_splits=policy.H200.max_splits, pdl_tiles_per_sm=policy.H200.pdl_tiles_per_sm,
         balanced_list_positions=policy.BALANCED_LIST_POSITIONS,
-        default_smem=DEFAULT_SMEM_LIMIT, kv_map_bytes=KV_MAP_BYTES, kv_box_dims=KV_BOX_DIMS,
+        default_smem=DEFAULT_SMEM_LIMIT, kv_map_bytes=TENSOR_MAP_BYTES, kv_box_dims=TMA_BOX_DIMS,
     )
 
 
