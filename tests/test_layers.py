@@ -17,8 +17,8 @@ PACKAGE = ROOT / "mlagen"
 # layer, lowest first. A new module has to be placed here.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("dsl", ("dsl", "dsl.arch", "dsl.errors", "dsl.kv_layout", "dsl.spec")),
-    ("plan", ("plan", "plan.mma_plan", "plan.params", "plan.schedules", "plan.space", "plan.terms", "plan.tiles",
-              "plan.validate")),
+    ("plan", ("plan", "plan.families", "plan.mma_plan", "plan.params", "plan.schedules", "plan.space", "plan.terms",
+              "plan.tiles", "plan.validate")),
     ("codegen", ("codegen", "codegen.build", "codegen.compiler", "codegen.precompile", "codegen.render")),
     ("dispatch", ("dispatch", "dispatch.policy", "dispatch.presets", "dispatch.tables")),
     ("runtime", ("runtime", "runtime.context_parallel", "runtime.inputs", "runtime.kv_formats", "runtime.lasting",

@@ -1,6 +1,7 @@
-"""The schedule registry (`mlagen.plan.schedules`) is the one place that says what a schedule is:
-no other module under mlagen/ decides anything by a schedule's name, and each entry agrees with
-its templates, the tuner's space and the fuzzer's draws."""
+"""The schedule registry (`mlagen.plan.schedules`) is the one place that says what a schedule is,
+and the family registry (`mlagen.plan.families`) what a family is: no other module under mlagen/
+decides anything by a schedule's or a family's name, and each entry agrees with its templates,
+the tuner's space and the fuzzer's draws."""
 
 import ast
 from pathlib import Path
@@ -8,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from mlagen.dsl.arch import ARCHS
-from mlagen.dsl.spec import COMBINES, FAMILIES, LOADS, PARTIALS, SCHEDULES, TAGS, Problem, Variant
-from mlagen.plan import schedules
+from mlagen.dsl.errors import SpecError
+from mlagen.dsl.spec import COMBINES, FAMILIES, LOADS, PARTIALS, SCHEDULES, TAGS, Problem, Variant, naive
+from mlagen.plan import families, schedules
+from mlagen.plan.families import FLASH, MMA, NAIVE, family_of
 from mlagen.plan.schedules import LOCKSTEP, P_EXCHANGE, SEESAW, TRANSPOSED, schedule_of, stack_budget
 from mlagen.plan.space import split_variants, structures, twin_variants
 from mlagen.plan.validate import is_valid, validate
@@ -19,26 +22,32 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mlagen"
 REGISTRY = Path(schedules.__file__).resolve()
 NAMES = frozenset(schedules.SCHEDULES)
+FAMILY_REGISTRY = Path(families.__file__).resolve()
+FAMILY_NAMES = frozenset(families.FAMILIES)
 # The DSL's identity predicates (`Variant.seesaw` ...), kept for tests and benchmarks outside the
 # package; no module under mlagen/ reads them (test_no_module_reads_the_dsl_schedule_predicates).
 PREDICATES = frozenset({"Variant.seesaw", "Variant.transposed", "Variant.p_exchange"})
+# Where the DSL decides by a family's name, its vocabulary: the naive family's names (`Variant.untiled`,
+# which only the DSL reads: test_no_module_reads_the_dsl_family_predicate) and their parsing.
+FAMILY_PREDICATES = frozenset({"Variant.untiled", "parse_variant"})
 
 
-def _named(node: ast.AST) -> bool:
-    """Whether `node` is a registered schedule's name as a literal, or a collection of literals
-    holding one."""
+def _named(node: ast.AST, names: frozenset[str]) -> bool:
+    """Whether `node` is one of `names` as a literal, or a collection of literals holding one."""
     if isinstance(node, ast.Constant):
-        return node.value in NAMES
+        return node.value in names
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return any(_named(e) for e in node.elts)
+        return any(_named(e, names) for e in node.elts)
     return False
 
 
 class _Finder(ast.NodeVisitor):
-    """Collects the decisions a module makes on schedule names: comparisons (==, !=, in, is) with
-    a name, dicts keyed by names and match cases on them, with the qualified name they sit in."""
+    """Collects the decisions a module makes on registered names (a schedule's or a family's):
+    comparisons (==, !=, in, is) with a name, dicts keyed by names and match cases on them, with
+    the qualified name they sit in."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
         self.scope: list[str] = []
         self.found: list[tuple[int, str, str]] = []
 
@@ -53,29 +62,29 @@ class _Finder(ast.NodeVisitor):
         self.found.append((node.lineno, ".".join(self.scope), what))
 
     def visit_Compare(self, node: ast.Compare) -> None:
-        if any(_named(e) for e in (node.left, *node.comparators)):
+        if any(_named(e, self.names) for e in (node.left, *node.comparators)):
             self._add(node, ast.unparse(node))
         self.generic_visit(node)
 
     def visit_Dict(self, node: ast.Dict) -> None:
-        if any(k is not None and _named(k) for k in node.keys):
-            self._add(node, "a dict keyed by schedule names")
+        if any(k is not None and _named(k, self.names) for k in node.keys):
+            self._add(node, "a dict keyed by registered names")
         self.generic_visit(node)
 
     def visit_MatchValue(self, node: ast.MatchValue) -> None:
-        if _named(node.value):
+        if _named(node.value, self.names):
             self._add(node, f"case {ast.unparse(node.value)}")
         self.generic_visit(node)
 
 
-def _decisions(source: str) -> list[tuple[int, str, str]]:
-    finder = _Finder()
+def _decisions(source: str, names: frozenset[str] = NAMES) -> list[tuple[int, str, str]]:
+    finder = _Finder(names)
     finder.visit(ast.parse(source))
     return finder.found
 
 
-def _modules() -> list[Path]:
-    return [p for p in sorted(PACKAGE.rglob("*.py")) if p.resolve() != REGISTRY]
+def _modules(registry: Path = REGISTRY) -> list[Path]:
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if p.resolve() != registry]
 
 
 def test_the_finder_sees_each_form_of_a_decision_by_name():
@@ -92,6 +101,7 @@ def f(v, s):
 '''
     found = _decisions(source)
     assert [line for line, _, _ in found] == [3, 4, 5, 6, 8] and {scope for _, scope, _ in found} == {"f"}
+    assert [line for line, _, _ in _decisions(source, FAMILY_NAMES)] == [10]
 
 
 def test_no_module_outside_the_registry_decides_by_a_schedule_name():
@@ -198,3 +208,59 @@ def test_the_fuzzer_draws_every_schedule_and_only_valid_variants():
     for shape, v in drawn:
         if v is not None and shape.problem.fp8_kv and v.family == "mma":
             assert v.loads in schedule_of(v).fp8_kv_loads
+
+
+def test_no_module_outside_the_registry_decides_by_a_family_name():
+    """Every family decision is a field of the family's entry (`family_of`): comparing
+    `Variant.family` with a name, or keying a dict by names, anywhere else under mlagen/ is a
+    branch the next family would have to find. The DSL's vocabulary (the naive family's names)
+    is the exception (FAMILY_PREDICATES)."""
+    found = []
+    for path in _modules(FAMILY_REGISTRY):
+        for line, scope, what in _decisions(path.read_text(), FAMILY_NAMES):
+            if not (path.name == "spec.py" and scope in FAMILY_PREDICATES):
+                found.append(f"{path.relative_to(ROOT)}:{line} ({scope or 'module'}): {what}")
+    assert not found, "ask the family's registry entry instead:\n" + "\n".join(found)
+
+
+def test_no_module_reads_the_dsl_family_predicate():
+    """`Variant.untiled` names the naive family for the DSL's names; code above the DSL asks the
+    entry (`KernelFamily.tiled`)."""
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in _modules(FAMILY_REGISTRY)
+             if path.name != "spec.py" for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "untiled" and isinstance(node.ctx, ast.Load)]
+    assert not found, found
+
+
+def test_the_dsl_names_exactly_the_registered_families():
+    assert tuple(families.FAMILIES) == FAMILIES
+    assert tuple(families.FAMILIES.values()) == (NAIVE, FLASH, MMA)
+    assert family_of(naive()) is NAIVE and naive().untiled and not NAIVE.tiled
+
+
+@pytest.mark.parametrize("family", list(families.FAMILIES.values()), ids=list(families.FAMILIES))
+def test_a_family_entry_is_consistent(family):
+    """Its template exists, or its schedules' do; a family that takes the knobs runs every
+    schedule and a family without runs the lockstep loop only; an untiled family takes no knob
+    and its first structure of the tuner's space validates (an untiled family's variant,
+    `naive`); over FP8 inputs, its family passes where it reads them (its tile may not fit)."""
+    schedules_run = [s for s in schedules.SCHEDULES.values() if family.name in s.families]
+    assert family.template is None or (ROOT / "templates" / family.template).is_file()
+    assert family.template is not None or all((ROOT / "templates" / s.template).is_file() for s in schedules_run)
+    assert schedules_run == (list(schedules.SCHEDULES.values()) if family.knobs else [LOCKSTEP])
+    assert family.fuzz_weight >= 1 and (family.tiled or not family.knobs)
+    assert family.fp8_kv != "staged" or any(s.fp8_kv_loads for s in schedules_run)
+    problem = Problem(heads=8)
+    tile = structures(problem, 8, "sm_90a", family.name, limit=1)[0]
+    assert family.tiled or tile == naive("sm_90a")
+    assert validate(problem, tile).family is family
+    assert validate(problem, tile).template == family.template_for(tile)
+    for kv_format, q_format in (("dtype", "e4m3"), ("e4m3", "dtype"), ("ds_mla", "dtype"), ("e4m3", "e4m3")):
+        fp8 = problem.with_formats(kv_format, q_format)
+        reads = (family.fp8_q or q_format == "dtype") and (bool(family.fp8_kv) or kv_format == "dtype")
+        try:
+            validate(fp8, tile)
+            refused = None
+        except SpecError as e:
+            refused = e.field
+        assert (refused != "variant.family") == reads, (kv_format, q_format, refused)

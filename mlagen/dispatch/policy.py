@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from ..dsl.arch import get_arch, runs_on, specializations
 from ..dsl.errors import SpecError
 from ..dsl.spec import Problem, Variant, naive, parse_variant
+from ..plan.families import FAMILIES, family_of
 from ..plan.mma_plan import padded_rows
 from ..plan.schedules import SEESAW, TRANSPOSED, schedule_of
 from ..plan.space import tile_a_block_variants
@@ -278,7 +279,7 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
     transposed = transposed_tile(problem, seqlen_q, arch, policy)
     if transposed is not None and batch * -(-kv_capacity // transposed.block_n) >= policy.seesaw_tiles:
         return transposed
-    if v.family != "mma" or v.arch != "sm_90a":
+    if not SEESAW.takes(v):
         return v
     tiles = -(-kv_capacity // v.block_n)
     if _row_groups(v, problem.heads, seqlen_q) * batch * tiles < policy.seesaw_tiles:
@@ -382,7 +383,7 @@ def batch_invariant_variant(problem: Problem, seqlen_q: int, arch: str, policy: 
     if problem.fp8:
         return fp8_variant(arch)
     v = transposed_tile(problem, seqlen_q, arch, policy) or heuristic_variant(problem, seqlen_q, arch, policy)
-    seesaw = SEESAW.twin(v) if v.family == "mma" and v.arch == "sm_90a" else None
+    seesaw = SEESAW.twin(v) if SEESAW.takes(v) else None
     if seesaw is not None and policy.fits(problem, seesaw.with_(kv_split=INVARIANT_SPLITS)):
         v = seesaw
     fixed = v.with_(kv_split=INVARIANT_SPLITS)
@@ -477,7 +478,8 @@ def choose_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int
 
 def balanced_for_batch(problem: Problem, variant: Variant, batch: int, policy: DispatchPolicy) -> Variant:
     """`variant` with the balanced split when it runs a batch (`DispatchPolicy.balanced_batch`, 2, or more
-    requests) on the mma family, where that fits the device.
+    requests) on a family that takes it (`KernelFamily.knobs`: the mma family), where that fits
+    the device.
 
     The host knows the block table's capacity, not the lengths; a serving batch mixes short and
     long requests, and the adaptive or a fixed split, sized by the capacity, then leaves most SMs
@@ -485,7 +487,7 @@ def balanced_for_batch(problem: Problem, variant: Variant, batch: int, policy: D
     on the device: ragged batches gain much more than uniform ones pay (docs/performance.md). The
     tuner times batches this way (`tune.as_dispatched`). Pass `variant=` to pin a split.
     """
-    if batch < policy.balanced_batch or variant.family != "mma" or variant.kv_split == "balanced":
+    if batch < policy.balanced_batch or not family_of(variant).knobs or variant.kv_split == "balanced":
         return variant
     balanced = variant.with_(kv_split="balanced", combine="merge")   # a cluster's split is capacity-sized too
     return balanced if policy.fits(problem, balanced) else variant
@@ -500,13 +502,16 @@ def balanced_list_fits(variant: Variant, batch: int, kv_capacity: int) -> bool:
 def family_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
                    gpu: str, family: str, policy: DispatchPolicy) -> Variant | None:
     """The dispatcher's choice restricted to one family (the bench's per-family column): the
-    tuned one, else the family's default; None when no variant of the family validates."""
+    tuned one, else the family's default (`KernelFamily`): an untiled family's one variant
+    (`naive`), a tensor-core family's untuned pick where a tile fits (`heuristic_mma`), else the
+    flash heuristic's; None when no variant of the family validates."""
     tuned = tuned_variant(problem, seqlen_q, batch, kv_capacity, arch, gpu, policy, family)
     if tuned is not None:
         return tuned
-    if family == "naive":
+    entry = FAMILIES[family]
+    if not entry.tiled:
         return naive(arch=arch)
-    if family == "mma":      # the untuned pick (seesaw on long launches), where an mma tile fits
+    if entry.tensor_cores:      # the untuned pick (seesaw on long launches), where an mma tile fits
         if heuristic_mma(problem, seqlen_q, arch, policy) is None:
             return None
         return untuned_variant(problem, seqlen_q, batch, kv_capacity, arch, policy)
@@ -538,7 +543,7 @@ def num_splits(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_capac
     counted so too: 65 tiles over 14 splits are 6 a block and three empty splits, which 11
     splits run with fewer partials. A tuned table's fixed split overrides it.
     """
-    if variant.family == "naive":
+    if not family_of(variant).tiled:
         return 1
     if variant.kv_split == "balanced":
         return balanced_parts(variant, heads, batch, seqlen_q, kv_capacity, policy.sm_count, blocks_per_sm)

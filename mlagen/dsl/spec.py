@@ -207,9 +207,17 @@ class Variant:
     def code_variant(self) -> Variant:
         """The variant that stands for this one's generated code: itself, with a split that is a
         launch parameter set to "adaptive" (variants with equal code_variants share a kernel)."""
-        if self.family == "naive" or self.split_compiled_in:
+        if self.untiled or self.split_compiled_in:
             return self
         return self.with_(kv_split="adaptive")
+
+    @property
+    def untiled(self) -> bool:
+        """Whether the family is the naive one (family "naive"), whose variant holds no tile (one
+        block per query row, `naive`): the DSL's vocabulary, which its names and `code_variant`
+        follow. Code above the DSL asks the family's registry entry instead
+        (`mlagen.plan.families`, `KernelFamily.tiled`)."""
+        return self.family == "naive"
 
     @property
     def seesaw(self) -> bool:
@@ -228,7 +236,7 @@ class Variant:
 
     def _named(self, with_split: bool) -> str:
         arch = self.arch.replace("_", "")
-        if self.family == "naive":
+        if self.untiled:
             return f"naive_w{self.warps}_{arch}"
         split = _SPLIT_TAGS[self.kv_split] if isinstance(self.kv_split, str) else str(self.kv_split)
         return (

@@ -115,6 +115,11 @@ class TileSchedule:
         """KV tiles a split, or a balanced range, gets together: 2 for a paired schedule, else 1."""
         return 2 if self.paired else 1
 
+    def takes(self, v: Variant) -> bool:
+        """Whether `v`'s family and arch may run this schedule (`families`, `archs`); the rest of
+        its settings are `check`'s."""
+        return v.family in self.families and (self.archs is None or v.arch in self.archs)
+
     def check(self, v: Variant) -> str | None:
         """The first of this schedule's rules that `v` breaks, as what it needs; None if none."""
         rules = (

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 
 from ..dsl.spec import Family, Problem, Variant, naive
+from .families import FAMILIES, family_of
 from .schedules import SCHEDULES
 from .tiles import MAX_ROWS, enumerate_tiles
 from .validate import MAX_CLUSTER, is_valid
@@ -38,8 +39,9 @@ def tile_shapes(heads: int, seqlen_q: int) -> list[tuple[int, int]]:
 
 def structures(problem: Problem, seqlen_q: int, arch: str, family: Family,
                limit: int | None = None) -> list[Variant]:
-    """Valid adaptive-split variants of `family` for S=seqlen_q on `arch`, most promising first."""
-    if family == "naive":
+    """Valid adaptive-split variants of `family` for S=seqlen_q on `arch`, most promising first
+    (an untiled family's, `KernelFamily.tiled`: its variant of 4 warps, then of 8)."""
+    if not FAMILIES[family].tiled:
         naives = [v for v in (naive(arch=arch, warps=4), naive(arch=arch, warps=8)) if is_valid(problem, v)]
         return naives[:limit]
     knobs = list(itertools.product(SEARCH_BLOCK_NS, WARPS, STAGES, MMA_PV))
@@ -71,13 +73,14 @@ def structures(problem: Problem, seqlen_q: int, arch: str, family: Family,
 
 def split_variants(problem: Problem, variant: Variant, kv_capacity: int, skip: int) -> list[Variant]:
     """`variant` with each fixed split that leaves every split at least one KV tile, except
-    `skip` (the split its adaptive rule already picks); for the mma family also the balanced
-    split, the cluster splits of CLUSTER_SIZES that `problem` and the arch allow, and the
-    schedules that run a tile a block of a cluster (the P exchange) where the block table holds
-    few enough tiles (`tile_a_block_variants`)."""
+    `skip` (the split its adaptive rule already picks); for a family that takes the knobs
+    (`KernelFamily.knobs`: the mma family) also the balanced split, the cluster splits of
+    CLUSTER_SIZES that `problem` and the arch allow, and the schedules that run a tile a block
+    of a cluster (the P exchange) where the block table holds few enough tiles
+    (`tile_a_block_variants`)."""
     tiles = max(1, -(-kv_capacity // variant.block_n))
     fixed = [variant.with_(kv_split=s) for s in SPLITS if s <= tiles and s != skip]
-    if variant.family != "mma":
+    if not family_of(variant).knobs:
         return fixed
     clusters = [variant.with_(kv_split=s, combine="cluster") for s in CLUSTER_SIZES if s <= tiles]
     return (fixed + [variant.with_(kv_split="balanced")] + [c for c in clusters if is_valid(problem, c)]
@@ -107,14 +110,15 @@ def structure_of(v: Variant) -> Variant:
 
 
 def twin_variants(problem: Problem, variants: list[Variant]) -> list[Variant]:
-    """The knob twins of each of `variants` that the tuner times last, in order: with 16-bit
-    partials (an mma variant that exchanges partial rows between split blocks: its split is not
-    1), with TMA loads, with both, then on each schedule that twins the variant's
-    (`TileSchedule.twin`: a lockstep variant as the seesaw, which loads with TMA) with its
-    partials and with 16-bit ones, where valid for `problem`; each once, none of `variants`."""
+    """The knob twins of each of `variants` of a family that takes the knobs
+    (`KernelFamily.knobs`) that the tuner times last, in order: with 16-bit partials (a variant
+    that exchanges partial rows between split blocks: its split is not 1), with TMA loads, with
+    both, then on each schedule that twins the variant's (`TileSchedule.twin`: a lockstep
+    variant as the seesaw, which loads with TMA) with its partials and with 16-bit ones, where
+    valid for `problem`; each once, none of `variants`."""
     found: list[Variant] = []
     for v in variants:
-        if v.family != "mma":
+        if not family_of(v).knobs:
             continue
         split = v.kv_split != 1
         twins = [w for w in (s.twin(v) for s in SCHEDULES.values()) if w is not None]

@@ -2,21 +2,21 @@
 
 `validate` is the only door from the DSL to code generation: it raises `SpecError` naming the
 field, the value and the limit, or returns a `KernelPlan` holding every derived constant the
-templates need (templates compute nothing; they `static_assert` what Python derived).
+templates need (templates compute nothing; they `static_assert` what Python derived). It checks
+what every variant shares here, and the family's own rules and block through the family's
+registry entry (`families.KernelFamily.block`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..dsl import kv_layout
-from ..dsl.arch import MAX_ACCUMULATORS, Arch, accumulator_budget, get_arch
-from ..dsl.errors import SpecError, require, require_smem
+from ..dsl.arch import Arch, get_arch
+from ..dsl.errors import SpecError, require
 from ..dsl.spec import (
     COMBINES,
     DTYPES,
-    FAMILIES,
     KV_FORMATS,
     LOADS,
     MASKS,
@@ -28,14 +28,13 @@ from ..dsl.spec import (
     Variant,
     kernel_name,
 )
-from .mma_plan import EXCHANGE_MAX_SLOT, EXCHANGE_SLOT, STAGE_PAD, MmaLayout, fp8_staging_bytes, kv_stage_bytes
+from .families import CHUNK, FAMILIES, KernelFamily, family_of
+from .mma_plan import EXCHANGE_MAX_SLOT, EXCHANGE_SLOT, MmaLayout, fp8_staging_bytes
 from .schedules import SCHEDULES, TileSchedule, schedule_of
 from .terms import N, Term, ceil_div, select
 
 MERGE_TARGET_BLOCKS = 128  # merge blocks a split launch aims for in all (about one wave on big GPUs)
-CHUNK = 8                  # elements per 16-byte load
 MAX_CLUSTER = 8            # blocks per thread-block cluster that every sm_90 GPU can schedule
-FLASH_BLOCK_NS = (32, 64)  # block_n values the flash family accepts (each lane owns block_n/32 keys)
 
 
 # What the balanced split counts a segment as (a range's share of one request: its Q, its first
@@ -74,10 +73,15 @@ class KernelPlan:
         return f"{self.name}_main"
 
     @property
+    def family(self) -> KernelFamily:
+        """The variant's family (`families.FAMILIES`)."""
+        return family_of(self.variant)
+
+    @property
     def uses_split(self) -> bool:
-        """Whether the kernel splits a row group's keys (every family but the naive one): it
-        then has the workspace's partial rows and merge code."""
-        return self.variant.family != "naive"
+        """Whether the kernel splits a row group's keys (a tiled family's, `KernelFamily.tiled`):
+        it then has the workspace's partial rows and merge code."""
+        return self.family.tiled
 
     @property
     def kv_layout(self) -> dict[str, int]:
@@ -98,9 +102,10 @@ class KernelPlan:
 
     @property
     def fp8_staging_bytes(self) -> int:
-        """Shared memory of the mma lockstep loop's staged FP8 rows (`mma_plan.fp8_staging_bytes`);
-        0 for 16-bit caches and the other families."""
-        return fp8_staging_bytes(self.problem, self.variant) if self.variant.family == "mma" else 0
+        """Shared memory of the lockstep loop's staged FP8 rows (`mma_plan.fp8_staging_bytes`) for
+        a family that stages them (`KernelFamily.fp8_kv` "staged"); 0 for 16-bit caches and the
+        other families."""
+        return fp8_staging_bytes(self.problem, self.variant) if self.family.fp8_kv == "staged" else 0
 
     # Constants the templates render from their one definition here.
     chunk = CHUNK                               # elements per 16-byte load
@@ -119,10 +124,9 @@ class KernelPlan:
 
     @property
     def template(self) -> str:
-        """File name of the main kernel's template in templates/: the naive or flash family's,
-        or the mma family's schedule's (`TileSchedule.template`)."""
-        v = self.variant
-        return self.schedule.template if v.family == "mma" else f"{v.family}.cu.j2"
+        """File name of the main kernel's template in templates/: the family's, or its schedule's
+        (`KernelFamily.template_for`)."""
+        return self.family.template_for(self.variant)
 
     @property
     def head_tile(self) -> int:
@@ -253,11 +257,11 @@ class KernelPlan:
     @property
     def prefetches_inputs(self) -> bool:
         """Whether the kernel, launched as a programmatic dependent, prefetches its Q rows and
-        first KV tile into L2 while the previous grid drains: the mma family's kernels of a
-        schedule that prefetches (`TileSchedule.prefetches`) where `programmatic_launch`, but for
-        the balanced split (its ranges need every request's length) and FP8 caches (the prefetch
-        reads 16-bit rows)."""
-        return (self.programmatic_launch and self.variant.family == "mma" and self.schedule.prefetches
+        first KV tile into L2 while the previous grid drains: the kernels of a family that may
+        (`KernelFamily.prefetches`) on a schedule that does (`TileSchedule.prefetches`) where
+        `programmatic_launch`, but for the balanced split (its ranges need every request's
+        length) and FP8 caches (the prefetch reads 16-bit rows)."""
+        return (self.programmatic_launch and self.family.prefetches and self.schedule.prefetches
                 and not self.balanced and not self.problem.fp8_kv)
 
     @property
@@ -278,7 +282,7 @@ class KernelPlan:
 
     @property
     def max_merge_blocks(self) -> int:
-        """Most merge blocks a row group gets: one warp per row; 0 for the naive family."""
+        """Most merge blocks a row group gets: one warp per row; 0 without a split."""
         return -(-self.rows // (self.threads // 32)) if self.uses_split else 0
 
     def q_tiles(self, seqlen_q: int) -> int:
@@ -353,8 +357,9 @@ class KernelPlan:
         slabs after the B request slabs for the merge blocks, so that every merge block comes
         after every split block in grid order (a cluster split has none: its y is the cluster).
         A balanced split has (row groups of a request, ranges) split blocks in slab 0,
-        num_splits being its ranges (`policy.balanced_parts`), and always its merge slabs."""
-        if self.variant.family == "naive":
+        num_splits being its ranges (`policy.balanced_parts`), and always its merge slabs. An
+        untiled family (`KernelFamily.tiled`) runs a block per (head, query, request)."""
+        if not self.family.tiled:
             return (self.problem.heads, seqlen_q, batch)
         x = ceil_div(seqlen_q, self.variant.q_tile) * self.head_tiles
         merge_slabs = (batch * merge_blocks + num_splits - 1) // num_splits
@@ -404,25 +409,31 @@ def _check_problem(p: Problem) -> None:
                 f"'dtype' for dl={p.dl} dr={p.dr} (the FP8 formats hold DeepSeek's rows: dl, dr = {fp8_rows})")
 
 
+# The families that take the knobs (`KernelFamily.knobs`) and those that do not, as messages name them.
+_KNOBS = " or ".join(f.name for f in FAMILIES.values() if f.knobs)
+_PLAIN = " and ".join(f.name for f in FAMILIES.values() if not f.knobs)
+
+
 def _check_common(v: Variant) -> None:
-    require(v.family in FAMILIES, "variant.family", v.family, f"one of {FAMILIES}")
+    require(v.family in FAMILIES, "variant.family", v.family, f"one of {tuple(FAMILIES)}")
+    knobs = family_of(v).knobs
     require(isinstance(v.warps, int) and 1 <= v.warps <= 16, "variant.warps", v.warps,
             "an int in 1..16")
     require(v.kv_split in ("adaptive", "balanced") or (isinstance(v.kv_split, int) and 1 <= v.kv_split <= 256),
             "variant.kv_split", v.kv_split, "'adaptive', 'balanced' or an int in 1..256")
-    require(v.kv_split != "balanced" or v.family == "mma", "variant.kv_split", v.kv_split,
-            "'adaptive' or an int for the naive and flash families ('balanced' is mma only)")
-    require(v.mma_pv is False or (v.mma_pv is True and v.family == "mma"), "variant.mma_pv", v.mma_pv,
-            "False, or True for the mma family (on sm_90a)")
-    require(v.combine == "merge" or (v.combine == "cluster" and v.family == "mma" and isinstance(v.kv_split, int)
+    require(v.kv_split != "balanced" or knobs, "variant.kv_split", v.kv_split,
+            f"'adaptive' or an int for the {_PLAIN} families ('balanced' is {_KNOBS} only)")
+    require(v.mma_pv is False or (v.mma_pv is True and knobs), "variant.mma_pv", v.mma_pv,
+            f"False, or True for the {_KNOBS} family (on sm_90a)")
+    require(v.combine == "merge" or (v.combine == "cluster" and knobs and isinstance(v.kv_split, int)
                                      and 2 <= v.kv_split <= MAX_CLUSTER),
             "variant.combine", v.combine,
-            f"one of {COMBINES}: 'cluster' for the mma family with kv_split an int in 2..{MAX_CLUSTER} "
+            f"one of {COMBINES}: 'cluster' for the {_KNOBS} family with kv_split an int in 2..{MAX_CLUSTER} "
             "(the cluster size)")
-    require(v.partials == "fp32" or (v.partials == "16bit" and v.family == "mma"), "variant.partials", v.partials,
-            f"one of {PARTIALS}: '16bit' for the mma family")
-    require(v.loads == "cp_async" or (v.loads == "tma" and v.family == "mma"), "variant.loads", v.loads,
-            f"one of {LOADS}: 'tma' for the mma family (on sm_90a)")
+    require(v.partials == "fp32" or (v.partials == "16bit" and knobs), "variant.partials", v.partials,
+            f"one of {PARTIALS}: '16bit' for the {_KNOBS} family")
+    require(v.loads == "cp_async" or (v.loads == "tma" and knobs), "variant.loads", v.loads,
+            f"one of {LOADS}: 'tma' for the {_KNOBS} family (on sm_90a)")
     schedule = SCHEDULES.get(v.schedule)
     require(schedule is not None and v.family in schedule.families, "variant.schedule", v.schedule,
             "one of " + "; ".join(f"{s.name!r} (family {' or '.join(s.families)})" for s in SCHEDULES.values()))
@@ -430,115 +441,32 @@ def _check_common(v: Variant) -> None:
             f"one of {ROWS}: 'ragged' with kv_split 'balanced' (its work list skips the padded rows)")
 
 
+def _quoted(families: list[KernelFamily]) -> str:
+    """The names of `families`, quoted, joined by "or" (for an expectation)."""
+    return " or ".join(repr(f.name) for f in families)
+
+
 def _check_fp8_family(p: Problem, v: Variant) -> None:
-    """FP8 caches run on the naive family, which dequantizes each row as it reads it, and on the
-    mma family's schedules that stage a tile's FP8 rows and dequantize them into the 16-bit tile
-    their products read (`TileSchedule.fp8_kv_loads`); e4m3 queries run on the naive family."""
-    require(not p.fp8_q or v.family == "naive", "variant.family", v.family,
-            f"'naive' for problem.q_format={p.q_format!r} (the tiled families read 16-bit queries only)")
-    if not p.fp8_kv or v.family == "naive":
+    """FP8 caches run on the families that dequantize each row as they read it (the naive one),
+    and on the schedules that stage a tile's FP8 rows and dequantize them into the 16-bit tile
+    their products read (`TileSchedule.fp8_kv_loads`) of the families that stage them (the mma
+    one; `KernelFamily.fp8_kv`); e4m3 queries run on the families that read them
+    (`KernelFamily.fp8_q`: the naive one)."""
+    family = family_of(v)
+    require(not p.fp8_q or family.fp8_q, "variant.family", v.family,
+            f"{_quoted([f for f in FAMILIES.values() if f.fp8_q])} for problem.q_format={p.q_format!r} "
+            "(the tiled families read 16-bit queries only)")
+    if not p.fp8_kv or family.fp8_kv == "rows":
         return
     fp8 = f"problem.kv_format={p.kv_format!r}"
-    require(v.family == "mma", "variant.family", v.family, f"'naive' or 'mma' for {fp8}")
+    require(family.fp8_kv == "staged", "variant.family", v.family,
+            f"{_quoted([f for f in FAMILIES.values() if f.fp8_kv])} for {fp8}")
     staging = [s.name for s in SCHEDULES.values() if s.fp8_kv_loads and v.family in s.families]
     loads = schedule_of(v).fp8_kv_loads
     require(bool(loads), "variant.schedule", v.schedule,
-            f"{' or '.join(map(repr, staging))} for {fp8} (the mma family's loops that stage FP8 rows)")
+            f"{' or '.join(map(repr, staging))} for {fp8} (the {v.family} family's loops that stage FP8 rows)")
     require(v.loads in loads, "variant.loads", v.loads,
             f"{' or '.join(map(repr, loads))} for {fp8} (the loads that stage FP8 rows)")
-
-
-def _plan_naive(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
-    for field, value in (("head_tile", v.head_tile), ("q_tile", v.q_tile), ("kv_split", v.kv_split),
-                         ("stages", v.stages)):
-        require(value == 1, f"variant.{field}", value, "1 for the naive family (one block per row)")
-    threads = v.warps * 32
-    # q row as fp32, then every warp's (m, l, acc[Dl]) for the final cross-warp merge.
-    smem = p.head_dim * 4 + v.warps * (p.dl + 2) * 4
-    require_smem(arch, smem, v.name)
-    return KernelPlan(problem=p, variant=v, arch=arch, name=kernel_name(p, v), threads=threads,
-                      rows=1, rows_pad=1, rows_per_warp=1, head_tiles=p.heads,
-                      row_elems=p.head_dim, smem_bytes=smem)
-
-
-def _check_tiles(p: Problem, v: Variant) -> None:
-    require(isinstance(v.head_tile, int) and v.head_tile >= 1 and p.heads % v.head_tile == 0,
-            "variant.head_tile", v.head_tile, f"a divisor of problem.heads={p.heads}")
-    require(isinstance(v.q_tile, int) and 1 <= v.q_tile <= MAX_SEQLEN_Q, "variant.q_tile",
-            v.q_tile, f"an int in 1..{MAX_SEQLEN_Q}")
-    require(isinstance(v.stages, int) and 1 <= v.stages <= 4, "variant.stages", v.stages,
-            "an int in 1..4")
-
-
-def _plan_flash(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
-    _check_tiles(p, v)
-    require(v.block_n in FLASH_BLOCK_NS, "variant.block_n", v.block_n,
-            f"{' or '.join(map(str, FLASH_BLOCK_NS))} for the flash family (each lane owns block_n/32 keys)")
-    rows = v.q_tile * v.head_tile
-    rpw = -(-rows // v.warps)
-    acc = rpw * p.dl // 32
-    budget = accumulator_budget(v.warps)
-    require(acc <= budget, "variant", v.name,
-            f"at most {budget} fp32 accumulators per thread with {v.warps} warps; q_tile*head_tile/warps="
-            f"{rpw} rows per warp x dl/32={p.dl // 32} gives {acc}: use "
-            + ("more warps or " if budget == MAX_ACCUMULATORS else "") + "a smaller tile")
-    rows_pad = rpw * v.warps
-    row_elems = p.head_dim + CHUNK  # one 16-byte pad per row: lanes reading 16 B rows hit 8 banks apart
-    smem = (rows_pad * row_elems * 2 + v.stages * v.block_n * row_elems * 2
-            + rows_pad * v.block_n * 4 + MAX_SEQLEN_Q * 8)
-    require_smem(arch, smem, v.name)
-    return KernelPlan(problem=p, variant=v, arch=arch, name=kernel_name(p, v), threads=v.warps * 32,
-                      rows=rows, rows_pad=rows_pad, rows_per_warp=rpw, head_tiles=p.heads // v.head_tile,
-                      row_elems=row_elems, smem_bytes=smem)
-
-
-def plan_mma(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
-    """The mma family's plan: its schedule's rules (`schedules.SCHEDULES`), its layout, TMA
-    loads and the cluster split checked."""
-    if not arch.mma:
-        raise SpecError("variant.arch", arch.name, "an arch with mma.sync bf16/fp16 (sm_80 or newer)")
-    schedule = schedule_of(v)
-    rule = schedule.check(v)
-    if rule is not None:
-        raise SpecError("variant.schedule", v.schedule, rule)
-    layout = schedule.block_layout(p, v)
-    if isinstance(layout, str):
-        raise SpecError("variant", v.name, layout)
-    require_smem(arch, layout.smem_bytes, v.name)
-    if v.loads == "tma":
-        require(layout.wgmma, "variant.loads", v.loads, f"'cp_async' on {arch.name}: TMA tile loads are for "
-                "sm_90a's kernels")
-        require(p.page_size % v.block_n == 0, "variant.loads", v.loads,
-                f"'cp_async' for page_size={p.page_size}: a TMA tile is one page's run of block_n={v.block_n} rows")
-    if v.combine == "cluster" and schedule.partial_rows:      # the P exchange stages no output rows
-        require(arch.capability >= 90, "variant.combine", v.combine,
-                f"'merge' on {arch.name}: thread-block clusters need sm_90 or newer")
-        # The cluster's blocks stage their output rows (fp32, or 16-bit partials) over the Q and
-        # KV buffers (the template's STAGE_EPILOGUE, which static_asserts the same sum) for their
-        # peers to read.
-        staged = layout.m_pad * (p.dl + STAGE_PAD) * (2 if v.partials == "16bit" else 4)
-        buffers = layout.m_pad * p.head_dim * 2 + kv_stage_bytes(p, v)
-        require(staged <= buffers, "variant.combine", v.combine,
-                f"False for this tile: the {staged} bytes of staged output rows need Q and KV "
-                f"buffers that large, these have {buffers} (more stages or a wider KV tile)")
-    return KernelPlan(
-        problem=p, variant=v, arch=arch, name=kernel_name(p, v), threads=v.warps * 32,
-        rows=v.q_tile * v.head_tile, rows_pad=layout.m_pad, rows_per_warp=layout.rows_w,
-        head_tiles=p.heads // v.head_tile, row_elems=p.head_dim, smem_bytes=layout.smem_bytes,
-        mma=layout,
-    )
-
-
-def _plan_mma(p: Problem, v: Variant, arch: Arch) -> KernelPlan:
-    _check_tiles(p, v)
-    return plan_mma(p, v, arch)
-
-
-_PLANNERS: dict[str, Callable[[Problem, Variant, Arch], KernelPlan]] = {
-    "naive": _plan_naive,
-    "flash": _plan_flash,
-    "mma": _plan_mma,
-}
 
 
 def validate(problem: Problem, variant: Variant) -> KernelPlan:
@@ -550,7 +478,11 @@ def validate(problem: Problem, variant: Variant) -> KernelPlan:
         arch = get_arch(variant.arch)
     except ValueError as e:
         raise SpecError("variant.arch", variant.arch, str(e).split("expected ", 1)[-1]) from None
-    return _PLANNERS[variant.family](problem, variant, arch)
+    block = family_of(variant).block(problem, variant, arch)
+    return KernelPlan(problem=problem, variant=variant, arch=arch, name=kernel_name(problem, variant),
+                      threads=block.threads, rows=block.rows, rows_pad=block.rows_pad,
+                      rows_per_warp=block.rows_per_warp, head_tiles=problem.heads // variant.head_tile,
+                      row_elems=block.row_elems, smem_bytes=block.smem_bytes, mma=block.mma)
 
 
 def is_valid(problem: Problem, variant: Variant) -> bool:

@@ -24,6 +24,7 @@ from ..codegen.precompile import code_identity, precompile
 from ..dispatch.policy import DispatchPolicy, batch_invariant_variant, choose_variant, family_variant, fp8_tile
 from ..dsl.errors import SpecError
 from ..dsl.spec import FAMILIES, Problem, Variant
+from ..plan.families import FLASH, NAIVE
 from ..plan.validate import validate
 from ..runtime.op import device_info, device_name, device_policy, verify_attention
 from .floor import Ceilings, floor_us
@@ -118,7 +119,7 @@ class RowResult:
     @property
     def speedup(self) -> float | None:
         """naive / flash."""
-        naive, flash = self.us("naive"), self.us("flash")
+        naive, flash = self.us(NAIVE.name), self.us(FLASH.name)
         return naive / flash if naive and flash else None
 
     @property
@@ -151,7 +152,7 @@ class RowResult:
         d = self.us(DISPATCH)
         if d is None:
             return False
-        slower = [other for other in (self.us("naive"), self.us(EAGER)) if other is not None and d > other]
+        slower = [other for other in (self.us(NAIVE.name), self.us(EAGER)) if other is not None and d > other]
         return not slower and (self.dispatch_vs_best or math.inf) <= DISPATCH_SLACK
 
 

@@ -32,6 +32,7 @@ from ..dispatch.policy import DispatchPolicy
 from ..dsl.arch import specializations
 from ..dsl.errors import SpecError
 from ..dsl.spec import DTYPES, KV_FORMATS, MASKS, MAX_SEQLEN_Q, Q_FORMATS, Problem, Variant, naive
+from ..plan.families import FAMILIES
 from ..plan.schedules import P_EXCHANGE, SEESAW, TRANSPOSED
 from ..plan.tiles import enumerate_tiles, head_tiles
 from ..plan.validate import MAX_CLUSTER, is_valid, validate
@@ -186,14 +187,15 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
     too where a page holds whole 64-key tiles)."""
     rng = random.Random(f"variant {shape.seed}")
     archs = (arch, *specializations(arch))
-    family = rng.choice(["naive", "flash", "mma", "mma", "mma"])   # first, so that easy ones do not crowd
-    if shape.problem.fp8_q:
-        family = "naive"                                            # the family that reads e4m3 queries
-    elif shape.problem.fp8_kv and family == "flash":
-        family = "mma"                                              # the tiled family that reads FP8 caches
+    # The family first, by its `KernelFamily.fuzz_weight`, so that easy ones do not crowd.
+    family = FAMILIES[rng.choice([f.name for f in FAMILIES.values() for _ in range(f.fuzz_weight)])]
+    if shape.problem.fp8_q and not family.fp8_q:
+        family = next(f for f in FAMILIES.values() if f.fp8_q)                 # a family that reads e4m3 queries
+    elif shape.problem.fp8_kv and not family.fp8_kv:
+        family = next(f for f in FAMILIES.values() if f.tiled and f.fp8_kv)    # a tiled one that reads FP8 caches
     for _ in range(tries):
         target = rng.choice(archs)
-        if family == "naive":
+        if not family.tiled:
             v = naive(arch=target, warps=rng.choice([1, 2, 4, 8]))
         elif target == "sm_90a" and rng.random() < 1 / 6:
             rows = TRANSPOSED.rows
@@ -219,10 +221,10 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
             if tiles <= MAX_CLUSTER and rng.random() < 0.3:   # the P exchange: a tile a block of the cluster
                 v = P_EXCHANGE.adopt(v.with_(kv_split=max(2, tiles, rng.randint(2, MAX_CLUSTER))))
         else:
-            v = Variant(family=family, head_tile=rng.choice(head_tiles(shape.heads)), q_tile=rng.randint(1, 16),
+            v = Variant(family=family.name, head_tile=rng.choice(head_tiles(shape.heads)), q_tile=rng.randint(1, 16),
                         block_n=rng.choice([32, 64, 128]), warps=rng.choice([2, 4, 8, 16]), stages=rng.randint(1, 3),
                         kv_split=rng.choice(["adaptive", 1, 2, 5, "balanced"]), arch=target,
-                        partials="16bit" if family == "mma" and rng.random() < 0.5 else "fp32")
+                        partials="16bit" if family.knobs and rng.random() < 0.5 else "fp32")
         if is_valid(shape.problem, v):
             return v
     return None

@@ -27,7 +27,8 @@ from ..dispatch import policy, tables
 from ..dispatch.policy import DispatchPolicy, balanced_for_batch, num_splits, transposed_tile, untuned_variant
 from ..dsl.arch import runs_on, specializations
 from ..dsl.errors import SpecError
-from ..dsl.spec import FAMILIES, Problem, Variant, parse_variant
+from ..dsl.spec import Problem, Variant, parse_variant
+from ..plan.families import FAMILIES, family_of
 from ..plan.space import split_variants, structure_of, structures, twin_variants
 from ..plan.validate import is_valid
 from ..runtime.op import device_info, device_name, device_policy
@@ -77,8 +78,9 @@ class RowTune:
     @property
     def heuristic(self) -> Trial | None:
         """The heuristic's trial (the first one timed), if the heuristic had a variant."""
-        # candidates() puts the untuned pick (policy.untuned_variant) first, or naive when it had none.
-        return self.trials[0] if self.trials and self.trials[0].variant.family != "naive" else None
+        # candidates() puts the untuned pick (policy.untuned_variant) first, or an untiled family's
+        # variant (naive) when it had none.
+        return self.trials[0] if self.trials and family_of(self.trials[0].variant).tiled else None
 
     @property
     def incumbent_trial(self) -> Trial | None:
@@ -103,8 +105,10 @@ def candidates(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, ar
                max_candidates: int, dispatch: DispatchPolicy) -> list[Variant]:
     """The dispatcher's pick without a table on the device of `dispatch` first
     (`policy.untuned_variant`), then the transposed tile of all a request's rows where the device
-    runs one (`policy.transposed_tile`), naive, then the other families' structures taking turns,
-    `max_candidates` at most (naive and those picks included)."""
+    runs one (`policy.transposed_tile`), the first structure of each untiled family (naive,
+    `KernelFamily.tiled`), then the tiled families' structures taking turns, those of a family
+    that specializes (`KernelFamily.specializes`) on each arch-specific target the device runs
+    too, `max_candidates` at most (naive and those picks included)."""
     found: list[Variant] = []
     try:
         found.append(untuned_variant(problem, seqlen_q, batch, kv_capacity, arch, dispatch))
@@ -112,12 +116,15 @@ def candidates(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, ar
         pass
     transposed = transposed_tile(problem, seqlen_q, arch, dispatch)
     found += [transposed] if transposed is not None else []
-    found += structures(problem, seqlen_q, arch, "naive", limit=1)
-    others = [f for f in FAMILIES if f != "naive"]
-    share = max(1, max_candidates // max(1, len(others)))
-    lists = [structures(problem, seqlen_q, arch, f, limit=share) for f in others]
+    tiled = [f for f in FAMILIES.values() if f.tiled]
+    for f in FAMILIES.values():
+        if not f.tiled:
+            found += structures(problem, seqlen_q, arch, f.name, limit=1)
+    share = max(1, max_candidates // max(1, len(tiled)))
+    lists = [structures(problem, seqlen_q, arch, f.name, limit=share) for f in tiled]
     # Arch-specific targets the device also runs (sm_90a's wgmma on Hopper) compete too.
-    lists += [structures(problem, seqlen_q, target, "mma", limit=share) for target in specializations(arch)]
+    lists += [structures(problem, seqlen_q, target, f.name, limit=share)
+              for f in tiled if f.specializes for target in specializations(arch)]
     for i in range(max((len(x) for x in lists), default=0)):
         found += [x[i] for x in lists if i < len(x)]
     return list(dict.fromkeys(found))[:max_candidates]
@@ -229,7 +236,7 @@ def _tune_one(work: Workload, cands: list[Variant], errors: dict[tuple[Problem, 
         """The fastest trial of each of the fastest few structures (with `clear_knobs`, without
         part16 and tma): one structure's splits and twins would otherwise take every place (the
         heuristic's pick is part16 already, and its splits come within a few percent of it)."""
-        ranked = sorted((t for t in result.trials if t.variant.family != "naive" and math.isfinite(t.us)),
+        ranked = sorted((t for t in result.trials if family_of(t.variant).tiled and math.isfinite(t.us)),
                         key=lambda t: t.us)
         picked: dict[Variant, Variant] = {}
         for t in ranked:
