@@ -14,8 +14,12 @@ integration (`mlagen.integrations`): plain greedy (one token per step), prompt-l
 prompt-lookup trees (several candidate continuations merged). Each verify step accepts the
 longest drafted path that matches the model's greedy choices and keeps those rows in the paged
 latent cache. It prints the accepted drafts per step, tokens per second against plain greedy,
-the share of time in attention, and whether each mode's text equals plain greedy's. Attention
-runs on `mlagen.verify_attention` on CUDA and on `mlagen.reference` on the CPU.
+the share of time in attention, and whether each mode's text equals plain greedy's. Where it does
+not, it prints the first token that differs and the model's own top-2 logits there: in bf16 two
+correct computations part at a near tie (a margin of a few units in the last place), and greedy
+texts that part once go separate ways. tests/test_gpu_integration.py checks every emitted token
+against the model's own greedy choice wherever the margin is clear of the logits' difference.
+Attention runs on `mlagen.verify_attention` on CUDA and on `mlagen.reference` on the CPU.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from mlagen.integrations import (
     AttentionBackend,
     DecodeResult,
     DeepseekV3Verifier,
+    DraftTree,
     default_backend,
     lookup_tree,
+    model_logits,
     no_draft,
     speculative_decode,
 )
@@ -154,6 +160,21 @@ def run_mode(verifier: DeepseekV3Verifier, timer: TimedBackend, prompts: list[li
     return result, time.perf_counter() - start, timer.seconds
 
 
+def first_difference(model: torch.nn.Module, prompt: list[int], tokens: list[int], greedy: list[int]) -> str | None:
+    """Where `tokens` (one request's decoded tokens) first part from `greedy`'s, and the model's own
+    top-2 logits there (its own forward over the prompt and greedy's tokens before that point), or
+    None where they do not part."""
+    k = next((i for i, (t, g) in enumerate(zip(tokens, greedy, strict=True)) if t != g), None)
+    if k is None:
+        return None
+    seen = prompt + greedy[:k]
+    logits = model_logits(model, seen[:-1], DraftTree.chain(seen[-1:]))[-1]
+    (a, b), (ta, tb) = (v.tolist() for v in logits.float().topk(2))
+    ulp = 2.0 ** (torch.frexp(torch.tensor(abs(a) or 1.0)).exponent.item() - 1) * torch.finfo(logits.dtype).eps
+    return (f"new token {k}: this run {tokens[k]}, greedy {greedy[k]}; the model's own top-2 there: {ta} at "
+            f"{a:.4f}, {tb} at {b:.4f} (margin {a - b:.4f}, {(a - b) / ulp:.1f} units in the last place)")
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, DecodeResult]:
     """Runs the three modes and prints their figures; returns each mode's `DecodeResult`."""
     args = parse_args(argv)
@@ -195,6 +216,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, DecodeResult]:
         print(f"{name}: {result.steps} steps, {per_step:.2f} tokens per request-step, {rate:.1f} tokens/s "
               f"({rate / base_rate:.2f}x greedy), attention {100 * attention / seconds:.0f}% of the time, "
               f"text equal to greedy's in {same} of {len(prompts)} requests")
+        for r, (tokens, greedy) in enumerate(zip(result.tokens, results["greedy"].tokens, strict=True)):
+            where = first_difference(model, prompts[r], tokens, greedy)
+            if where:
+                print(f"  request {r} parts from greedy at {where}")
     return results
 
 

@@ -338,13 +338,21 @@ def test_clear_errors():
         DeepseekV3Verifier(model, backend=ReferenceBackend(), kv_format="ds_mla")     # 32 + 16-wide rows
 
 
-def test_example_runs_on_the_cpu(capsys):
+def _example():
     spec = importlib.util.spec_from_file_location("speculative_decoding_example",
                                                   ROOT / "examples" / "speculative_decoding.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    results = example.main(["--device", "cpu", "--dtype", "fp64", "--new-tokens", "6", "--batch", "2",
-                            "--hidden-size", "64", "--vocab", "128", "--prompt-len", "20", "--draft-len", "4"])
+    return example
+
+
+EXAMPLE_ARGS = ["--device", "cpu", "--dtype", "fp64", "--new-tokens", "6", "--batch", "2", "--hidden-size", "64",
+                "--vocab", "128", "--prompt-len", "20", "--draft-len", "4"]
+
+
+def test_example_runs_on_the_cpu(capsys):
+    example = _example()
+    results = example.main(EXAMPLE_ARGS)
     out = capsys.readouterr().out
     assert set(results) == {"greedy", "chain", "tree"}
     for name in ("chain", "tree"):
@@ -352,3 +360,19 @@ def test_example_runs_on_the_cpu(capsys):
         assert f"{name}: " in out and "x greedy" in out and "% of the time" in out
     assert all(len(t) == 6 for t in results["greedy"].tokens) and results["greedy"].steps == 5
     assert "64 heads, latent 512 + rope 64" in out and "accepted drafts per request" in out
+    assert "parts from greedy" not in out                  # fp64: every mode decodes greedy's text
+
+
+def test_example_names_where_a_text_parts_from_greedy():
+    """first_difference finds the first differing token and reports the model's own top-2 there:
+    in fp64 its top-1 is greedy's token."""
+    example = _example()
+    args = example.parse_args(EXAMPLE_ARGS)
+    model = example.build_model(args)
+    prompt = example.make_prompts(args, model.config.vocab_size)[0]
+    greedy = example.main(EXAMPLE_ARGS)["greedy"].tokens[0]
+    assert example.first_difference(model, prompt, greedy, greedy) is None
+    other = greedy[:3] + [(greedy[3] + 1) % model.config.vocab_size] + greedy[4:]
+    where = example.first_difference(model, prompt, other, greedy)
+    assert where.startswith(f"new token 3: this run {other[3]}, greedy {greedy[3]}; the model's own top-2 there: "
+                            f"{greedy[3]} at "), where
