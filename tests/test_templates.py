@@ -81,7 +81,7 @@ def test_every_fragment_is_included_and_says_what_it_holds():
 
 
 def test_merge_fragment_includes_the_split_concerns_in_order():
-    """merge.cuh.j2 is the split families' fragment: it opens the kernel's namespace and includes
+    """merge.cuh.j2 is the split families' fragment: inside the kernel's namespace, it includes
     one file per concern, in the order they depend on each other."""
     text = (template_dir() / "merge.cuh.j2").read_text()
     assert pulls(text) == ["split_partials.cuh.j2", "split_counters.cuh.j2", "split_work_list.cuh.j2",

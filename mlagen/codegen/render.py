@@ -2,7 +2,9 @@
 
 Templates live in `templates/` (shared fragments are `*.cuh.j2`, one `<family>.cu.j2` per
 kernel family). They carry constants and `static_assert`s; every number and flag comes from the
-plan: templates read `plan` attributes only, never its variant.
+plan: templates read `plan` attributes only, never its variant. The kernel's constants are
+defined once, in the traits block (`traits.cuh.j2`) at the top of the kernel's one namespace,
+and the fragments read them by name.
 """
 
 from __future__ import annotations

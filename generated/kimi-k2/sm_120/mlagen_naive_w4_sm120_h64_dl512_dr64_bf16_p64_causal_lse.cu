@@ -25,27 +25,6 @@ __device__ __forceinline__ elem2_t from_float2(float a, float b) { return __floa
 typedef elem_t kv_t;              // the cache holds the output's dtype
 typedef elem_t q_t;               // q holds the output's dtype
 
-namespace mlagen_mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse {
-
-// Problem constants, derived in Python (mlagen/plan/validate.py).
-constexpr int H = 64;
-constexpr int DL = 512;                 // value width (first DL dims of a KV row)
-constexpr int DR = 64;                 // rope width
-constexpr int D = DL + DR;
-constexpr int CHUNK = 8;                 // elements per 16-byte access
-constexpr int CH = D / CHUNK;                             // 16-byte chunks per KV row
-constexpr int CHV = DL / CHUNK;
-constexpr int PAGE = 64;
-constexpr int MASK_CAUSAL = 1;
-constexpr int MASK_TREE = 0;
-constexpr bool WRITE_LSE = true;
-constexpr int TREE_ROWS = 64;           // tree-mask rows in shared memory, 64-bit each
-constexpr float LN2 = 0.693147180559945309f;
-static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
-static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
-
-}  // namespace mlagen_mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse
-
 // The parameter block every kernel of this file takes by value (mlagen/plan/params.py).
 struct __align__(8) VerifyParams {
   const q_t* q;  // (B, S, H, Dl+Dr) in the problem's q_format, last dim contiguous
@@ -85,7 +64,37 @@ struct __align__(8) VerifyParams {
   int dependent;  // 1: launched as a programmatic dependent (the P exchange then prefetches before its griddepcontrol.wait), 0: plainly
 };
 
-namespace mlagen_mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse {
+// The kernel's namespace, opened once here and closed by the kernel's template before its
+// __global__ function: the traits block first, then every fragment.
+namespace mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse {
+
+// Problem constants, derived in Python (mlagen/plan/validate.py).
+constexpr int H = 64;
+constexpr int DL = 512;                 // value width (first DL dims of a KV row)
+constexpr int DR = 64;                 // rope width
+constexpr int D = DL + DR;
+constexpr int CHUNK = 8;                 // elements per 16-byte access
+constexpr int CH = D / CHUNK;                             // 16-byte chunks per KV row
+constexpr int CHV = DL / CHUNK;
+constexpr int PAGE = 64;
+constexpr int MASK_CAUSAL = 1;
+constexpr int MASK_TREE = 0;
+constexpr bool WRITE_LSE = true;
+constexpr int TREE_ROWS = 64;           // tree-mask rows in shared memory, 64-bit each
+constexpr float LN2 = 0.693147180559945309f;
+static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
+static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
+
+// Kernel shape, derived in Python (mlagen/plan/validate.py).
+constexpr int WARPS = 4;
+constexpr int THREADS = 128;
+static_assert(THREADS == WARPS * 32, "whole warps");
+constexpr int HT = 1;                  // heads per block
+constexpr int QT = 1;                     // query positions per block
+constexpr int ROWS = QT * HT;                             // query rows of a row group
+constexpr int HEAD_TILES = H / HT;
+static_assert(H % HT == 0, "head tiles cover the heads");
+
 
 // Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
 // a launch that did not ask for it): the next kernel on the stream may be scheduled once every
@@ -344,7 +353,7 @@ __device__ __forceinline__ long long part_slot_rows(const VerifyParams& p) {
 // its position in the slot's query tile, qs (a split block's own, blockIdx.x / head tiles; a
 // merge block passes the group's).
 __device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h,
-                                              int qs = blockIdx.x / 64) {
+                                              int qs = blockIdx.x / HEAD_TILES) {
   const long long row = ((long long)b * p.seqlen_q + i) * H + h;
   return split * part_slot_rows(p) + row;
 }
@@ -377,20 +386,16 @@ __device__ __forceinline__ int group_splits(const VerifyParams& p, int b, int q0
   return splits < 1 ? 1 : (splits < p.num_splits ? splits : p.num_splits);
 }
 
-}  // namespace mlagen_mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse
 
-
-namespace mlagen_mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse {
-constexpr int WARPS = 4;
 constexpr int QCH = (CH + 31) / 32;    // q/kv chunks per lane
 constexpr int VCH = CHV / 32;          // value chunks per lane (lane, lane+32, ...)
 static_assert(CHV % 32 == 0, "each lane owns whole value chunks");
-}  // namespace mlagen_mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse
+}  // namespace mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse
 
 // grid: (H, S, B); block: 128 threads; dynamic shared memory 10528 bytes.
 extern "C" __global__ void __launch_bounds__(128)
 mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
-  using namespace mlagen_mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse;
+  using namespace mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse;
   pdl_prologue();
   extern __shared__ __align__(16) float smem[];
   float* sq = smem;                 // (D,) the query row, fp32

@@ -31,27 +31,6 @@ __device__ __forceinline__ elem2_t from_float2(float a, float b) { return __floa
 typedef elem_t kv_t;              // the cache holds the output's dtype
 typedef elem_t q_t;               // q holds the output's dtype
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse {
-
-// Problem constants, derived in Python (mlagen/plan/validate.py).
-constexpr int H = 64;
-constexpr int DL = 512;                 // value width (first DL dims of a KV row)
-constexpr int DR = 64;                 // rope width
-constexpr int D = DL + DR;
-constexpr int CHUNK = 8;                 // elements per 16-byte access
-constexpr int CH = D / CHUNK;                             // 16-byte chunks per KV row
-constexpr int CHV = DL / CHUNK;
-constexpr int PAGE = 64;
-constexpr int MASK_CAUSAL = 1;
-constexpr int MASK_TREE = 0;
-constexpr bool WRITE_LSE = true;
-constexpr int TREE_ROWS = 64;           // tree-mask rows in shared memory, 64-bit each
-constexpr float LN2 = 0.693147180559945309f;
-static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
-static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
-
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse
-
 // The parameter block every kernel of this file takes by value (mlagen/plan/params.py).
 struct __align__(8) VerifyParams {
   const q_t* q;  // (B, S, H, Dl+Dr) in the problem's q_format, last dim contiguous
@@ -91,7 +70,41 @@ struct __align__(8) VerifyParams {
   int dependent;  // 1: launched as a programmatic dependent (the P exchange then prefetches before its griddepcontrol.wait), 0: plainly
 };
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse {
+// The kernel's namespace, opened once here and closed by the kernel's template before its
+// __global__ function: the traits block first, then every fragment.
+namespace mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse {
+
+// Problem constants, derived in Python (mlagen/plan/validate.py).
+constexpr int H = 64;
+constexpr int DL = 512;                 // value width (first DL dims of a KV row)
+constexpr int DR = 64;                 // rope width
+constexpr int D = DL + DR;
+constexpr int CHUNK = 8;                 // elements per 16-byte access
+constexpr int CH = D / CHUNK;                             // 16-byte chunks per KV row
+constexpr int CHV = DL / CHUNK;
+constexpr int PAGE = 64;
+constexpr int MASK_CAUSAL = 1;
+constexpr int MASK_TREE = 0;
+constexpr bool WRITE_LSE = true;
+constexpr int TREE_ROWS = 64;           // tree-mask rows in shared memory, 64-bit each
+constexpr float LN2 = 0.693147180559945309f;
+static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
+static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
+
+// Kernel shape, derived in Python (mlagen/plan/validate.py).
+constexpr int WARPS = 8;
+constexpr int THREADS = 256;
+static_assert(THREADS == WARPS * 32, "whole warps");
+constexpr int HT = 64;                  // heads per block
+constexpr int QT = 1;                     // query positions per block
+constexpr int ROWS = QT * HT;                             // query rows of a row group
+constexpr int HEAD_TILES = H / HT;
+static_assert(H % HT == 0, "head tiles cover the heads");
+constexpr int BN = 64;                    // keys per KV tile
+constexpr int STAGES = 2;
+// A split's partial rows: fp32 unnormalized, or (PART16) 16-bit rows divided by their own sum.
+constexpr bool PART16 = false;
+
 
 // Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
 // a launch that did not ask for it): the next kernel on the stream may be scheduled once every
@@ -350,7 +363,7 @@ __device__ __forceinline__ long long part_slot_rows(const VerifyParams& p) {
 // its position in the slot's query tile, qs (a split block's own, blockIdx.x / head tiles; a
 // merge block passes the group's).
 __device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h,
-                                              int qs = blockIdx.x / 1) {
+                                              int qs = blockIdx.x / HEAD_TILES) {
   const long long row = ((long long)b * p.seqlen_q + i) * H + h;
   return split * part_slot_rows(p) + row;
 }
@@ -383,15 +396,11 @@ __device__ __forceinline__ int group_splits(const VerifyParams& p, int b, int q0
   return splits < 1 ? 1 : (splits < p.num_splits ? splits : p.num_splits);
 }
 
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse
-
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse {
 
 // A split's partial row: Dl values of part_t, then its (m, l) in part_ml. fp32 values are the
 // unnormalized accumulators; with part16 they are divided by the row's own sum l and rounded to
 // the output's type: half the bytes to write and read, one more rounding (the merge weighs such
 // a row by l as well).
-constexpr bool PART16 = false;
 using part_t = float;
 
 // (m, l) of a split's partial row; a row that saw no key gets m = -inf: weight 0 in the merge.
@@ -400,7 +409,7 @@ __device__ __forceinline__ float2 partial_stats(float m, float l) {
 }
 
 __device__ __forceinline__ part_t* partial_row(const VerifyParams& p, int split, int b, int i, int h,
-                                               int qs = blockIdx.x / 1) {
+                                               int qs = blockIdx.x / HEAD_TILES) {
   return static_cast<part_t*>(p.part_o) + part_row(p, split, b, i, h, qs) * DL;
 }
 
@@ -456,12 +465,10 @@ __device__ __forceinline__ void finish_row(const VerifyParams& p, int split, boo
 __device__ __forceinline__ int merge_z0(const VerifyParams& p) {   // the first merge slab
   return p.batch;
 }
-constexpr int MERGE_WARPS = 8;
-constexpr int GROUP_ROWS = 64;              // q_tile * head_tile
 
 // Row groups (query tile x head tile) of one request.
 __device__ __forceinline__ int request_groups(const VerifyParams& p) {
-  return ((p.seqlen_q + 1 - 1) / 1) * 1;
+  return ((p.seqlen_q + QT - 1) / QT) * HEAD_TILES;
 }
 
 __device__ __forceinline__ unsigned* group_counter(const VerifyParams& p, int b, int x) {
@@ -588,9 +595,9 @@ __device__ void merge_block(const VerifyParams& p) {
   const int part = (int)(f / groups), g = (int)(f % groups);
   const int x = g % gx, b = g / gx;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int h0 = (x % 1) * 64;
-  const int q0 = (x / 1) * 1;
-  const int splits = group_splits(p, b, q0, 1), slot0 = 0, qs = 0;   // (qs: balanced only)
+  const int h0 = (x % HEAD_TILES) * HT;
+  const int q0 = (x / HEAD_TILES) * QT;
+  const int splits = group_splits(p, b, q0, QT), slot0 = 0, qs = 0;   // (qs: balanced only)
   if (splits == 1 || pair_merge(splits)) return;        // its split block wrote it, or the pair's second merges it
   unsigned* counter = group_counter(p, b, x);
   if (threadIdx.x == 0) {
@@ -599,27 +606,18 @@ __device__ void merge_block(const VerifyParams& p) {
   }
   MLAGEN_TRACE(merge_wait);
   __syncthreads();   // the partials thread 0 acquired are visible to the whole block
-  const int per = (GROUP_ROWS + p.merge_blocks - 1) / p.merge_blocks;
-  const int end = (part + 1) * per < GROUP_ROWS ? (part + 1) * per : GROUP_ROWS;
-  for (int r = part * per + warp; r < end; r += MERGE_WARPS) {
-    const int i = q0 + r / 64, h = h0 + r % 64;
+  const int per = (ROWS + p.merge_blocks - 1) / p.merge_blocks;
+  const int end = (part + 1) * per < ROWS ? (part + 1) * per : ROWS;
+  for (int r = part * per + warp; r < end; r += WARPS) {
+    const int i = q0 + r / HT, h = h0 + r % HT;
     if (i < p.seqlen_q) merge_row(p, b, i, h, lane, splits, slot0, qs);
   }
 }
 
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse
 
 
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse {
-constexpr int HT = 64;
-constexpr int QT = 1;
-constexpr int ROWS = QT * HT;
 constexpr int M_PAD = 64;
-constexpr int WARPS = 8;
-constexpr int THREADS = WARPS * 32;
-constexpr int BN = 64;
-constexpr int STAGES = 2;
 constexpr int WMQ = 2, WNQ = 4;
 constexpr int ROWS_W = 32, KEYS_W = 16;     // score tile per warp
 constexpr int MTQ = ROWS_W / 16, NTQ = KEYS_W / 8;                  // its m16 / n8 pieces
@@ -646,7 +644,6 @@ constexpr bool SEESAW = false;
 constexpr int MBARRIERS = 0, LOAD_MBARRIERS = 0;   // TMA loads' (and the seesaw's P hand-offs)
 
 constexpr int MT_O = MT, NT_O = NTO;                                // every warp: all rows, DIMS_W dims
-constexpr int HEAD_TILES = H / HT;
 // The epilogue stages the output rows in the Q and KV buffers (free once the tile loop ends) as
 // part_t (fp32 unnormalized; with part16 divided by l, in elem_t), rows padded by 8 values so
 // the staging stores meet 32 distinct banks (fp32: a half-warp's float2 stores, 4 rows x 4
@@ -1058,13 +1055,13 @@ __device__ __forceinline__ void prefetch_inputs(const VerifyParams& p) {
     prefetch_row_quarters(q, k, threadIdx.x % 4);
   }
 }
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse
+}  // namespace mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse
 
 // grid: (ceil(S/QT) * H/HT, num_splits, B + merge slabs when num_splits > 1); block: 256 threads;
 // dynamic shared memory 232192 bytes.
 extern "C" __global__ void __launch_bounds__(256, 1)
 mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
-  using namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse;
+  using namespace mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse;
   pdl_trigger();
   if (p.dependent) prefetch_inputs(p);
   pdl_wait();

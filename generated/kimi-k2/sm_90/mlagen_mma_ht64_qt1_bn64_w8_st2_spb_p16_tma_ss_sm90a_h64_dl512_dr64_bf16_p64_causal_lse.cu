@@ -37,27 +37,6 @@ __device__ __forceinline__ elem2_t from_float2(float a, float b) { return __floa
 typedef elem_t kv_t;              // the cache holds the output's dtype
 typedef elem_t q_t;               // q holds the output's dtype
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
-
-// Problem constants, derived in Python (mlagen/plan/validate.py).
-constexpr int H = 64;
-constexpr int DL = 512;                 // value width (first DL dims of a KV row)
-constexpr int DR = 64;                 // rope width
-constexpr int D = DL + DR;
-constexpr int CHUNK = 8;                 // elements per 16-byte access
-constexpr int CH = D / CHUNK;                             // 16-byte chunks per KV row
-constexpr int CHV = DL / CHUNK;
-constexpr int PAGE = 64;
-constexpr int MASK_CAUSAL = 1;
-constexpr int MASK_TREE = 0;
-constexpr bool WRITE_LSE = true;
-constexpr int TREE_ROWS = 64;           // tree-mask rows in shared memory, 64-bit each
-constexpr float LN2 = 0.693147180559945309f;
-static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
-static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
-
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
-
 // The parameter block every kernel of this file takes by value (mlagen/plan/params.py).
 struct __align__(8) VerifyParams {
   const q_t* q;  // (B, S, H, Dl+Dr) in the problem's q_format, last dim contiguous
@@ -97,7 +76,41 @@ struct __align__(8) VerifyParams {
   int dependent;  // 1: launched as a programmatic dependent (the P exchange then prefetches before its griddepcontrol.wait), 0: plainly
 };
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+// The kernel's namespace, opened once here and closed by the kernel's template before its
+// __global__ function: the traits block first, then every fragment.
+namespace mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
+
+// Problem constants, derived in Python (mlagen/plan/validate.py).
+constexpr int H = 64;
+constexpr int DL = 512;                 // value width (first DL dims of a KV row)
+constexpr int DR = 64;                 // rope width
+constexpr int D = DL + DR;
+constexpr int CHUNK = 8;                 // elements per 16-byte access
+constexpr int CH = D / CHUNK;                             // 16-byte chunks per KV row
+constexpr int CHV = DL / CHUNK;
+constexpr int PAGE = 64;
+constexpr int MASK_CAUSAL = 1;
+constexpr int MASK_TREE = 0;
+constexpr bool WRITE_LSE = true;
+constexpr int TREE_ROWS = 64;           // tree-mask rows in shared memory, 64-bit each
+constexpr float LN2 = 0.693147180559945309f;
+static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
+static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
+
+// Kernel shape, derived in Python (mlagen/plan/validate.py).
+constexpr int WARPS = 8;
+constexpr int THREADS = 256;
+static_assert(THREADS == WARPS * 32, "whole warps");
+constexpr int HT = 64;                  // heads per block
+constexpr int QT = 1;                     // query positions per block
+constexpr int ROWS = QT * HT;                             // query rows of a row group
+constexpr int HEAD_TILES = H / HT;
+static_assert(H % HT == 0, "head tiles cover the heads");
+constexpr int BN = 64;                    // keys per KV tile
+constexpr int STAGES = 2;
+// A split's partial rows: fp32 unnormalized, or (PART16) 16-bit rows divided by their own sum.
+constexpr bool PART16 = true;
+
 
 // Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
 // a launch that did not ask for it): the next kernel on the stream may be scheduled once every
@@ -356,7 +369,7 @@ __device__ __forceinline__ long long part_slot_rows(const VerifyParams& p) {
 // its position in the slot's query tile, qs (a split block's own, blockIdx.x / head tiles; a
 // merge block passes the group's).
 __device__ __forceinline__ long long part_row(const VerifyParams& p, int split, int b, int i, int h,
-                                              int qs = blockIdx.x / 1) {
+                                              int qs = blockIdx.x / HEAD_TILES) {
   const long long row = (long long)i * H + h;
   return split * part_slot_rows(p) + row;
 }
@@ -389,15 +402,11 @@ __device__ __forceinline__ int group_splits(const VerifyParams& p, int b, int q0
   return splits < 1 ? 1 : (splits < p.num_splits ? splits : p.num_splits);
 }
 
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
-
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 
 // A split's partial row: Dl values of part_t, then its (m, l) in part_ml. fp32 values are the
 // unnormalized accumulators; with part16 they are divided by the row's own sum l and rounded to
 // the output's type: half the bytes to write and read, one more rounding (the merge weighs such
 // a row by l as well).
-constexpr bool PART16 = true;
 using part_t = elem_t;
 
 // (m, l) of a split's partial row; a row that saw no key gets m = -inf: weight 0 in the merge.
@@ -406,7 +415,7 @@ __device__ __forceinline__ float2 partial_stats(float m, float l) {
 }
 
 __device__ __forceinline__ part_t* partial_row(const VerifyParams& p, int split, int b, int i, int h,
-                                               int qs = blockIdx.x / 1) {
+                                               int qs = blockIdx.x / HEAD_TILES) {
   return static_cast<part_t*>(p.part_o) + part_row(p, split, b, i, h, qs) * DL;
 }
 
@@ -487,12 +496,10 @@ __device__ __forceinline__ void finish_staged_rows(const VerifyParams& p, int sp
 __device__ __forceinline__ int merge_z0(const VerifyParams& p) {   // the first merge slab
   return 1;
 }
-constexpr int MERGE_WARPS = 8;
-constexpr int GROUP_ROWS = 64;              // q_tile * head_tile
 
 // Row groups (query tile x head tile) of one request.
 __device__ __forceinline__ int request_groups(const VerifyParams& p) {
-  return ((p.seqlen_q + 1 - 1) / 1) * 1;
+  return ((p.seqlen_q + QT - 1) / QT) * HEAD_TILES;
 }
 
 __device__ __forceinline__ unsigned* group_counter(const VerifyParams& p, int b, int x) {
@@ -577,7 +584,7 @@ constexpr int UNSPLIT_SLACK = 1;
 constexpr bool MERGE_AFTER_RANGES = true;
 // A request's work units: its KV tiles, WORK_UNIT to a unit, rounded up.
 __device__ __forceinline__ int request_units(const VerifyParams& p, int b) {
-  return ceil_div(request_keys(p, b), 64 * WORK_UNIT);
+  return ceil_div(request_keys(p, b), BN * WORK_UNIT);
 }
 
 // The tiles of a lane's requests, lane + 32k for k < LANE_REQUESTS (0 past the batch), read once
@@ -600,16 +607,14 @@ struct LaneRequests {
 // or more than 32 LANE_REQUESTS requests, whose counts the lanes' registers do not hold (the
 // padded rows are then computed, as on the dense kernels).
 constexpr bool RAGGED_ROWS = false;
-constexpr int SLOT_HEAD_TILES = 1;
-constexpr int SLOT_Q_TILE = 1;
 struct RealTiles {
   int first, count;   // request b's first real query tile; its real tiles (0 without real rows)
 };
-__device__ __forceinline__ int query_tiles(const VerifyParams& p) { return ceil_div(p.seqlen_q, SLOT_Q_TILE); }
+__device__ __forceinline__ int query_tiles(const VerifyParams& p) { return ceil_div(p.seqlen_q, QT); }
 __device__ __forceinline__ RealTiles real_tiles(const VerifyParams& p, int b) {   // (q_counts given)
   const int S = p.seqlen_q, qn = query_tiles(p);
   const int c = min(max(__ldg(p.q_counts + b), 0), S);
-  const int first = (int)((unsigned)(S - c) / (unsigned)SLOT_Q_TILE);   // the tile holding row S - c
+  const int first = (int)((unsigned)(S - c) / (unsigned)QT);   // the tile holding row S - c
   return {first, c > 0 ? qn - first : 0};
 }
 // Ragged rows: whether the requests are dealt round the slots (rot_b from the lanes' registers).
@@ -859,7 +864,7 @@ __device__ __forceinline__ void run_range(const VerifyParams& p, const WorkList&
   // With ragged rows, rot_b is computed again for each request (a pass over the counts) rather
   // than carried across its segment, where one more live register makes the seesaw spill.
   int b = p.batch, start = 0, tiles = 0;
-  const int slot = blockIdx.x / SLOT_HEAD_TILES;
+  const int slot = blockIdx.x / HEAD_TILES;
   const int u0 = uniform(blockIdx.y * wl.per);
   const int u1 = merging ? u0 : uniform(u0 + wl.per < wl.total ? u0 + wl.per : wl.total);
   if (u0 < u1) request_at(p, wl, lt, u0, lane, &b, &start, &tiles);
@@ -870,8 +875,8 @@ __device__ __forceinline__ void run_range(const VerifyParams& p, const WorkList&
     range_tiles(wl, tiles, start, u0, u1, &t0, &t1);
     if (t0 < t1) {                                        // the range meets its tiles (request_splits counts so)
       __syncthreads();                                    // the previous request's shared reads are done
-      const int x = RAGGED_ROWS ? uniform(slot_q_tile(p, b, slot, rotation(p, b, lane))) * SLOT_HEAD_TILES
-                                      + blockIdx.x % SLOT_HEAD_TILES
+      const int x = RAGGED_ROWS ? uniform(slot_q_tile(p, b, slot, rotation(p, b, lane))) * HEAD_TILES
+                                      + blockIdx.x % HEAD_TILES
                                 : blockIdx.x;
       segment(b, x, uniform(t0 * WORK_UNIT), uniform(t1 * WORK_UNIT), uniform(blockIdx.y + b), splits == 1,
               uniform(splits));   // units to KV tiles: segment caps them at the request's
@@ -1041,7 +1046,7 @@ __device__ void merge_block(const VerifyParams& p, const WorkList& wl) {
   // after the tile loop, which has no registers to hold them. With ragged rows the list is that
   // of the slot holding the group (split_work_list.cuh.j2), and a padded group has no split to
   // merge: its rows' outputs are unspecified.
-  int qs = x / 1, rot = 0;          // the group's query-tile slot, its request's rot_b
+  int qs = x / HEAD_TILES, rot = 0;          // the group's query-tile slot, its request's rot_b
   WorkList gl = wl;
   if (dealt(p)) {
     const RealTiles r = real_tiles(p, b);
@@ -1062,8 +1067,8 @@ __device__ void merge_block(const VerifyParams& p, const WorkList& wl) {
   request_splits(gl, t, warp_sum_uniform(before), &first, &splits);
   if (splits == 1 || pair_merge(splits, gl)) return;    // its split blocks wrote it (one, or a pair)
   const int slot0 = first + b;                          // its ranges' workspace slots (the work list above)
-  const int h0 = (x % 1) * 64;
-  const int q0 = (x / 1) * 1;
+  const int h0 = (x % HEAD_TILES) * HT;
+  const int q0 = (x / HEAD_TILES) * QT;
   unsigned* counter = group_counter(p, b, x);
   if (threadIdx.x == 0) {
     while (load_acquire(counter) < (unsigned)splits) __nanosleep(100);
@@ -1071,10 +1076,10 @@ __device__ void merge_block(const VerifyParams& p, const WorkList& wl) {
   }
   MLAGEN_TRACE(merge_wait);
   __syncthreads();   // the partials thread 0 acquired are visible to the whole block
-  const int per = (GROUP_ROWS + p.merge_blocks - 1) / p.merge_blocks;
-  const int end = (part + 1) * per < GROUP_ROWS ? (part + 1) * per : GROUP_ROWS;
-  for (int r = part * per + warp; r < end; r += MERGE_WARPS) {
-    const int i = q0 + r / 64, h = h0 + r % 64;
+  const int per = (ROWS + p.merge_blocks - 1) / p.merge_blocks;
+  const int end = (part + 1) * per < ROWS ? (part + 1) * per : ROWS;
+  for (int r = part * per + warp; r < end; r += WARPS) {
+    const int i = q0 + r / HT, h = h0 + r % HT;
     if (i < p.seqlen_q) merge_row(p, b, i, h, lane, splits, slot0, qs);
   }
 }
@@ -1099,9 +1104,6 @@ __device__ __forceinline__ void balanced_block(const VerifyParams& p, const Work
   }
 }
 
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
-
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
 
 // `count` arrivals complete a phase (with the bytes an arrival expects).
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
@@ -1151,19 +1153,10 @@ __device__ __forceinline__ void tma_load(unsigned dst, const void* map, int dim0
                :: "r"(dst), "l"(map), "r"(dim0), "r"(row), "r"(page), "r"(bar) : "memory");
 }
 
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 
 
-namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse {
-constexpr int HT = 64;
-constexpr int QT = 1;
-constexpr int ROWS = QT * HT;
 constexpr int M_PAD = 64;
-constexpr int WARPS = 8;
-constexpr int THREADS = WARPS * 32;
-constexpr int BN = 64;
-constexpr int STAGES = 2;
 constexpr int WMQ = 4, WNQ = 2;
 constexpr int ROWS_W = 16, KEYS_W = 32;     // score tile per warp
 constexpr int MTQ = ROWS_W / 16, NTQ = KEYS_W / 8;                  // its m16 / n8 pieces
@@ -1192,7 +1185,6 @@ constexpr int MBARRIERS = 6, LOAD_MBARRIERS = 4;   // TMA loads' (and the seesaw
 // Output on wgmma: warpgroup wnq holds all 64 rows x dims [DL/2*wnq, +DL/2); its warp wmq rows
 // 16*wmq.. as one m16 piece of DL/16 n8 pieces (the same register order as mma.sync pieces).
 constexpr int MT_O = 1, NT_O = DL / 16;
-constexpr int HEAD_TILES = H / HT;
 // The epilogue stages the output rows in the Q and KV buffers (free once the tile loop ends) as
 // part_t (fp32 unnormalized; with part16 divided by l, in elem_t), rows padded by 8 values so
 // the staging stores meet 32 distinct banks (fp32: a half-warp's float2 stores, 4 rows x 4
@@ -1927,14 +1919,14 @@ __device__ __forceinline__ int seesaw_tiles(const VerifyParams& p, int n, int S,
   return 2 * pairs;
 }
 
-}  // namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
+}  // namespace mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 // grid: (row groups of a request, ranges, 1 + merge slabs when a row group is split); block: 256 threads;
 
 // dynamic shared memory 231728 bytes.
 extern "C" __global__ void __launch_bounds__(256, 1)
 mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
-  using namespace mlagen_mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse;
+  using namespace mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse;
   pdl_prologue();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
@@ -1953,7 +1945,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   // wnq through a lane-0 broadcast: the same value, but ptxas then knows it is warp-uniform.
   const int wmq = warp % WMQ, wnq = __shfl_sync(0xffffffffu, warp / WMQ, 0);   // wgmma: wnq is the warpgroup
   MLAGEN_TRACE(start);
-  const LaneRequests lt = lane_tiles(p, blockIdx.x / SLOT_HEAD_TILES, lane);   // the requests' tiles, for the work list and the range's lookup
+  const LaneRequests lt = lane_tiles(p, blockIdx.x / HEAD_TILES, lane);   // the requests' tiles, for the work list and the range's lookup
   const WorkList wl = balanced_ranges(p, lt, lane);     // once, for the merge and the split blocks alike
   MLAGEN_TRACE(work_list);
   unsigned long long* sFull = sBits + TREE_ROWS;        // (MBARRIERS,) after the tree-mask rows

@@ -1,0 +1,83 @@
+"""Every kernel's source opens its namespace once, defines its constants once, in the traits
+block ahead of every fragment, and carries no arithmetic that a plan value makes degenerate:
+checked on the rendered source of every preset variant."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mlagen.codegen.render import render, template_dir
+from mlagen.dispatch.presets import PRESETS
+from mlagen.dsl.arch import CI_ARCHS
+from mlagen.plan.validate import validate
+
+JOBS = sorted({(preset.name, v.name): (preset, v) for preset in PRESETS.values()
+               for arch in CI_ARCHS for v in preset.variants(arch)}.values(),
+              key=lambda job: (job[0].name, job[1].name))
+# A namespace-scope constant: `constexpr <type> NAME =` at the start of a line.
+CONSTANT = re.compile(r"^constexpr\s+(?:int|bool|float|unsigned)\s+(\w+)\s*=", re.M)
+# Arithmetic by a unit: what rendering a plan value of 1 into a formula leaves.
+DEGENERATE = re.compile(r"/ 1\b|\* 1\b|% 1\b|\+ 1 - 1\b|\(1\) \*")
+# Constants that fragments once redefined for themselves, now the traits block's HT, QT, ROWS,
+# WARPS and HEAD_TILES.
+RETIRED = ("MERGE_WARPS", "GROUP_ROWS", "SLOT_HEAD_TILES", "SLOT_Q_TILE")
+
+
+def _code(source: str) -> str:
+    """`source` without its comments."""
+    return re.sub(r"//[^\n]*", "", source)
+
+
+def _traits(source: str, namespace: str) -> str:
+    """The traits block: from the namespace's opening to the first device function."""
+    start = source.index(f"namespace {namespace} {{")
+    return source[start:source.index("__device__", start)]
+
+
+@pytest.fixture(params=JOBS, ids=lambda job: f"{job[0].name}-{job[1].name}")
+def kernel(request):
+    preset, variant = request.param
+    plan = validate(preset.problem, variant)
+    return plan, render(plan)
+
+
+def test_one_namespace_opened_once(kernel):
+    plan, source = kernel
+    opened = re.findall(r"^namespace\s+(\w+)\s*\{", source, re.M)
+    assert opened == [plan.name], f"namespaces opened: {opened}"
+    assert "mlagen_mlagen_" not in source
+
+
+def test_no_degenerate_arithmetic(kernel):
+    _, source = kernel
+    hits = [line.strip() for line in _code(source).splitlines() if DEGENERATE.search(line)]
+    assert not hits, "arithmetic by a unit:\n" + "\n".join(hits)
+
+
+def test_constants_are_defined_once_in_the_traits_block_first(kernel):
+    plan, source = kernel
+    traits = CONSTANT.findall(_traits(source, plan.name))
+    assert {"H", "DL", "WARPS", "THREADS", "HT", "QT", "ROWS", "HEAD_TILES"} <= set(traits)
+    defined = CONSTANT.findall(source)
+    twice = sorted({name for name in defined if defined.count(name) > 1})
+    assert not twice, f"constants defined more than once: {twice}"
+    assert not [name for name in RETIRED if re.search(rf"\b{name}\b", source)]
+
+
+def test_fragments_neither_open_namespaces_nor_redefine_traits():
+    """Only common.cuh.j2 opens the kernel's namespace (and includes the traits block first in
+    it); no other template defines a constant that traits.cuh.j2 defines."""
+    traits = set(CONSTANT.findall((template_dir() / "traits.cuh.j2").read_text()))
+    problems = []
+    for path in sorted(template_dir().glob("*.j2")):
+        if path.name in ("traits.cuh.j2", "launcher.h.j2"):
+            continue
+        text = path.read_text()
+        if path.name != "common.cuh.j2" and re.search(r"^namespace\s", text, re.M):
+            problems.append(f"{path.name} opens a namespace")
+        again = traits & set(CONSTANT.findall(text))
+        if again:
+            problems.append(f"{path.name} redefines {sorted(again)}")
+    assert not problems, "\n".join(problems)
