@@ -66,9 +66,17 @@ def test_constants_are_defined_once_in_the_traits_block_first(kernel):
     assert not [name for name in RETIRED if re.search(rf"\b{name}\b", source)]
 
 
-def test_fragments_neither_open_namespaces_nor_redefine_traits():
+# The kernel template's own constants, which the traits block emits after the shared ones.
+KERNEL_CONSTANTS = re.compile(r"\{% macro kernel_constants\(\) -?%\}(.*?)\{%-? endmacro %\}", re.S)
+# A constant whose value a Jinja expression renders: one read from the plan.
+FROM_PLAN = re.compile(r"^constexpr\s[^;]*\{\{", re.M)
+
+
+def test_fragments_neither_open_namespaces_nor_define_plan_constants():
     """Only common.cuh.j2 opens the kernel's namespace (and includes the traits block first in
-    it); no other template defines a constant that traits.cuh.j2 defines."""
+    it); no other template defines a constant that traits.cuh.j2 defines, a fragment defines no
+    constant from the plan, and a kernel's template defines those of its constants that come
+    from the plan in kernel_constants, the macro the traits block emits."""
     traits = set(CONSTANT.findall((template_dir() / "traits.cuh.j2").read_text()))
     problems = []
     for path in sorted(template_dir().glob("*.j2")):
@@ -80,4 +88,10 @@ def test_fragments_neither_open_namespaces_nor_redefine_traits():
         again = traits & set(CONSTANT.findall(text))
         if again:
             problems.append(f"{path.name} redefines {sorted(again)}")
+        if path.name.endswith(".cuh.j2") and FROM_PLAN.search(text):
+            problems.append(f"{path.name} defines a constant from the plan: {FROM_PLAN.search(text).group(0)}")
+        if path.name.endswith(".cu.j2"):
+            outside = FROM_PLAN.findall(KERNEL_CONSTANTS.sub("", text))
+            if not KERNEL_CONSTANTS.search(text) or outside:
+                problems.append(f"{path.name}: plan constants outside kernel_constants: {outside}")
     assert not problems, "\n".join(problems)

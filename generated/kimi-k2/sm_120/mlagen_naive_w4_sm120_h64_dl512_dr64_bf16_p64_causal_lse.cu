@@ -81,6 +81,7 @@ constexpr int MASK_CAUSAL = 1;
 constexpr int MASK_TREE = 0;
 constexpr bool WRITE_LSE = true;
 constexpr int TREE_ROWS = 64;           // tree-mask rows in shared memory, 64-bit each
+constexpr bool FP16 = false;   // elem_t: __half (else __nv_bfloat16)
 constexpr float LN2 = 0.693147180559945309f;
 static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
 static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
@@ -95,6 +96,10 @@ constexpr int ROWS = QT * HT;                             // query rows of a row
 constexpr int HEAD_TILES = H / HT;
 static_assert(H % HT == 0, "head tiles cover the heads");
 
+// The kernel's own constants (naive.cu.j2).
+constexpr int QCH = (CH + 31) / 32;    // q/kv chunks per lane
+constexpr int VCH = CHV / 32;          // value chunks per lane (lane, lane+32, ...)
+static_assert(CHV % 32 == 0, "each lane owns whole value chunks");
 
 // Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
 // a launch that did not ask for it): the next kernel on the stream may be scheduled once every
@@ -387,9 +392,6 @@ __device__ __forceinline__ int group_splits(const VerifyParams& p, int b, int q0
 }
 
 
-constexpr int QCH = (CH + 31) / 32;    // q/kv chunks per lane
-constexpr int VCH = CHV / 32;          // value chunks per lane (lane, lane+32, ...)
-static_assert(CHV % 32 == 0, "each lane owns whole value chunks");
 }  // namespace mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse
 
 // grid: (H, S, B); block: 128 threads; dynamic shared memory 10528 bytes.

@@ -94,6 +94,7 @@ constexpr int MASK_CAUSAL = 1;
 constexpr int MASK_TREE = 0;
 constexpr bool WRITE_LSE = true;
 constexpr int TREE_ROWS = 64;           // tree-mask rows in shared memory, 64-bit each
+constexpr bool FP16 = false;   // elem_t: __half (else __nv_bfloat16)
 constexpr float LN2 = 0.693147180559945309f;
 static_assert(D % CHUNK == 0 && DL % 256 == 0, "row widths come in whole 16-byte chunks");
 static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
@@ -111,7 +112,58 @@ constexpr int BN = 64;                    // keys per KV tile
 constexpr int STAGES = 2;
 // A split's partial rows: fp32 unnormalized, or (PART16) 16-bit rows divided by their own sum.
 constexpr bool PART16 = true;
+using part_t = elem_t;
+// Whether a row group split in two merges its pair without a merge block (split_counters.cuh.j2).
+constexpr bool PAIR_MERGE = true;
 
+// The kernel's own constants (mma.cu.j2).
+constexpr int M_PAD = 64;
+constexpr int WMQ = 4, WNQ = 2;
+constexpr int ROWS_W = 16, KEYS_W = 32;     // score tile per warp
+constexpr int MTQ = ROWS_W / 16, NTQ = KEYS_W / 8;                  // its m16 / n8 pieces
+constexpr int MT = M_PAD / 16;                                      // output m16 pieces
+constexpr int DIMS_W = 64;                              // output dims per warp
+constexpr int NTO = DIMS_W / 8;
+constexpr int PS = 72;                                // P row stride (padded)
+// The KV tiles: a 16-bit cache's land in STAGES swizzled 16-bit tiles. An FP8 cache's rows are
+// staged as the cache holds them (ROW_BYTES each, STAGED_BYTES for STAGES tiles with padding) and
+// dequantized into one 16-bit tile, which both products read.
+constexpr bool FP8 = false;
+constexpr int ROW_BYTES = 1152;
+constexpr int STAGED_BYTES = 0;
+constexpr int KV_TILES = FP8 ? 1 : STAGES;                          // 16-bit KV tiles in shared memory
+constexpr int AHEAD = FP8 ? STAGES : STAGES - 1;                    // tiles loading while one is used (cp.async)
+constexpr int STAGE_ROW = FP8 ? ROW_BYTES : D;                      // a cp.async stage's row, in kv_t values
+constexpr int STAGED_CHUNKS = FP8 ? ROW_BYTES / 16 : 0;             // its 16-byte chunks (0: a swizzled 16-bit tile)
+static_assert(!FP8 || (ROW_BYTES % 16 == 0 && STAGED_BYTES >= STAGES * BN * ROW_BYTES && STAGED_BYTES % 1024 == 0),
+              "staged rows in whole 16-byte chunks; P after them 1024-byte aligned");
+// An e4m3 cache's tiles hold its stored values, which 16 bits hold exactly: kv_scale multiplies
+// the scores and the output instead of every element.
+constexpr bool E4M3 = false;
+constexpr bool SEESAW = false;
+constexpr int MBARRIERS = 0, LOAD_MBARRIERS = 0;   // TMA loads' (and the seesaw's P hand-offs)
+
+// Output on wgmma: warpgroup wnq holds all 64 rows x dims [DL/2*wnq, +DL/2); its warp wmq rows
+// 16*wmq.. as one m16 piece of DL/16 n8 pieces (the same register order as mma.sync pieces).
+constexpr int MT_O = 1, NT_O = DL / 16;
+// The epilogue stages the output rows in the Q and KV buffers (free once the tile loop ends) as
+// part_t (fp32 unnormalized; with part16 divided by l, in elem_t), rows padded by 8 values so
+// the staging stores meet 32 distinct banks (fp32: a half-warp's float2 stores, 4 rows x 4
+// lanes; part16: a warp's 4-byte pairs, 8 rows x 4 lanes), and each warp then writes whole rows
+// in 16-byte lanes, instead of the accumulator layout's scatter (every warp store touching 8
+// rows; ptxas even split the float2 partial stores). Kernels whose buffers are too small for it
+// store from registers.
+constexpr int STAGE_STRIDE = DL + 8;
+constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * (int)sizeof(part_t) <= (M_PAD + KV_TILES * BN) * D * (int)sizeof(elem_t) + STAGED_BYTES;
+static_assert(!PART16 || STAGE_EPILOGUE, "16-bit rows always fit the buffers: their epilogue stages them");
+constexpr bool SCORES_WGMMA = true, PV_WGMMA = true;   // which products run on wgmma
+static_assert(!PV_WGMMA || (MT_O == MTQ && ROWS_W == 16), "P V on wgmma: a thread's output rows are its score rows (o_row0 = 16 * wmq)");
+static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
+static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
+static_assert(CH % 8 == 0, "the swizzle permutes chunks within groups of 8");
+static_assert((M_PAD * D * 2) % 1024 == 0 && (BN * D * 2) % 1024 == 0, "tiles start 1024-byte aligned");
+static_assert(M_PAD * D * 2 + KV_TILES * BN * D * 2 + STAGED_BYTES + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + TREE_ROWS * 8
+              + MBARRIERS * 8 == 231680, "shared-memory plan matches mlagen/plan/mma_plan.py");
 
 // Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
 // a launch that did not ask for it): the next kernel on the stream may be scheduled once every
@@ -407,8 +459,7 @@ __device__ __forceinline__ int group_splits(const VerifyParams& p, int b, int q0
 // A split's partial row: Dl values of part_t, then its (m, l) in part_ml. fp32 values are the
 // unnormalized accumulators; with part16 they are divided by the row's own sum l and rounded to
 // the output's type: half the bytes to write and read, one more rounding (the merge weighs such
-// a row by l as well).
-using part_t = elem_t;
+// a row by l as well). (PART16 and part_t are the traits block's.)
 
 // (m, l) of a split's partial row; a row that saw no key gets m = -inf: weight 0 in the merge.
 __device__ __forceinline__ float2 partial_stats(float m, float l) {
@@ -522,8 +573,7 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
 // the split blocks free (H200, H=16 B=64 S=4 at 4096 keys: 95.3 µs against 97.2 with a merge
 // block). A group of three or more splits goes through the merge blocks: one block merging them
 // all would read every partial through one SM. (The transposed kernel has no pair path: its rows
-// split in more than two.)
-constexpr bool PAIR_MERGE = true;
+// split in more than two.) PAIR_MERGE (the traits block) says whether the kernel has it.
 
 // A split block of row group (b, x), after every finish_row of that group: counts itself done
 // for the group's merge blocks, which wait for `splits` counts.
@@ -719,55 +769,6 @@ __device__ void merge_block(const VerifyParams& p) {
 
 
 
-
-constexpr int M_PAD = 64;
-constexpr int WMQ = 4, WNQ = 2;
-constexpr int ROWS_W = 16, KEYS_W = 32;     // score tile per warp
-constexpr int MTQ = ROWS_W / 16, NTQ = KEYS_W / 8;                  // its m16 / n8 pieces
-constexpr int MT = M_PAD / 16;                                      // output m16 pieces
-constexpr int DIMS_W = 64;                              // output dims per warp
-constexpr int NTO = DIMS_W / 8;
-constexpr int PS = 72;                                // P row stride (padded)
-// The KV tiles: a 16-bit cache's land in STAGES swizzled 16-bit tiles. An FP8 cache's rows are
-// staged as the cache holds them (ROW_BYTES each, STAGED_BYTES for STAGES tiles with padding) and
-// dequantized into one 16-bit tile, which both products read.
-constexpr bool FP8 = false;
-constexpr int ROW_BYTES = 1152;
-constexpr int STAGED_BYTES = 0;
-constexpr int KV_TILES = FP8 ? 1 : STAGES;                          // 16-bit KV tiles in shared memory
-constexpr int AHEAD = FP8 ? STAGES : STAGES - 1;                    // tiles loading while one is used (cp.async)
-constexpr int STAGE_ROW = FP8 ? ROW_BYTES : D;                      // a cp.async stage's row, in kv_t values
-constexpr int STAGED_CHUNKS = FP8 ? ROW_BYTES / 16 : 0;             // its 16-byte chunks (0: a swizzled 16-bit tile)
-static_assert(!FP8 || (ROW_BYTES % 16 == 0 && STAGED_BYTES >= STAGES * BN * ROW_BYTES && STAGED_BYTES % 1024 == 0),
-              "staged rows in whole 16-byte chunks; P after them 1024-byte aligned");
-// An e4m3 cache's tiles hold its stored values, which 16 bits hold exactly: kv_scale multiplies
-// the scores and the output instead of every element.
-constexpr bool E4M3 = false;
-constexpr bool SEESAW = false;
-constexpr int MBARRIERS = 0, LOAD_MBARRIERS = 0;   // TMA loads' (and the seesaw's P hand-offs)
-
-// Output on wgmma: warpgroup wnq holds all 64 rows x dims [DL/2*wnq, +DL/2); its warp wmq rows
-// 16*wmq.. as one m16 piece of DL/16 n8 pieces (the same register order as mma.sync pieces).
-constexpr int MT_O = 1, NT_O = DL / 16;
-// The epilogue stages the output rows in the Q and KV buffers (free once the tile loop ends) as
-// part_t (fp32 unnormalized; with part16 divided by l, in elem_t), rows padded by 8 values so
-// the staging stores meet 32 distinct banks (fp32: a half-warp's float2 stores, 4 rows x 4
-// lanes; part16: a warp's 4-byte pairs, 8 rows x 4 lanes), and each warp then writes whole rows
-// in 16-byte lanes, instead of the accumulator layout's scatter (every warp store touching 8
-// rows; ptxas even split the float2 partial stores). Kernels whose buffers are too small for it
-// store from registers.
-constexpr int STAGE_STRIDE = DL + 8;
-constexpr bool STAGE_EPILOGUE = M_PAD * STAGE_STRIDE * (int)sizeof(part_t) <= (M_PAD + KV_TILES * BN) * D * (int)sizeof(elem_t) + STAGED_BYTES;
-static_assert(!PART16 || STAGE_EPILOGUE, "16-bit rows always fit the buffers: their epilogue stages them");
-constexpr bool SCORES_WGMMA = true, PV_WGMMA = true;   // which products run on wgmma
-static_assert(!PV_WGMMA || (MT_O == MTQ && ROWS_W == 16), "P V on wgmma: a thread's output rows are its score rows (o_row0 = 16 * wmq)");
-constexpr bool FP16 = false;
-static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN, "score warp grid");
-static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
-static_assert(CH % 8 == 0, "the swizzle permutes chunks within groups of 8");
-static_assert((M_PAD * D * 2) % 1024 == 0 && (BN * D * 2) % 1024 == 0, "tiles start 1024-byte aligned");
-static_assert(M_PAD * D * 2 + KV_TILES * BN * D * 2 + STAGED_BYTES + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + TREE_ROWS * 8
-              + MBARRIERS * 8 == 231680, "shared-memory plan matches mlagen/plan/mma_plan.py");
 
 // Element offset of 16-byte chunk `c` of row `r` in a tile of NROWS rows: the tile is stored as
 // D/64 column blocks of [NROWS][64] (128-byte rows) and chunks are XOR-swizzled by row % 8, so
