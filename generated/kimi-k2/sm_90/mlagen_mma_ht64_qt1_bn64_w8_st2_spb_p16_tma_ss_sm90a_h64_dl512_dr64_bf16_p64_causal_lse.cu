@@ -1671,6 +1671,8 @@ __device__ __forceinline__ int seesaw_tiles(const VerifyParams& p, int n, int S,
   // __syncthreads (the kernel takes the same time either way).
   enum Part { K0_LO, K0_HI, K1_MID, K1_REST, P0_FULL, P1_FULL };
   enum Barrier { S0_ISSUED = 1, ZEROED = 2 };             // named barriers (0: __syncthreads)
+  static_assert(P0_FULL == LOAD_MBARRIERS && P1_FULL + 1 == MBARRIERS,
+                "the parts are the plan's mbarriers: its loads', then the P hand-offs' (mlagen/plan/mma_plan.py)");
   // Column blocks [c0, c1) and [c2, c3) of tile kb into the stage at `dst`, counted by part
   // mbarrier `part`; a tile past the segment only arrives (its rows are zeroed before use).
   auto issue_part = [&](unsigned dst, int kb, int page, int part, int c0, int c1, int c2, int c3) {
