@@ -100,6 +100,12 @@ static_assert(H % HT == 0, "head tiles cover the heads");
 constexpr int QCH = (CH + 31) / 32;    // q/kv chunks per lane
 constexpr int VCH = CHV / 32;          // value chunks per lane (lane, lane+32, ...)
 static_assert(CHV % 32 == 0, "each lane owns whole value chunks");
+// The block's dynamic shared memory.
+struct SharedMemory {
+  float q[D];                                // the query row, fp32
+  float red[WARPS * (DL + 2)];               // (WARPS, DL + 2) each warp's acc, m, l
+};
+static_assert(sizeof(SharedMemory) == 10528, "shared-memory plan matches mlagen/plan/families.py");
 
 // Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
 // a launch that did not ask for it): the next kernel on the stream may be scheduled once every
@@ -399,9 +405,10 @@ extern "C" __global__ void __launch_bounds__(128)
 mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams p) {
   using namespace mlagen_naive_w4_sm120_h64_dl512_dr64_bf16_p64_causal_lse;
   pdl_prologue();
-  extern __shared__ __align__(16) float smem[];
-  float* sq = smem;                 // (D,) the query row, fp32
-  float* sred = smem + D;           // (WARPS, DL + 2) each warp's acc, m, l
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  SharedMemory& smem = *reinterpret_cast<SharedMemory*>(smem_raw);
+  float* sq = smem.q;
+  float* sred = smem.red;
   const int h = blockIdx.x, i = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int S = p.seqlen_q;

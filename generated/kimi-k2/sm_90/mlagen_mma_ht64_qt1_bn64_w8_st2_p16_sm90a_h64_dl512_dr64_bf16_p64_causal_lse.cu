@@ -162,8 +162,16 @@ static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN,
 static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
 static_assert(CH % 8 == 0, "the swizzle permutes chunks within groups of 8");
 static_assert((M_PAD * D * 2) % 1024 == 0 && (BN * D * 2) % 1024 == 0, "tiles start 1024-byte aligned");
-static_assert(M_PAD * D * 2 + KV_TILES * BN * D * 2 + STAGED_BYTES + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + TREE_ROWS * 8
-              + MBARRIERS * 8 == 231680, "shared-memory plan matches mlagen/plan/mma_plan.py");
+// The block's dynamic shared memory (1024-byte aligned: the tiles start 1024-byte aligned).
+struct SharedMemory {
+  elem_t q[M_PAD * D];                       // (M_PAD, D) swizzled
+  elem_t kv[KV_TILES * BN * D];              // (KV_TILES, BN, D) swizzled
+  elem_t p[M_PAD * PS];                      // (M_PAD, PS) P
+  float part[WNQ * M_PAD];                   // (WNQ, M_PAD) row max / sum parts
+  float m[M_PAD];                            // (M_PAD,) running row max
+  unsigned long long bits[TREE_ROWS];        // the tree mask's rows
+};
+static_assert(sizeof(SharedMemory) == 231680, "shared-memory plan matches mlagen/plan/mma_plan.py");
 
 // Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
 // a launch that did not ask for it): the next kernel on the stream may be scheduled once every
@@ -1194,14 +1202,15 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
   if (p.dependent) prefetch_inputs(p);
   pdl_wait();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
-  elem_t* sKV = sQ + M_PAD * D;                                           // (KV_TILES, BN, D) swizzled
-  // (STAGES, BN, ROW_BYTES) an FP8 cache's staged rows; 16-bit rows land in the 16-bit tiles
-  kv_t* sStage = FP8 ? reinterpret_cast<kv_t*>(sKV + KV_TILES * BN * D) : reinterpret_cast<kv_t*>(sKV);
-  elem_t* sP = reinterpret_cast<elem_t*>(reinterpret_cast<unsigned char*>(sKV + KV_TILES * BN * D) + STAGED_BYTES);   // (M_PAD, PS)
-  float* sPart = reinterpret_cast<float*>(sP + M_PAD * PS);               // (WNQ, M_PAD) row max / sum parts
-  float* sM = sPart + WNQ * M_PAD;                                        // (M_PAD,) running row max
-  unsigned long long* sBits = reinterpret_cast<unsigned long long*>(sM + M_PAD);   // (TREE_ROWS,)
+  SharedMemory& smem = *reinterpret_cast<SharedMemory*>(smem_raw);
+  elem_t* sQ = smem.q;
+  elem_t* sKV = smem.kv;
+  // Where a cp.async stage lands: an FP8 cache's staged rows; 16-bit rows land in the 16-bit tiles.
+  kv_t* sStage = reinterpret_cast<kv_t*>(sKV);
+  elem_t* sP = smem.p;
+  float* sPart = smem.part;
+  float* sM = smem.m;
+  unsigned long long* sBits = smem.bits;
   const float kv_scale = E4M3 ? kv_scale_of(p) : 1.f;   // the output's factor (E4M3: the products ran on stored values)
   const float scale_log2 = p.scale_log2 * kv_scale;     // the scores'
 
@@ -1216,7 +1225,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
     MLAGEN_TRACE(merge_end);
     return;
   }
-  unsigned long long* sFull = sBits + TREE_ROWS;        // (MBARRIERS,) after the tree-mask rows
+  unsigned long long* sFull = nullptr;   // (MBARRIERS,)
   KvTiles::init(sFull, p);
   int tiles_done = 0;                                   // this block's KV tiles over its segments
   auto row_sum = [&](int row) {                          // a row's sum, once the epilogue met its parts

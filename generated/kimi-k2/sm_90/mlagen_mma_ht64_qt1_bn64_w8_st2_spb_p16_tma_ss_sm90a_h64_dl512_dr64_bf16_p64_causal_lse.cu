@@ -170,8 +170,17 @@ static_assert(WMQ * WNQ == WARPS && ROWS_W * WMQ == M_PAD && KEYS_W * WNQ == BN,
 static_assert(ROWS_W % 16 == 0 && KEYS_W % 16 == 0 && DIMS_W % 16 == 0 && DIMS_W * WARPS == DL, "mma pieces");
 static_assert(CH % 8 == 0, "the swizzle permutes chunks within groups of 8");
 static_assert((M_PAD * D * 2) % 1024 == 0 && (BN * D * 2) % 1024 == 0, "tiles start 1024-byte aligned");
-static_assert(M_PAD * D * 2 + KV_TILES * BN * D * 2 + STAGED_BYTES + M_PAD * PS * 2 + WNQ * M_PAD * 4 + M_PAD * 4 + TREE_ROWS * 8
-              + MBARRIERS * 8 == 231728, "shared-memory plan matches mlagen/plan/mma_plan.py");
+// The block's dynamic shared memory (1024-byte aligned: the tiles start 1024-byte aligned).
+struct SharedMemory {
+  elem_t q[M_PAD * D];                       // (M_PAD, D) swizzled
+  elem_t kv[KV_TILES * BN * D];              // (KV_TILES, BN, D) swizzled
+  elem_t p[M_PAD * PS];                      // (M_PAD, PS) P
+  float part[WNQ * M_PAD];                   // (WNQ, M_PAD) row max / sum parts
+  float m[M_PAD];                            // (M_PAD,) running row max
+  unsigned long long bits[TREE_ROWS];        // the tree mask's rows
+  unsigned long long full[MBARRIERS];        // the mbarriers
+};
+static_assert(sizeof(SharedMemory) == 231728, "shared-memory plan matches mlagen/plan/mma_plan.py");
 
 // Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
 // a launch that did not ask for it): the next kernel on the stream may be scheduled once every
@@ -1937,14 +1946,15 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   using namespace mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse;
   pdl_prologue();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
-  elem_t* sKV = sQ + M_PAD * D;                                           // (KV_TILES, BN, D) swizzled
-  // (STAGES, BN, ROW_BYTES) an FP8 cache's staged rows; 16-bit rows land in the 16-bit tiles
-  kv_t* sStage = FP8 ? reinterpret_cast<kv_t*>(sKV + KV_TILES * BN * D) : reinterpret_cast<kv_t*>(sKV);
-  elem_t* sP = reinterpret_cast<elem_t*>(reinterpret_cast<unsigned char*>(sKV + KV_TILES * BN * D) + STAGED_BYTES);   // (M_PAD, PS)
-  float* sPart = reinterpret_cast<float*>(sP + M_PAD * PS);               // (WNQ, M_PAD) row max / sum parts
-  float* sM = sPart + WNQ * M_PAD;                                        // (M_PAD,) running row max
-  unsigned long long* sBits = reinterpret_cast<unsigned long long*>(sM + M_PAD);   // (TREE_ROWS,)
+  SharedMemory& smem = *reinterpret_cast<SharedMemory*>(smem_raw);
+  elem_t* sQ = smem.q;
+  elem_t* sKV = smem.kv;
+  // Where a cp.async stage lands: an FP8 cache's staged rows; 16-bit rows land in the 16-bit tiles.
+  kv_t* sStage = reinterpret_cast<kv_t*>(sKV);
+  elem_t* sP = smem.p;
+  float* sPart = smem.part;
+  float* sM = smem.m;
+  unsigned long long* sBits = smem.bits;
   const float kv_scale = E4M3 ? kv_scale_of(p) : 1.f;   // the output's factor (E4M3: the products ran on stored values)
   const float scale_log2 = p.scale_log2 * kv_scale;     // the scores'
 
@@ -1956,7 +1966,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
   const LaneRequests lt = lane_tiles(p, blockIdx.x / HEAD_TILES, lane);   // the requests' tiles, for the work list and the range's lookup
   const WorkList wl = balanced_ranges(p, lt, lane);     // once, for the merge and the split blocks alike
   MLAGEN_TRACE(work_list);
-  unsigned long long* sFull = sBits + TREE_ROWS;        // (MBARRIERS,) after the tree-mask rows
+  unsigned long long* sFull = smem.full;   // (MBARRIERS,)
   KvTiles::init(sFull, p);
   int tiles_done = 0;                                   // this block's KV tiles over its segments
   auto row_sum = [&](int row) {                          // a row's sum, once the epilogue met its parts
