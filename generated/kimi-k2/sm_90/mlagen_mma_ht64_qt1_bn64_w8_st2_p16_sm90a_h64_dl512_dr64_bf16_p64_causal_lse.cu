@@ -822,9 +822,16 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
 // (V as the B of P·V): 64-dim column blocks `lbo` bytes apart, 8-key groups `sbo` apart.
 // The address field is the byte address / 16: a k-step's descriptor is a base plus a constant
 // (shared addresses stay below 256 KB, so nothing carries out of the field).
+// The descriptor's fields (PTX ISA, "Matrix Descriptor Format"), each a byte count / 16 at its bit.
+struct WgmmaDesc {
+  static constexpr int START_ADDRESS = 0, LEADING_BYTE_OFFSET = 16, STRIDE_BYTE_OFFSET = 32, LAYOUT = 62;
+  static constexpr unsigned long long SWIZZLE_128B = 1;   // the layout field's 128-byte swizzle
+};
 __device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned lbo = 16, unsigned sbo = 1024) {
-  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16)
-         | ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) << WgmmaDesc::START_ADDRESS
+         | (unsigned long long)(lbo >> 4) << WgmmaDesc::LEADING_BYTE_OFFSET
+         | (unsigned long long)(sbo >> 4) << WgmmaDesc::STRIDE_BYTE_OFFSET
+         | WgmmaDesc::SWIZZLE_128B << WgmmaDesc::LAYOUT;
 }
 // d (+)= A B, m64n32k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
 // shared memory.
