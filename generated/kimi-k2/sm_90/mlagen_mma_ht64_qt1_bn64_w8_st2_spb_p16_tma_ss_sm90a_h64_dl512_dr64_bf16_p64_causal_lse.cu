@@ -611,7 +611,7 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 
 // The balanced split's work list: request b owns positions [P_b, P_b + span_b) of it, and split
 // blocks (x, y) of every row group x own range y, [y*W, (y+1)*W), of gridDim.y equal ranges. Its
-// "tiles" T_b are work units (WORK_UNIT below) and come from cache_seqlens, on the device, so a
+// "tiles" T_b are work units (WORK_UNIT) and come from cache_seqlens, on the device, so a
 // ragged batch is balanced by the keys it holds. Each warp computes what it needs from the
 // lengths alone: no shared memory, no barrier.
 // Two ways to lay the list out, both fixed by the lengths, so every block agrees:
