@@ -95,13 +95,3 @@ def test_fragments_neither_open_namespaces_nor_define_plan_constants():
             if not KERNEL_CONSTANTS.search(text) or outside:
                 problems.append(f"{path.name}: plan constants outside kernel_constants: {outside}")
     assert not problems, "\n".join(problems)
-
-
-def test_shared_memory_is_one_struct_whose_size_the_plan_asserts(kernel):
-    """A kernel's dynamic shared memory is one struct, SharedMemory, whose sizeof is asserted
-    against the plan's byte count; the kernel takes its buffers from its members."""
-    plan, source = kernel
-    assert source.count("struct SharedMemory {") == 1
-    sized = re.search(r"static_assert\((?:sizeof\(SharedMemory\)|SMEM) == (\d+),", source)
-    assert sized and int(sized.group(1)) == plan.smem_bytes
-    assert "SMEM" not in sized.group(0) or "constexpr int SMEM = sizeof(SharedMemory);" in source
