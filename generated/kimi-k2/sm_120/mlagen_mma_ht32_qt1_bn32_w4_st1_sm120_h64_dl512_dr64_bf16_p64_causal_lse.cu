@@ -1075,15 +1075,16 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
   if (p.dependent) prefetch_inputs(p);
   pdl_wait();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  SharedMemory& smem = *reinterpret_cast<SharedMemory*>(smem_raw);
-  elem_t* sQ = smem.q;
-  elem_t* sKV = smem.kv;
-  // Where a cp.async stage lands: an FP8 cache's staged rows; 16-bit rows land in the 16-bit tiles.
-  kv_t* sStage = reinterpret_cast<kv_t*>(sKV);
-  elem_t* sP = smem.p;
-  float* sPart = smem.part;
-  float* sM = smem.m;
-  unsigned long long* sBits = smem.bits;
+  // SharedMemory's members, in order, as running sums (its sizeof is asserted above): NVRTC 13.0
+  // schedules the sm_120 FP8 tiles differently when the pointers are the struct's members.
+  elem_t* sQ = reinterpret_cast<elem_t*>(smem_raw);                       // (M_PAD, D) swizzled
+  elem_t* sKV = sQ + M_PAD * D;                                           // (KV_TILES, BN, D) swizzled
+  // (STAGES, BN, ROW_BYTES) an FP8 cache's staged rows; 16-bit rows land in the 16-bit tiles
+  kv_t* sStage = FP8 ? reinterpret_cast<kv_t*>(sKV + KV_TILES * BN * D) : reinterpret_cast<kv_t*>(sKV);
+  elem_t* sP = reinterpret_cast<elem_t*>(reinterpret_cast<unsigned char*>(sKV + KV_TILES * BN * D) + STAGED_BYTES);   // (M_PAD, PS)
+  float* sPart = reinterpret_cast<float*>(sP + M_PAD * PS);               // (WNQ, M_PAD) row max / sum parts
+  float* sM = sPart + WNQ * M_PAD;                                        // (M_PAD,) running row max
+  unsigned long long* sBits = reinterpret_cast<unsigned long long*>(sM + M_PAD);   // (TREE_ROWS,)
   const float kv_scale = E4M3 ? kv_scale_of(p) : 1.f;   // the output's factor (E4M3: the products ran on stored values)
   const float scale_log2 = p.scale_log2 * kv_scale;     // the scores'
 
@@ -1098,7 +1099,7 @@ mlagen_mma_ht32_qt1_bn32_w4_st1_sm120_h64_dl512_dr64_bf16_p64_causal_lse_main(co
     MLAGEN_TRACE(merge_end);
     return;
   }
-  unsigned long long* sFull = nullptr;   // (MBARRIERS,)
+  unsigned long long* sFull = sBits + TREE_ROWS;        // (MBARRIERS,) after the tree-mask rows
   KvTiles::init(sFull, p);
   int tiles_done = 0;                                   // this block's KV tiles over its segments
   auto row_sum = [&](int row) {                          // a row's sum, once the epilogue met its parts
