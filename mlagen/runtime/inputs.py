@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import torch
 
@@ -50,32 +50,32 @@ class Shapes(NamedTuple):   # no tensors: the runtime keeps one per argument sig
     q_format: str = "dtype"         # Problem.q_format: "dtype", or "e4m3" queries (dtype: the output's)
 
 
-def _fail(name: str, got: object, expected: str) -> None:
+def fail(name: str, got: object, expected: str) -> NoReturn:
+    """Raise the InputError every argument check raises: the argument, what it got, what was
+    expected."""
     raise InputError(f"{name}: got {got}, expected {expected}")
 
 
-def _tensor(name: str, x: object) -> torch.Tensor:
+def tensor_arg(name: str, x: object, device: torch.device | None = None) -> torch.Tensor:
+    """`x`, checked to be a tensor, on `device` (q's) where given."""
     if not isinstance(x, torch.Tensor):
-        _fail(name, type(x).__name__, "a torch.Tensor")
+        fail(name, type(x).__name__, "a torch.Tensor")
+    if device is not None and x.device != device:
+        fail(name, f"a tensor on {x.device}", f"a tensor on {device}, where q is")
     return x
-
-
-def _on(name: str, x: torch.Tensor, device: torch.device) -> None:
-    if x.device != device:
-        _fail(name, f"a tensor on {x.device}", f"a tensor on {device}, where q is")
 
 
 def _aligned_rows(name: str, x: torch.Tensor, row_dims: tuple[int, ...]) -> None:
     stride, shape = x.stride(), x.shape     # fetched once: this runs on every call
     if stride[-1] != 1:
-        _fail(f"{name}.stride()", tuple(stride), "the last dim contiguous (stride 1)")
+        fail(f"{name}.stride()", tuple(stride), "the last dim contiguous (stride 1)")
     align = _ALIGN_BYTES // x.element_size()
     for d in row_dims:
         if shape[d] > 1 and stride[d] % align:
-            _fail(f"{name}.stride()", tuple(stride),
+            fail(f"{name}.stride()", tuple(stride),
                   f"strides that are multiples of {align} elements (16-byte rows)")
     if x.data_ptr() % 16:
-        _fail(f"{name}.data_ptr()", hex(x.data_ptr()), "a 16-byte aligned address")
+        fail(f"{name}.data_ptr()", hex(x.data_ptr()), "a 16-byte aligned address")
 
 
 def output_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
@@ -90,31 +90,30 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
                  tree_mask: object, head_dim_v: int, softmax_scale: float | None) -> Shapes:
     """Metadata checks (every tensor on q's device; the caller requires that to be CUDA);
     returns the problem's sizes. Raises InputError."""
-    q = _tensor("q", q)
+    q = tensor_arg("q", q)
     if q.dtype not in DTYPES and q.dtype != torch.float8_e4m3fn:
-        _fail("q.dtype", q.dtype, "torch.bfloat16, torch.float16 or torch.float8_e4m3fn (with q_scale)")
+        fail("q.dtype", q.dtype, "torch.bfloat16, torch.float16 or torch.float8_e4m3fn (with q_scale)")
     q_format = "dtype" if q.dtype in DTYPES else "e4m3"
     if q.dim() != 4:
-        _fail("q.shape", tuple(q.shape), "[B, S, H, Dl+Dr] (4 dims)")
+        fail("q.shape", tuple(q.shape), "[B, S, H, Dl+Dr] (4 dims)")
     B, S, H, D = q.shape
     if not (0 < head_dim_v <= D):
-        _fail("head_dim_v", head_dim_v, f"0 < head_dim_v <= q.shape[-1]={D}")
+        fail("head_dim_v", head_dim_v, f"0 < head_dim_v <= q.shape[-1]={D}")
     if S < 1:
-        _fail("q.shape[1]", S, "S >= 1 draft tokens")
+        fail("q.shape[1]", S, "S >= 1 draft tokens")
     _aligned_rows("q", q, (0, 1, 2))
 
-    kv_cache = _tensor("kv_cache", kv_cache)
-    _on("kv_cache", kv_cache, q.device)
+    kv_cache = tensor_arg("kv_cache", kv_cache, q.device)
     kv_format, row = "dtype", D
     out_dtype = output_dtype(q.dtype, kv_cache.dtype)
     if kv_cache.dtype != out_dtype:
         if kv_cache.dtype not in FP8_KV_FORMATS:
-            _fail("kv_cache.dtype", kv_cache.dtype, f"q's dtype {q.dtype}, torch.float8_e4m3fn (e4m3 rows) or "
+            fail("kv_cache.dtype", kv_cache.dtype, f"q's dtype {q.dtype}, torch.float8_e4m3fn (e4m3 rows) or "
                   "torch.uint8 (DeepSeek's 656-byte ds_mla rows)")
         kv_format = FP8_KV_FORMATS[kv_cache.dtype]
     if (kv_format != "dtype" or q_format != "dtype") and (D, head_dim_v) != (ROW_DIM, LATENT_DIM):
         fp8 = f"a {kv_format} cache" if kv_format != "dtype" else "e4m3 queries"
-        _fail("q.shape[-1] and head_dim_v", (D, head_dim_v),
+        fail("q.shape[-1] and head_dim_v", (D, head_dim_v),
               f"({ROW_DIM}, {LATENT_DIM}) with {fp8} (DeepSeek's MLA rows)")
     if kv_format == "ds_mla":
         row = DS_MLA_ROW_BYTES
@@ -123,48 +122,45 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
     elif kv_cache.dim() == 3:
         kv = kv_cache
     else:
-        _fail("kv_cache.shape", tuple(kv_cache.shape),
+        fail("kv_cache.shape", tuple(kv_cache.shape),
               f"[num_pages, page_size, {row}] or [num_pages, page_size, 1, {row}]")
     if kv.size(-1) != row:
-        _fail("kv_cache.shape[-1]", kv.size(-1), f"q.shape[-1]={D}" if kv_format == "dtype"
+        fail("kv_cache.shape[-1]", kv.size(-1), f"q.shape[-1]={D}" if kv_format == "dtype"
               else f"{row} (a {kv_format} row)")
     if kv.size(0) < 1:
-        _fail("kv_cache.shape[0]", kv.size(0), "at least one page")
+        fail("kv_cache.shape[0]", kv.size(0), "at least one page")
     _aligned_rows("kv_cache", kv, (0, 1))
 
-    block_table = _tensor("block_table", block_table)
-    _on("block_table", block_table, q.device)
+    block_table = tensor_arg("block_table", block_table, q.device)
     if block_table.dtype != torch.int32:
-        _fail("block_table.dtype", block_table.dtype, "torch.int32")
+        fail("block_table.dtype", block_table.dtype, "torch.int32")
     if block_table.dim() != 2 or block_table.size(0) != B or block_table.size(1) < 1:
-        _fail("block_table.shape", tuple(block_table.shape), f"[B={B}, max_pages >= 1]")
+        fail("block_table.shape", tuple(block_table.shape), f"[B={B}, max_pages >= 1]")
     if block_table.stride(1) != 1:
-        _fail("block_table.stride()", tuple(block_table.stride()), "the last dim contiguous")
+        fail("block_table.stride()", tuple(block_table.stride()), "the last dim contiguous")
 
-    cache_seqlens = _tensor("cache_seqlens", cache_seqlens)
-    _on("cache_seqlens", cache_seqlens, q.device)
+    cache_seqlens = tensor_arg("cache_seqlens", cache_seqlens, q.device)
     if cache_seqlens.dtype != torch.int32:
-        _fail("cache_seqlens.dtype", cache_seqlens.dtype, "torch.int32")
+        fail("cache_seqlens.dtype", cache_seqlens.dtype, "torch.int32")
     if tuple(cache_seqlens.shape) != (B,) or (B > 1 and cache_seqlens.stride(0) != 1):
-        _fail("cache_seqlens.shape", tuple(cache_seqlens.shape), f"a contiguous [B={B}]")
+        fail("cache_seqlens.shape", tuple(cache_seqlens.shape), f"a contiguous [B={B}]")
 
     mask = None
     if tree_mask is not None:
-        mask = _tensor("tree_mask", tree_mask)
-        _on("tree_mask", mask, q.device)
+        mask = tensor_arg("tree_mask", tree_mask, q.device)
         if mask.dtype not in (torch.bool, torch.uint8):
-            _fail("tree_mask.dtype", mask.dtype, "torch.bool (or torch.uint8)")
+            fail("tree_mask.dtype", mask.dtype, "torch.bool (or torch.uint8)")
         if S > MAX_SEQLEN_Q:
-            _fail("q.shape[1]", S, f"at most {MAX_SEQLEN_Q} draft tokens with a tree mask")
+            fail("q.shape[1]", S, f"at most {MAX_SEQLEN_Q} draft tokens with a tree mask")
         if tuple(mask.shape) not in ((S, S), (B, S, S)):
-            _fail("tree_mask.shape", tuple(mask.shape), f"[S, S]=[{S}, {S}] or [B, S, S]=[{B}, {S}, {S}]")
+            fail("tree_mask.shape", tuple(mask.shape), f"[S, S]=[{S}, {S}] or [B, S, S]=[{B}, {S}, {S}]")
         if mask.stride(-1) != 1:
-            _fail("tree_mask.stride()", tuple(mask.stride()), "the last dim contiguous")
+            fail("tree_mask.stride()", tuple(mask.stride()), "the last dim contiguous")
 
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
                                           and softmax_scale == softmax_scale
                                           and abs(softmax_scale) != float("inf")):
-        _fail("softmax_scale", softmax_scale, "a finite float or None")
+        fail("softmax_scale", softmax_scale, "a finite float or None")
 
     mask_strides = (0, 0)
     if mask is not None:
@@ -182,30 +178,28 @@ TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 def check_out(out: object, q: torch.Tensor, shapes: Shapes) -> None:
     """A caller-provided output: [B, S, H, Dl], the output's dtype (q's, or with e4m3 queries the
     cache's 16-bit dtype, bf16 over an FP8 cache), q's device, 16-byte rows."""
-    out = _tensor("out", out)
-    _on("out", out, q.device)
+    out = tensor_arg("out", out, q.device)
     if out.dtype != TORCH_DTYPES[shapes.dtype]:
-        _fail("out.dtype", out.dtype, f"q's dtype {q.dtype}" if shapes.q_format == "dtype"
+        fail("out.dtype", out.dtype, f"q's dtype {q.dtype}" if shapes.q_format == "dtype"
               else f"{TORCH_DTYPES[shapes.dtype]} (the output of e4m3 queries)")
     expected = (shapes.batch, shapes.seqlen_q, shapes.heads, shapes.dl)
     if tuple(out.shape) != expected:
-        _fail("out.shape", tuple(out.shape), f"[B, S, H, Dl]={list(expected)}")
+        fail("out.shape", tuple(out.shape), f"[B, S, H, Dl]={list(expected)}")
     _aligned_rows("out", out, (0, 1, 2))
 
 
 def check_q_counts(q_counts: object, batch: int, seqlen_q: int, device: torch.device, values: bool) -> None:
     """Ragged rows' counts: int32 [B], contiguous (the kernels read q_counts[b] at b), on q's
     device; with `values` (a device read), each in 0..S."""
-    counts = _tensor("q_counts", q_counts)
-    _on("q_counts", counts, device)
+    counts = tensor_arg("q_counts", q_counts, device)
     if counts.dtype != torch.int32 or tuple(counts.shape) != (batch,):
-        _fail("q_counts", f"{counts.dtype} {tuple(counts.shape)}", f"int32 [B]=[{batch}]")
+        fail("q_counts", f"{counts.dtype} {tuple(counts.shape)}", f"int32 [B]=[{batch}]")
     if batch > 1 and counts.stride(0) != 1:
-        _fail("q_counts.stride()", tuple(counts.stride()), "(1,): contiguous")
+        fail("q_counts.stride()", tuple(counts.stride()), "(1,): contiguous")
     if values:
         for b, c in enumerate(counts.tolist()):
             if not 0 <= c <= seqlen_q:
-                _fail(f"q_counts[{b}]", c, f"0..S={seqlen_q} (request b's real query rows)")
+                fail(f"q_counts[{b}]", c, f"0..S={seqlen_q} (request b's real query rows)")
 
 
 def key_bound(max_seqlen_k: object) -> int | None:
@@ -215,7 +209,7 @@ def key_bound(max_seqlen_k: object) -> int | None:
     if max_seqlen_k is None:
         return None
     if not isinstance(max_seqlen_k, int) or isinstance(max_seqlen_k, bool) or max_seqlen_k < 0:
-        _fail("max_seqlen_k", repr(max_seqlen_k), "None or an int >= 0 (a host bound on cache_seqlens)")
+        fail("max_seqlen_k", repr(max_seqlen_k), "None or an int >= 0 (a host bound on cache_seqlens)")
     if max_seqlen_k <= 64:
         return 64
     return max(max_seqlen_k, math.ceil(2 ** (math.ceil(4 * math.log2(max_seqlen_k)) / 4)))
@@ -255,12 +249,12 @@ def check_values(shapes: Shapes, block_table: torch.Tensor, cache_seqlens: torch
     capacity = shapes.max_pages * shapes.page_size
     for b, n in enumerate(lengths):
         if not 0 <= n <= capacity:
-            _fail(f"cache_seqlens[{b}]", n,
+            fail(f"cache_seqlens[{b}]", n,
                   f"0..{capacity} (block_table has {shapes.max_pages} pages of {shapes.page_size})")
     used = torch.tensor([-(-n // shapes.page_size) for n in lengths])
     cols = torch.arange(shapes.max_pages)[None, :] < used[:, None]
     pages = block_table.cpu()[cols]
     bad = (pages < 0) | (pages >= shapes.num_pages)
     if bool(bad.any()):
-        _fail("block_table", f"page id {int(pages[bad][0])} in use",
+        fail("block_table", f"page id {int(pages[bad][0])} in use",
               f"page ids in 0..{shapes.num_pages - 1} for the pages each request uses")

@@ -51,7 +51,7 @@ from ..dsl.kv_layout import (
     SCALE_BYTES,
     SCALES_AT,
 )
-from .inputs import InputError
+from .inputs import InputError, fail
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max                # 448.0, the largest finite e4m3 value
@@ -97,22 +97,18 @@ LAYOUTS = {f.name: f for f in (E4M3_FLAT, DS_MLA)}      # the FP8 formats, by qu
 QUANTIZED_DTYPES = frozenset(f.dtype for f in LAYOUTS.values())
 
 
-def _fail(name: str, got: object, expected: str) -> None:
-    raise InputError(f"{name}: got {got}, expected {expected}")
-
-
 def _rows(name: str, x: object, dtypes: str) -> torch.Tensor:
     """x checked to be a tensor of [num_pages, page_size, D] or [num_pages, page_size, 1, D]."""
     if not isinstance(x, torch.Tensor):
-        _fail(name, type(x).__name__, f"a torch.Tensor of {dtypes}")
+        fail(name, type(x).__name__, f"a torch.Tensor of {dtypes}")
     if not (x.dim() == 3 or (x.dim() == 4 and x.size(2) == 1)):
-        _fail(f"{name}.shape", tuple(x.shape), "[num_pages, page_size, D] or [num_pages, page_size, 1, D]")
+        fail(f"{name}.shape", tuple(x.shape), "[num_pages, page_size, D] or [num_pages, page_size, 1, D]")
     return x
 
 
 def _layout(layout: object) -> KVFormat:
     if layout not in LAYOUTS:
-        _fail("layout", repr(layout), " or ".join(repr(n) for n in LAYOUTS))
+        fail("layout", repr(layout), " or ".join(repr(n) for n in LAYOUTS))
     return LAYOUTS[layout]
 
 
@@ -125,9 +121,9 @@ def check_scale(name: str, scale: object, device: torch.device, *, check_values:
         value = float(scale)
     elif isinstance(scale, torch.Tensor):
         if scale.dtype != SCALE_DTYPE or scale.numel() != 1:
-            _fail(name, f"a {scale.dtype} tensor of shape {tuple(scale.shape)}", expected)
+            fail(name, f"a {scale.dtype} tensor of shape {tuple(scale.shape)}", expected)
         if scale.device != device:
-            _fail(name, f"a tensor on {scale.device}", expected)
+            fail(name, f"a tensor on {scale.device}", expected)
         if not check_values:
             return
         if scale.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -135,9 +131,9 @@ def check_scale(name: str, scale: object, device: torch.device, *, check_values:
                              "check outside the capture or pass check_values=False")
         value = float(scale.reshape(()))
     else:
-        _fail(name, "None" if scale is None else type(scale).__name__, expected)
+        fail(name, "None" if scale is None else type(scale).__name__, expected)
     if not (math.isfinite(value) and value > 0):
-        _fail(name, value, "a finite scale > 0")
+        fail(name, value, "a finite scale > 0")
 
 
 def kv_format_of(kv_cache: torch.Tensor, kv_scale: float | torch.Tensor | None = None, *,
@@ -154,13 +150,13 @@ def kv_format_of(kv_cache: torch.Tensor, kv_scale: float | torch.Tensor | None =
     kv_cache = _rows("kv_cache", kv_cache, names)
     fmt = next((f for f in FORMATS if f.dtype == kv_cache.dtype), None)
     if fmt is None:
-        _fail("kv_cache.dtype", kv_cache.dtype, f"one of {names}")
+        fail("kv_cache.dtype", kv_cache.dtype, f"one of {names}")
     if fmt.row_dim is not None and kv_cache.size(-1) != fmt.row_dim:
-        _fail("kv_cache.shape[-1]", kv_cache.size(-1), f"{fmt.row_dim} for a {fmt.dtype} cache ({fmt.description})")
+        fail("kv_cache.shape[-1]", kv_cache.size(-1), f"{fmt.row_dim} for a {fmt.dtype} cache ({fmt.description})")
     if fmt.kv_scale:
         check_scale("kv_scale", kv_scale, kv_cache.device, check_values=check_values)
     elif kv_scale is not None:
-        _fail("kv_scale", f"a {type(kv_scale).__name__}",
+        fail("kv_scale", f"a {type(kv_scale).__name__}",
               f"None for a {fmt.dtype} cache ({fmt.description}): only e4m3 caches take one")
     return fmt
 
@@ -182,15 +178,15 @@ def quantize_kv(kv_cache: torch.Tensor, layout: str = "e4m3",
     """
     kv_cache = _rows("kv_cache", kv_cache, "bf16, fp16 or fp32")
     if kv_cache.dtype not in SOURCE_DTYPES:
-        _fail("kv_cache.dtype", kv_cache.dtype, f"one of {', '.join(str(d) for d in SOURCE_DTYPES)}")
+        fail("kv_cache.dtype", kv_cache.dtype, f"one of {', '.join(str(d) for d in SOURCE_DTYPES)}")
     if kv_cache.size(-1) != ROW_DIM:
-        _fail("kv_cache.shape[-1]", kv_cache.size(-1), f"{ROW_DIM} ({LATENT_DIM} latent + {ROPE_DIM} rope dims)")
+        fail("kv_cache.shape[-1]", kv_cache.size(-1), f"{ROW_DIM} ({LATENT_DIM} latent + {ROPE_DIM} rope dims)")
     fmt = _layout(layout)
     x = kv_cache.float()
     if fmt is E4M3_FLAT:
         return _per_tensor_e4m3("kv_scale", x, kv_scale)
     if kv_scale is not None:
-        _fail("kv_scale", f"a {type(kv_scale).__name__}",
+        fail("kv_scale", f"a {type(kv_scale).__name__}",
               f"None for layout 'ds_mla', which picks a scale per {GROUP_DIM} latent dims of each row")
     latent = x[..., :LATENT_DIM].unflatten(-1, (GROUPS, GROUP_DIM))        # [..., 4, 128]
     scales = _power_of_two_at_least((_finite_amax(latent, dim=-1) / E4M3_MAX).clamp_min(DS_MLA_MIN_SCALE))
@@ -212,9 +208,9 @@ def quantize_q(q: torch.Tensor,
     saturate. No host read.
     """
     if not isinstance(q, torch.Tensor):
-        _fail("q", type(q).__name__, "a torch.Tensor of bf16, fp16 or fp32")
+        fail("q", type(q).__name__, "a torch.Tensor of bf16, fp16 or fp32")
     if q.dtype not in SOURCE_DTYPES:
-        _fail("q.dtype", q.dtype, f"one of {', '.join(str(d) for d in SOURCE_DTYPES)}")
+        fail("q.dtype", q.dtype, f"one of {', '.join(str(d) for d in SOURCE_DTYPES)}")
     return _per_tensor_e4m3("q_scale", q.float(), q_scale)
 
 
@@ -243,10 +239,10 @@ def dequantize_kv(kv_cache: torch.Tensor, layout: str, kv_scale: float | torch.T
     fmt = _layout(layout)
     kv_cache = _rows("kv_cache", kv_cache, f"{fmt.dtype} for layout {layout!r}")
     if kv_cache.dtype != fmt.dtype:
-        _fail("kv_cache.dtype", kv_cache.dtype, f"{fmt.dtype} for layout {layout!r}")
+        fail("kv_cache.dtype", kv_cache.dtype, f"{fmt.dtype} for layout {layout!r}")
     kv_format_of(kv_cache, kv_scale)
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2):
-        _fail("dtype", dtype, "a floating dtype of 16 bits or more (torch.float32, torch.float64, ...)")
+        fail("dtype", dtype, "a floating dtype of 16 bits or more (torch.float32, torch.float64, ...)")
     rows = kv_cache.reshape(kv_cache.size(0), kv_cache.size(1), kv_cache.size(-1))
     if fmt is E4M3_FLAT:
         return dequantize_e4m3(rows, kv_scale).to(dtype)

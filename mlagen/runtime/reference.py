@@ -21,11 +21,10 @@ computed as for any cache. `reference` dequantizes only the rows it gathers, so 
 from __future__ import annotations
 
 import math
-from typing import NoReturn
 
 import torch
 
-from .inputs import InputError
+from .inputs import InputError, fail, tensor_arg
 from .kv_formats import QUANTIZED_DTYPES, check_scale, dequantize_e4m3, dequantize_kv, kv_format_of
 
 
@@ -83,22 +82,9 @@ def _queries(q: torch.Tensor, q_scale: float | torch.Tensor | None) -> torch.Ten
     return dequantize_e4m3(q, q_scale)
 
 
-def _fail(name: str, got: object, expected: str) -> NoReturn:
-    raise InputError(f"{name}: got {got}, expected {expected}")
-
-
-def _tensor(name: str, x: object, device: torch.device | None = None) -> torch.Tensor:
-    """`x`, a tensor (on `device`, q's, where given)."""
-    if not isinstance(x, torch.Tensor):
-        _fail(name, type(x).__name__, "a torch.Tensor")
-    if device is not None and x.device != device:
-        _fail(name, f"a tensor on {x.device}", f"a tensor on {device}, where q is")
-    return x
-
-
 def _integers(name: str, x: torch.Tensor) -> None:
     if x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
-        _fail(f"{name}.dtype", x.dtype, "an integer dtype (torch.int32 or torch.int64)")
+        fail(f"{name}.dtype", x.dtype, "an integer dtype (torch.int32 or torch.int64)")
 
 
 def check_reference_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens: object,
@@ -107,36 +93,36 @@ def check_reference_inputs(q: object, kv_cache: object, block_table: object, cac
     `reference` documents, naming the argument, what it got and what it expected. Looser than the
     op's (`inputs.check_inputs`): any float dtype, any strides, any integer index dtype. An FP8
     cache and its kv_scale are checked by `fp8_layout`. Raises InputError."""
-    q = _tensor("q", q)
+    q = tensor_arg("q", q)
     if not q.dtype.is_floating_point:
-        _fail("q.dtype", q.dtype, "a floating dtype (torch.float8_e4m3fn with q_scale)")
+        fail("q.dtype", q.dtype, "a floating dtype (torch.float8_e4m3fn with q_scale)")
     if q.dim() != 4:
-        _fail("q.shape", tuple(q.shape), "[B, S, H, Dl+Dr] (4 dims)")
+        fail("q.shape", tuple(q.shape), "[B, S, H, Dl+Dr] (4 dims)")
     B, S, H, D = q.shape
     if not (isinstance(head_dim_v, int) and 0 < head_dim_v <= D):
-        _fail("head_dim_v", head_dim_v, f"an int with 0 < head_dim_v <= q.shape[-1]={D}")
-    kv_cache = _tensor("kv_cache", kv_cache, q.device)
+        fail("head_dim_v", head_dim_v, f"an int with 0 < head_dim_v <= q.shape[-1]={D}")
+    kv_cache = tensor_arg("kv_cache", kv_cache, q.device)
     if not (kv_cache.dim() == 3 or (kv_cache.dim() == 4 and kv_cache.size(2) == 1)):
-        _fail("kv_cache.shape", tuple(kv_cache.shape), "[num_pages, page_size, Dl+Dr] or [num_pages, page_size, 1, "
+        fail("kv_cache.shape", tuple(kv_cache.shape), "[num_pages, page_size, Dl+Dr] or [num_pages, page_size, 1, "
               "Dl+Dr]")
     if kv_cache.size(0) < 1 or kv_cache.size(1) < 1:
-        _fail("kv_cache.shape", tuple(kv_cache.shape), "at least one page of at least one row")
+        fail("kv_cache.shape", tuple(kv_cache.shape), "at least one page of at least one row")
     if kv_cache.dtype not in QUANTIZED_DTYPES and kv_cache.size(-1) != D:
-        _fail("q.shape[-1] and kv_cache.shape[-1]", f"{D} and {kv_cache.size(-1)}", "one size, Dl+Dr (a row's width)")
-    block_table = _tensor("block_table", block_table, q.device)
+        fail("q.shape[-1] and kv_cache.shape[-1]", f"{D} and {kv_cache.size(-1)}", "one size, Dl+Dr (a row's width)")
+    block_table = tensor_arg("block_table", block_table, q.device)
     _integers("block_table", block_table)
     if block_table.dim() != 2 or block_table.size(0) != B or block_table.size(1) < 1:
-        _fail("block_table.shape", tuple(block_table.shape), f"[B={B}, max_pages >= 1]")
-    cache_seqlens = _tensor("cache_seqlens", cache_seqlens, q.device)
+        fail("block_table.shape", tuple(block_table.shape), f"[B={B}, max_pages >= 1]")
+    cache_seqlens = tensor_arg("cache_seqlens", cache_seqlens, q.device)
     _integers("cache_seqlens", cache_seqlens)
     if tuple(cache_seqlens.shape) != (B,):
-        _fail("cache_seqlens.shape", tuple(cache_seqlens.shape), f"[B={B}]")
+        fail("cache_seqlens.shape", tuple(cache_seqlens.shape), f"[B={B}]")
     if tree_mask is not None:
-        mask = _tensor("tree_mask", tree_mask, q.device)
+        mask = tensor_arg("tree_mask", tree_mask, q.device)
         if mask.dtype not in (torch.bool, torch.uint8):
-            _fail("tree_mask.dtype", mask.dtype, "torch.bool (or torch.uint8)")
+            fail("tree_mask.dtype", mask.dtype, "torch.bool (or torch.uint8)")
         if tuple(mask.shape) not in ((S, S), (B, S, S)):
-            _fail("tree_mask.shape", tuple(mask.shape), f"[S, S]=[{S}, {S}] or [B, S, S]=[{B}, {S}, {S}]")
+            fail("tree_mask.shape", tuple(mask.shape), f"[S, S]=[{S}, {S}] or [B, S, S]=[{B}, {S}, {S}]")
 
 
 def _check_lengths(lengths: list[int], block_table: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -146,14 +132,14 @@ def _check_lengths(lengths: list[int], block_table: torch.Tensor, kv_cache: torc
     capacity = block_table.size(1) * page_size
     for b, n in enumerate(lengths):
         if not 0 <= n <= capacity:
-            _fail(f"cache_seqlens[{b}]", n, f"0..{capacity} (block_table has {block_table.size(1)} pages of "
+            fail(f"cache_seqlens[{b}]", n, f"0..{capacity} (block_table has {block_table.size(1)} pages of "
                   f"{page_size} rows)")
     used = [block_table[b, : -(-n // page_size)] for b, n in enumerate(lengths) if n > 0]
     if used:
         ids = torch.cat(used)
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= pages:
-            _fail("block_table", f"page id {low if low < 0 else high} in a request's used pages",
+            fail("block_table", f"page id {low if low < 0 else high} in a request's used pages",
                   f"page ids in 0..{pages - 1} (kv_cache.shape[0]={pages})")
 
 
