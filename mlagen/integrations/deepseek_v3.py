@@ -202,14 +202,12 @@ class DeepseekV3Verifier:
                              "(prefill longer prompts in chunks: `prefill`)")
         if tuple(positions.shape) != (B, S):
             raise InputError(f"positions.shape: got {tuple(positions.shape)}, expected [{B}, {S}]")
-        if tree_mask is not None and tuple(tree_mask.shape) != (B, S, S):
-            raise InputError(f"tree_mask.shape: got {tuple(tree_mask.shape)}, expected [{B}, {S}, {S}]")
+        mask = self._tree_mask(tree_mask, B, S)
         index = self.cache.append(slots, S)
         inner = self.model.model
         h = inner.embed_tokens(tokens.to(self.device))
         cos, sin = inner.rotary_emb(h, positions.to(self.device))
         table, seqlens = self.cache.block_table(slots), self.cache.seqlens(slots)
-        mask = None if tree_mask is None else tree_mask.to(device=self.device, dtype=torch.bool).contiguous()
         longest = max(self.cache.length(s) for s in slots)
         for i, layer in enumerate(self.layers):
             h = h + self._attend(i, layer.input_layernorm(h), cos, sin, index, table, seqlens, mask, longest)
@@ -225,13 +223,20 @@ class DeepseekV3Verifier:
         unwritten). tree_mask as in `forward`. Returns [B, S, hidden], the output of the model's
         self_attn for the same tokens."""
         B, S, _ = hidden.shape
-        if tree_mask is not None and tuple(tree_mask.shape) != (B, S, S):
-            raise InputError(f"tree_mask.shape: got {tuple(tree_mask.shape)}, expected [{B}, {S}, {S}]")
+        mask = self._tree_mask(tree_mask, B, S)
         index = self.cache.append(slots, S)
         cos, sin = self.model.model.rotary_emb(hidden, positions.to(self.device))
-        mask = None if tree_mask is None else tree_mask.to(device=self.device, dtype=torch.bool).contiguous()
         return self._attend(layer, hidden, cos, sin, index, self.cache.block_table(slots), self.cache.seqlens(slots),
                             mask, max(self.cache.length(s) for s in slots))
+
+    def _tree_mask(self, tree_mask: torch.Tensor | None, B: int, S: int) -> torch.Tensor | None:
+        """tree_mask checked to be [B, S, S], as the contiguous bool tensor on the model's device
+        that the backend takes; None stays None (causal)."""
+        if tree_mask is None:
+            return None
+        if tuple(tree_mask.shape) != (B, S, S):
+            raise InputError(f"tree_mask.shape: got {tuple(tree_mask.shape)}, expected [{B}, {S}, {S}]")
+        return tree_mask.to(device=self.device, dtype=torch.bool).contiguous()
 
     def _attend(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: RowIndex,
                 table: torch.Tensor, seqlens: torch.Tensor, mask: torch.Tensor | None, longest: int) -> torch.Tensor:
