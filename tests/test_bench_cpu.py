@@ -19,6 +19,7 @@ from mlagen.tools.bench import (
     FP8_MEMORY_ROWS,
     INVARIANT,
     TILE,
+    WS,
     BenchConfig,
     BenchResult,
     Cell,
@@ -454,7 +455,7 @@ def test_fp8_side_variants_and_their_jobs():
     config = BenchConfig(fp8=tuple(FP8_CASES))
     side = side_variants(row, config, "sm_90a", "NVIDIA H200", policy.H200)
     assert list(side) == [c for case in FP8_CASES for c in fp8_cells(case)]
-    assert list(side) == ["fp8:e4m3", "fp8:e4m3:tile", "fp8:ds_mla", "fp8:ds_mla:tile", "fp8:e4m3-q"]
+    assert list(side) == ["fp8:e4m3", "fp8:e4m3:tile", "fp8:e4m3:ws", "fp8:ds_mla", "fp8:ds_mla:tile", "fp8:e4m3-q"]
     for name, (mask, problem, variant) in side.items():
         case = fp8_case_of(name)
         assert mask == "causal" and problem == fp8_problem(problem_for(row, 64, "causal", "bf16"), case)
@@ -462,6 +463,11 @@ def test_fp8_side_variants_and_their_jobs():
         if name.endswith(TILE):
             assert variant == policy.fp8_tile(problem, 9, "sm_90a", policy.H200)
             assert (variant.family, variant.schedule, variant.loads) == ("mma", "lockstep", "cp_async")
+        elif name.endswith(WS):    # the dispatcher's pick on the fp8_ws schedule, its split and rows kept
+            picked = side[fp8_cell(case)][2]
+            assert (variant.schedule, variant.loads) == ("fp8_ws", "tma") and case == "e4m3"
+            assert (variant.kv_split, variant.head_tile, variant.q_tile) == (picked.kv_split, picked.head_tile,
+                                                                             picked.q_tile)
         else:   # the dispatcher's pick: a tile for an FP8 cache, naive for e4m3 queries
             assert variant.family == ("naive" if case == "e4m3-q" else "mma")
     assert policy.fp8_tile(fp8_problem(problem_for(row, 64, "causal", "bf16"), "e4m3-q"), 9, "sm_90a",
@@ -481,8 +487,10 @@ def _with_fp8_cells() -> BenchResult:
     for r, e4m3, e4m3q in ((r0, 8.0, 7.0), (r1, 18.0, 12.0), (r2, 20.0, 30.0)):
         r.cells[fp8_cell("e4m3")] = Cell(e4m3, "naive_w4_sm90")
         r.cells[fp8_cell("e4m3") + TILE] = Cell(e4m3 * 0.625, "mma_ht8_qt8_bn64_w8_st2_spa_p16_sm90a")
+        r.cells[fp8_cell("e4m3") + WS] = Cell(e4m3 * 0.5, "mma_ht8_qt8_bn64_w8_st2_spa_tma_ws_sm90a")
         r.cells[fp8_cell("e4m3-q")] = Cell(e4m3q, "naive_w4_sm90")
-        r.fp8_floor_us = {fp8_cell("e4m3"): 1.0, fp8_cell("e4m3") + TILE: 1.0, fp8_cell("e4m3-q"): 0.5}
+        r.fp8_floor_us = {fp8_cell("e4m3"): 1.0, fp8_cell("e4m3") + TILE: 1.0, fp8_cell("e4m3") + WS: 1.0,
+                          fp8_cell("e4m3-q"): 0.5}
     return result
 
 
@@ -491,19 +499,22 @@ def test_fp8_cells_report_their_own_floor_and_targets(tmp_path):
     r0 = result.rows[0]
     assert r0.floor_of(fp8_cell("e4m3")) == 1.0 and r0.floor_of(DISPATCH) == 2.0 and r0.best_us == 10.0
     summary = summary_markdown(result)
-    assert summary[0].endswith("| fp8:e4m3/dispatch | fp8:e4m3:tile/dispatch | fp8:e4m3-q/dispatch |")
-    assert summary[4].endswith("| 0.80× | 0.50× | 1.20× |")
+    assert summary[0].endswith("| fp8:e4m3/dispatch | fp8:e4m3:tile/dispatch | fp8:e4m3:ws/dispatch "
+                               "| fp8:e4m3-q/dispatch |")
+    assert summary[4].endswith("| 0.80× | 0.50× | 0.40× | 1.20× |")
     paths = write_all(result, tmp_path)
     back = from_json(paths[0].read_text())
-    assert back == result and back.side_cells == ["fp8:e4m3", "fp8:e4m3:tile", "fp8:e4m3-q"]
+    assert back == result and back.side_cells == ["fp8:e4m3", "fp8:e4m3:tile", "fp8:e4m3:ws", "fp8:e4m3-q"]
     assert json.loads(paths[0].read_text())["rows"][2]["derived"]["x_floor"][fp8_cell("e4m3-q")] == 60.0
     md = paths[1].read_text()
-    assert "| 20.0 (20.0×) | 0.80× | 12.5 (12.5×) | 0.50× | 30.0 (60.0×) | 1.20× |" in md
+    assert "| 20.0 (20.0×) | 0.80× | 12.5 (12.5×) | 0.50× | 10.0 (10.0×) | 0.40× | 30.0 (60.0×) | 1.20× |" in md
     assert "the FP8 matmul rate, 1500 TFLOP/s" in md
     assert ("fp8:e4m3 on the memory-bound rows: worst 0.80× bf16 (8,16,9,16384), 1 of 1 over 0.60×; worst 20.00× "
             "the FP8 floor; rows slower than bf16 on the whole run: 0") in md
     assert ("fp8:e4m3:tile on the memory-bound rows: worst 0.50× bf16 (8,16,9,16384), 0 of 1 over 0.60×; worst "
             "12.50× the FP8 floor") in md
+    assert ("fp8:e4m3:ws on the memory-bound rows: worst 0.40× bf16 (8,16,9,16384), 0 of 1 over 0.60×; worst "
+            "10.00× the FP8 floor") in md
     assert "fp8:e4m3-q on the compute-bound rows: none timed" in md
     data = json.loads(paths[0].read_text())
     del data["fp8"]

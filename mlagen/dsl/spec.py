@@ -22,7 +22,7 @@ QFormatName = Literal["dtype", "e4m3"]
 MaskKind = Literal["causal", "tree", "none"]
 Family = Literal["naive", "flash", "mma"]
 Split = int | Literal["adaptive", "balanced"]
-Schedule = Literal["lockstep", "seesaw", "transposed", "p_exchange"]
+Schedule = Literal["lockstep", "seesaw", "transposed", "p_exchange", "fp8_ws"]
 Loads = Literal["cp_async", "tma"]
 Combine = Literal["merge", "cluster"]
 Partials = Literal["fp32", "16bit"]
@@ -34,7 +34,7 @@ Q_FORMATS: tuple[str, ...] = ("dtype", "e4m3")
 MASKS: tuple[str, ...] = ("causal", "tree", "none")
 MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
 FAMILIES: tuple[str, ...] = ("naive", "flash", "mma")
-SCHEDULES: tuple[str, ...] = ("lockstep", "seesaw", "transposed", "p_exchange")
+SCHEDULES: tuple[str, ...] = ("lockstep", "seesaw", "transposed", "p_exchange", "fp8_ws")
 LOADS: tuple[str, ...] = ("cp_async", "tma")
 COMBINES: tuple[str, ...] = ("merge", "cluster")
 PARTIALS: tuple[str, ...] = ("fp32", "16bit")
@@ -145,6 +145,12 @@ class Variant:
             of partial output rows; each block adds every tile's P V for its share of the value
             dims and writes them out. 64-key tiles, 8 warps, one stage, cp.async loads, fp32
             partials (nothing partial is written). Named `_px`.
+        "fp8_ws": sm_90a mma over an e4m3 cache, warp-specialized: the seesaw's two warpgroups
+            (`warps` 8) run the tile pairs while a third, the producer, lands each tile's FP8
+            bytes with TMA in the back of its 16-bit stage and widens them in place, so the
+            widening runs beside the products instead of between them. 64 rows, 64-key tiles,
+            two stages, TMA loads (block_n dividing the page size), the "merge" combine. Named
+            `_ws`.
     loads: how KV tiles reach shared memory (LOADS): "cp_async" (every thread's 16-byte copies)
         or "tma" (mma on sm_90a, block_n dividing the page size: TMA boxes,
         `cp.async.bulk.tensor`, one thread issues a tile's 64-dim column blocks, an mbarrier per
@@ -258,7 +264,7 @@ class Variant:
 TAGS: tuple[tuple[str, object, str], ...] = (
     ("mma_pv", True, "pvm"), ("combine", "cluster", "cl"), ("partials", "16bit", "p16"), ("loads", "tma", "tma"),
     ("schedule", "seesaw", "ss"), ("schedule", "transposed", "tr"), ("schedule", "p_exchange", "px"),
-    ("rows", "ragged", "rg"),
+    ("schedule", "fp8_ws", "ws"), ("rows", "ragged", "rg"),
 )
 
 

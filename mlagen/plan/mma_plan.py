@@ -111,6 +111,13 @@ def transposed_stack(v: Variant) -> int:
 # maxima over on one.
 SEESAW_LOAD_PARTS = 4
 SEESAW_BARRIERS = SEESAW_LOAD_PARTS + 2
+# The fp8_ws schedule (templates/mma_ws_producer.cuh.j2): a producer warpgroup beside the seesaw's
+# two. Its mbarriers take the seesaw's four load parts' places as each stage's "free" (both
+# warpgroups' reads done) and "widened" (the 16-bit tile ready) hand-offs, keep the P hand-offs,
+# and add one a stage that counts its TMA boxes' bytes ("landed").
+FP8_WS_PRODUCER_WARPS = 4
+FP8_WS_STAGES = 2
+FP8_WS_BARRIERS = SEESAW_BARRIERS + FP8_WS_STAGES
 
 
 # The P exchange (templates/mma_exchange.cu.j2): a block's slot holds its
@@ -143,6 +150,16 @@ def seesaw_load_mbarriers(v: Variant) -> int:
     """Those of the seesaw's mbarriers that count KV bytes landing: one a load part
     (SEESAW_LOAD_PARTS); its others count a warpgroup's arrivals."""
     return SEESAW_LOAD_PARTS
+
+
+def ws_mbarriers(v: Variant) -> int:
+    """The fp8_ws schedule's mbarriers: FP8_WS_BARRIERS."""
+    return FP8_WS_BARRIERS
+
+
+def ws_landing_mbarriers(v: Variant) -> int:
+    """Those of the fp8_ws schedule's mbarriers that count a TMA load's bytes: one a stage."""
+    return FP8_WS_STAGES
 
 
 def exchange_mbarriers(v: Variant) -> int:
@@ -197,6 +214,12 @@ def kv_stage_bytes(p: Problem, v: Variant) -> int:
     one 16-bit tile (the staged rows dequantized) and the staged rows (`fp8_staging_bytes`)."""
     tile = v.block_n * p.head_dim * 2
     return tile + fp8_staging_bytes(p, v) if p.fp8_kv else v.stages * tile
+
+
+def widened_layout(p: Problem, v: Variant) -> MmaLayout | str:
+    """The fp8_ws schedule's layout: the seesaw's, two 16-bit stages and no staged rows, as an FP8
+    tile lands in the back of the stage it widens into (templates/mma_ws_producer.cuh.j2)."""
+    return lockstep_layout(p.with_(kv_format="dtype"), v)
 
 
 def lockstep_layout(p: Problem, v: Variant) -> MmaLayout | str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from ..dsl.spec import COMBINES, FAMILIES, LOADS, PARTIALS, Problem, Variant
 from .mma_plan import (
     EXCHANGE_ROWS,
+    FP8_WS_PRODUCER_WARPS,
     MMA_BLOCK_NS,
     TRANSPOSED_ROWS,
     MmaLayout,
@@ -35,6 +36,9 @@ from .mma_plan import (
     stage_mbarriers,
     transposed_layout,
     transposed_stack,
+    widened_layout,
+    ws_landing_mbarriers,
+    ws_mbarriers,
 )
 
 ANY_STAGES = (1, 2, 3, 4)       # pipeline depths `validate` accepts for any tile
@@ -83,6 +87,10 @@ class TileSchedule:
         (`space.tile_a_block_variants`).
     twin_of: the schedule whose variants the tuner and the dispatcher also run on this one, the
         tile unchanged (`twin`); None: none.
+    kv_formats: the `Problem.kv_format` values it reads; None: every format its family reads.
+    producer_warps: warps launched beside `Variant.warps` that load the KV tiles and widen an
+        FP8 cache's bytes while the `Variant.warps` warps run the products (the kernel's
+        `PRODUCER_THREADS`); 0: the same warps load and compute.
     """
 
     name: str
@@ -109,6 +117,8 @@ class TileSchedule:
     prefetches: bool
     tile_a_block: bool
     twin_of: str | None
+    kv_formats: tuple[str, ...] | None = None
+    producer_warps: int = 0
 
     @property
     def split_unit(self) -> int:
@@ -200,7 +210,18 @@ P_EXCHANGE = TileSchedule(
     stack=no_stack, rows=EXCHANGE_ROWS, fp8_kv_loads=(), seesaw_loop=False, pair_merge=False, prefetches=True,
     tile_a_block=True, twin_of=None)
 
-SCHEDULES: dict[str, TileSchedule] = {s.name: s for s in (LOCKSTEP, SEESAW, TRANSPOSED, P_EXCHANGE)}
+# The seesaw's tile pairs over an e4m3 cache, warp-specialized: a producer warpgroup lands each
+# tile's FP8 bytes with TMA in the back of its 16-bit stage and widens them in place while the
+# seesaw's two warpgroups run the products (templates/mma_ws_producer.cuh.j2). It reads FP8
+# caches only (a 16-bit cache runs the seesaw); the dispatcher does not pick it yet.
+FP8_WS = TileSchedule(
+    name="fp8_ws", template="mma.cu.j2", families=_MMA, archs=_SM90A, block_ns=(64,), warps=(8,), stages=(2,),
+    loads=("tma",), combines=("merge",), partials=PARTIALS, mma_pv=False, paired=True, partial_rows=True,
+    layout=widened_layout, mbarriers=ws_mbarriers, load_mbarriers=ws_landing_mbarriers, stack=no_stack, rows=(),
+    fp8_kv_loads=("tma",), seesaw_loop=True, pair_merge=True, prefetches=False, tile_a_block=False, twin_of=None,
+    kv_formats=("e4m3",), producer_warps=FP8_WS_PRODUCER_WARPS)
+
+SCHEDULES: dict[str, TileSchedule] = {s.name: s for s in (LOCKSTEP, SEESAW, TRANSPOSED, P_EXCHANGE, FP8_WS)}
 
 
 def schedule_of(v: Variant) -> TileSchedule:

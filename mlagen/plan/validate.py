@@ -58,7 +58,7 @@ class KernelPlan:
     variant: Variant
     arch: Arch
     name: str               # C symbol prefix; the kernel is <name>_main
-    threads: int            # threads per block of the main kernel
+    threads: int            # threads per block of the main kernel that compute (launch_threads: all)
     rows: int               # query rows per block: q_tile * head_tile
     rows_pad: int           # rows rounded up to what the family's thread mapping covers
     rows_per_warp: int
@@ -103,9 +103,22 @@ class KernelPlan:
     @property
     def fp8_staging_bytes(self) -> int:
         """Shared memory of the lockstep loop's staged FP8 rows (`mma_plan.fp8_staging_bytes`) for
-        a family that stages them (`KernelFamily.fp8_kv` "staged"); 0 for 16-bit caches and the
-        other families."""
-        return fp8_staging_bytes(self.problem, self.variant) if self.family.fp8_kv == "staged" else 0
+        a family that stages them (`KernelFamily.fp8_kv` "staged"); 0 for 16-bit caches, the other
+        families and a schedule whose producer widens the FP8 bytes in place (`producer_threads`)."""
+        staged = self.family.fp8_kv == "staged" and not self.producer_threads
+        return fp8_staging_bytes(self.problem, self.variant) if staged else 0
+
+    @property
+    def producer_threads(self) -> int:
+        """Threads launched beside `threads` that load the KV tiles and widen an FP8 cache's bytes
+        (`TileSchedule.producer_warps`); 0 where the computing threads load."""
+        return self.schedule.producer_warps * 32
+
+    @property
+    def launch_threads(self) -> int:
+        """Threads per block of the main kernel's launch: `threads`, which compute, and the
+        producer's (`producer_threads`)."""
+        return self.threads + self.producer_threads
 
     # Constants the templates render from their one definition here.
     chunk = CHUNK                               # elements per 16-byte load
@@ -469,11 +482,20 @@ def _check_fp8_family(p: Problem, v: Variant) -> None:
             f"{' or '.join(map(repr, loads))} for {fp8} (the loads that stage FP8 rows)")
 
 
+def _check_schedule_formats(p: Problem, v: Variant) -> None:
+    """A schedule that reads some cache formats only (`TileSchedule.kv_formats`) gets one of them."""
+    formats = schedule_of(v).kv_formats
+    require(formats is None or p.kv_format in formats, "variant.schedule", v.schedule,
+            f"a cache in {' or '.join(map(repr, formats or ()))} for the {v.schedule} schedule, got "
+            f"problem.kv_format={p.kv_format!r}")
+
+
 def validate(problem: Problem, variant: Variant) -> KernelPlan:
     """Check `problem` and `variant` together; return the plan or raise `SpecError`."""
     _check_problem(problem)
     _check_common(variant)
     _check_fp8_family(problem, variant)
+    _check_schedule_formats(problem, variant)
     try:
         arch = get_arch(variant.arch)
     except ValueError as e:

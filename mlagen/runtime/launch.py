@@ -87,7 +87,7 @@ def load(problem: Problem, variant: Variant, device_index: int) -> Loaded:
             # The loaded function's own count: a cache entry's parsed ptxas log can lack it
             # (seen once on the H200 for an entry a precompile worker wrote).
             regs = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, main.ptr)
-        occupancy = plan.arch.blocks_per_sm(plan.threads, plan.smem_bytes, regs)
+        occupancy = plan.arch.blocks_per_sm(plan.launch_threads, plan.smem_bytes, regs)
         loaded = Loaded(plan=plan, main=main, module=module, blocks_per_sm=occupancy)
         _loaded[key] = loaded
         return loaded
@@ -113,7 +113,8 @@ def kernel_launch(loaded: Loaded, grid: tuple[int, int, int], in_graphs: bool = 
     enough to go as a programmatic dependent whenever its stream is captured."""
     plan = loaded.plan
     dependent = plan.arch.capability >= PDL_MIN_CAPABILITY
-    return KernelLaunch(args=(loaded.main.ptr, *grid, plan.threads, 1, 1, plan.smem_bytes), name=plan.main_kernel,
+    return KernelLaunch(args=(loaded.main.ptr, *grid, plan.launch_threads, 1, 1, plan.smem_bytes),
+                        name=plan.main_kernel,
                         pdl=PDL and dependent, pdl_captured=dependent and in_graphs and not PDL_NEVER)
 
 

@@ -152,6 +152,7 @@ class _Call:
     lse_size: tuple[int, int, int]          # [B, H, S]
     layout: workspace.Layout | None         # None: one split, no workspace
     tma_rows: int                           # rows of a TMA box (tma variants: block_n), else 0
+    tma_kind: str                           # the TMA descriptor's elements: the cache's dtype, or "e4m3"
     tail: tuple[int | float, ...]           # the parameter block after its pointers
 
 
@@ -250,6 +251,7 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
         out_size=out_size, lse_size=(B, H, S),
         layout=prep.layout,
         tma_rows=prep.tma_rows,
+        tma_kind=shapes.dtype if shapes.kv_format == "dtype" else shapes.kv_format,
         tail=tail({
             "q_stride_b": q_strides[0], "q_stride_s": q_strides[1], "q_stride_h": q_strides[2],
             "kv_stride_page": shapes.kv_strides[0], "kv_stride_row": shapes.kv_strides[1],
@@ -393,7 +395,7 @@ def verify_attention(
         held, part_o, counters = workspace.get(call.device, stream, call.layout, call.torch_device)
         part_ml = part_o + call.layout.part_ml_offset
     kv_map = (tensormap.device_map(call.device, kv_ptr, call.shapes.num_pages, call.shapes.page_size,
-                                   call.shapes.head_dim, call.shapes.kv_strides, call.shapes.dtype, call.tma_rows)
+                                   call.shapes.head_dim, call.shapes.kv_strides, call.tma_kind, call.tma_rows)
               if call.tma_rows else 0)
     # kv_cache's pointer is the [num_pages, page_size, D] view's too (a 4-dim cache's index 0).
     pointer_values = pointers({

@@ -28,8 +28,10 @@ import torch
 from ..plan.mma_plan import TENSOR_MAP_BYTES, TMA_BOX_DIMS
 from . import lasting
 
-_DTYPE = {"bf16": 9, "fp16": 6}  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 / _FLOAT16
-_ELEM_BYTES = 2                  # both of them
+# The cache's element kinds: (CU_TENSOR_MAP_DATA_TYPE_*, bytes). An e4m3 cache is read as bytes
+# (UINT8), in boxes as wide in bytes as a 16-bit one's (templates/mma_ws_producer.cuh.j2).
+_KINDS = {"bf16": (9, 2), "fp16": (6, 2), "e4m3": (0, 1)}   # BFLOAT16, FLOAT16, UINT8
+_BOX_BYTES = TMA_BOX_DIMS * 2    # a box row: 64 16-bit dims, 128 bytes (the 128-byte swizzle's span)
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 CAPTURE_SLOTS = 64               # descriptors per device for caches first met under capture
@@ -68,14 +70,16 @@ def _encode_tiled():
 
 def encode(address: int, num_pages: int, page_size: int, head_dim: int, strides: tuple[int, int], dtype: str,
            box_rows: int) -> bytes:
-    """The 128-byte descriptor of a [num_pages][page_size][head_dim] cache at `address` with
-    element strides (page, row) `strides`, for boxes of [64 dims, box_rows rows, 1 page]."""
+    """The 128-byte descriptor of a [num_pages][page_size][head_dim] cache of `dtype` elements
+    ("bf16", "fp16" or "e4m3") at `address` with element strides (page, row) `strides`, for boxes
+    of [128 bytes of a row, box_rows rows, 1 page]."""
+    kind, elem_bytes = _KINDS[dtype]
     desc = (ctypes.c_uint64 * 16)()
     dims = (ctypes.c_uint64 * 3)(head_dim, page_size, num_pages)
-    byte_strides = (ctypes.c_uint64 * 2)(strides[1] * _ELEM_BYTES, strides[0] * _ELEM_BYTES)
-    box = (ctypes.c_uint32 * 3)(TMA_BOX_DIMS, box_rows, 1)
+    byte_strides = (ctypes.c_uint64 * 2)(strides[1] * elem_bytes, strides[0] * elem_bytes)
+    box = (ctypes.c_uint32 * 3)(_BOX_BYTES // elem_bytes, box_rows, 1)
     unit = (ctypes.c_uint32 * 3)(1, 1, 1)
-    code = _encode_tiled()(ctypes.byref(desc), _DTYPE[dtype], 3, ctypes.c_void_p(address), dims, byte_strides, box,
+    code = _encode_tiled()(ctypes.byref(desc), kind, 3, ctypes.c_void_p(address), dims, byte_strides, box,
                            unit, 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
     if code:
         raise RuntimeError(f"cuTensorMapEncodeTiled for kv_cache [{num_pages}, {page_size}, {head_dim}] with "

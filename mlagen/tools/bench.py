@@ -25,7 +25,8 @@ from ..dispatch.policy import DispatchPolicy, batch_invariant_variant, choose_va
 from ..dsl.errors import SpecError
 from ..dsl.spec import FAMILIES, Problem, Variant
 from ..plan.families import FLASH, NAIVE
-from ..plan.validate import validate
+from ..plan.schedules import FP8_WS
+from ..plan.validate import is_valid, validate
 from ..runtime.op import device_info, device_name, device_policy, verify_attention
 from .floor import Ceilings, floor_us
 from .grids import Row
@@ -50,6 +51,7 @@ DISPATCH_SLACK = 1.05      # the dispatched choice may be this much slower than 
 INVARIANT_TARGET = 1.25    # batch-invariant mode's aim on the serving grid's batched rows: at most this x dispatch
 FP8 = "fp8:"               # the prefix of an FP8 cell: "fp8:e4m3"
 TILE = ":tile"             # the suffix of an FP8 tile's cell: "fp8:e4m3:tile" (`policy.fp8_tile`)
+WS = ":ws"                 # the suffix of the fp8_ws schedule's cell: "fp8:e4m3:ws" (`ws_twin`)
 # FP8's aims, on the rows where each case's bytes or flops bound the time: at most FP8_TARGET x
 # the bf16 dispatched time, and (memory-bound rows) at most FP8_FLOOR_TARGET x the FP8 floor.
 FP8_TARGET = 0.6
@@ -70,13 +72,28 @@ def fp8_cell(case: str) -> str:
 
 def fp8_cells(case: str) -> list[str]:
     """FP8 case `case`'s cells: the dispatcher's pick, and for 16-bit queries the mma tile that
-    reads the FP8 cache (`policy.fp8_tile`)."""
-    return [fp8_cell(case)] + ([fp8_cell(case) + TILE] if FP8_CASES[case][1] == "dtype" else [])
+    reads the FP8 cache (`policy.fp8_tile`) and, over a cache the fp8_ws schedule reads, the
+    dispatcher's pick on that schedule (`ws_twin`) where a row has one."""
+    kv_format, q_format = FP8_CASES[case]
+    if q_format != "dtype":
+        return [fp8_cell(case)]
+    ws = [fp8_cell(case) + WS] if kv_format in (FP8_WS.kv_formats or ()) else []
+    return [fp8_cell(case), fp8_cell(case) + TILE, *ws]
 
 
 def fp8_case_of(name: str) -> str:
     """The FP8 case of an FP8 cell: "fp8:e4m3:tile" -> "e4m3"."""
-    return name[len(FP8):].removesuffix(TILE)
+    return name[len(FP8):].removesuffix(TILE).removesuffix(WS)
+
+
+def ws_twin(problem: Problem, v: Variant) -> Variant | None:
+    """`v` on the fp8_ws schedule, its split, rows and tile kept (`TileSchedule.adopt`), where
+    that is valid for `problem`: the warp-specialized FP8 tile beside the dispatcher's pick, which
+    the dispatcher does not run yet; else None."""
+    if not FP8_WS.takes(v):
+        return None
+    ws = FP8_WS.adopt(v)
+    return ws if is_valid(problem, ws) else None
 
 
 def is_side_cell(name: str) -> bool:
@@ -232,8 +249,8 @@ def side_variants(row: Row, config: BenchConfig, arch: str, gpu: str,
     """{side cell: (mask, problem, variant)} for a row: the dispatcher's pick under each mask of
     `config.masks` after the first (`mask_cell`), then with `config.batch_invariant` the variant
     `verify_attention(batch_invariant=True)` runs under the base mask (INVARIANT), then the
-    dispatcher's pick on each of `config.fp8`'s inputs under the base mask and the mma tile that
-    reads them where one fits (`fp8_cells`)."""
+    dispatcher's pick on each of `config.fp8`'s inputs under the base mask, the mma tile that
+    reads them where one fits and the pick on the fp8_ws schedule where it runs (`fp8_cells`)."""
     cap = row.kv_capacity(config.page_size)
     side = {}
     for mask in config.masks[1:]:
@@ -250,6 +267,9 @@ def side_variants(row: Row, config: BenchConfig, arch: str, gpu: str,
         tile = fp8_tile(problem, row.seqlen_q, arch, dispatch)
         if tile is not None:
             side[fp8_cell(case) + TILE] = (config.mask, problem, tile)
+        ws = ws_twin(problem, side[fp8_cell(case)][2]) or (tile and ws_twin(problem, tile))
+        if ws is not None:
+            side[fp8_cell(case) + WS] = (config.mask, problem, ws)
     return side
 
 
@@ -381,7 +401,7 @@ def _time_row(work: Workload, mask: str, problem: Problem, variants: dict[str, V
     cells[EAGER] = _timed(lambda: measure(eager_call(work), work.sets, timing).us, "", "")
     for name, (m, p, v) in side.items():
         if name.startswith(FP8):      # the FP8 case's inputs; its tile named, else as verify_attention picks
-            cells[name] = timed(fp8_cell(fp8_case_of(name)), p, v, "variant" if name.endswith(TILE) else "op")
+            cells[name] = timed(fp8_cell(fp8_case_of(name)), p, v, "variant" if name.endswith((TILE, WS)) else "op")
         else:
             cells[name] = timed(m, p, v, INVARIANT if name == INVARIANT else "variant")
     return cells

@@ -69,7 +69,7 @@ def manifest(plan: KernelPlan) -> dict:
         "name": plan.main_kernel,
         "role": "main",
         "grid": list(plan.grid_expr()),
-        "block": [plan.threads, 1, 1],
+        "block": [plan.launch_threads, 1, 1],
         "dynamic_shared_memory": plan.smem_bytes,
         "launch": "always; with num_splits > 1 the z slabs after the first B hold the merge blocks",
     }]
