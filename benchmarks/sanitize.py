@@ -15,7 +15,9 @@ bitwise-repeatability test. The engine features run last (named "feature+FEATURE
 dispatcher's pick: batch-invariant splits, FP8 caches of both formats and e4m3 queries, and
 the two ranks of a context-parallel pair (their per-request shard masks), merged; and the mma
 family's FP8 tiles (`fp8_tile`: a balanced split with 16-bit partials on sm_90a, a fixed split on
-mma.sync elsewhere). Attention sinks and the merge are torch ops: nothing there for the sanitizer. Prints one line per
+mma.sync elsewhere) and, on sm_90a, that tile on the warp-specialized fp8_ws schedule (its
+producer warpgroup's hand-offs are mbarriers, which racecheck follows). Attention sinks and the
+merge are torch ops: nothing there for the sanitizer. Prints one line per
 (case, variant) and a count at the end.
 """
 
@@ -29,6 +31,7 @@ from bench_cli import parser, require_gpu
 
 import mlagen
 from mlagen.dsl.spec import Problem, Variant, naive, parse_variant
+from mlagen.plan.schedules import FP8_WS
 from mlagen.tools.testing import Case, assert_matches, make_case, pinned_balanced_ranges
 
 CASES = [
@@ -65,6 +68,7 @@ FEATURES = [("invariant", INVARIANT, {}), ("invariant", CASES[0], {}),
             ("q_e4m3", CASES[2], {"kv_format": "e4m3", "q_format": "e4m3"}),
             ("cp_shards", CASES[0] | {"per_request_tree": True}, {}), ("cp_shards", CASES[1], {}),
             ("fp8_tile", CROSSING, {"kv_format": "e4m3"}), ("fp8_tile", CASES[0], {"kv_format": "ds_mla"}),
+            ("fp8_ws", CROSSING, {"kv_format": "e4m3"}), ("fp8_ws", CASES[1], {"kv_format": "e4m3"}),
             ("ragged_rows", RAGGED, {}), ("ragged_rows_tr_", RAGGED, {})]
 
 Run = tuple[dict, list[Variant | None], int | None]   # (case, variants, balanced ranges pinned or None)
@@ -172,11 +176,14 @@ def fp8_tile(kv_format: str, arch: str) -> Variant:
 
 def run_feature(feature: str, case: Case, arch: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of `case` with `feature` on, on a GPU of compile target `arch`: through the
-    dispatcher, or for `fp8_tile` through the FP8 tile."""
+    dispatcher, or for `fp8_tile` through the FP8 tile (`fp8_ws`: on the fp8_ws schedule)."""
     args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens)
     if feature == "fp8_tile":
         fmt = mlagen.kv_format_of(case.kv_cache, case.kv_scale).name
         return mlagen.verify_attention(*args, variant=fp8_tile(fmt, arch), return_lse=True, **case.kwargs())
+    if feature == "fp8_ws":
+        return mlagen.verify_attention(*args, variant=FP8_WS.adopt(fp8_tile("e4m3", arch)), return_lse=True,
+                                       **case.kwargs())
     if feature == "invariant":
         return mlagen.verify_attention(*args, return_lse=True, batch_invariant=True, **case.kwargs())
     if feature in RAGGED_VARIANTS:
@@ -223,6 +230,8 @@ def main(only: str | None, skip: str | None, arch: str, listing: bool, cases: se
     for i, (feature, shape, extra) in enumerate(FEATURES, start=len(runs)):
         name = f"feature+{feature}"
         if (cases is not None and i not in cases) or not wanted(name, only, skip):
+            continue
+        if feature == "fp8_ws" and arch != "sm_90":     # an sm_90a schedule
             continue
         if not listing:
             case = make_case(seed=i, **shape, **extra)

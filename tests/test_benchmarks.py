@@ -44,6 +44,7 @@ from mlagen.codegen.render import render  # noqa: E402
 from mlagen.dispatch import policy  # noqa: E402
 from mlagen.dispatch.policy import INVARIANT_SPLIT_KEYS_LOG2  # noqa: E402
 from mlagen.dsl.spec import Problem, Variant, parse_variant  # noqa: E402
+from mlagen.plan.schedules import FP8_WS  # noqa: E402
 from mlagen.plan.validate import validate  # noqa: E402
 from mlagen.runtime import context_parallel, launch, op  # noqa: E402
 from mlagen.runtime.inputs import key_bound  # noqa: E402
@@ -176,7 +177,7 @@ def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
     for i, (feature, _, _) in enumerate(sanitize.FEATURES, start=first):
         assert f"case {i} feature+{feature}: listed" in out
     assert {f for f, _, _ in sanitize.FEATURES} == {"invariant", "fp8_e4m3", "fp8_ds_mla", "q_e4m3", "cp_shards",
-                                                    "fp8_tile", "ragged_rows", "ragged_rows_tr_"}
+                                                    "fp8_tile", "fp8_ws", "ragged_rows", "ragged_rows_tr_"}
     assert "_tr_" in "feature+ragged_rows_tr_" and "_tr_" in sanitize.RAGGED_VARIANTS["ragged_rows_tr_"]
     assert "_ss_rg_" in sanitize.RAGGED_VARIANTS["ragged_rows"]
     counts = sanitize.RAGGED_COUNTS
@@ -188,6 +189,13 @@ def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
             variant = sanitize.fp8_tile(fmt, arch)
             assert render(validate(Problem(heads=8, kv_format=fmt, mask="tree", lse=True), variant))
     assert {extra.get("kv_format") for _, _, extra in sanitize.FEATURES} >= {"e4m3", "ds_mla"}
+    # the FP8 tile on the fp8_ws schedule, on sm_90a only: its balanced and adaptive splits
+    ws = [(shape, FP8_WS.adopt(sanitize.fp8_tile("e4m3", "sm_90"))) for f, shape, _ in sanitize.FEATURES
+          if f == "fp8_ws"]
+    assert len(ws) == 2 and all(v.schedule == "fp8_ws" for _, v in ws)
+    for shape, v in ws:
+        assert render(validate(sanitize.problem_of(shape).with_(kv_format="e4m3"), v))
+    assert features - sanitize.main("feature+", None, "sm_80", listing=True) == len(ws)
     assert any(shape.get("per_request_tree") for f, shape, _ in sanitize.FEATURES if f == "cp_shards")
     lengths = [p + sanitize.INVARIANT["seqlen_q"] for p in sanitize.INVARIANT["prefixes"]]
     assert sorted({min(-(-n // (1 << INVARIANT_SPLIT_KEYS_LOG2)), 8) for n in lengths}) == [1, 2, 3, 8]

@@ -338,7 +338,7 @@ def test_empty_batch_launches_nothing(fake_gpu):
 
 
 def _loaded(capability: int) -> types.SimpleNamespace:
-    plan = types.SimpleNamespace(threads=256, smem_bytes=100_000, main_kernel="main_k",
+    plan = types.SimpleNamespace(launch_threads=256, smem_bytes=100_000, main_kernel="main_k",
                                  arch=types.SimpleNamespace(capability=capability))
     return types.SimpleNamespace(plan=plan, main=types.SimpleNamespace(ptr=0x7F00))
 
