@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from cli import app
 from mlagen.dispatch.policy import H200
-from mlagen.dsl.spec import DTYPES, KV_FORMATS, MASKS, Q_FORMATS, SCHEDULES, parse_variant
+from mlagen.dsl.spec import DTYPES, KV_FORMATS, MASKS, Q_FORMATS, parse_variant
+from mlagen.plan.schedules import SCHEDULES
 from mlagen.plan.validate import is_valid
 from mlagen.runtime.inputs import output_dtype
 from mlagen.tools.fuzz import FuzzSpace, Shape, check, draw, draw_variant, fuzz
@@ -49,8 +50,8 @@ def test_a_seed_always_draws_the_same_shape_within_the_space():
 
 def test_kv_formats_are_drawn_last_and_run_the_kernels_that_read_them():
     """With --kv a seed keeps its 16-bit shape and draws its cache's format after it; every format
-    shows up, and an FP8 shape's random variant is the naive kernel or an mma lockstep tile with
-    cp.async loads, both among the draws."""
+    shows up, and an FP8 shape's random variant is the naive kernel, an mma lockstep tile with
+    cp.async loads or, over an e4m3 cache, the fp8_ws schedule's tile, all among the draws."""
     fp8 = FuzzSpace(kv_formats=KV_FORMATS)
     shapes = [draw(seed, fp8) for seed in range(60)]
     assert [dataclasses.replace(s, kv_format="dtype") for s in shapes] == [draw(seed) for seed in range(60)]
@@ -62,8 +63,11 @@ def test_kv_formats_are_drawn_last_and_run_the_kernels_that_read_them():
         assert v is not None and is_valid(s.problem, v) and (s.problem.kv_format == s.kv_format)
         if s.kv_format != "dtype":
             families.add(v.family)
-            assert v.family == "naive" or (v.family, v.schedule, v.loads) == ("mma", "lockstep", "cp_async")
+            assert v.family == "naive" or (v.family, v.schedule, v.loads) in {("mma", "lockstep", "cp_async"),
+                                                                             ("mma", "fp8_ws", "tma")}
     assert families == {"naive", "mma"}
+    ws = [v for v in (draw_variant(draw(seed, fp8), "sm_90") for seed in range(600)) if v.schedule == "fp8_ws"]
+    assert ws and all(v.loads == "tma" and v.arch == "sm_90a" for v in ws)
     assert "kv ds_mla" in str(next(s for s in shapes if s.kv_format == "ds_mla"))
 
 
@@ -114,7 +118,7 @@ def test_a_random_variant_is_valid_for_its_shape_and_reaches_every_knob():
     assert all(v is not None and is_valid(s.problem, v) for s, v in zip(shapes, hopper, strict=True))
     assert {v.family for v in hopper} == {"naive", "flash", "mma"} and {v.arch for v in hopper} == {"sm_90", "sm_90a"}
     for field, value in (("loads", "tma"), ("combine", "cluster"), ("partials", "16bit"), ("mma_pv", True),
-                         *(("schedule", name) for name in SCHEDULES)):
+                         *(("schedule", s.name) for s in SCHEDULES.values() if s.reads("dtype"))):
         assert any(getattr(v, field) == value for v in hopper), (field, value)
     assert any(v.transposed and v.loads == "tma" for v in hopper)
     assert any(v.kv_split == "balanced" for v in hopper) and any(v.kv_split == "adaptive" for v in hopper)

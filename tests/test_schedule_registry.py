@@ -13,7 +13,7 @@ from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import COMBINES, FAMILIES, LOADS, PARTIALS, SCHEDULES, TAGS, Problem, Variant, naive
 from mlagen.plan import families, schedules
 from mlagen.plan.families import FLASH, MMA, NAIVE, family_of
-from mlagen.plan.schedules import LOCKSTEP, P_EXCHANGE, SEESAW, TRANSPOSED, schedule_of, stack_budget
+from mlagen.plan.schedules import LOCKSTEP, FP8_WS, P_EXCHANGE, SEESAW, TRANSPOSED, schedule_of, stack_budget
 from mlagen.plan.space import split_variants, structures, twin_variants
 from mlagen.plan.validate import is_valid, validate
 from mlagen.tools.fuzz import FuzzSpace, draw, draw_variant
@@ -130,7 +130,7 @@ def test_the_dsl_names_exactly_the_registered_schedules():
     assert tuple(schedules.SCHEDULES) == SCHEDULES
     assert {value for field, value, _ in TAGS if field == "schedule"} == NAMES - {Variant().schedule}
     assert schedules.SCHEDULES[Variant().schedule] is LOCKSTEP
-    assert tuple(schedules.SCHEDULES.values()) == (LOCKSTEP, SEESAW, TRANSPOSED, P_EXCHANGE)
+    assert tuple(schedules.SCHEDULES.values()) == (LOCKSTEP, SEESAW, TRANSPOSED, P_EXCHANGE, FP8_WS)
 
 
 @pytest.mark.parametrize("schedule", list(schedules.SCHEDULES.values()), ids=list(schedules.SCHEDULES))

@@ -130,6 +130,10 @@ class TileSchedule:
         its settings are `check`'s."""
         return v.family in self.families and (self.archs is None or v.arch in self.archs)
 
+    def reads(self, kv_format: str) -> bool:
+        """Whether it reads caches of `kv_format` (`kv_formats`)."""
+        return self.kv_formats is None or kv_format in self.kv_formats
+
     def check(self, v: Variant) -> str | None:
         """The first of this schedule's rules that `v` breaks, as what it needs; None if none."""
         rules = (

@@ -484,9 +484,9 @@ def _check_fp8_family(p: Problem, v: Variant) -> None:
 
 def _check_schedule_formats(p: Problem, v: Variant) -> None:
     """A schedule that reads some cache formats only (`TileSchedule.kv_formats`) gets one of them."""
-    formats = schedule_of(v).kv_formats
-    require(formats is None or p.kv_format in formats, "variant.schedule", v.schedule,
-            f"a cache in {' or '.join(map(repr, formats or ()))} for the {v.schedule} schedule, got "
+    schedule = schedule_of(v)
+    require(schedule.reads(p.kv_format), "variant.schedule", v.schedule,
+            f"a cache in {' or '.join(map(repr, schedule.kv_formats or ()))} for the {v.schedule} schedule, got "
             f"problem.kv_format={p.kv_format!r}")
 
 

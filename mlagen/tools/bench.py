@@ -77,7 +77,7 @@ def fp8_cells(case: str) -> list[str]:
     kv_format, q_format = FP8_CASES[case]
     if q_format != "dtype":
         return [fp8_cell(case)]
-    ws = [fp8_cell(case) + WS] if kv_format in (FP8_WS.kv_formats or ()) else []
+    ws = [fp8_cell(case) + WS] if FP8_WS.reads(kv_format) else []
     return [fp8_cell(case), fp8_cell(case) + TILE, *ws]
 
 
@@ -189,9 +189,11 @@ class BenchResult:
 
     @property
     def side_cells(self) -> list[str]:
-        """The side cells' names (`is_side_cell`), in column order."""
+        """The side cells' names (`is_side_cell`), in column order: an FP8 case's cells that some
+        row holds (results written before a cell existed lack it)."""
+        fp8 = [c for case in self.fp8 for c in fp8_cells(case)]
         return [*map(mask_cell, self.other_masks), *([INVARIANT] if self.invariant else []),
-                *[c for case in self.fp8 for c in fp8_cells(case)]]
+                *[c for c in fp8 if any(c in r.cells for r in self.rows)]]
 
     def to_dict(self) -> dict:
         return asdict(self)

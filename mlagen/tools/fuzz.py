@@ -33,7 +33,7 @@ from ..dsl.arch import specializations
 from ..dsl.errors import SpecError
 from ..dsl.spec import DTYPES, KV_FORMATS, MASKS, MAX_SEQLEN_Q, Q_FORMATS, Problem, Variant, naive
 from ..plan.families import FAMILIES
-from ..plan.schedules import P_EXCHANGE, SEESAW, TRANSPOSED
+from ..plan.schedules import FP8_WS, P_EXCHANGE, SEESAW, TRANSPOSED
 from ..plan.tiles import enumerate_tiles, head_tiles
 from ..plan.validate import MAX_CLUSTER, is_valid, validate
 from .testing import Case, Tolerance, make_case, mismatch, poison_allocator, poisoned_out
@@ -182,9 +182,10 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
     """A random variant that the DSL accepts for the shape's problem, for `arch` or a target its
     devices also run (sm_90a on sm_90), the same for the same shape (its seed) and arch; None if `tries` draws
     found none. A third of the draws on sm_90a start from the 64-row, 8-warp, 64-key wgmma tile
-    that its knobs (TMA loads, the seesaw, the cluster split, and where the block table holds at
-    most 8 tiles the P exchange) need, and a sixth are transposed tiles (16 to 72 rows; TMA loads
-    too where a page holds whole 64-key tiles)."""
+    that its knobs (TMA loads, the seesaw or over an e4m3 cache its warp-specialized FP8 form, the
+    cluster split, and where the block table holds at most 8 tiles the P exchange) need, and a
+    sixth are transposed tiles (16 to 72 rows; TMA loads too where a page holds whole 64-key
+    tiles)."""
     rng = random.Random(f"variant {shape.seed}")
     archs = (arch, *specializations(arch))
     # The family first, by its `KernelFamily.fuzz_weight`, so that easy ones do not crowd.
@@ -216,7 +217,9 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
             seesaw = v.loads == "tma" and rng.random() < 0.5
             v = v.with_(combine="cluster" if isinstance(v.kv_split, int) and rng.random() < 0.3 else "merge",
                         mma_pv=rng.random() < 0.2)
-            v = (SEESAW.twin(v) or v) if seesaw else v
+            if seesaw:      # over an e4m3 cache, the seesaw's warp-specialized FP8 form
+                v = FP8_WS.adopt(v) if shape.problem.fp8_kv and FP8_WS.reads(shape.problem.kv_format) else (
+                    SEESAW.twin(v) or v)
             tiles = -(-shape.kv_capacity // P_EXCHANGE.block_ns[0])
             if tiles <= MAX_CLUSTER and rng.random() < 0.3:   # the P exchange: a tile a block of the cluster
                 v = P_EXCHANGE.adopt(v.with_(kv_split=max(2, tiles, rng.randint(2, MAX_CLUSTER))))

@@ -101,8 +101,11 @@ static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
 
 // Kernel shape, derived in Python (mlagen/plan/validate.py).
 constexpr int WARPS = 8;
-constexpr int THREADS = 256;
+constexpr int THREADS = 256;                   // the threads that compute
 static_assert(THREADS == WARPS * 32, "whole warps");
+// A producer warpgroup's threads, launched after THREADS (TileSchedule.producer_warps): it loads
+// the KV tiles and widens an FP8 cache's bytes; 0 where the computing threads load.
+constexpr int PRODUCER_THREADS = 0;
 constexpr int HT = 64;                  // heads per block
 constexpr int QT = 1;                     // query positions per block
 constexpr int ROWS = QT * HT;                             // query rows of a row group
@@ -127,8 +130,10 @@ constexpr int NTO = DIMS_W / 8;
 constexpr int PS = 72;                                // P row stride (padded)
 // The KV tiles: a 16-bit cache's land in STAGES swizzled 16-bit tiles. An FP8 cache's rows are
 // staged as the cache holds them (ROW_BYTES each, STAGED_BYTES for STAGES tiles with padding) and
-// dequantized into one 16-bit tile, which both products read.
+// dequantized into one 16-bit tile, which both products read (FP8); with a producer warpgroup (WS)
+// they land in the back of the STAGES 16-bit tiles they widen into (mma_ws_producer.cuh.j2).
 constexpr bool FP8 = false;
+constexpr bool WS = false;
 constexpr int ROW_BYTES = 1152;
 constexpr int STAGED_BYTES = 0;
 constexpr int KV_TILES = FP8 ? 1 : STAGES;                          // 16-bit KV tiles in shared memory
@@ -173,6 +178,17 @@ struct SharedMemory {
 };
 static_assert(sizeof(SharedMemory) == 231680, "shared-memory plan matches mlagen/plan/mma_plan.py");
 
+
+// A barrier over the THREADS threads that compute: __syncthreads, or with a producer warpgroup
+// barrier 0 counted for them alone. The producer keeps barriers of its own: where it walks code
+// that the computing threads share (a balanced range's loop), it steps over this one.
+__device__ __forceinline__ void block_sync() {
+  if constexpr (PRODUCER_THREADS == 0) {
+    __syncthreads();
+  } else if (threadIdx.x < THREADS) {               // warp-uniform: whole warpgroups either way
+    asm volatile("bar.sync 0, %0;\n" :: "n"(THREADS) : "memory");
+  }
+}
 // Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
 // a launch that did not ask for it): the next kernel on the stream may be scheduled once every
 // block of this one has started, and nothing here is read before the previous kernel's writes
@@ -590,7 +606,7 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
 // barrier). A __threadfence() in every thread would be a sequentially consistent fence per warp
 // (MEMBAR.SC.GPU + ERRBAR), the costliest kind, at the end of every split block.
 __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, int x, int splits, bool pair = false) {
-  __syncthreads();
+  block_sync();
   if (threadIdx.x == 0) {
     asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
     if (pair)
@@ -626,7 +642,7 @@ __device__ __forceinline__ void end_pair(const VerifyParams& p, int b, int x, in
                                          unsigned* smem_flag, int warp, int lane) {
   unsigned* counter = group_counter(p, b, x);
   if (threadIdx.x == 0) *smem_flag = atomicAdd(counter, 1u);
-  __syncthreads();
+  block_sync();
   if (*smem_flag == 0u) {                               // the first: its rows go to its slot
     finish_staged_rows<ROWS, HT, WARPS>(p, own, false, b, q0, h0, sStage, stride, sM, row_sum, warp, lane);
     count_split_done(p, b, x, 2, true);
@@ -636,7 +652,7 @@ __device__ __forceinline__ void end_pair(const VerifyParams& p, int b, int x, in
     while (load_acquire(counter) < 3u) __nanosleep(32);   // two tickets and the first's rows
     *counter = 0u;                                      // nothing else counts on it in this launch
   }
-  __syncthreads();   // the rows thread 0 acquired are visible to the whole block
+  block_sync();   // the rows thread 0 acquired are visible to the whole block
   constexpr int V = (DL / 8 + 31) / 32;                 // 16-byte pieces a lane
   constexpr int RW = (ROWS + WARPS - 1) / WARPS;         // rows a warp
   constexpr int BATCH = RW < PAIR_BATCH ? RW : PAIR_BATCH;
@@ -766,7 +782,7 @@ __device__ void merge_block(const VerifyParams& p) {
     atomicInc(counter, splits + p.merge_blocks - 1);
   }
   MLAGEN_TRACE(merge_wait);
-  __syncthreads();   // the partials thread 0 acquired are visible to the whole block
+  block_sync();   // the partials thread 0 acquired are visible to the whole block
   const int per = (ROWS + p.merge_blocks - 1) / p.merge_blocks;
   const int end = (part + 1) * per < ROWS ? (part + 1) * per : ROWS;
   for (int r = part * per + warp; r < end; r += WARPS) {
@@ -1110,7 +1126,7 @@ __device__ __forceinline__ void end_segment(const VerifyParams& p, const Segment
   // commits nothing before this): the wait must cover them, the epilogue reuses their buffer.
   cp_async_commit();
   cp_async_wait<0>();
-  __syncthreads();
+  block_sync();
   MLAGEN_TRACE(epilogue);
 #pragma unroll
   for (int mt = 0; mt < MTQ; ++mt)
@@ -1121,7 +1137,7 @@ __device__ __forceinline__ void end_segment(const VerifyParams& p, const Segment
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       if (t == 0) sPart[wnq * M_PAD + wmq * ROWS_W + mt * 16 + g + 8 * half] = l;
     }
-  __syncthreads();
+  block_sync();
   if (STAGE_EPILOGUE) {
     // The output rows go to shared memory over Q and the KV stages, then each warp ends whole
     // rows in 16-byte stores.
@@ -1143,7 +1159,7 @@ __device__ __forceinline__ void end_segment(const VerifyParams& p, const Segment
         }
       }
     MLAGEN_TRACE(stage_sync);
-    __syncthreads();
+    block_sync();
     if (in_pair) {                                      // it ends after its range, rows staged
       pair_at = 2 * b + (split == 0);
     } else {
@@ -1172,6 +1188,15 @@ __device__ __forceinline__ void end_segment(const VerifyParams& p, const Segment
   if (!direct && !in_pair) count_split_done(p, b, x, splits);
   MLAGEN_TRACE(counted);}
 
+
+// A segment's KV tiles [*kb_begin, *kb_end): those of row group x of a request with n keys in
+// tiles [t0, t1) (a balanced split's range) or split `split` of `splits`'s share of the group's keys.
+__device__ __forceinline__ void segment_tiles(const VerifyParams& p, int x, int n, int t0, int t1, int split, int splits,
+                                              int* kb_begin, int* kb_end) {
+  const int S = p.seqlen_q, q0 = (x / HEAD_TILES) * QT;
+  const int q_end = q0 + QT < S ? q0 + QT : S;
+  split_blocks(key_limit(n, S, q_end), BN, split, splits, kb_begin, kb_end);
+}
 
 // Launched as a programmatic dependent (p.dependent), while the previous grid drains: this
 // block's Q rows and first KV tile into L2, four threads a row. The length and page ids read
@@ -1255,10 +1280,8 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
     const int h0 = (x % HEAD_TILES) * HT, q0 = (x / HEAD_TILES) * QT;
     const int S = p.seqlen_q;
     const int n = request_keys(p, b);
-    const int q_end = q0 + QT < S ? q0 + QT : S;
     int kb_begin, kb_end;
-
-    split_blocks(key_limit(n, S, q_end), BN, split, splits, &kb_begin, &kb_end);
+    segment_tiles(p, x, n, t0, t1, split, splits, &kb_begin, &kb_end);
 
     {
       RowLoad<M_PAD, THREADS> ql;
@@ -1323,7 +1346,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           if (t == 0) sPart[wnq * M_PAD + row] = mx;
         }
-      __syncthreads();
+      block_sync();
 
       // ---- new row maxima; P = exp2(S - m) to shared memory ----
       float m_prev[MTQ][2], m_next[MTQ][2];     // each score row's running max before / after this tile
@@ -1371,7 +1394,7 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
           for (int nt = 0; nt < NT_O; ++nt) { o[mt][nt][2 * half] *= alpha; o[mt][nt][2 * half + 1] *= alpha; }
         }
       async_proxy_fence<PV_WGMMA>();                        // P stores -> wgmma reads
-      __syncthreads();                                      // P complete; sM and sPart read
+      block_sync();                                      // P complete; sM and sPart read
 
       // ---- O += P V over the tile's keys ----
       tile_pv(o, sPa, tileA, kv, kb, warp, wnq, lane);

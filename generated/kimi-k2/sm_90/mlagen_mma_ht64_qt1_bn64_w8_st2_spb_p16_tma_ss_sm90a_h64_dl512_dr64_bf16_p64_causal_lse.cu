@@ -100,8 +100,11 @@ static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
 
 // Kernel shape, derived in Python (mlagen/plan/validate.py).
 constexpr int WARPS = 8;
-constexpr int THREADS = 256;
+constexpr int THREADS = 256;                   // the threads that compute
 static_assert(THREADS == WARPS * 32, "whole warps");
+// A producer warpgroup's threads, launched after THREADS (TileSchedule.producer_warps): it loads
+// the KV tiles and widens an FP8 cache's bytes; 0 where the computing threads load.
+constexpr int PRODUCER_THREADS = 0;
 constexpr int HT = 64;                  // heads per block
 constexpr int QT = 1;                     // query positions per block
 constexpr int ROWS = QT * HT;                             // query rows of a row group
@@ -135,8 +138,10 @@ constexpr int NTO = DIMS_W / 8;
 constexpr int PS = 72;                                // P row stride (padded)
 // The KV tiles: a 16-bit cache's land in STAGES swizzled 16-bit tiles. An FP8 cache's rows are
 // staged as the cache holds them (ROW_BYTES each, STAGED_BYTES for STAGES tiles with padding) and
-// dequantized into one 16-bit tile, which both products read.
+// dequantized into one 16-bit tile, which both products read (FP8); with a producer warpgroup (WS)
+// they land in the back of the STAGES 16-bit tiles they widen into (mma_ws_producer.cuh.j2).
 constexpr bool FP8 = false;
+constexpr bool WS = false;
 constexpr int ROW_BYTES = 1152;
 constexpr int STAGED_BYTES = 0;
 constexpr int KV_TILES = FP8 ? 1 : STAGES;                          // 16-bit KV tiles in shared memory
@@ -182,6 +187,17 @@ struct SharedMemory {
 };
 static_assert(sizeof(SharedMemory) == 231728, "shared-memory plan matches mlagen/plan/mma_plan.py");
 
+
+// A barrier over the THREADS threads that compute: __syncthreads, or with a producer warpgroup
+// barrier 0 counted for them alone. The producer keeps barriers of its own: where it walks code
+// that the computing threads share (a balanced range's loop), it steps over this one.
+__device__ __forceinline__ void block_sync() {
+  if constexpr (PRODUCER_THREADS == 0) {
+    __syncthreads();
+  } else if (threadIdx.x < THREADS) {               // warp-uniform: whole warpgroups either way
+    asm volatile("bar.sync 0, %0;\n" :: "n"(THREADS) : "memory");
+  }
+}
 // Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
 // a launch that did not ask for it): the next kernel on the stream may be scheduled once every
 // block of this one has started, and nothing here is read before the previous kernel's writes
@@ -599,7 +615,7 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
 // barrier). A __threadfence() in every thread would be a sequentially consistent fence per warp
 // (MEMBAR.SC.GPU + ERRBAR), the costliest kind, at the end of every split block.
 __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, int x, int splits, bool pair = false) {
-  __syncthreads();
+  block_sync();
   if (threadIdx.x == 0) {
     asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
     if (pair)
@@ -938,7 +954,7 @@ __device__ __forceinline__ void run_range(const VerifyParams& p, const WorkList&
     request_splits(wl, tiles, start, &first, &splits);
     range_tiles(wl, tiles, start, u0, u1, &t0, &t1);
     if (t0 < t1) {                                        // the range meets its tiles (request_splits counts so)
-      __syncthreads();                                    // the previous request's shared reads are done
+      block_sync();                                    // the previous request's shared reads are done
       const int x = RAGGED_ROWS ? uniform(slot_q_tile(p, b, slot, rotation(p, b, lane))) * HEAD_TILES
                                       + blockIdx.x % HEAD_TILES
                                 : blockIdx.x;
@@ -975,7 +991,7 @@ __device__ __forceinline__ void end_pair(const VerifyParams& p, int b, int x, in
                                          unsigned* smem_flag, int warp, int lane) {
   unsigned* counter = group_counter(p, b, x);
   if (threadIdx.x == 0) *smem_flag = atomicAdd(counter, 1u);
-  __syncthreads();
+  block_sync();
   if (*smem_flag == 0u) {                               // the first: its rows go to its slot
     finish_staged_rows<ROWS, HT, WARPS>(p, own, false, b, q0, h0, sStage, stride, sM, row_sum, warp, lane);
     count_split_done(p, b, x, 2, true);
@@ -985,7 +1001,7 @@ __device__ __forceinline__ void end_pair(const VerifyParams& p, int b, int x, in
     while (load_acquire(counter) < 3u) __nanosleep(32);   // two tickets and the first's rows
     *counter = 0u;                                      // nothing else counts on it in this launch
   }
-  __syncthreads();   // the rows thread 0 acquired are visible to the whole block
+  block_sync();   // the rows thread 0 acquired are visible to the whole block
   constexpr int V = (DL / 8 + 31) / 32;                 // 16-byte pieces a lane
   constexpr int RW = (ROWS + WARPS - 1) / WARPS;         // rows a warp
   constexpr int BATCH = RW < PAIR_BATCH ? RW : PAIR_BATCH;
@@ -1139,7 +1155,7 @@ __device__ void merge_block(const VerifyParams& p, const WorkList& wl) {
     atomicInc(counter, splits + p.merge_blocks - 1);
   }
   MLAGEN_TRACE(merge_wait);
-  __syncthreads();   // the partials thread 0 acquired are visible to the whole block
+  block_sync();   // the partials thread 0 acquired are visible to the whole block
   const int per = (ROWS + p.merge_blocks - 1) / p.merge_blocks;
   const int end = (part + 1) * per < ROWS ? (part + 1) * per : ROWS;
   for (int r = part * per + warp; r < end; r += WARPS) {
@@ -1446,8 +1462,9 @@ struct KvTiles {
                                      elem_t* sKV, kv_t*, unsigned long long* sFull)
       : p(p), b(b), n(n), kb_begin(kb_begin), kb_end(kb_end), t_base(tiles_done), sKV(sKV), sFull(sFull) {}
 
-  // The block's mbarriers, once per launch: LOAD_MBARRIERS count one arrival (the issuing
-  // thread's, with the bytes it expects); the seesaw's others a warpgroup's.
+  // The block's mbarriers, once per launch, with every thread launched: LOAD_MBARRIERS count one
+  // arrival (the issuing thread's, with the bytes it expects); the seesaw's others a warpgroup's
+  // (with a producer warpgroup: ws_arrivals).
   static __device__ __forceinline__ void init(unsigned long long* sFull, const VerifyParams& p) {
     if (threadIdx.x == 0) {
       for (int s = 0; s < MBARRIERS; ++s) mbar_init(smem_addr(&sFull[s]), s < LOAD_MBARRIERS ? 1 : 128);
@@ -1474,7 +1491,7 @@ struct KvTiles {
   // the only cp.async group.
   __device__ __forceinline__ void start() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
+    block_sync();
     if constexpr (!SEESAW) {
       if (threadIdx.x == 0) {
 #pragma unroll
@@ -1495,7 +1512,7 @@ struct KvTiles {
       MLAGEN_TRACE(q_landed);
       if ((kb + 1) * BN > n) zero_tile_rows(stage(kb), n - kb * BN, BN, CH, threadIdx.x, THREADS);
       async_proxy_fence<SCORES_WGMMA>();                  // Q and zeroed rows -> wgmma reads
-      __syncthreads();                                    // everyone's stores above, sM's start
+      block_sync();                                    // everyone's stores above, sM's start
     }
     return stage(kb);
   }
@@ -1506,7 +1523,7 @@ struct KvTiles {
   // Tile kb's buffer is free (its wgmmas were waited for) and sM settled: refill the buffer now,
   // before waiting for tile kb + 1, so STAGES tiles stay in flight while one is in use.
   __device__ __forceinline__ void release(int kb) {
-    __syncthreads();
+    block_sync();
     if (threadIdx.x == 0) {
       issue(kb + STAGES, page_next);
       page_next = page(kb + STAGES + 1);
@@ -1548,7 +1565,7 @@ __device__ __forceinline__ void end_segment(const VerifyParams& p, const Segment
   // commits nothing before this): the wait must cover them, the epilogue reuses their buffer.
   cp_async_commit();
   cp_async_wait<0>();
-  __syncthreads();
+  block_sync();
   MLAGEN_TRACE(epilogue);
 #pragma unroll
   for (int mt = 0; mt < MTQ; ++mt)
@@ -1559,7 +1576,7 @@ __device__ __forceinline__ void end_segment(const VerifyParams& p, const Segment
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       if (t == 0) sPart[wnq * M_PAD + wmq * ROWS_W + mt * 16 + g + 8 * half] = l;
     }
-  __syncthreads();
+  block_sync();
   if (STAGE_EPILOGUE) {
     // The output rows go to shared memory over Q and the KV stages, then each warp ends whole
     // rows in 16-byte stores.
@@ -1581,7 +1598,7 @@ __device__ __forceinline__ void end_segment(const VerifyParams& p, const Segment
         }
       }
     MLAGEN_TRACE(stage_sync);
-    __syncthreads();
+    block_sync();
     if (in_pair) {                                      // it ends after its range, rows staged
       pair_at = 2 * b + (e.t0 == 0);
     } else {
@@ -1702,7 +1719,7 @@ __device__ __forceinline__ int seesaw_tiles(const VerifyParams& p, int n, int S,
     for (int blk = c2; blk < c3; ++blk) tma_load(dst + blk * (BN * 128), p.kv_map, blk * 64, (kb * BN) % PAGE, page, mb);
   };
   if (threadIdx.x == 0 && pairs > 0) {
-    const int page0 = tile_page(kb_begin), page1 = tile_page(kb_begin + 1);
+    const int page0 = WS ? -1 : tile_page(kb_begin), page1 = WS ? -1 : tile_page(kb_begin + 1);
     issue_part(buf0, kb_begin, page0, K0_LO, 0, VB, 0, 0);
     issue_part(buf0, kb_begin, page0, K0_HI, VB, NBLK, 0, 0);
     issue_part(buf1, kb_begin + 1, page1, K1_MID, VB, 2 * VB, 0, 0);
@@ -1711,10 +1728,12 @@ __device__ __forceinline__ int seesaw_tiles(const VerifyParams& p, int n, int S,
   cp_async_wait<0>();                                     // Q's copies
   MLAGEN_TRACE(q_landed);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  __syncthreads();                                        // Q and the tree-mask rows
+  block_sync();                                        // Q and the tree-mask rows
   MLAGEN_TRACE(q_ready);
 
   const int wt = threadIdx.x % 128;                       // thread in the warpgroup
+  // The scores' scale in log2 units; an e4m3 tile holds the stored values, so kv_scale joins it.
+  const float scale_log2 = E4M3 ? p.scale_log2 * kv_scale_of(p) : p.scale_log2;
   int rows[2], qi[2];
   bool live[2];
   unsigned long long bits[2];
@@ -1756,7 +1775,7 @@ __device__ __forceinline__ int seesaw_tiles(const VerifyParams& p, int n, int S,
   auto mask_scale = [&](float* s, int kb, float* mx) {
     if (kb < kb_end && (kb + 1) * BN <= n - S) {
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) s[i] *= p.scale_log2;
+      for (int i = 0; i < BN / 2; ++i) s[i] *= scale_log2;
     } else {
 #pragma unroll
       for (int half = 0; half < 2; ++half)
@@ -1766,7 +1785,7 @@ __device__ __forceinline__ int seesaw_tiles(const VerifyParams& p, int n, int S,
           for (int e = 0; e < 2; ++e) {
             float& v = s[4 * nt + 2 * half + e];
             const int j = kb * BN + nt * 8 + 2 * t + e;
-            v = live[half] & (j < lim) & key_visible(j, n, qi[half], S, bits[half]) ? v * p.scale_log2 : -INFINITY;
+            v = live[half] & (j < lim) & key_visible(j, n, qi[half], S, bits[half]) ? v * scale_log2 : -INFINITY;
           }
     }
 #pragma unroll
@@ -1845,7 +1864,7 @@ __device__ __forceinline__ int seesaw_tiles(const VerifyParams& p, int n, int S,
     const unsigned parity = (t_base / 2 + pi) & 1;
     // the issuing thread of each warpgroup reads the next pair's pages now, off the path
     int page0 = -1, page1 = -1;
-    if (more && wt == 0) {
+    if (!WS && more && wt == 0) {
       page0 = tile_page(k0 + 2);
       page1 = tile_page(k1 + 2);
     }
@@ -1943,6 +1962,17 @@ __device__ __forceinline__ int seesaw_tiles(const VerifyParams& p, int n, int S,
   return 2 * pairs;
 }
 
+
+// A segment's KV tiles [*kb_begin, *kb_end): those of row group x of a request with n keys in
+// tiles [t0, t1) (a balanced split's range) or in split `split` of `splits`'s share of the group's keys.
+__device__ __forceinline__ void segment_tiles(const VerifyParams& p, int x, int n, int t0, int t1, int split, int splits,
+                                              int* kb_begin, int* kb_end) {
+  const int S = p.seqlen_q, q0 = (x / HEAD_TILES) * QT;
+  const int q_end = q0 + QT < S ? q0 + QT : S;
+  const int limit = (key_limit(n, S, q_end) + BN - 1) / BN;   // the group's tiles with keys
+  *kb_begin = t0 < limit ? t0 : limit;
+  *kb_end = t1 < limit ? t1 : limit;
+}
 }  // namespace mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 // grid: (row groups of a request, ranges, 1 + merge slabs when a row group is split); block: 256 threads;
@@ -1996,12 +2026,8 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
     const int h0 = (x % HEAD_TILES) * HT, q0 = (x / HEAD_TILES) * QT;
     const int S = p.seqlen_q;
     const int n = request_keys(p, b);
-    const int q_end = q0 + QT < S ? q0 + QT : S;
     int kb_begin, kb_end;
-
-    const int limit = (key_limit(n, S, q_end) + BN - 1) / BN;   // the group's tiles with keys
-    kb_begin = t0 < limit ? t0 : limit;
-    kb_end = t1 < limit ? t1 : limit;
+    segment_tiles(p, x, n, t0, t1, split, splits, &kb_begin, &kb_end);
 
     {
       RowLoad<M_PAD, THREADS> ql;

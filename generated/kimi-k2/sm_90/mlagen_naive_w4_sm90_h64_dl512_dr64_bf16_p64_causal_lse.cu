@@ -88,8 +88,11 @@ static_assert((PAGE & (PAGE - 1)) == 0, "page size is a power of two");
 
 // Kernel shape, derived in Python (mlagen/plan/validate.py).
 constexpr int WARPS = 4;
-constexpr int THREADS = 128;
+constexpr int THREADS = 128;                   // the threads that compute
 static_assert(THREADS == WARPS * 32, "whole warps");
+// A producer warpgroup's threads, launched after THREADS (TileSchedule.producer_warps): it loads
+// the KV tiles and widens an FP8 cache's bytes; 0 where the computing threads load.
+constexpr int PRODUCER_THREADS = 0;
 constexpr int HT = 1;                  // heads per block
 constexpr int QT = 1;                     // query positions per block
 constexpr int ROWS = QT * HT;                             // query rows of a row group
@@ -107,6 +110,17 @@ struct SharedMemory {
 };
 static_assert(sizeof(SharedMemory) == 10528, "shared-memory plan matches mlagen/plan/families.py");
 
+
+// A barrier over the THREADS threads that compute: __syncthreads, or with a producer warpgroup
+// barrier 0 counted for them alone. The producer keeps barriers of its own: where it walks code
+// that the computing threads share (a balanced range's loop), it steps over this one.
+__device__ __forceinline__ void block_sync() {
+  if constexpr (PRODUCER_THREADS == 0) {
+    __syncthreads();
+  } else if (threadIdx.x < THREADS) {               // warp-uniform: whole warpgroups either way
+    asm volatile("bar.sync 0, %0;\n" :: "n"(THREADS) : "memory");
+  }
+}
 // Programmatic dependent launch, the first thing every kernel does (sm_90 and newer; no-ops for
 // a launch that did not ask for it): the next kernel on the stream may be scheduled once every
 // block of this one has started, and nothing here is read before the previous kernel's writes
