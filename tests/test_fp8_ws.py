@@ -98,8 +98,8 @@ def _gpu_sm90a() -> None:
 
 
 def _check(case, variant, kv_scale, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, kv_scale=kv_scale,
-                                       variant=variant, return_lse=True, **case.kwargs() | kw)
+    out, lse = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                       variant=variant, return_lse=True, **case.kwargs() | {"kv_scale": kv_scale} | kw)
     return out, lse
 
 
@@ -128,7 +128,7 @@ def test_it_matches_the_reference_of_its_e4m3_cache(name, mask):
             out, lse = _check(case, variant, scale)
             keep = None
         ref_out, ref_lse = mlagen.reference(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
-                                            kv_scale=scale, dtype=torch.float64, **case.kwargs())
+                                            dtype=torch.float64, **case.kwargs() | {"kv_scale": scale})
         lse, ref_lse = lse.transpose(1, 2), ref_lse.transpose(1, 2)
         if keep is not None:
             out, lse, ref_out, ref_lse = (torch.stack([x[b, i] for b, i in keep]) for x in (out, lse, ref_out, ref_lse))
@@ -149,7 +149,7 @@ def test_balanced_ranges_that_cut_requests_anywhere(ranges):
     with pinned_balanced_ranges(ranges):
         out, lse = _check(case, variant, case.kv_scale)
     ref_out, ref_lse = mlagen.reference(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
-                                        kv_scale=case.kv_scale, dtype=torch.float64, **case.kwargs())
+                                        dtype=torch.float64, **case.kwargs())
     problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2))
     assert problem is None, (ranges, problem)
 
@@ -178,7 +178,7 @@ def test_graph_replay_reads_a_changed_scale_and_new_lengths():
                      kv_format="e4m3")
     scale = case.kv_scale.clone()
     out = torch.empty(2, 4, 64, 512, dtype=torch.bfloat16, device="cuda")
-    kw = case.kwargs() | dict(kv_scale=scale)
+    kw = case.kwargs() | {"kv_scale": scale}
     mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, variant=variant, out=out, **kw)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -189,7 +189,7 @@ def test_graph_replay_reads_a_changed_scale_and_new_lengths():
         case.cache_seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
         case.q.normal_()
         graph.replay()
-        ref_out, _ = mlagen.reference(case.q, case.kv_cache, case.block_table, case.cache_seqlens, kv_scale=scale,
-                                      dtype=torch.float64, **case.kwargs())
+        ref_out, _ = mlagen.reference(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                      dtype=torch.float64, **kw)
         problem = compare_rows(out, None, ref_out, torch.zeros(ref_out.shape[:-1], dtype=torch.float64, device="cuda"))
         assert problem is None, (factor, lengths, problem)
