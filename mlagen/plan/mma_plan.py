@@ -113,11 +113,11 @@ SEESAW_LOAD_PARTS = 4
 SEESAW_BARRIERS = SEESAW_LOAD_PARTS + 2
 # The fp8_ws schedule (templates/mma_ws_producer.cuh.j2): a producer warpgroup beside the seesaw's
 # two. Its mbarriers take the seesaw's four load parts' places as each stage's "free" (both
-# warpgroups' reads done) and "widened" (the 16-bit tile ready) hand-offs, keep the P hand-offs,
-# and add one a stage that counts its TMA boxes' bytes ("landed").
+# warpgroups' reads done) and "front widened" (the 16-bit tile's first blocks ready) hand-offs,
+# keep the P hand-offs, and add two a stage: "landed" (its TMA boxes' bytes) and "back widened".
 FP8_WS_PRODUCER_WARPS = 4
 FP8_WS_STAGES = 2
-FP8_WS_BARRIERS = SEESAW_BARRIERS + FP8_WS_STAGES
+FP8_WS_BARRIERS = SEESAW_BARRIERS + 2 * FP8_WS_STAGES
 
 
 # The P exchange (templates/mma_exchange.cu.j2): a block's slot holds its
