@@ -1641,10 +1641,12 @@ __device__ __forceinline__ void wgmma_m64n64k16(float* d, unsigned long long a, 
 }
 // Scores of a whole tile for one warpgroup: all 64 rows of Q at `q` x all 64 keys of the KV tile
 // at `tile`, over all D dims.
+// k steps [K0, K1) of them (column blocks K0 / 4 ..), added to s from K0 > 0 on.
+template <int K0 = 0, int K1 = D / 16>
 __device__ __forceinline__ void scores_wgmma64(float* s, unsigned q, unsigned tile) {
   const unsigned long long qd = wgmma_desc(q), kd = wgmma_desc(tile);
 #pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
+  for (int ks = K0; ks < K1; ++ks) {
     const unsigned within = (ks % 4) * 32, block = ks / 4;
     wgmma_m64n64k16(s, qd + ((block * (M_PAD * 128) + within) >> 4), kd + ((block * (BN * 128) + within) >> 4), ks > 0);
   }
