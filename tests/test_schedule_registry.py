@@ -13,7 +13,7 @@ from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import COMBINES, FAMILIES, LOADS, PARTIALS, SCHEDULES, TAGS, Problem, Variant, naive
 from mlagen.plan import families, schedules
 from mlagen.plan.families import FLASH, MMA, NAIVE, family_of
-from mlagen.plan.schedules import LOCKSTEP, FP8_WS, P_EXCHANGE, SEESAW, TRANSPOSED, schedule_of, stack_budget
+from mlagen.plan.schedules import FP8_WS, LOCKSTEP, P_EXCHANGE, SEESAW, TRANSPOSED, schedule_of, stack_budget
 from mlagen.plan.space import split_variants, structures, twin_variants
 from mlagen.plan.validate import is_valid, validate
 from mlagen.tools.fuzz import FuzzSpace, draw, draw_variant

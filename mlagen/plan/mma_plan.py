@@ -22,6 +22,10 @@ from ..dsl.spec import MAX_SEQLEN_Q, Problem, Variant
 
 # block_n values the mma family's layouts accept (keys of a KV tile).
 MMA_BLOCK_NS = (32, 64, 128)
+# The sm_90a tile: its scores run on wgmma in blocks of WGMMA_TILE (padded rows, warps, keys): two
+# warpgroups over 64 rows and 64-key tiles.
+WGMMA_ARCHS = ("sm_90a",)
+WGMMA_TILE = (64, 8, 64)
 # Padding of a staged output row, in values (templates/mma_epilogue.cuh.j2): 8 puts the staging
 # stores on 32 distinct banks (fp32: a half-warp's float2 stores, 4 rows x 4 lanes; part16: a
 # warp's 4-byte pairs, 8 rows x 4 lanes).
@@ -241,10 +245,10 @@ def lockstep_layout(p: Problem, v: Variant) -> MmaLayout | str:
         return (f"at most {o_max} output accumulators per thread with {v.warps} warps; {m_pad} padded "
                 f"rows x {dims_w} dims / 32 lanes = {o_regs}: use fewer rows"
                 + (" or more warps" if o_max == MAX_ACCUMULATORS else ""))
-    wgmma = v.arch == "sm_90a"
+    wgmma = v.arch in WGMMA_ARCHS
     if v.mma_pv and not wgmma:
         return f"mma_pv only on sm_90a (elsewhere P·V runs on mma.sync anyway), got arch {v.arch}"
-    if wgmma and (m_pad, v.warps, v.block_n) != (64, 8, 64):
+    if wgmma and (m_pad, v.warps, v.block_n) != WGMMA_TILE:
         return (f"on sm_90a the scores run on wgmma (m64n32k16 per warpgroup) in 64-row, 64-key "
                 f"blocks of two warpgroups: 64 padded rows, 8 warps and block_n=64, got {m_pad} rows, "
                 f"{v.warps} warps, block_n={v.block_n}")

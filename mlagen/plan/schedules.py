@@ -24,7 +24,10 @@ from .mma_plan import (
     EXCHANGE_ROWS,
     FP8_WS_PRODUCER_WARPS,
     MMA_BLOCK_NS,
+    MMA_M,
     TRANSPOSED_ROWS,
+    WGMMA_ARCHS,
+    WGMMA_TILE,
     MmaLayout,
     exchange_layout,
     exchange_mbarriers,
@@ -91,6 +94,8 @@ class TileSchedule:
     producer_warps: warps launched beside `Variant.warps` that load the KV tiles and widen an
         FP8 cache's bytes while the `Variant.warps` warps run the products (the kernel's
         `PRODUCER_THREADS`); 0: the same warps load and compute.
+    fuzz_weight: its share of the fuzzer's draws among the schedules a draw's family, arch and
+        cache format take (`mlagen.tools.fuzz.draw_variant`).
     """
 
     name: str
@@ -119,6 +124,7 @@ class TileSchedule:
     twin_of: str | None
     kv_formats: tuple[str, ...] | None = None
     producer_warps: int = 0
+    fuzz_weight: int = 1
 
     @property
     def split_unit(self) -> int:
@@ -131,8 +137,17 @@ class TileSchedule:
         return v.family in self.families and (self.archs is None or v.arch in self.archs)
 
     def reads(self, kv_format: str) -> bool:
-        """Whether it reads caches of `kv_format` (`kv_formats`)."""
-        return self.kv_formats is None or kv_format in self.kv_formats
+        """Whether it reads caches of `kv_format`: one of `kv_formats`, and for an FP8 format with
+        loads that stage FP8 rows (`fp8_kv_loads`)."""
+        listed = self.kv_formats is None or kv_format in self.kv_formats
+        return listed and (kv_format == "dtype" or bool(self.fp8_kv_loads))
+
+    def draw_rows(self, arch: str) -> Sequence[int]:
+        """The block rows (q_tile * head_tile) a random variant for `arch` takes: `rows`, else on a
+        wgmma arch the rows that pad to its tile's; (): any."""
+        if self.rows:
+            return self.rows
+        return range(WGMMA_TILE[0] - MMA_M + 1, WGMMA_TILE[0] + 1) if arch in WGMMA_ARCHS else ()
 
     def check(self, v: Variant) -> str | None:
         """The first of this schedule's rules that `v` breaks, as what it needs; None if none."""
@@ -181,7 +196,7 @@ class TileSchedule:
         return v.with_(schedule=self.name, loads=self.loads[0] if len(self.loads) == 1 else v.loads)
 
 
-_SM90A = ("sm_90a",)
+_SM90A = WGMMA_ARCHS
 _MMA = ("mma",)
 
 # Every warp takes each KV tile in turn; the naive and flash families' loops name it too. It
@@ -191,21 +206,21 @@ LOCKSTEP = TileSchedule(
     stages=ANY_STAGES, loads=LOADS, combines=COMBINES, partials=PARTIALS, mma_pv=True, paired=False,
     partial_rows=True, layout=lockstep_layout, mbarriers=stage_mbarriers, load_mbarriers=stage_mbarriers,
     stack=no_stack, rows=(), fp8_kv_loads=("cp_async",), seesaw_loop=False, pair_merge=True, prefetches=True,
-    tile_a_block=False, twin_of=None)
+    tile_a_block=False, twin_of=None, fuzz_weight=6)
 # TMA loads, two stages, both products on wgmma: the lockstep loop's tile on sm_90a in pairs.
 SEESAW = TileSchedule(
     name="seesaw", template="mma.cu.j2", families=_MMA, archs=_SM90A, block_ns=(64,), warps=(8,), stages=(2,),
     loads=("tma",), combines=("merge",), partials=PARTIALS, mma_pv=False, paired=True, partial_rows=True,
     layout=lockstep_layout, mbarriers=seesaw_mbarriers, load_mbarriers=seesaw_load_mbarriers, stack=no_stack,
     rows=(), fp8_kv_loads=(), seesaw_loop=True, pair_merge=True, prefetches=False, tile_a_block=False,
-    twin_of=LOCKSTEP.name)
+    twin_of=LOCKSTEP.name, fuzz_weight=2)
 # Rows that are not a multiple of 64 as wgmma's N; its stages' mbarriers live in its 1 KB blocks.
 TRANSPOSED = TileSchedule(
     name="transposed", template="mma_transposed.cu.j2", families=_MMA, archs=_SM90A, block_ns=(64,), warps=(8,),
     stages=(2,), loads=LOADS, combines=("merge",), partials=PARTIALS, mma_pv=False, paired=True, partial_rows=True,
     layout=transposed_layout, mbarriers=no_mbarriers, load_mbarriers=no_mbarriers, stack=transposed_stack,
     rows=TRANSPOSED_ROWS, fp8_kv_loads=(), seesaw_loop=False, pair_merge=False, prefetches=False,
-    tile_a_block=False, twin_of=None)
+    tile_a_block=False, twin_of=None, fuzz_weight=2)
 # One tile a block of the cluster, loaded by cp.async; nothing partial is written.
 P_EXCHANGE = TileSchedule(
     name="p_exchange", template="mma_exchange.cu.j2", families=_MMA, archs=_SM90A, block_ns=(64,), warps=(8,),
@@ -223,7 +238,7 @@ FP8_WS = TileSchedule(
     loads=("tma",), combines=("merge",), partials=PARTIALS, mma_pv=False, paired=True, partial_rows=True,
     layout=widened_layout, mbarriers=ws_mbarriers, load_mbarriers=ws_landing_mbarriers, stack=no_stack, rows=(),
     fp8_kv_loads=("tma",), seesaw_loop=True, pair_merge=True, prefetches=False, tile_a_block=False, twin_of=None,
-    kv_formats=("e4m3",), producer_warps=FP8_WS_PRODUCER_WARPS)
+    kv_formats=("e4m3",), producer_warps=FP8_WS_PRODUCER_WARPS, fuzz_weight=2)
 
 SCHEDULES: dict[str, TileSchedule] = {s.name: s for s in (LOCKSTEP, SEESAW, TRANSPOSED, P_EXCHANGE, FP8_WS)}
 

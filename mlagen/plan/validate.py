@@ -485,9 +485,9 @@ def _check_fp8_family(p: Problem, v: Variant) -> None:
 def _check_schedule_formats(p: Problem, v: Variant) -> None:
     """A schedule that reads some cache formats only (`TileSchedule.kv_formats`) gets one of them."""
     schedule = schedule_of(v)
+    formats = " or ".join(map(repr, schedule.kv_formats or ("dtype",)))
     require(schedule.reads(p.kv_format), "variant.schedule", v.schedule,
-            f"a cache in {' or '.join(map(repr, schedule.kv_formats or ()))} for the {v.schedule} schedule, got "
-            f"problem.kv_format={p.kv_format!r}")
+            f"a cache in {formats} for the {v.schedule} schedule, got problem.kv_format={p.kv_format!r}")
 
 
 def validate(problem: Problem, variant: Variant) -> KernelPlan:

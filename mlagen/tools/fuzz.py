@@ -31,9 +31,10 @@ import torch
 from ..dispatch.policy import DispatchPolicy
 from ..dsl.arch import specializations
 from ..dsl.errors import SpecError
-from ..dsl.spec import DTYPES, KV_FORMATS, MASKS, MAX_SEQLEN_Q, Q_FORMATS, Problem, Variant, naive
+from ..dsl.spec import DTYPES, KV_FORMATS, LOADS, MASKS, MAX_SEQLEN_Q, Q_FORMATS, Problem, Variant, naive
 from ..plan.families import FAMILIES
-from ..plan.schedules import FP8_WS, P_EXCHANGE, SEESAW, TRANSPOSED
+from ..plan.mma_plan import WGMMA_TILE
+from ..plan.schedules import SCHEDULES
 from ..plan.tiles import enumerate_tiles, head_tiles
 from ..plan.validate import MAX_CLUSTER, is_valid, validate
 from .testing import Case, Tolerance, make_case, mismatch, poison_allocator, poisoned_out
@@ -180,12 +181,11 @@ def draw(seed: int, space: FuzzSpace = FuzzSpace()) -> Shape:
 
 def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
     """A random variant that the DSL accepts for the shape's problem, for `arch` or a target its
-    devices also run (sm_90a on sm_90), the same for the same shape (its seed) and arch; None if `tries` draws
-    found none. A third of the draws on sm_90a start from the 64-row, 8-warp, 64-key wgmma tile
-    that its knobs (TMA loads, the seesaw or over an e4m3 cache its warp-specialized FP8 form, the
-    cluster split, and where the block table holds at most 8 tiles the P exchange) need, and a
-    sixth are transposed tiles (16 to 72 rows; TMA loads too where a page holds whole 64-key
-    tiles)."""
+    devices also run (sm_90a on sm_90), the same for the same shape (its seed) and arch; None if
+    `tries` draws found none. The family is drawn by its `KernelFamily.fuzz_weight`; a tiled
+    family's variant starts from a schedule that takes the family, the target and the cache's
+    format, drawn by its `TileSchedule.fuzz_weight`, with rows its layout takes
+    (`TileSchedule.draw_rows`) and its settings (`TileSchedule.adopt`)."""
     rng = random.Random(f"variant {shape.seed}")
     archs = (arch, *specializations(arch))
     # The family first, by its `KernelFamily.fuzz_weight`, so that easy ones do not crowd.
@@ -198,39 +198,37 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
         target = rng.choice(archs)
         if not family.tiled:
             v = naive(arch=target, warps=rng.choice([1, 2, 4, 8]))
-        elif target == "sm_90a" and rng.random() < 1 / 6:
-            rows = TRANSPOSED.rows
-            head_tile, q_tile = rng.choice([(h, q) for h, q in enumerate_tiles(shape.heads, MAX_SEQLEN_Q, max(rows))
-                                            if h * q in rows])
-            v = TRANSPOSED.adopt(Variant(family="mma", head_tile=head_tile, q_tile=q_tile, arch=target,
-                                         kv_split=rng.choice(["adaptive", "balanced", 1, 2, 4]),
-                                         partials="16bit" if rng.random() < 0.5 else "fp32",
-                                         loads="tma" if shape.page_size % 64 == 0 and rng.random() < 0.5
-                                         else "cp_async"))
-        elif target == "sm_90a" and rng.random() < 1 / 3:
-            head_tile, q_tile = rng.choice([(h, q) for h, q in enumerate_tiles(shape.heads, MAX_SEQLEN_Q, 64)
-                                            if h * q == 64])
-            v = Variant(family="mma", head_tile=head_tile, q_tile=q_tile, block_n=64, warps=8, stages=2,
-                        arch=target, kv_split=rng.choice(["adaptive", "balanced", 1, 2, 4]),
-                        partials="16bit" if rng.random() < 0.5 else "fp32",
-                        loads="tma" if rng.random() < 0.5 else "cp_async")
-            seesaw = v.loads == "tma" and rng.random() < 0.5
-            v = v.with_(combine="cluster" if isinstance(v.kv_split, int) and rng.random() < 0.3 else "merge",
-                        mma_pv=rng.random() < 0.2)
-            if seesaw:      # over an e4m3 cache, the seesaw's warp-specialized FP8 form
-                v = FP8_WS.adopt(v) if shape.problem.fp8_kv and FP8_WS.reads(shape.problem.kv_format) else (
-                    SEESAW.twin(v) or v)
-            tiles = -(-shape.kv_capacity // P_EXCHANGE.block_ns[0])
-            if tiles <= MAX_CLUSTER and rng.random() < 0.3:   # the P exchange: a tile a block of the cluster
-                v = P_EXCHANGE.adopt(v.with_(kv_split=max(2, tiles, rng.randint(2, MAX_CLUSTER))))
         else:
-            v = Variant(family=family.name, head_tile=rng.choice(head_tiles(shape.heads)), q_tile=rng.randint(1, 16),
-                        block_n=rng.choice([32, 64, 128]), warps=rng.choice([2, 4, 8, 16]), stages=rng.randint(1, 3),
-                        kv_split=rng.choice(["adaptive", 1, 2, 5, "balanced"]), arch=target,
-                        partials="16bit" if family.knobs and rng.random() < 0.5 else "fp32")
+            v = _draw_tiled(shape, family.name, family.knobs, target, rng)
         if is_valid(shape.problem, v):
             return v
     return None
+
+
+def _draw_tiled(shape: Shape, family: str, knobs: bool, target: str, rng: random.Random) -> Variant:
+    """A random variant of a tiled family for `target` (`draw_variant`), valid or not."""
+    takes = [s for s in SCHEDULES.values() if s.takes(Variant(family=family, arch=target))
+             and s.reads(shape.problem.kv_format)]
+    schedule = rng.choices(takes, weights=[s.fuzz_weight for s in takes])[0]
+    rows = schedule.draw_rows(target) if knobs else ()
+    if rows:
+        head_tile, q_tile = rng.choice([(h, q) for h, q in enumerate_tiles(shape.heads, MAX_SEQLEN_Q, max(rows))
+                                        if h * q in rows])
+        block_n, warps, stages = WGMMA_TILE[2], WGMMA_TILE[1], 2
+    else:
+        head_tile, q_tile = rng.choice(head_tiles(shape.heads)), rng.randint(1, 16)
+        block_n, warps, stages = rng.choice([32, 64, 128]), rng.choice([2, 4, 8, 16]), rng.randint(1, 3)
+    kv_split = rng.choice(["adaptive", "balanced", 1, 2, 4, 5])
+    v = Variant(family=family, head_tile=head_tile, q_tile=q_tile, block_n=block_n, warps=warps, stages=stages,
+                kv_split=kv_split, arch=target)
+    if knobs:
+        v = v.with_(partials="16bit" if rng.random() < 0.5 else "fp32", loads=rng.choice(LOADS),
+                    combine="cluster" if isinstance(kv_split, int) and rng.random() < 0.3 else "merge",
+                    mma_pv=rng.random() < 0.2)
+    if schedule.tile_a_block:    # a cluster of one KV tile a block, enough blocks for the table
+        tiles = -(-shape.kv_capacity // schedule.block_ns[0])
+        v = v.with_(kv_split=max(2, tiles, rng.randint(2, MAX_CLUSTER)))
+    return schedule.adopt(v)
 
 
 # A kernel under test: (case, shape, variant or None for the dispatcher's pick) -> (out, lse or None).
