@@ -5,7 +5,8 @@
 Layers, each a package, lowest first: dsl (Problem, Variant) -> plan (validate: KernelPlan) ->
 codegen (Jinja, NVRTC, disk cache) -> dispatch (which variant runs a shape) -> runtime (the torch
 op) -> tools (emit, launchers, bench, tune, fuzz); a module imports only from its own layer and
-lower ones. `reference` is the PyTorch reference.
+lower ones. `reference` is the PyTorch reference (`sparse_reference` for sparse verify, each query
+token over its own top-k cache rows).
 Drop-in pieces for serving engines: `verify_attention_varlen` (ragged draft counts),
 `merge_states` (cascades), `verify_attention_cp_shard` (context-parallel shards),
 `verify_attention_op` (the `mlagen::verify_attention` custom op, registered on import, for
@@ -46,6 +47,7 @@ else:
     from .runtime.op import verify_attention
     from .runtime.ops import verify_attention_op
     from .runtime.reference import reference
+    from .runtime.sparse_reference import sparse_reference
     from .runtime.varlen import verify_attention_varlen
 
 __all__ = [
@@ -68,6 +70,7 @@ __all__ = [
     "quantize_kv",
     "quantize_q",
     "reference",
+    "sparse_reference",
     "validate",
     "verify_attention",
     "verify_attention_cp_shard",
