@@ -14,7 +14,7 @@ from mlagen.codegen.render import render
 from mlagen.dispatch import policy
 from mlagen.dispatch.policy import dependent_in_graphs, num_splits, policy_for
 from mlagen.dsl.arch import nvcc_arch_flags
-from mlagen.dsl.spec import Problem, Variant, naive
+from mlagen.dsl.spec import Problem, Variant, naive, parse_variant
 from mlagen.plan import params
 from mlagen.plan.params import FIELDS, POINTER_NAMES
 from mlagen.plan.validate import SEGMENT_TILES, validate
@@ -187,6 +187,12 @@ def test_tma_header_encodes_the_runtimes_tensor_map():
             "    float kv_scale = 1.0f, const float* kv_scale_ptr = nullptr, const float* q_scale_ptr = nullptr,\n"
             "    const int* q_counts = nullptr)") in plain
     assert "p.q_counts = q_counts;" in plain
+    # the fp8_ws schedule's e4m3 cache: bytes, 128-byte boxes, 16-byte aligned strides, 384 threads
+    ws = render_launcher(validate(Problem(kv_format="e4m3"),
+                                  parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ws_sm90a")))
+    assert "CU_TENSOR_MAP_DATA_TYPE_UINT8, 3," in ws and "const cuuint32_t box[3] = {128, 64, 1};" in ws
+    assert "constexpr cuuint64_t kElemBytes = 1;" in ws and "kv_stride_row % 16 != 0" in ws
+    assert "constexpr int kThreads = 384;" in ws and "constexpr int kThreads = 256;" in text
 
 
 def test_header_refuses_a_balanced_launch_past_its_work_list():
