@@ -1,6 +1,6 @@
-"""The DSL, the plans and the code generator type-check: mypy over their packages finds nothing.
-Imports of other packages are followed silently (their errors are not these packages'), and
-packages without type information are taken as they come."""
+"""The DSL, the plans, the code generator, the runtime and the dispatcher type-check: mypy over
+their packages finds nothing. Imports of other packages are followed silently (their errors are
+not these packages'), and packages without type information are taken as they come."""
 
 import subprocess
 import sys
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ("mlagen/dsl", "mlagen/plan", "mlagen/codegen")
+CHECKED = ("mlagen/dsl", "mlagen/plan", "mlagen/codegen", "mlagen/runtime", "mlagen/dispatch")
 
 
-def test_dsl_plan_and_codegen_type_check(tmp_path):
+def test_dsl_plan_codegen_runtime_and_dispatch_type_check(tmp_path):
     pytest.importorskip("mypy", reason="mypy is in the test extra: pip install -e '.[test]'")
     result = subprocess.run(
         [sys.executable, "-m", "mypy", "--follow-imports=silent", "--ignore-missing-imports", "--no-error-summary",

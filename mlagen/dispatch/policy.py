@@ -429,9 +429,10 @@ def tuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int,
             if not runs_on(v.arch, arch):
                 continue
             if not covers(v, kv_capacity):
-                v = exchange_tile(problem, seqlen_q, batch, kv_capacity, arch, policy)
-                if v is None or (family is not None and v.family != family):
+                tile = exchange_tile(problem, seqlen_q, batch, kv_capacity, arch, policy)
+                if tile is None or (family is not None and tile.family != family):
                     continue
+                v = tile
         except ValueError:              # SpecError is one
             continue
         if policy.fits(problem, v):

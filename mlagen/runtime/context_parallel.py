@@ -32,7 +32,7 @@ from .op import verify_attention
 from .varlen import check_varlen, verify_attention_varlen
 
 
-def _check_layout(rank: object, world: object, interleave: object) -> None:
+def _check_layout(rank: int, world: int, interleave: int) -> None:
     """rank, world and interleave as host ints: world >= 1, 0 <= rank < world, interleave >= 1."""
     for name, value in (("world", world), ("interleave", interleave)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -175,8 +175,8 @@ def cp_shard_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seql
     return rows.reshape(B * pages, page_size, kv.shape[-1]).view(kv_cache.dtype), local_table, n
 
 
-def _check_shard(q: object, cache_seqlens: object, tree_mask: object, causal: bool, rank: object, world: object,
-                 interleave: object, seqlen_q: int, batch: int) -> None:
+def _check_shard(q: torch.Tensor, cache_seqlens: object, tree_mask: object, causal: bool, rank: int, world: int,
+                 interleave: int, seqlen_q: int, batch: int) -> None:
     """The checks the mask builder needs before it runs; the core op checks everything else."""
     _check_layout(rank, world, interleave)
     lengths = _check_lengths(cache_seqlens, batch)

@@ -21,12 +21,12 @@ from typing import NamedTuple, NoReturn
 import torch
 
 from ..dsl.kv_layout import DS_MLA_ROW_BYTES, LATENT_DIM, ROW_DIM
-from ..dsl.spec import MAX_SEQLEN_Q
+from ..dsl.spec import MAX_SEQLEN_Q, Dtype, KVFormatName, QFormatName
 
-DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPES: dict[torch.dtype, Dtype] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _ALIGN_BYTES = 16    # kernels move rows in 16-byte chunks
 # A cache of another dtype than q's is FP8 (mlagen.runtime.kv_formats): its Problem.kv_format.
-FP8_KV_FORMATS = {torch.float8_e4m3fn: "e4m3", torch.uint8: "ds_mla"}
+FP8_KV_FORMATS: dict[torch.dtype, KVFormatName] = {torch.float8_e4m3fn: "e4m3", torch.uint8: "ds_mla"}
 CHECK_VALUES_DEFAULT: bool = os.environ.get("MLAGEN_CHECK_VALUES", "") not in ("", "0")
 
 
@@ -43,11 +43,11 @@ class Shapes(NamedTuple):   # no tensors: the runtime keeps one per argument sig
     num_pages: int
     page_size: int
     max_pages: int
-    dtype: str
+    dtype: Dtype
     kv_strides: tuple[int, int]     # (page, row) strides of the cache as [num_pages, page_size, D]
     mask_strides: tuple[int, int]   # (request, query row) of tree_mask: request 0 if shared, (0, 0) if none
-    kv_format: str = "dtype"        # Problem.kv_format: "dtype", or an FP8 cache's "e4m3" / "ds_mla"
-    q_format: str = "dtype"         # Problem.q_format: "dtype", or "e4m3" queries (dtype: the output's)
+    kv_format: KVFormatName = "dtype"   # Problem.kv_format: "dtype", or an FP8 cache's "e4m3" / "ds_mla"
+    q_format: QFormatName = "dtype"     # Problem.q_format: "dtype", or "e4m3" queries (dtype: the output's)
 
 
 def fail(name: str, got: object, expected: str) -> NoReturn:
@@ -93,7 +93,7 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
     q = tensor_arg("q", q)
     if q.dtype not in DTYPES and q.dtype != torch.float8_e4m3fn:
         fail("q.dtype", q.dtype, "torch.bfloat16, torch.float16 or torch.float8_e4m3fn (with q_scale)")
-    q_format = "dtype" if q.dtype in DTYPES else "e4m3"
+    q_format: QFormatName = "dtype" if q.dtype in DTYPES else "e4m3"
     if q.dim() != 4:
         fail("q.shape", tuple(q.shape), "[B, S, H, Dl+Dr] (4 dims)")
     B, S, H, D = q.shape
@@ -104,6 +104,7 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
     _aligned_rows("q", q, (0, 1, 2))
 
     kv_cache = tensor_arg("kv_cache", kv_cache, q.device)
+    kv_format: KVFormatName
     kv_format, row = "dtype", D
     out_dtype = output_dtype(q.dtype, kv_cache.dtype)
     if kv_cache.dtype != out_dtype:

@@ -245,7 +245,7 @@ def dequantize_kv(kv_cache: torch.Tensor, layout: str, kv_scale: float | torch.T
         fail("dtype", dtype, "a floating dtype of 16 bits or more (torch.float32, torch.float64, ...)")
     rows = kv_cache.reshape(kv_cache.size(0), kv_cache.size(1), kv_cache.size(-1))
     if fmt is E4M3_FLAT:
-        return dequantize_e4m3(rows, kv_scale).to(dtype)
+        return dequantize_e4m3(rows, kv_scale).to(dtype)  # type: ignore[arg-type]  # kv_format_of refused None
     latent = rows[..., :SCALES_AT].view(E4M3).float().unflatten(-1, (GROUPS, GROUP_DIM))
     scales = rows[..., SCALES_AT:ROPE_AT].contiguous().view(SCALE_DTYPE)
     rope = rows[..., ROPE_AT:].contiguous().view(ROPE_DTYPE).float()

@@ -26,6 +26,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..codegen.build import build
 from ..dsl.spec import Problem, Variant
@@ -39,10 +40,16 @@ PDL_NEVER: bool = os.environ.get("MLAGEN_PDL", "") == "0"           # not even c
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
+class Function(Protocol):
+    """What a launch takes of a loaded kernel (a cupy Function): its CUfunction handle."""
+
+    ptr: int
+
+
 @dataclass(frozen=True)
 class Loaded:
     plan: KernelPlan
-    main: object            # cupy Function of the main kernel
+    main: Function          # cupy Function of the main kernel
     module: object          # keeps the CUmodule alive
     blocks_per_sm: int      # occupancy of the main kernel (what the split count plans waves with)
 

@@ -19,6 +19,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 
@@ -35,7 +36,7 @@ from ..dispatch.policy import (
     policy_for,
 )
 from ..dsl.arch import arch_for_capability, runs_on
-from ..dsl.spec import Problem, Variant
+from ..dsl.spec import Dtype, KVFormatName, MaskKind, Problem, QFormatName, Variant
 from ..plan.params import pointers, tail
 from . import inputs, sinks, tensormap, workspace
 from .kv_formats import check_scale
@@ -108,10 +109,10 @@ def pick_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, 
 
 
 @functools.lru_cache(maxsize=4096)
-def _prepare(heads: int, dl: int, dr: int, dtype: str, page_size: int, mask: str, lse: bool,
+def _prepare(heads: int, dl: int, dr: int, dtype: Dtype, page_size: int, mask: MaskKind, lse: bool,
              batch: int, seqlen_q: int, kv_capacity: int, table_capacity: int, device: int,
-             variant: Variant | None, invariant: bool = False, kv_format: str = "dtype",
-             q_format: str = "dtype", ragged: bool = False) -> _Prepared:
+             variant: Variant | None, invariant: bool = False, kv_format: KVFormatName = "dtype",
+             q_format: QFormatName = "dtype", ragged: bool = False) -> _Prepared:
     """Problem, variant (given, batch-invariant, or dispatched), loaded kernels, split and grids
     of a shape, planned for requests of up to kv_capacity keys (of the table_capacity the block
     table addresses): memoized on plain values, since a serving step repeats the same shapes and
@@ -189,11 +190,11 @@ def _check_scale_arg(name: str, scale: object, taken: bool, refusal: str, device
         raise inputs.InputError(f"{name}: got {type(scale).__name__}, expected None {refusal}")
 
 
-def _lookup(q: object, kv_cache: object, block_table: object, cache_seqlens: object, tree_mask: object,
-            out: object, head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
-            variant: Variant | None, bound: int | None, invariant: bool,
-            kv_scale: object = None, q_scale: object = None,
-            q_counts: object = None) -> tuple[tuple | None, _Call | None]:
+def _lookup(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+            tree_mask: torch.Tensor | None, out: torch.Tensor | None, head_dim_v: int, softmax_scale: float | None,
+            causal: bool, return_lse: bool, variant: Variant | None, bound: int | None, invariant: bool,
+            kv_scale: float | torch.Tensor | None = None, q_scale: float | torch.Tensor | None = None,
+            q_counts: torch.Tensor | None = None) -> tuple[tuple | None, _Call | None]:
     """(key, remembered _Call or None) for these arguments; the key is None for arguments that
     are not tensors or not hashable (the full checks name those)."""
     try:
@@ -212,11 +213,12 @@ def _require_cuda(q: object) -> None:
                                 "expected a CUDA tensor")
 
 
-def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: object, cache_seqlens: object,
-                  tree_mask: object, out: object, head_dim_v: int, softmax_scale: float | None, causal: bool,
-                  return_lse: bool, variant: Variant | None, check_values: bool | None, bound: int | None,
-                  invariant: bool = False, kv_scale: object = None, q_scale: object = None,
-                  q_counts: object = None) -> _Call:
+def _checked_call(key: tuple | None, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                  cache_seqlens: torch.Tensor, tree_mask: torch.Tensor | None, out: torch.Tensor | None,
+                  head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
+                  variant: Variant | None, check_values: bool | None, bound: int | None, invariant: bool = False,
+                  kv_scale: float | torch.Tensor | None = None, q_scale: float | torch.Tensor | None = None,
+                  q_counts: torch.Tensor | None = None) -> _Call:
     """Every check, in the op's order (each names the bad argument), then the _Call, which is
     remembered under `key` (from `_lookup`). bound: `inputs.key_bound(max_seqlen_k)`."""
     _require_cuda(q)
@@ -232,7 +234,7 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
     if values:
         inputs.check_values(shapes, block_table, cache_seqlens)
     B, S, H, dl = shapes.batch, shapes.seqlen_q, shapes.heads, shapes.dl
-    mask = "tree" if tree_mask is not None else ("causal" if causal else "none")
+    mask: MaskKind = "tree" if tree_mask is not None else ("causal" if causal else "none")
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     capacity = shapes.max_pages * shapes.page_size
     prep = _prepare(H, dl, shapes.head_dim - dl, shapes.dtype, shapes.page_size, mask,
@@ -270,6 +272,42 @@ def _checked_call(key: tuple | None, q: object, kv_cache: object, block_table: o
             _calls.clear()
         _calls[key] = call
     return call
+
+
+@overload
+def verify_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, *,
+    softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
+    return_lse: Literal[False] = ..., variant: Variant | None = ..., head_dim_v: int = ...,
+    check_values: bool | None = ..., out: torch.Tensor | None = ..., max_seqlen_k: int | None = ...,
+    attn_sink: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
+    kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
+    q_counts: torch.Tensor | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def verify_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, *,
+    softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
+    return_lse: Literal[True], variant: Variant | None = ..., head_dim_v: int = ...,
+    check_values: bool | None = ..., out: torch.Tensor | None = ..., max_seqlen_k: int | None = ...,
+    attn_sink: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
+    kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
+    q_counts: torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def verify_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, *,
+    softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
+    return_lse: bool = ..., variant: Variant | None = ..., head_dim_v: int = ...,
+    check_values: bool | None = ..., out: torch.Tensor | None = ..., max_seqlen_k: int | None = ...,
+    attn_sink: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
+    kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
+    q_counts: torch.Tensor | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def verify_attention(
@@ -387,7 +425,7 @@ def verify_attention(
         out = torch.empty(*call.out_size, dtype=call.dtype, device=call.torch_device)
     lse = torch.empty(*call.lse_size, dtype=torch.float32, device=call.torch_device) if return_lse else None
     if call.shapes.batch == 0:
-        return (out, lse) if return_lse else out
+        return (out, lse) if return_lse else out  # type: ignore[return-value]  # lse is a tensor with return_lse
     # The raw stream handle, without building a torch.cuda.Stream object.
     stream = torch._C._cuda_getCurrentRawStream(call.device)
     part_o = part_ml = counters = 0
@@ -411,4 +449,4 @@ def verify_attention(
     else:   # kernels load into, and launch in, the context of q's device
         with torch.cuda.device(call.device):
             launch(call.kernel, stream, pointer_values, call.tail)
-    return (out, lse) if return_lse else out
+    return (out, lse) if return_lse else out  # type: ignore[return-value]  # lse is a tensor with return_lse

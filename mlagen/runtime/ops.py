@@ -50,8 +50,8 @@ def _verify_attention(
                               kv_scale=kv_scale_tensor if kv_scale_tensor is not None else kv_scale,
                               q_scale=q_scale_tensor if q_scale_tensor is not None else q_scale)
     if return_lse:
-        return result
-    return result, q.new_empty(0, dtype=torch.float32)
+        return result  # type: ignore[return-value]  # (out, lse) with return_lse
+    return result, q.new_empty(0, dtype=torch.float32)  # type: ignore[return-value]  # out alone without it
 
 
 @_verify_attention.register_fake

@@ -79,7 +79,7 @@ def _queries(q: torch.Tensor, q_scale: float | torch.Tensor | None) -> torch.Ten
         raise InputError(f"q_scale: got a {type(q_scale).__name__}, expected None for a {q.dtype} q "
                          "(only float8_e4m3fn queries take one)")
     check_scale("q_scale", q_scale, q.device)
-    return dequantize_e4m3(q, q_scale)
+    return dequantize_e4m3(q, q_scale)  # type: ignore[arg-type]  # check_scale refused None
 
 
 def _integers(name: str, x: torch.Tensor) -> None:

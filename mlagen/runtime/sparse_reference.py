@@ -133,7 +133,7 @@ def sparse_reference(
                              ("extra_kv_cache", extra_kv_cache), ("extra_indices", extra_indices),
                              ("extra_topk_length", extra_topk_length))))
     sets = [("", KeySet(kv_cache, indices, topk_length))]
-    if extra_kv_cache is not None:
+    if extra_kv_cache is not None and extra_indices is not None:    # given together (checked above)
         sets.append(("extra_", KeySet(extra_kv_cache, extra_indices, extra_topk_length)))
     for prefix, keys in sets:
         _check_key_set(prefix, keys, q)

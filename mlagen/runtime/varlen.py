@@ -29,6 +29,7 @@ mask in the top-left corner (`tree_mask[b, i, k]` for i, k < s_b; the rest is ig
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 
@@ -140,6 +141,42 @@ def _check_counts(cu_seqlens_q: torch.Tensor, max_seqlen_q: int, total_q: int) -
                                     f"{cu[b + 1] - cu[b]}, expected 0..max_seqlen_q={max_seqlen_q}")
 
 
+@overload
+def verify_attention_varlen(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *,
+    softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
+    return_lse: Literal[False] = ..., variant: Variant | None = ..., head_dim_v: int = ...,
+    check_values: bool | None = ..., max_seqlen_k: int | None = ..., attn_sink: torch.Tensor | None = ...,
+    batch_invariant: bool | None = ...,
+    kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def verify_attention_varlen(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *,
+    softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
+    return_lse: Literal[True], variant: Variant | None = ..., head_dim_v: int = ...,
+    check_values: bool | None = ..., max_seqlen_k: int | None = ..., attn_sink: torch.Tensor | None = ...,
+    batch_invariant: bool | None = ...,
+    kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def verify_attention_varlen(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *,
+    softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
+    return_lse: bool = ..., variant: Variant | None = ..., head_dim_v: int = ...,
+    check_values: bool | None = ..., max_seqlen_k: int | None = ..., attn_sink: torch.Tensor | None = ...,
+    batch_invariant: bool | None = ...,
+    kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def verify_attention_varlen(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -205,6 +242,6 @@ def verify_attention_varlen(
                               batch_invariant=batch_invariant, kv_scale=kv_scale, q_scale=q_scale,
                               q_counts=q_counts)
     if not return_lse:
-        return layout.unpad_out(result)
+        return layout.unpad_out(result)  # type: ignore[arg-type]  # a tensor without return_lse
     out, lse = result
     return layout.unpad_out(out), layout.unpad_lse(lse)
