@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("dispatch", ("dispatch", "dispatch.policy", "dispatch.presets", "dispatch.tables")),
     ("runtime", ("runtime", "runtime.context_parallel", "runtime.inputs", "runtime.kv_formats", "runtime.lasting",
                  "runtime.launch", "runtime.merge", "runtime.op", "runtime.ops", "runtime.reference", "runtime.sinks",
+                 "runtime.sparse_reference",
                  "runtime.tensormap", "runtime.varlen", "runtime.workspace", "compat", "compat.flash_mla")),
     # the package's public API: what `import mlagen` gives (__all__, __version__)
     ("api", ("",)),

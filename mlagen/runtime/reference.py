@@ -71,7 +71,7 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, b: int, n: int,
     return rows if layout is None else dequantize_kv(rows[None], layout, kv_scale)[0]
 
 
-def _queries(q: torch.Tensor, q_scale: float | torch.Tensor | None) -> torch.Tensor:
+def dequantized_queries(q: torch.Tensor, q_scale: float | torch.Tensor | None) -> torch.Tensor:
     """q as it is, or float8_e4m3fn q dequantized with q_scale to fp32 (kv_formats' e4m3 rule)."""
     if q.dtype != torch.float8_e4m3fn and q_scale is None:
         return q
@@ -82,7 +82,8 @@ def _queries(q: torch.Tensor, q_scale: float | torch.Tensor | None) -> torch.Ten
     return dequantize_e4m3(q, q_scale)  # type: ignore[arg-type]  # check_scale refused None
 
 
-def _integers(name: str, x: torch.Tensor) -> None:
+def check_integers(name: str, x: torch.Tensor) -> None:
+    """InputError unless `x` (argument `name`) has an integer dtype."""
     if x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
         fail(f"{name}.dtype", x.dtype, "an integer dtype (torch.int32 or torch.int64)")
 
@@ -110,11 +111,11 @@ def check_reference_inputs(q: object, kv_cache: object, block_table: object, cac
     if kv_cache.dtype not in QUANTIZED_DTYPES and kv_cache.size(-1) != D:
         fail("q.shape[-1] and kv_cache.shape[-1]", f"{D} and {kv_cache.size(-1)}", "one size, Dl+Dr (a row's width)")
     block_table = tensor_arg("block_table", block_table, q.device)
-    _integers("block_table", block_table)
+    check_integers("block_table", block_table)
     if block_table.dim() != 2 or block_table.size(0) != B or block_table.size(1) < 1:
         fail("block_table.shape", tuple(block_table.shape), f"[B={B}, max_pages >= 1]")
     cache_seqlens = tensor_arg("cache_seqlens", cache_seqlens, q.device)
-    _integers("cache_seqlens", cache_seqlens)
+    check_integers("cache_seqlens", cache_seqlens)
     if tuple(cache_seqlens.shape) != (B,):
         fail("cache_seqlens.shape", tuple(cache_seqlens.shape), f"[B={B}]")
     if tree_mask is not None:
@@ -192,7 +193,7 @@ def reference(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     out = torch.zeros(B, S, H, head_dim_v, dtype=dtype, device=q.device)
     lse = torch.full((B, H, S), -math.inf, dtype=dtype, device=q.device)
-    queries = _queries(q, q_scale).to(dtype).reshape(B, S * H, D)
+    queries = dequantized_queries(q, q_scale).to(dtype).reshape(B, S * H, D)
     lengths = cache_seqlens.tolist()                        # a host sync, and one more for the page ids
     _check_lengths(lengths, block_table, kv_cache)
     for b, n in enumerate(lengths):
@@ -236,7 +237,7 @@ def reference_naive(
     layout = fp8_layout(kv_cache, kv_scale)
     if layout is not None:
         kv_cache = dequantize_kv(kv_cache, layout, kv_scale)
-    q, kv_cache = _queries(q, q_scale).double().cpu(), kv_cache.double().cpu()
+    q, kv_cache = dequantized_queries(q, q_scale).double().cpu(), kv_cache.double().cpu()
     kv_cache = kv_cache.reshape(kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[-1])
     table, lengths = block_table.cpu().tolist(), cache_seqlens.cpu().tolist()
     B, S, H, _ = q.shape

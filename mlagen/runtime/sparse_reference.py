@@ -23,7 +23,7 @@ import torch
 
 from .inputs import InputError, fail, tensor_arg
 from .kv_formats import QUANTIZED_DTYPES, dequantize_kv
-from .reference import _integers, _queries, fp8_layout
+from .reference import check_integers, dequantized_queries, fp8_layout
 
 
 class KeySet(NamedTuple):
@@ -44,12 +44,12 @@ def _check_key_set(prefix: str, keys: KeySet, q: torch.Tensor) -> None:
     if cache.dtype not in QUANTIZED_DTYPES and cache.size(-1) != D:
         fail(f"q.shape[-1] and {prefix}kv_cache.shape[-1]", f"{D} and {cache.size(-1)}", "one size, Dl+Dr")
     indices = tensor_arg(f"{prefix}indices", keys.indices, q.device)
-    _integers(f"{prefix}indices", indices)
+    check_integers(f"{prefix}indices", indices)
     if indices.dim() != 3 or tuple(indices.shape[:2]) != (B, S) or indices.size(2) < 1:
         fail(f"{prefix}indices.shape", tuple(indices.shape), f"[B={B}, S={S}, topk >= 1]")
     if keys.topk_length is not None:
         length = tensor_arg(f"{prefix}topk_length", keys.topk_length, q.device)
-        _integers(f"{prefix}topk_length", length)
+        check_integers(f"{prefix}topk_length", length)
         if tuple(length.shape) != (B,):
             fail(f"{prefix}topk_length.shape", tuple(length.shape), f"[B={B}]")
 
@@ -144,7 +144,7 @@ def sparse_reference(
     parts = [gathered_keys(keys, kv_scale, dtype) for _, keys in sets]
     kv = torch.cat([rows for rows, _ in parts], dim=2).to(q.device)        # [B, S, K, D]
     valid = torch.cat([v for _, v in parts], dim=2).to(q.device)           # [B, S, K]
-    queries = _queries(q, q_scale).to(dtype)                               # [B, S, H, D]
+    queries = dequantized_queries(q, q_scale).to(dtype)                               # [B, S, H, D]
     scores = torch.einsum("bshd,bskd->bshk", queries, kv).mul_(scale)
     scores.masked_fill_(~valid[:, :, None, :], -math.inf)
     lse = torch.logsumexp(scores, dim=-1)                                  # [B, S, H]
