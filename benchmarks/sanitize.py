@@ -3,11 +3,11 @@ the reference: the workload for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py
     compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py --skip _tr_ [--cases 0-2]
-    compute-sanitizer --tool synccheck python3 benchmarks/sanitize.py --only _tr_
+    compute-sanitizer --tool synccheck python3 benchmarks/sanitize.py --only _tr_,feature+fp8_ws
     python3 benchmarks/sanitize.py --list [--arch sm_90]     # what would run; no GPU needed
 
---only / --skip keep the variants whose names do / do not contain a part ("dispatched" names the
-dispatcher's pick), --cases the cases numbered so (`--list` numbers them): racecheck takes
+--only / --skip keep the variants whose names do / do not contain one of their comma-separated
+parts ("dispatched" names the dispatcher's pick), --cases the cases numbered so (`--list` numbers them): racecheck takes
 seconds a pair, minutes in all. racecheck does not pair bar.arrive
 with bar.sync, so it reports the transposed tile's (`_tr_`) hand-offs between warpgroups as
 hazards: run_gpu.sh checks that tile with synccheck instead, and tests/test_gpu_verify.py with a
@@ -116,8 +116,11 @@ def name_of(variant: Variant | None) -> str:
 
 
 def wanted(name: str, only: str | None, skip: str | None) -> bool:
-    """Whether `name` contains `only` (when given) and does not contain `skip` (when given)."""
-    return (only is None or only in name) and (skip is None or skip not in name)
+    """Whether `name` contains one of `only`'s comma-separated parts (when given) and none of
+    `skip`'s (when given)."""
+    def has(parts: str) -> bool:
+        return any(part in name for part in parts.split(","))
+    return (only is None or has(only)) and (skip is None or not has(skip))
 
 
 def select(variants: list, only: str | None, skip: str | None) -> list:
@@ -157,8 +160,8 @@ def case_numbers(text: str) -> set[int]:
 def parse_args(argv: list[str]):
     p = parser(__file__, __doc__)
     p.add_argument("--cases", type=case_numbers, metavar="N-M,...", help="only these cases (default: all)")
-    p.add_argument("--only", metavar="PART", help="only the variants whose names contain PART")
-    p.add_argument("--skip", metavar="PART", help="all but the variants whose names contain PART")
+    p.add_argument("--only", metavar="PART,...", help="only the variants whose names contain one of the PARTs")
+    p.add_argument("--skip", metavar="PART,...", help="all but the variants whose names contain one of the PARTs")
     p.add_argument("--list", action="store_true", help="print the (case, variant) pairs and exit; no GPU needed")
     p.add_argument("--arch", default="sm_90", help="compile target for --list (default sm_90, the H200's)")
     return p.parse_args(argv)

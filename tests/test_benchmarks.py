@@ -223,6 +223,11 @@ def test_sanitize_only_and_skip_split_the_variants(capsys):
     assert "case 0 mma_ht8_qt9_bn64_w8_st2_sp2_tr_sm90a: listed" in out
     args = sanitize.parse_args(["--skip", "_tr_", "--list"])
     assert (args.skip, args.only, args.list, args.arch, args.cases) == ("_tr_", None, True, "sm_90", None)
+    # comma-separated parts: any of them (run_gpu.sh's synccheck also takes the fp8_ws tile)
+    both = sanitize.main("_tr_,feature+fp8_ws", None, "sm_90", listing=True)
+    assert both == only + sum(1 for f, _, _ in sanitize.FEATURES if f == "fp8_ws") and both == total - sanitize.main(
+        None, "_tr_,feature+fp8_ws", "sm_90", listing=True)
+    assert "--only _tr_,feature+fp8_ws" in (ROOT / "benchmarks" / "run_gpu.sh").read_text()
 
 
 def test_sanitize_cases_split_the_racecheck():
