@@ -569,14 +569,14 @@ def test_ab_constant_sets_and_restores_a_constant(templates_restored):
     old = validate_module.MERGE_TARGET_BLOCKS
     plan = validate(Problem(heads=8), Variant(family="mma", head_tile=8, q_tile=4, block_n=64, warps=4, stages=2,
                                               kv_split=3, arch="sm_90"))
-    before = plan.merge_blocks(16, 9)
+    before = plan.split.merge_blocks(16, 9)
     try:
         ab_constant.set_constant("MERGE_TARGET_BLOCKS", 16)
         assert validate_module.MERGE_TARGET_BLOCKS == 16 and ab_constant.launcher.MERGE_TARGET_BLOCKS == 16
-        assert plan.merge_blocks(16, 9) < before
+        assert plan.split.merge_blocks(16, 9) < before
     finally:
         ab_constant.set_constant("MERGE_TARGET_BLOCKS", old)
-    assert validate_module.MERGE_TARGET_BLOCKS == old and plan.merge_blocks(16, 9) == before
+    assert validate_module.MERGE_TARGET_BLOCKS == old and plan.split.merge_blocks(16, 9) == before
     dispatch = ab_constant.policy
     tiles = dispatch.H200.pdl_tiles_per_sm
     try:

@@ -318,7 +318,7 @@ def test_ragged_rows_take_the_balanced_picks_ragged_kernel(heads, seqlen_q, batc
     dense = policy.choose_variant(problem, seqlen_q, batch, keys, "sm_90a", "NVIDIA H200")
     ragged = policy.choose_variant(problem, seqlen_q, batch, keys, "sm_90a", "NVIDIA H200", ragged_rows=True)
     if dense.kv_split == "balanced":
-        assert ragged == dense.with_(rows="ragged") and validate(problem, ragged).ragged_rows
+        assert ragged == dense.with_(rows="ragged") and validate(problem, ragged).split.ragged_rows
     else:
         assert ragged == dense
 
@@ -672,7 +672,7 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
     tiles than a packed range holds positions (the fewest that fit), or a request's whole, a slack
     more, when none is split, the split blocks fit the resident slots, and the grid has a merge
     block per group part. The seesaw's and the transposed tile's lists count pairs of tiles
-    (`KernelPlan.split_unit`), and their segment cost in pairs."""
+    (`SplitPlan.split_unit`), and their segment cost in pairs."""
     heads, block_n = 64, 64
     paired = kernel != "lockstep"
     v = Variant(family="mma", head_tile=shape[0], q_tile=shape[1], block_n=block_n, warps=8, stages=2,
@@ -685,13 +685,14 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
     groups = -(-seqlen_q // v.q_tile) * (heads // v.head_tile)
     assert parts * groups <= max(sm_count, groups)       # one wave, unless one group per SM is already more
     lengths = data.draw(st.lists(st.integers(0, capacity_tiles * block_n), min_size=batch, max_size=batch))
-    assert plan.split_unit == (2 if paired else 1) and plan.segment_units * plan.split_unit >= SEGMENT_TILES
-    tiles = [-(-n // (block_n * plan.split_unit)) for n in lengths]     # the list's units
-    wl = work_list(tiles, parts, plan.segment_units, plan.unsplit_slack_units)
-    packed = packed_list(tiles, parts, plan.segment_units)
+    unit = plan.split.split_unit
+    assert unit == (2 if paired else 1) and plan.split.segment_units * unit >= SEGMENT_TILES
+    tiles = [-(-n // (block_n * plan.split.split_unit)) for n in lengths]     # the list's units
+    wl = work_list(tiles, parts, plan.split.segment_units, plan.split.unsplit_slack_units)
+    packed = packed_list(tiles, parts, plan.split.segment_units)
     assert wl.aligned or wl == packed
     if wl.aligned:                                       # the fewest tiles a range may hold, or a request's whole
-        assert wl.aligned <= packed.per or wl.aligned == max(tiles) <= packed.per + plan.unsplit_slack_units
+        assert wl.aligned <= packed.per or wl.aligned == max(tiles) <= packed.per + plan.split.unsplit_slack_units
         assert aligned_ranges(tiles, wl.aligned) <= parts and (
             wl.aligned == 1 or aligned_ranges(tiles, wl.aligned - 1) > parts)
 
@@ -723,15 +724,15 @@ def test_balanced_split_gives_every_tile_to_one_block(data, batch, seqlen_q, cap
         assert not wl.aligned or (segments == 1 and run <= wl.aligned)
     assert len(owner) == sum(tiles)
     used = [slot for b in range(batch) for slot in slots_of[b]]
-    slots = plan.partial_rows(batch, seqlen_q, parts) // (seqlen_q * heads)   # what the workspace holds
+    slots = plan.split.partial_rows(batch, seqlen_q, parts) // (seqlen_q * heads)   # what the workspace holds
     assert len(used) == len(set(used)) and all(0 <= slot < slots for slot in used)
     for b in range(batch):
         first, splits = wl.splits(b)
         assert slots_of[b] == set(range(first + b, first + b + splits))   # what its merge reads
         assert (splits == 0) == (tiles[b] == 0)          # no keys: its merge writes zeros, lse -inf
     grid = plan.grid(batch, seqlen_q, parts)
-    assert grid[:2] == (groups, parts) and plan.split_launch(parts)
-    assert (grid[2] - 1) * groups * parts >= batch * groups * plan.merge_blocks(batch, seqlen_q)
+    assert grid[:2] == (groups, parts) and plan.split.split_launch(parts)
+    assert (grid[2] - 1) * groups * parts >= batch * groups * plan.split.merge_blocks(batch, seqlen_q)
 
 
 @pytest.mark.parametrize("tiles,ranges,aligned,splits", [

@@ -448,7 +448,7 @@ def test_fp8_tiles_run_ragged_rows(fmt):
     cache, scale = mlagen.quantize_kv(case.kv_cache, fmt)
     problem = Problem(heads=16, mask="tree", lse=True, kv_format=fmt)
     variant = fp8_tile(problem, 9, "sm_90a", H200).with_(kv_split="balanced", rows="ragged")
-    assert validate(problem, variant).ragged_rows
+    assert validate(problem, variant).split.ragged_rows
     q_counts = torch.tensor(counts, dtype=torch.int32, device="cuda")
     out, lse = mlagen.verify_attention(case.q, cache, case.block_table, case.cache_seqlens, kv_scale=scale,
                                        variant=variant, return_lse=True, q_counts=q_counts, **case.kwargs())

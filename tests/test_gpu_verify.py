@@ -200,9 +200,9 @@ def test_balanced_split_layouts_match_reference(name, prefixes, ranges, aligned)
     empty = [p == 0 for p in prefixes]
     case = make_case(batch=5, seqlen_q=4, heads=16, prefixes=prefixes, page_size=64, mask="tree", empty=empty, seed=5)
     plan = validate(Problem(heads=16), parse_variant(name))
-    units = [-(-int(n) // (64 * plan.split_unit)) for n in case.cache_seqlens.tolist()]
-    wl = work_list(units, ranges, plan.segment_units, plan.unsplit_slack_units)
-    assert wl.aligned == aligned[plan.split_unit - 1]
+    units = [-(-int(n) // (64 * plan.split.split_unit)) for n in case.cache_seqlens.tolist()]
+    wl = work_list(units, ranges, plan.split.segment_units, plan.split.unsplit_slack_units)
+    assert wl.aligned == aligned[plan.split.split_unit - 1]
     with pinned_balanced_ranges(ranges):
         out, lse = _run(case, parse_variant(name), True)
         assert_matches(out, lse, case)

@@ -62,7 +62,7 @@ def test_header_fills_every_field_once(plan):
     for f in FIELDS:
         assert len(re.findall(rf"\bp\.{f.name} = ", text)) == 1, f.name
     assert f"namespace {namespace(plan)} {{" in text
-    assert f"constexpr int kMaxMergeBlocks = {plan.max_merge_blocks};" in text
+    assert f"constexpr int kMaxMergeBlocks = {plan.split.max_merge_blocks};" in text
     # programmatic dependent launch only where the kernel has griddepcontrol (sm_90+)
     pdl = "true" if plan.arch.capability >= 90 else "false"
     assert f"constexpr bool kProgrammaticLaunch = {pdl};" in text and "cudaLaunchKernelExC(&config" in text
@@ -88,7 +88,7 @@ def test_header_grid_is_the_plans_grid(plan):
         for n in ((1, 7) if plan.uses_split else (1,)):
             env = {"batch": batch, "seqlen_q": seqlen_q, "num_splits": n}
             if plan.uses_split:
-                env["merge_blocks"] = plan.merge_blocks(batch, seqlen_q)
+                env["merge_blocks"] = plan.split.merge_blocks(batch, seqlen_q)
             # C's a ? b : c as Python's conditional expression
             py = [re.sub(r"^(.+?) \? (.+?) : (.+)$", r"(\2) if (\1) else (\3)", e.replace("/", "//")) for e in exprs]
             got = tuple(eval(e, {}, dict(env)) for e in py)
@@ -129,8 +129,8 @@ def test_host_helpers_match_python(tmp_path):
         for B, S, pages, sms, occ in SHAPES:
             device = policy_for(p.variant.arch, sms)          # the C++ header takes the SM count at run time
             n = num_splits(p.variant, p.problem.heads, B, S, pages * p.problem.page_size, device, occ)
-            ws = p.partial_rows(B, S, n) * (p.problem.dl * (2 if p.part16 else 4) + 2 * 4)
-            counters = 4 * p.row_groups(B, S) if p.split_launch(n) else 0
+            ws = p.split.partial_rows(B, S, n) * (p.problem.dl * (2 if p.split.part16 else 4) + 2 * 4)
+            counters = 4 * p.split.row_groups(B, S) if p.split.split_launch(n) else 0
             programmatic = p.arch.capability >= 90 and dependent_in_graphs(
                 p.variant, p.problem.heads, S, B, pages * p.problem.page_size, device)
             want = [n, *p.grid(B, S, n), ws, counters, int(programmatic)]

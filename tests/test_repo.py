@@ -119,7 +119,7 @@ BARE_DOC = re.compile(r"(?<![\w/.-])([A-Z][A-Z_]*\.md)\b")
 # A Markdown link to a relative target, resolved from the linking file's folder.
 MD_LINK = re.compile(r"\]\((?!https?:|#|mailto:)([^)\s#]+)")
 # A dotted name that starts with one of mlagen's modules or packages, by its path under mlagen
-# (`dispatch.policy.num_splits`, `mlagen.plan.validate.KernelPlan.partial_rows`, `runtime.op`) or,
+# (`dispatch.policy.num_splits`, `mlagen.plan.validate.SplitPlan.partial_rows`, `runtime.op`) or,
 # without `mlagen.` before it, by a module's own name (`policy.num_splits`); with `mlagen.` itself;
 # or with a class defined in one of its modules (`Variant.p_exchange`). One ending in a file
 # extension names a file (`bench.png`, `merge.cuh.j2`), not an attribute.

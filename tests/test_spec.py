@@ -170,27 +170,27 @@ def test_plan_derives_the_template_numbers():
     plan = validate(Problem(heads=64), Variant(head_tile=8, q_tile=5, warps=8, block_n=32, stages=2))
     assert plan.rows == 40 and plan.rows_per_warp == 5 and plan.rows_pad == 40
     assert plan.head_tiles == 8 and plan.threads == 256
-    assert plan.max_merge_blocks == 5                   # 40 rows, one per warp of 8
-    assert plan.row_groups(batch=3, seqlen_q=9) == 2 * 8 * 3
-    assert plan.merge_blocks(batch=3, seqlen_q=9) == 3  # ceil(128 / 48 groups)
-    assert plan.merge_blocks(batch=1, seqlen_q=1) == 5  # 8 groups: capped at one warp per row
-    assert plan.merge_blocks(batch=64, seqlen_q=9) == 1
+    assert plan.split.max_merge_blocks == 5                   # 40 rows, one per warp of 8
+    assert plan.split.row_groups(batch=3, seqlen_q=9) == 2 * 8 * 3
+    assert plan.split.merge_blocks(batch=3, seqlen_q=9) == 3  # ceil(128 / 48 groups)
+    assert plan.split.merge_blocks(batch=1, seqlen_q=1) == 5  # 8 groups: capped at one warp per row
+    assert plan.split.merge_blocks(batch=64, seqlen_q=9) == 1
     # split blocks in z slabs 0..2, then ceil(3 requests * 3 merge blocks / 4 splits) merge slabs
     assert plan.grid(batch=3, seqlen_q=9, num_splits=4) == (2 * 8, 4, 3 + 3)
     assert plan.grid(batch=3, seqlen_q=9, num_splits=1) == (2 * 8, 1, 3)
     assert plan.grid_expr() == ("ceil(S / 5) * 8", "num_splits",
                                 "num_splits > 1 ? B + (B * merge_blocks + num_splits - 1) / num_splits : B")
-    assert plan.partial_rows(batch=3, seqlen_q=9, num_splits=4) == 4 * 3 * 9 * 64
-    assert plan.partial_rows(batch=3, seqlen_q=9, num_splits=1) == 0
+    assert plan.split.partial_rows(batch=3, seqlen_q=9, num_splits=4) == 4 * 3 * 9 * 64
+    assert plan.split.partial_rows(batch=3, seqlen_q=9, num_splits=1) == 0
     # the balanced split: num_splits is its ranges; always merge slabs; slots = ranges + B - 1
     bal = validate(Problem(heads=64), Variant(head_tile=8, q_tile=8, warps=8, block_n=64, stages=2,
                                               family="mma", kv_split="balanced"))
-    assert bal.split_launch(1) and not plan.split_launch(1)
-    assert bal.grid(batch=3, seqlen_q=9, num_splits=1) == (2 * 8, 1, 1 + 3 * bal.merge_blocks(3, 9))
+    assert bal.split.split_launch(1) and not plan.split.split_launch(1)
+    assert bal.grid(batch=3, seqlen_q=9, num_splits=1) == (2 * 8, 1, 1 + 3 * bal.split.merge_blocks(3, 9))
     assert bal.grid(batch=3, seqlen_q=9, num_splits=14) == (2 * 8, 14, 1 + 1)
-    assert bal.partial_rows(batch=3, seqlen_q=9, num_splits=14) == (14 + 3 - 1) * 9 * 64
-    assert bal.partial_row_bytes == 512 * 4 + 8             # fp32 values, then (max, sum)
-    assert validate(Problem(heads=64), bal.variant.with_(partials="16bit")).partial_row_bytes == 512 * 2 + 8
+    assert bal.split.partial_rows(batch=3, seqlen_q=9, num_splits=14) == (14 + 3 - 1) * 9 * 64
+    assert bal.split.partial_row_bytes == 512 * 4 + 8             # fp32 values, then (max, sum)
+    assert validate(Problem(heads=64), bal.variant.with_(partials="16bit")).split.partial_row_bytes == 512 * 2 + 8
     n = validate(Problem(heads=16), naive())
     assert n.grid(batch=2, seqlen_q=3, num_splits=1) == (16, 3, 2)
 
@@ -201,7 +201,7 @@ def test_cluster_split_is_a_kernel_of_its_own_without_workspace():
     assert v.code_name == "mma_ht64_qt1_bn64_w8_st2_sp4_cl_sm90a" != v.with_(kv_split=8).code_name
     plan = validate(Problem(heads=64), v)
     assert plan.grid(3, 9, 4) == (9, 4, 3)                  # y: the cluster's blocks; no merge slabs
-    assert not plan.split_launch(4) and plan.partial_rows(3, 9, 4) == 0
+    assert not plan.split.split_launch(4) and plan.split.partial_rows(3, 9, 4) == 0
     assert plan.grid_expr() == ("ceil(S / 1) * 1", "num_splits", "B")
     # 16-bit staged rows take half the shared memory: this tile's buffers hold them, not fp32 ones
     small = v.with_(block_n=32, stages=1, arch="sm_90")
@@ -283,7 +283,8 @@ def test_ragged_rows_are_a_balanced_splits_and_named_rg():
     v = parse_variant("mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_sm90a").with_(rows="ragged")
     assert v.name == "mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_rg_sm90a" and parse_variant(v.name) == v
     plan, dense = validate(Problem(heads=16), v), validate(Problem(heads=16), v.with_(rows="dense"))
-    assert plan.ragged_rows and not dense.ragged_rows and plan.name != dense.name
-    assert plan.partial_rows(3, 9, 8) == (8 + 3 - 1) * 12 * 16 and dense.partial_rows(3, 9, 8) == (8 + 3 - 1) * 9 * 16
+    assert plan.split.ragged_rows and not dense.split.ragged_rows and plan.name != dense.name
+    assert plan.split.partial_rows(3, 9, 8) == (8 + 3 - 1) * 12 * 16
+    assert dense.split.partial_rows(3, 9, 8) == (8 + 3 - 1) * 9 * 16
     with pytest.raises(SpecError, match=r"variant.rows: got 'ragged'.*kv_split 'balanced'"):
         validate(Problem(heads=16), v.with_(kv_split="adaptive"))

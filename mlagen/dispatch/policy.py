@@ -578,7 +578,7 @@ def balanced_parts(variant: Variant, heads: int, batch: int, seqlen_q: int, kv_c
     same time, so each KV tile is read from memory once and from L2 by the others (a list over
     all row groups puts them out of phase, and with the KV past the L2 each row group reads it
     from HBM). A request
-    is split wherever a range ends; `KernelPlan.partial_rows` sizes the workspace for it, and
+    is split wherever a range ends; `SplitPlan.partial_rows` sizes the workspace for it, and
     templates/split_work_list.cuh.j2 has the kernel's side. More ranges than the block table can hold
     tiles would only be empty.
     """

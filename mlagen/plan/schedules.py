@@ -79,7 +79,7 @@ class TileSchedule:
     seesaw_loop: whether templates/mma.cu.j2 runs the seesaw's tile pairs
         (templates/mma_seesaw.cuh.j2) in place of its lockstep loop (`KernelPlan.seesaw`).
     pair_merge: whether a row group split in two may end as a pair, the second block merging
-        both rows (`KernelPlan.pair_merge`); the transposed tile's rows split in more than two.
+        both rows (`SplitPlan.pair_merge`); the transposed tile's rows split in more than two.
     prefetches: whether its kernel, launched as a programmatic dependent, prefetches its Q rows
         and first KV tile into L2 while the previous grid drains (`KernelPlan.prefetches_inputs`;
         never with the balanced split, whose ranges need every request's length). The seesaw's

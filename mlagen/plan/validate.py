@@ -9,6 +9,7 @@ registry entry (`families.KernelFamily.block`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..dsl import kv_layout
@@ -51,6 +52,169 @@ UNSPLIT_SLACK_TILES = 1
 
 
 @dataclass(frozen=True)
+class SplitPlan:
+    """How a plan's row groups split their keys over blocks and how the parts come together: the
+    split's kind and count, the cluster, the balanced split's work-list units, the merge blocks
+    and the pair merge, and the partial rows the workspace holds (`KernelPlan.split`)."""
+
+    problem: Problem
+    variant: Variant
+    schedule: TileSchedule
+    tiled: bool             # whether the family splits a row group's keys (`KernelFamily.tiled`)
+    rows: int               # query rows per block
+    warps: int              # computing warps per block
+    head_tiles: int         # H / head_tile
+
+    @property
+    def part16(self) -> bool:
+        """Whether a split's partial output rows are 16-bit, divided by their own row sum, in the
+        output's dtype (Variant.partials "16bit"), rather than unnormalized fp32."""
+        return self.variant.partials == "16bit"
+
+    @property
+    def cluster(self) -> bool:
+        """Whether a row group's splits run as one thread-block cluster (Variant.combine
+        "cluster")."""
+        return self.variant.combine == "cluster"
+
+    @property
+    def cluster_size(self) -> int:
+        """Blocks per thread-block cluster, the row group's splits; 0 without a cluster."""
+        return int(self.variant.kv_split) if self.cluster else 0
+
+    @property
+    def kv_split_kind(self) -> str:
+        """How the launch splits a row group's keys: "adaptive" (the count is a launch parameter
+        the dispatcher picks), "balanced" (equal ranges of the list of all requests' tiles) or
+        "fixed" (the count `fixed_splits`; a cluster's is its size)."""
+        return self.variant.kv_split if isinstance(self.variant.kv_split, str) else "fixed"
+
+    @property
+    def balanced(self) -> bool:
+        """Whether the split is the balanced one (kv_split_kind "balanced")."""
+        return self.variant.kv_split == "balanced"
+
+    @property
+    def ragged_rows(self) -> bool:
+        """Whether the balanced work list runs only each request's real row groups, its last
+        q_counts[b] rows (Variant.rows "ragged"; templates/split_work_list.cuh.j2, slot_q_tile)."""
+        return self.variant.rows == "ragged"
+
+    @property
+    def fixed_splits(self) -> int:
+        """The split count of a fixed split (kv_split_kind "fixed"); 0 for the others."""
+        return self.variant.kv_split if isinstance(self.variant.kv_split, int) else 0
+
+    @property
+    def merge_blocks_in_grid(self) -> bool:
+        """Whether a split launch's grid holds merge blocks after the split blocks: every family
+        that splits, but for a cluster split, whose blocks combine their rows themselves."""
+        return self.tiled and not self.cluster
+
+    @property
+    def merge_after_ranges(self) -> bool:
+        """Whether merge blocks run the balanced split's (empty) range loop and merge after it, so
+        that their code is laid out after the tile loop (templates/split_merge_blocks.cuh.j2,
+        balanced_block): the balanced seesaw and transposed tile, whose long tile loops
+        would otherwise reach past the kernel's first 64 KB of code (the paired schedules)."""
+        return self.balanced and self.schedule.paired
+
+    @property
+    def merge_at_top(self) -> bool:
+        """Whether merge blocks branch off at the top of the main kernel, before any split work:
+        where the grid holds merge blocks and they do not merge after the range loop."""
+        return self.merge_blocks_in_grid and not self.merge_after_ranges
+
+    @property
+    def part16_workspace(self) -> bool:
+        """Whether 16-bit partial rows (`part16`) travel through the global workspace, as they do
+        without a cluster; the kernel then has the pair merge's code (templates/split_pair_merge.cuh.j2,
+        end_pair)."""
+        return self.part16 and not self.cluster
+
+    @property
+    def pair_merge(self) -> bool:
+        """Whether a row group split in two ends as a pair, the second block merging both rows
+        into the output with no merge block (templates/split_counters.cuh.j2, PAIR_MERGE):
+        `part16_workspace` kernels of a schedule that merges pairs (`TileSchedule.pair_merge`: not
+        the transposed tile, whose rows split in more than two). (Ragged rows never end as a
+        pair: split_pair_merge.cuh.j2, pair_merge.)"""
+        return self.part16_workspace and self.schedule.pair_merge
+
+    @property
+    def max_merge_blocks(self) -> int:
+        """Most merge blocks a row group gets: one warp per row; 0 without a split."""
+        return -(-self.rows // self.warps) if self.tiled else 0
+
+    def q_tiles(self, seqlen_q: int) -> int:
+        return -(-seqlen_q // self.variant.q_tile)
+
+    def row_groups(self, batch: int, seqlen_q: int) -> int:
+        """Row groups (query tile x head tile of one request): the split counters in the workspace."""
+        return self.q_tiles(seqlen_q) * self.head_tiles * batch
+
+    def merge_blocks(self, batch: int, seqlen_q: int) -> int:
+        """Merge blocks per row group of a split launch: enough for about MERGE_TARGET_BLOCKS in
+        all (latency rows spread each group's merge over many SMs; large batches, whose merge
+        blocks would otherwise outnumber the SMs, get one per group)."""
+        groups = max(1, self.row_groups(batch, seqlen_q))
+        return max(1, min(self.max_merge_blocks, -(-MERGE_TARGET_BLOCKS // groups)))
+
+    def split_launch(self, num_splits: int) -> bool:
+        """Whether a launch with `num_splits` writes partials and holds merge blocks: any count
+        above 1, and the balanced split always (which requests its ranges cut, and which have
+        no keys, only the device knows); never a cluster split, whose blocks combine their rows
+        in shared memory."""
+        return self.tiled and not self.cluster and (num_splits > 1 or self.balanced)
+
+    def partial_rows(self, batch: int, seqlen_q: int, num_splits: int) -> int:
+        """Partial rows the workspace holds for a launch (0 without a split).
+        Split k of request b has its own B*S*H rows; the balanced split (num_splits = its ranges)
+        numbers its partials by slot, range + request, so num_splits + B - 1 slots of S*H rows
+        suffice whatever the lengths (templates/split_partials.cuh.j2); with ragged rows, of S*H
+        rows rounded up to whole query tiles."""
+        if not self.split_launch(num_splits):
+            return 0
+        slots = num_splits + batch - 1 if self.balanced else num_splits * batch
+        # ragged rows: a slot's rows over whole query tiles (templates/common.cuh.j2, part_row)
+        positions = -(-seqlen_q // self.variant.q_tile) * self.variant.q_tile if self.ragged_rows else seqlen_q
+        return slots * positions * self.problem.heads
+
+    @property
+    def segment_tiles(self) -> int:
+        """A balanced split's cost of a segment, in KV tiles (SEGMENT_TILES)."""
+        return SEGMENT_TILES
+
+    @property
+    def split_unit(self) -> int:
+        """KV tiles the kernel hands a split, or a balanced range, together (`split_unit`)."""
+        return split_unit(self.variant)
+
+    @property
+    def segment_units(self) -> int:
+        """A balanced split's cost of a segment in its work list's units (`split_unit` tiles):
+        SEGMENT_TILES, rounded up."""
+        return -(-SEGMENT_TILES // self.split_unit)
+
+    @property
+    def unsplit_slack_units(self) -> int:
+        """How many more units a balanced split's aligned range may hold than a packed one when no
+        request is then split (UNSPLIT_SLACK_TILES, rounded up)."""
+        return -(-UNSPLIT_SLACK_TILES // self.split_unit)
+
+    @property
+    def part_elem_bytes(self) -> int:
+        """Bytes of one value of a partial output row: 4 (fp32), or 2 with 16-bit
+        `Variant.partials`."""
+        return 2 if self.part16 else 4
+
+    @property
+    def partial_row_bytes(self) -> int:
+        """Workspace bytes per partial row: Dl values, then the row's (max, sum) as two floats."""
+        return self.problem.dl * self.part_elem_bytes + 8
+
+
+@dataclass(frozen=True)
 class KernelPlan:
     """Everything derived from a validated (problem, variant): the templates' constants."""
 
@@ -76,6 +240,12 @@ class KernelPlan:
     def family(self) -> KernelFamily:
         """The variant's family (`families.FAMILIES`)."""
         return family_of(self.variant)
+
+    @functools.cached_property
+    def split(self) -> SplitPlan:
+        """How its row groups split their keys and merge the parts (`SplitPlan`)."""
+        return SplitPlan(problem=self.problem, variant=self.variant, schedule=self.schedule, tiled=self.uses_split,
+                         rows=self.rows, warps=self.warps, head_tiles=self.head_tiles)
 
     @property
     def uses_split(self) -> bool:
@@ -167,12 +337,6 @@ class KernelPlan:
         return self.variant.stages
 
     @property
-    def part16(self) -> bool:
-        """Whether a split's partial output rows are 16-bit, divided by their own row sum, in the
-        output's dtype (Variant.partials "16bit"), rather than unnormalized fp32."""
-        return self.variant.partials == "16bit"
-
-    @property
     def tma(self) -> bool:
         """Whether KV tiles load as TMA boxes counted by mbarriers (Variant.loads "tma")."""
         return self.variant.loads == "tma"
@@ -184,81 +348,11 @@ class KernelPlan:
         return self.schedule.seesaw_loop
 
     @property
-    def cluster(self) -> bool:
-        """Whether a row group's splits run as one thread-block cluster (Variant.combine
-        "cluster")."""
-        return self.variant.combine == "cluster"
-
-    @property
-    def cluster_size(self) -> int:
-        """Blocks per thread-block cluster, the row group's splits; 0 without a cluster."""
-        return int(self.variant.kv_split) if self.cluster else 0
-
-    @property
-    def kv_split_kind(self) -> str:
-        """How the launch splits a row group's keys: "adaptive" (the count is a launch parameter
-        the dispatcher picks), "balanced" (equal ranges of the list of all requests' tiles) or
-        "fixed" (the count `fixed_splits`; a cluster's is its size)."""
-        return self.variant.kv_split if isinstance(self.variant.kv_split, str) else "fixed"
-
-    @property
-    def balanced(self) -> bool:
-        """Whether the split is the balanced one (kv_split_kind "balanced")."""
-        return self.variant.kv_split == "balanced"
-
-    @property
-    def ragged_rows(self) -> bool:
-        """Whether the balanced work list runs only each request's real row groups, its last
-        q_counts[b] rows (Variant.rows "ragged"; templates/split_work_list.cuh.j2, slot_q_tile)."""
-        return self.variant.rows == "ragged"
-
-    @property
-    def fixed_splits(self) -> int:
-        """The split count of a fixed split (kv_split_kind "fixed"); 0 for the others."""
-        return self.variant.kv_split if isinstance(self.variant.kv_split, int) else 0
-
-    @property
     def max_keys(self) -> int:
         """Most keys the block table may address (max_pages * page size), in keys: one block_n
         tile per block of the cluster for a schedule that runs one a block (the P exchange,
         `TileSchedule.max_keys`); 0 for no bound."""
         return self.schedule.max_keys(self.variant)
-
-    @property
-    def merge_blocks_in_grid(self) -> bool:
-        """Whether a split launch's grid holds merge blocks after the split blocks: every family
-        that splits, but for a cluster split, whose blocks combine their rows themselves."""
-        return self.uses_split and not self.cluster
-
-    @property
-    def merge_after_ranges(self) -> bool:
-        """Whether merge blocks run the balanced split's (empty) range loop and merge after it, so
-        that their code is laid out after the tile loop (templates/split_merge_blocks.cuh.j2,
-        balanced_block): the balanced seesaw and transposed tile, whose long tile loops
-        would otherwise reach past the kernel's first 64 KB of code (the paired schedules)."""
-        return self.balanced and self.schedule.paired
-
-    @property
-    def merge_at_top(self) -> bool:
-        """Whether merge blocks branch off at the top of the main kernel, before any split work:
-        where the grid holds merge blocks and they do not merge after the range loop."""
-        return self.merge_blocks_in_grid and not self.merge_after_ranges
-
-    @property
-    def part16_workspace(self) -> bool:
-        """Whether 16-bit partial rows (`part16`) travel through the global workspace, as they do
-        without a cluster; the kernel then has the pair merge's code (templates/split_pair_merge.cuh.j2,
-        end_pair)."""
-        return self.part16 and not self.cluster
-
-    @property
-    def pair_merge(self) -> bool:
-        """Whether a row group split in two ends as a pair, the second block merging both rows
-        into the output with no merge block (templates/split_counters.cuh.j2, PAIR_MERGE):
-        `part16_workspace` kernels of a schedule that merges pairs (`TileSchedule.pair_merge`: not
-        the transposed tile, whose rows split in more than two). (Ragged rows never end as a
-        pair: split_pair_merge.cuh.j2, pair_merge.)"""
-        return self.part16_workspace and self.schedule.pair_merge
 
     @property
     def programmatic_launch(self) -> bool:
@@ -275,7 +369,7 @@ class KernelPlan:
         `programmatic_launch`, but for the balanced split (its ranges need every request's
         length) and FP8 caches (the prefetch reads 16-bit rows)."""
         return (self.programmatic_launch and self.family.prefetches and self.schedule.prefetches
-                and not self.balanced and not self.problem.fp8_kv)
+                and not self.split.balanced and not self.problem.fp8_kv)
 
     @property
     def arch_specific(self) -> bool:
@@ -293,78 +387,6 @@ class KernelPlan:
         """Those of `mbarriers` that count a KV load's bytes (`TileSchedule.load_mbarriers`)."""
         return self.schedule.load_mbarriers(self.variant)
 
-    @property
-    def max_merge_blocks(self) -> int:
-        """Most merge blocks a row group gets: one warp per row; 0 without a split."""
-        return -(-self.rows // (self.threads // 32)) if self.uses_split else 0
-
-    def q_tiles(self, seqlen_q: int) -> int:
-        return -(-seqlen_q // self.variant.q_tile)
-
-    def row_groups(self, batch: int, seqlen_q: int) -> int:
-        """Row groups (query tile x head tile of one request): the split counters in the workspace."""
-        return self.q_tiles(seqlen_q) * self.head_tiles * batch
-
-    def merge_blocks(self, batch: int, seqlen_q: int) -> int:
-        """Merge blocks per row group of a split launch: enough for about MERGE_TARGET_BLOCKS in
-        all (latency rows spread each group's merge over many SMs; large batches, whose merge
-        blocks would otherwise outnumber the SMs, get one per group)."""
-        groups = max(1, self.row_groups(batch, seqlen_q))
-        return max(1, min(self.max_merge_blocks, -(-MERGE_TARGET_BLOCKS // groups)))
-
-    def split_launch(self, num_splits: int) -> bool:
-        """Whether a launch with `num_splits` writes partials and holds merge blocks: any count
-        above 1, and the balanced split always (which requests its ranges cut, and which have
-        no keys, only the device knows); never a cluster split, whose blocks combine their rows
-        in shared memory."""
-        return self.uses_split and not self.cluster and (num_splits > 1 or self.balanced)
-
-    def partial_rows(self, batch: int, seqlen_q: int, num_splits: int) -> int:
-        """Partial rows the workspace holds for a launch (0 without a split).
-        Split k of request b has its own B*S*H rows; the balanced split (num_splits = its ranges)
-        numbers its partials by slot, range + request, so num_splits + B - 1 slots of S*H rows
-        suffice whatever the lengths (templates/split_partials.cuh.j2); with ragged rows, of S*H
-        rows rounded up to whole query tiles."""
-        if not self.split_launch(num_splits):
-            return 0
-        slots = num_splits + batch - 1 if self.balanced else num_splits * batch
-        # ragged rows: a slot's rows over whole query tiles (templates/common.cuh.j2, part_row)
-        positions = -(-seqlen_q // self.variant.q_tile) * self.variant.q_tile if self.ragged_rows else seqlen_q
-        return slots * positions * self.problem.heads
-
-    @property
-    def segment_tiles(self) -> int:
-        """A balanced split's cost of a segment, in KV tiles (SEGMENT_TILES)."""
-        return SEGMENT_TILES
-
-    @property
-    def split_unit(self) -> int:
-        """KV tiles the kernel hands a split, or a balanced range, together (`split_unit`)."""
-        return split_unit(self.variant)
-
-    @property
-    def segment_units(self) -> int:
-        """A balanced split's cost of a segment in its work list's units (`split_unit` tiles):
-        SEGMENT_TILES, rounded up."""
-        return -(-SEGMENT_TILES // self.split_unit)
-
-    @property
-    def unsplit_slack_units(self) -> int:
-        """How many more units a balanced split's aligned range may hold than a packed one when no
-        request is then split (UNSPLIT_SLACK_TILES, rounded up)."""
-        return -(-UNSPLIT_SLACK_TILES // self.split_unit)
-
-    @property
-    def part_elem_bytes(self) -> int:
-        """Bytes of one value of a partial output row: 4 (fp32), or 2 with 16-bit
-        `Variant.partials`."""
-        return 2 if self.part16 else 4
-
-    @property
-    def partial_row_bytes(self) -> int:
-        """Workspace bytes per partial row: Dl values, then the row's (max, sum) as two floats."""
-        return self.problem.dl * self.part_elem_bytes + 8
-
     def _grid(self, batch: N, seqlen_q: N, num_splits: N, merge_blocks: N) -> tuple[N | int, N, N]:
         """The grid's formula, on ints (`grid`) or on Terms (`grid_expr`). Split launches add z
         slabs after the B request slabs for the merge blocks, so that every merge block comes
@@ -376,15 +398,15 @@ class KernelPlan:
             return (self.problem.heads, seqlen_q, batch)
         x = ceil_div(seqlen_q, self.variant.q_tile) * self.head_tiles
         merge_slabs = (batch * merge_blocks + num_splits - 1) // num_splits
-        if self.balanced:
+        if self.split.balanced:
             return (x, num_splits, 1 + merge_slabs)
-        if self.cluster:
+        if self.split.cluster:
             return (x, num_splits, batch)
         return (x, num_splits, select(num_splits > 1, batch + merge_slabs, batch))
 
     def grid(self, batch: int, seqlen_q: int, num_splits: int) -> tuple[int, int, int]:
         """Grid of the kernel for a launch (`_grid`)."""
-        return self._grid(batch, seqlen_q, num_splits, self.merge_blocks(batch, seqlen_q))
+        return self._grid(batch, seqlen_q, num_splits, self.split.merge_blocks(batch, seqlen_q))
 
     def grid_expr(self) -> tuple[str, str, str]:
         """`grid` as C-like expressions of B, S, num_splits and merge_blocks (`merge_blocks`'s

@@ -130,12 +130,13 @@ def _prepare(heads: int, dl: int, dr: int, dtype: Dtype, page_size: int, mask: M
     loaded = load(problem, variant, device)
     splits = num_splits(variant, heads, batch, seqlen_q, kv_capacity, dispatch, loaded.blocks_per_sm)
     plan = loaded.plan
-    split = plan.split_launch(splits)
-    layout = workspace.Layout.of(plan.partial_rows(batch, seqlen_q, splits), dl * plan.part_elem_bytes,
-                                 plan.row_groups(batch, seqlen_q)) if split else None
+    split = plan.split.split_launch(splits)
+    layout = workspace.Layout.of(plan.split.partial_rows(batch, seqlen_q, splits), dl * plan.split.part_elem_bytes,
+                                 plan.split.row_groups(batch, seqlen_q)) if split else None
     in_graphs = dependent_in_graphs(variant, heads, seqlen_q, batch, kv_capacity, dispatch)
     return _Prepared(loaded=loaded, kernel=kernel_launch(loaded, plan.grid(batch, seqlen_q, splits), in_graphs),
-                     splits=splits, layout=layout, merge_blocks=plan.merge_blocks(batch, seqlen_q) if split else 0,
+                     splits=splits, layout=layout,
+                     merge_blocks=plan.split.merge_blocks(batch, seqlen_q) if split else 0,
                      tma_rows=variant.block_n if variant.loads == "tma" else 0,
                      split_keys_log2=INVARIANT_SPLIT_KEYS_LOG2 if invariant and split else 0)
 

@@ -46,8 +46,8 @@ class Layout:
 
     @classmethod
     def of(cls, rows: int, row_bytes: int, row_groups: int) -> Layout:
-        """For `rows` partial rows (`KernelPlan.partial_rows`) of `row_bytes` bytes of values each
-        (Dl times `KernelPlan.part_elem_bytes`; a multiple of 8, so part_ml stays float2-aligned)."""
+        """For `rows` partial rows (`SplitPlan.partial_rows`) of `row_bytes` bytes of values each
+        (Dl times `SplitPlan.part_elem_bytes`; a multiple of 8, so part_ml stays float2-aligned)."""
         return cls(numel=rows * (row_bytes + 8) // 4, part_ml_offset=rows * row_bytes, counters=row_groups)
 
 

@@ -87,7 +87,7 @@ def manifest(plan: KernelPlan) -> dict:
         },
         "workspace": {
             "when": "num_splits > 1, or a balanced split (the launcher's split_launch)",
-            "part_o": (f"{plan.problem.dtype} [partial_rows, Dl], each row divided by its sum" if plan.part16
+            "part_o": (f"{plan.problem.dtype} [partial_rows, Dl], each row divided by its sum" if plan.split.part16
                        else "float32 [partial_rows, Dl], unnormalized"),
             "part_ml": "float32 [partial_rows, 2], (max, sum) in the log2 domain, after part_o",
             "partial_rows": "the launcher's partial_rows(B, S, num_splits)",

@@ -9,7 +9,7 @@ holds the merge blocks when num_splits > 1) through cudaLaunchKernel. A TMA vari
 also has `make_kv_map`, which encodes the cache's tensor map (as mlagen/runtime/tensormap.py
 does) into a device buffer that `launch` then takes, with the box and descriptor sizes of
 `mlagen.plan.mma_plan` (TMA_BOX_DIMS, TENSOR_MAP_BYTES). `merge_blocks` and
-`default_num_splits` are C++ twins of `KernelPlan.merge_blocks` and `policy.num_splits`;
+`default_num_splits` are C++ twins of `SplitPlan.merge_blocks` and `policy.num_splits`;
 tests/test_launcher.py compiles them and compares with the Python.
 
 The header is meant for a different translation unit than the .cu (see the header's comment):

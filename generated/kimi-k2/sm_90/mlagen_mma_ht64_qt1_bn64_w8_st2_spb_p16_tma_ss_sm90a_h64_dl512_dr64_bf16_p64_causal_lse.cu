@@ -644,7 +644,7 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 // All row groups of a request stream its keys in step (L2 serves all but the first read of a
 // tile). Range y's partial of request b goes to workspace slot y + b: one request's slots are
 // consecutive and the next request's come after them (its first range is at least this one's
-// last), so a launch needs at most gridDim.y + B - 1 slots (mlagen.plan.validate.KernelPlan.partial_rows
+// last), so a launch needs at most gridDim.y + B - 1 slots (mlagen.plan.validate.SplitPlan.partial_rows
 // sizes the workspace so).
 // Warp sums and maxima on the reduction unit (redux.sync, sm_80+): one instruction, where a
 // butterfly takes five shuffles, and its result lands in a uniform register, so ptxas sees the
