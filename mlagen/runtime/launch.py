@@ -3,13 +3,13 @@
 Kernels are launched with the packed parameter block: no CuPy arrays, no allocations, no host
 synchronization, so launches work on any stream, torch's included, and inside CUDA graph
 capture. Launches go through cuLaunchKernel in CuPy's compiled driver bindings (ctypes'
-argument conversion costs ~1 µs more per launch).
+argument conversion costs more per launch: docs/performance.md, "Host cost").
 
 MLAGEN_PDL=1 (read when a shape is first prepared) launches sm_90+ kernels with programmatic
 dependent launch instead (cuLaunchKernelEx through ctypes, which CuPy does not bind): a
 launch's blocks are scheduled while the kernel before it drains, and the kernels wait for that
 kernel's writes before reading anything (`pdl_prologue` in templates/common.cuh.j2). It is off
-by default for eager calls, which pay ~5 µs of host time per call for it (on the H200). Short
+by default for eager calls, which pay host time per call for it (docs/performance.md). Short
 launches (`policy.dependent_in_graphs`: P exchanges, S=9 up to 16384 keys on the H200) go
 that way by default while their stream is captured into a graph, where the host time does not
 count (`KernelLaunch.pdl_captured`); long and batched ones, which it slows by up to 7%, launch
@@ -105,9 +105,9 @@ class KernelLaunch:
     """The launch of one shape, as cuLaunchKernel's leading arguments (function, grid xyz,
     block xyz, dynamic shared memory), computed once so that a launch only adds the stream;
     `pdl`: launch it as a programmatic dependent of the stream's previous kernel; `pdl_captured`:
-    so only while the stream is captured into a graph (short launches: PDL takes the 256-key row
-    on the P exchange from 9.37 to 8.85 µs on the H200 and 1024 keys on the split from 14.6 to
-    13.9, H=64 S=9, and its ~5 µs of host time per launch does not count in a graph)."""
+    so only while the stream is captured into a graph (short launches, which it speeds up, and
+    where its host time per launch does not count; docs/performance.md, "Programmatic dependent
+    launch")."""
 
     args: tuple[int, ...]
     name: str

@@ -257,8 +257,8 @@ __device__ __forceinline__ const kv_t* kv_row(const VerifyParams& p, int b, int 
 
 // Draft-tree rows as bit sets: bit k of tree_bits(p, b, i, lane) says query i sees draft token k.
 // A whole warp reads a row: lane k reads bytes k and k + 32 and two ballots gather them
-// (tree_row_bits), one round trip to memory where a loop over the row's bytes pays one per byte
-// (~1 µs a block at S = 9, on every work item of a persistent block).
+// (tree_row_bits), one round trip to memory where a loop over the row's bytes pays one per byte,
+// on every work item of a persistent block (docs/performance.md, "Tree masks").
 struct TreeRowBytes {
   unsigned lo, hi;   // bytes lane and lane + 32 of the row, 0 past S
 };
@@ -275,7 +275,7 @@ __device__ __forceinline__ unsigned long long tree_bits(const VerifyParams& p, i
 // The same bytes, read where the call stands (PTX loads, which the compiler keeps in order with
 // the other asm statements): a kernel that runs one tile a block issues them before its KV
 // copies and gathers the bits after, so their round trip overlaps the copies'. Written in C++,
-// the loads sink to the ballots, after the copies (+1 µs, a 13% of H = 64 S = 9 at 265 keys).
+// the loads sink to the ballots, after the copies (docs/performance.md, "Tree masks").
 __device__ __forceinline__ TreeRowBytes fetch_tree_row(const VerifyParams& p, int b, int i, int lane, bool live) {
   const unsigned char* row = tree_row(p, b, i);
   TreeRowBytes r = {0u, 0u};
@@ -594,8 +594,7 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
 // and counts them done, and the second, its rows still staged in shared memory, waits for that
 // count and merges the first's rows with its own straight into the output (end_pair). The
 // second writes no partial, and the row group's end waits for no merge block to start on an SM
-// the split blocks free (H200, H=16 B=64 S=4 at 4096 keys: 95.3 µs against 97.2 with a merge
-// block). A group of three or more splits goes through the merge blocks: one block merging them
+// the split blocks free (docs/design.md, "The balanced split", has the figure). A group of three or more splits goes through the merge blocks: one block merging them
 // all would read every partial through one SM. (The transposed kernel has no pair path: its rows
 // split in more than two.) PAIR_MERGE (the traits block) says whether the kernel has it.
 
@@ -1204,8 +1203,8 @@ __device__ __forceinline__ void segment_tiles(const VerifyParams& p, int x, int 
 // prefetch (bounded by the cache, read past L1 so that no stale line stays there), and the
 // segment reads them again after the wait. (A balanced split's ranges need every request's
 // length: its blocks do not guess. The seesaw, whose first tiles thread 0 issues as TMA boxes
-// right after the wait, loses 0.5-1.0 µs with it on the H200: H=64 S=9 at 16384 keys, S=33 at
-// 4096.)
+// right after the wait, loses time with it: docs/performance.md, "Programmatic dependent
+// launch".)
 __device__ __forceinline__ void prefetch_inputs(const VerifyParams& p) {
   const int b = blockIdx.z, x = blockIdx.x, S = p.seqlen_q;
   if (b >= merge_z0(p)) return;                     // a merge block reads partials only

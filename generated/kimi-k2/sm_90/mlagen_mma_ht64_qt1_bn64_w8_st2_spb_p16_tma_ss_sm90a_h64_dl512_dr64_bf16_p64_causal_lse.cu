@@ -266,8 +266,8 @@ __device__ __forceinline__ const kv_t* kv_row(const VerifyParams& p, int b, int 
 
 // Draft-tree rows as bit sets: bit k of tree_bits(p, b, i, lane) says query i sees draft token k.
 // A whole warp reads a row: lane k reads bytes k and k + 32 and two ballots gather them
-// (tree_row_bits), one round trip to memory where a loop over the row's bytes pays one per byte
-// (~1 µs a block at S = 9, on every work item of a persistent block).
+// (tree_row_bits), one round trip to memory where a loop over the row's bytes pays one per byte,
+// on every work item of a persistent block (docs/performance.md, "Tree masks").
 struct TreeRowBytes {
   unsigned lo, hi;   // bytes lane and lane + 32 of the row, 0 past S
 };
@@ -284,7 +284,7 @@ __device__ __forceinline__ unsigned long long tree_bits(const VerifyParams& p, i
 // The same bytes, read where the call stands (PTX loads, which the compiler keeps in order with
 // the other asm statements): a kernel that runs one tile a block issues them before its KV
 // copies and gathers the bits after, so their round trip overlaps the copies'. Written in C++,
-// the loads sink to the ballots, after the copies (+1 µs, a 13% of H = 64 S = 9 at 265 keys).
+// the loads sink to the ballots, after the copies (docs/performance.md, "Tree masks").
 __device__ __forceinline__ TreeRowBytes fetch_tree_row(const VerifyParams& p, int b, int i, int lane, bool live) {
   const unsigned char* row = tree_row(p, b, i);
   TreeRowBytes r = {0u, 0u};
@@ -603,8 +603,7 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* ptr) {
 // and counts them done, and the second, its rows still staged in shared memory, waits for that
 // count and merges the first's rows with its own straight into the output (end_pair). The
 // second writes no partial, and the row group's end waits for no merge block to start on an SM
-// the split blocks free (H200, H=16 B=64 S=4 at 4096 keys: 95.3 µs against 97.2 with a merge
-// block). A group of three or more splits goes through the merge blocks: one block merging them
+// the split blocks free (docs/design.md, "The balanced split", has the figure). A group of three or more splits goes through the merge blocks: one block merging them
 // all would read every partial through one SM. (The transposed kernel has no pair path: its rows
 // split in more than two.) PAIR_MERGE (the traits block) says whether the kernel has it.
 
@@ -658,7 +657,8 @@ __device__ __forceinline__ int warp_max_uniform(int x) { return __reduce_max_syn
 __device__ __forceinline__ int ceil_div(int a, int d) { return (int)(((unsigned)a + d - 1) / (unsigned)d); }
 // The list counts work units of WORK_UNIT KV tiles (mlagen.plan.validate.split_unit): a tile, or the
 // seesaw's pair, whose warpgroups take a tile each. Counted in tiles, a seesaw range of an odd
-// count would run a padding tile, and H=64 B=8 S=9's ranges would end up to 12 µs apart.
+// count would run a padding tile, and ranges would end far apart (docs/performance.md, "Split
+// and merge").
 // SEGMENT_COST and UNSPLIT_SLACK are validate's SEGMENT_TILES and UNSPLIT_SLACK_TILES in units.
 // MERGE_AFTER_RANGES: whether merge blocks run the range loop (empty) and merge after it
 // (balanced_block), rather than returning at the top of the kernel. (All four: the traits block.)
@@ -935,7 +935,7 @@ __device__ __forceinline__ void range_tiles(const WorkList& wl, int t, int start
 // request the loop reads the lengths. Every value of the range goes through a lane-0 broadcast: the same
 // values, but ptxas then sees the request loop as uniform and keeps the tile loop's indices and
 // shared addresses in uniform registers (without the broadcast every wgmma descriptor is rebuilt
-// per instruction: H=64 S=9 at 65536 keys, 231 µs against 197 for the adaptive split).
+// per instruction: docs/performance.md, "Code layout and the compiler").
 template <class Segment>
 __device__ __forceinline__ void run_range(const VerifyParams& p, const WorkList& wl, const LaneRequests& lt, int lane,
                                           bool merging, Segment&& segment) {

@@ -189,8 +189,8 @@ __device__ __forceinline__ const kv_t* kv_row(const VerifyParams& p, int b, int 
 
 // Draft-tree rows as bit sets: bit k of tree_bits(p, b, i, lane) says query i sees draft token k.
 // A whole warp reads a row: lane k reads bytes k and k + 32 and two ballots gather them
-// (tree_row_bits), one round trip to memory where a loop over the row's bytes pays one per byte
-// (~1 µs a block at S = 9, on every work item of a persistent block).
+// (tree_row_bits), one round trip to memory where a loop over the row's bytes pays one per byte,
+// on every work item of a persistent block (docs/performance.md, "Tree masks").
 struct TreeRowBytes {
   unsigned lo, hi;   // bytes lane and lane + 32 of the row, 0 past S
 };
@@ -207,7 +207,7 @@ __device__ __forceinline__ unsigned long long tree_bits(const VerifyParams& p, i
 // The same bytes, read where the call stands (PTX loads, which the compiler keeps in order with
 // the other asm statements): a kernel that runs one tile a block issues them before its KV
 // copies and gathers the bits after, so their round trip overlaps the copies'. Written in C++,
-// the loads sink to the ballots, after the copies (+1 µs, a 13% of H = 64 S = 9 at 265 keys).
+// the loads sink to the ballots, after the copies (docs/performance.md, "Tree masks").
 __device__ __forceinline__ TreeRowBytes fetch_tree_row(const VerifyParams& p, int b, int i, int lane, bool live) {
   const unsigned char* row = tree_row(p, b, i);
   TreeRowBytes r = {0u, 0u};
