@@ -22,7 +22,7 @@ GPU mlagen targets (sm_80, sm_89, sm_90, sm_120):
   way on its sparse path and refuses them on its dense one.)
 
 - FP8 caches (`is_fp8_kvcache=True`): FlashMLA's 656-byte uint8 rows, run on mlagen's mma
-  tiles that dequantize each KV tile in shared memory (1.3-2.7x the bf16 time on the H200).
+  tiles that dequantize each KV tile in shared memory (slower than bf16 today; docs/performance.md).
 
 Sparse attention (`indices`, `extra_k_cache`, `extra_indices_in_kvcache`, `topk_length`,
 `extra_topk_length`, `topk`) raises NotImplementedError. For draft-tree

@@ -220,7 +220,7 @@ __device__ __forceinline__ TreeRowBytes fetch_tree_row(const VerifyParams& p, in
 
 // Lane 0 stores a row's bits to shared memory. The store is PTX: written in C++, it makes ptxas
 // keep the wgmma kernels' shared-memory descriptors in ordinary registers, and each wgmma of the
-// tile loop then waits on R2UR moves (H = 64 rows of one query: 1.10-1.20x the causal kernel's time).
+// tile loop then waits on R2UR moves (docs/performance.md, "Code layout and the compiler").
 __device__ __forceinline__ void store_tree_row(unsigned long long* dst, unsigned long long row, int lane) {
   if (lane == 0) asm volatile("st.shared.u64 [%0], %1;\n" :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(row) : "memory");
 }
