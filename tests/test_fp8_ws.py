@@ -138,6 +138,22 @@ def test_it_matches_the_reference_of_its_e4m3_cache(name, mask):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", [WS, "mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ws_sm90a"])
+def test_fp16_queries_over_an_e4m3_cache(name):
+    """fp16 queries and output (the widening's fp16 unit and shift): every row against the
+    reference, fp16's tolerance."""
+    _gpu_sm90a()
+    case = make_case(batch=3, seqlen_q=5, heads=64, prefixes=[900, 0, 2100], page_size=64, mask="tree", seed=17,
+                     dtype=torch.float16, empty=[False, True, False], kv_format="e4m3")
+    out, lse = _check(case, parse_variant(name), case.kv_scale)
+    assert out.dtype == torch.float16
+    ref_out, ref_lse = mlagen.reference(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                        dtype=torch.float64, **case.kwargs())
+    problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2))
+    assert problem is None, (name, problem)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("ranges", [1, 5, 64])
 def test_balanced_ranges_that_cut_requests_anywhere(ranges):
     """The balanced split with its range count pinned: ranges that start and end mid-request, so
