@@ -88,28 +88,44 @@ def check_integers(name: str, x: torch.Tensor) -> None:
         fail(f"{name}.dtype", x.dtype, "an integer dtype (torch.int32 or torch.int64)")
 
 
+def check_queries(q: object, head_dim_v: object) -> torch.Tensor:
+    """q, a floating [B, S, H, Dl+Dr] tensor, and head_dim_v, an int in 1..Dl+Dr: q as a tensor, or
+    InputError naming the argument."""
+    q = tensor_arg("q", q)
+    if not q.dtype.is_floating_point:
+        fail("q.dtype", q.dtype, "a floating dtype (torch.float8_e4m3fn with q_scale)")
+    if q.dim() != 4:
+        fail("q.shape", tuple(q.shape), "[B, S, H, Dl+Dr] (4 dims)")
+    D = q.size(3)
+    if not (isinstance(head_dim_v, int) and 0 < head_dim_v <= D):
+        fail("head_dim_v", head_dim_v, f"an int with 0 < head_dim_v <= q.shape[-1]={D}")
+    return q
+
+
+def check_cache(name: str, kv_cache: object, q: torch.Tensor) -> torch.Tensor:
+    """The cache argument `name` on q's device, [num_pages, page_size, (1,) row] with at least one
+    page of one row, and a 16-bit row as wide as q's (an FP8 row's width is `fp8_layout`'s to
+    check): the cache as a tensor, or InputError naming the argument."""
+    cache = tensor_arg(name, kv_cache, q.device)
+    if not (cache.dim() == 3 or (cache.dim() == 4 and cache.size(2) == 1)):
+        fail(f"{name}.shape", tuple(cache.shape), "[num_pages, page_size, Dl+Dr] or [num_pages, page_size, 1, Dl+Dr]")
+    if cache.size(0) < 1 or cache.size(1) < 1:
+        fail(f"{name}.shape", tuple(cache.shape), "at least one page of at least one row")
+    D = q.size(-1)
+    if cache.dtype not in QUANTIZED_DTYPES and cache.size(-1) != D:
+        fail(f"q.shape[-1] and {name}.shape[-1]", f"{D} and {cache.size(-1)}", "one size, Dl+Dr (a row's width)")
+    return cache
+
+
 def check_reference_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens: object,
                            tree_mask: object, head_dim_v: int) -> None:
     """`reference`'s checks, before any work: each tensor on q's device with the shape and dtype
     `reference` documents, naming the argument, what it got and what it expected. Looser than the
     op's (`inputs.check_inputs`): any float dtype, any strides, any integer index dtype. An FP8
     cache and its kv_scale are checked by `fp8_layout`. Raises InputError."""
-    q = tensor_arg("q", q)
-    if not q.dtype.is_floating_point:
-        fail("q.dtype", q.dtype, "a floating dtype (torch.float8_e4m3fn with q_scale)")
-    if q.dim() != 4:
-        fail("q.shape", tuple(q.shape), "[B, S, H, Dl+Dr] (4 dims)")
-    B, S, H, D = q.shape
-    if not (isinstance(head_dim_v, int) and 0 < head_dim_v <= D):
-        fail("head_dim_v", head_dim_v, f"an int with 0 < head_dim_v <= q.shape[-1]={D}")
-    kv_cache = tensor_arg("kv_cache", kv_cache, q.device)
-    if not (kv_cache.dim() == 3 or (kv_cache.dim() == 4 and kv_cache.size(2) == 1)):
-        fail("kv_cache.shape", tuple(kv_cache.shape), "[num_pages, page_size, Dl+Dr] or [num_pages, page_size, 1, "
-              "Dl+Dr]")
-    if kv_cache.size(0) < 1 or kv_cache.size(1) < 1:
-        fail("kv_cache.shape", tuple(kv_cache.shape), "at least one page of at least one row")
-    if kv_cache.dtype not in QUANTIZED_DTYPES and kv_cache.size(-1) != D:
-        fail("q.shape[-1] and kv_cache.shape[-1]", f"{D} and {kv_cache.size(-1)}", "one size, Dl+Dr (a row's width)")
+    q = check_queries(q, head_dim_v)
+    B, S = q.shape[:2]
+    check_cache("kv_cache", kv_cache, q)
     block_table = tensor_arg("block_table", block_table, q.device)
     check_integers("block_table", block_table)
     if block_table.dim() != 2 or block_table.size(0) != B or block_table.size(1) < 1:

@@ -22,8 +22,8 @@ from typing import NamedTuple
 import torch
 
 from .inputs import InputError, fail, tensor_arg
-from .kv_formats import QUANTIZED_DTYPES, dequantize_kv
-from .reference import check_integers, dequantized_queries, fp8_layout
+from .kv_formats import dequantize_kv
+from .reference import check_cache, check_integers, check_queries, dequantized_queries, fp8_layout
 
 
 class KeySet(NamedTuple):
@@ -36,13 +36,8 @@ class KeySet(NamedTuple):
 
 def _check_key_set(prefix: str, keys: KeySet, q: torch.Tensor) -> None:
     """Shapes, dtypes and devices of one key set against q [B, S, H, D]; raises InputError."""
-    B, S, _, D = q.shape
-    cache = tensor_arg(f"{prefix}kv_cache", keys.kv_cache, q.device)
-    if not (cache.dim() == 3 or (cache.dim() == 4 and cache.size(2) == 1)) or cache.size(0) < 1 or cache.size(1) < 1:
-        fail(f"{prefix}kv_cache.shape", tuple(cache.shape),
-             "[num_pages >= 1, page_size >= 1, Dl+Dr] or [num_pages, page_size, 1, Dl+Dr]")
-    if cache.dtype not in QUANTIZED_DTYPES and cache.size(-1) != D:
-        fail(f"q.shape[-1] and {prefix}kv_cache.shape[-1]", f"{D} and {cache.size(-1)}", "one size, Dl+Dr")
+    B, S = q.shape[:2]
+    check_cache(f"{prefix}kv_cache", keys.kv_cache, q)
     indices = tensor_arg(f"{prefix}indices", keys.indices, q.device)
     check_integers(f"{prefix}indices", indices)
     if indices.dim() != 3 or tuple(indices.shape[:2]) != (B, S) or indices.size(2) < 1:
@@ -120,12 +115,8 @@ def sparse_reference(
     wrong shape, dtype or device, a row id other than -1 outside the cache, a topk_length outside
     0..topk, an extra cache without its indices (or indices without the cache).
     """
-    q = tensor_arg("q", q)
-    if not q.dtype.is_floating_point or q.dim() != 4:
-        fail("q", f"{q.dtype} {tuple(q.shape)}", "a floating [B, S, H, Dl+Dr] tensor (float8_e4m3fn with q_scale)")
-    B, S, H, D = q.shape
-    if not (isinstance(head_dim_v, int) and 0 < head_dim_v <= D):
-        fail("head_dim_v", head_dim_v, f"an int with 0 < head_dim_v <= q.shape[-1]={D}")
+    q = check_queries(q, head_dim_v)
+    D = q.size(3)
     if (extra_kv_cache is None) != (extra_indices is None) or (extra_indices is None and extra_topk_length is not None):
         raise InputError("extra_kv_cache, extra_indices, extra_topk_length: an extra cache comes with its indices "
                          "(and optionally its topk_length); got "
