@@ -6,7 +6,6 @@ CPU, the op and the reference on the GPU); argument errors; examples/context_par
 from __future__ import annotations
 
 import functools
-import importlib.util
 import itertools
 import math
 import re
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from scripts import load_script
 
 import mlagen
 from mlagen.runtime import context_parallel, varlen
@@ -368,10 +368,7 @@ def test_guide_context_parallel_example_runs():
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("context_parallel_example", ROOT / "examples" / "context_parallel.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/context_parallel.py")
 
 
 def test_example_skips_without_two_gpus(monkeypatch, capsys):

@@ -3,12 +3,12 @@ commands and names must exist; the figures the docs quote from the code, the shi
 the latest H200 results must match them."""
 
 import doctest
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
+from scripts import load_script
 
 import mlagen
 from mlagen import Problem, SpecError, validate
@@ -28,10 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _make_api():
-    spec = importlib.util.spec_from_file_location("make_api", ROOT / "docs" / "make_api.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("docs/make_api.py")
 
 
 def test_api_reference_is_up_to_date():

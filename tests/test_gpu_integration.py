@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from scripts import load_script
 
 import mlagen
 from mlagen.dsl.spec import MAX_SEQLEN_Q
@@ -41,8 +40,6 @@ from mlagen.tools.testing import assert_rows_match, rel_error, tolerance
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers", reason="the DeepSeek-V3 integration tests need transformers")
-
-ROOT = Path(__file__).resolve().parent.parent
 BF16_EPS = torch.finfo(torch.bfloat16).eps            # 2^-7
 DEVICE = "cuda"
 KIMI_K2_ATTENTION = dict(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, q_lora_rank=1536,
@@ -191,11 +188,7 @@ def test_fp8_caches_run_the_models_rows(kv_format):
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("speculative_decoding_example",
-                                                  ROOT / "examples" / "speculative_decoding.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/speculative_decoding.py")
 
 
 @pytest.mark.parametrize("branches", [1, 4], ids=["chains", "trees"])

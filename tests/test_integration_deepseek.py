@@ -12,14 +12,14 @@ drafting, the greedy tree walk, argument errors and examples/speculative_decodin
 from __future__ import annotations
 
 import functools
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", reason="the DeepSeek-V3 integration tests need transformers "
                                                           "(pip install transformers)")
+
+from scripts import load_script  # noqa: E402
 
 from mlagen import InputError, quantize_kv  # noqa: E402
 from mlagen.dsl.spec import MAX_SEQLEN_Q  # noqa: E402
@@ -38,8 +38,6 @@ from mlagen.integrations import (  # noqa: E402
     prompt_lookup,
     speculative_decode,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # fp64 everywhere, but the model's RMSNorms round their normalized values to fp32 (unit roundoff
 # 2^-24 = 6e-8) and its router scores in fp32: a matmul that sums in another order (the batch
@@ -339,11 +337,7 @@ def test_clear_errors():
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("speculative_decoding_example",
-                                                  ROOT / "examples" / "speculative_decoding.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example
+    return load_script("examples/speculative_decoding.py")
 
 
 EXAMPLE_ARGS = ["--device", "cpu", "--dtype", "fp64", "--new-tokens", "6", "--batch", "2", "--hidden-size", "64",
