@@ -1209,6 +1209,22 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
 }
 
+// mbar_wait with its loop inside the asm statement, for a wait between two wgmma groups whose
+// accumulators are in flight: a loop in the kernel's own control flow there makes ptxas serialize
+// every wgmma of the kernel (mma_seesaw.cuh.j2, scores_widened).
+__device__ __forceinline__ void mbar_wait_in_asm(unsigned bar, int parity) {
+  asm volatile("{\n.reg .pred p;\nwait_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra wait_%=;\n}\n"
+               :: "r"(bar), "r"(parity) : "memory");
+}
+
+// Whether the phase of parity `parity` of mbarrier `bar` has completed, without waiting.
+__device__ __forceinline__ bool mbar_done(unsigned bar, int parity) {
+  unsigned done;
+  asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done;
+}
+
 // Rows [r0, rows) of a stage at `stage` to zeros: `chunks` 16-byte chunks a row, in 64-dim
 // column blocks of `rows` 128-byte rows one after another (as the boxes land), by threads `tid`
 // of `threads`. A box brings its page's rows past the request's keys, which may hold anything.
