@@ -19,7 +19,7 @@ from mlagen.plan.mma_plan import FP8_WS_BARRIERS, FP8_WS_PRODUCER_WARPS
 from mlagen.plan.schedules import FP8_WS, SEESAW
 from mlagen.plan.validate import validate
 from mlagen.runtime.op import device_info
-from mlagen.tools.testing import compare_rows, make_case, pinned_balanced_ranges
+from mlagen.tools.testing import assert_matches, compare_rows, make_case, pinned_balanced_ranges
 
 WS = "mma_ht64_qt1_bn64_w8_st2_spa_tma_ws_sm90a"
 # Its variants across the splits the seesaw takes: adaptive, fixed, balanced (16-bit partials,
@@ -147,10 +147,7 @@ def test_fp16_queries_over_an_e4m3_cache(name):
                      dtype=torch.float16, empty=[False, True, False], kv_format="e4m3")
     out, lse = _check(case, parse_variant(name), case.kv_scale)
     assert out.dtype == torch.float16
-    ref_out, ref_lse = mlagen.reference(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
-                                        dtype=torch.float64, **case.kwargs())
-    problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2))
-    assert problem is None, (name, problem)
+    assert_matches(out, lse, case)
 
 
 @pytest.mark.gpu
@@ -165,10 +162,7 @@ def test_balanced_ranges_that_cut_requests_anywhere(ranges):
                      mask="causal", seed=91, kv_format="e4m3")
     with pinned_balanced_ranges(ranges):
         out, lse = _check(case, variant, case.kv_scale)
-    ref_out, ref_lse = mlagen.reference(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
-                                        dtype=torch.float64, **case.kwargs())
-    problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2))
-    assert problem is None, (ranges, problem)
+    assert_matches(out, lse, case)
 
 
 @pytest.mark.gpu
