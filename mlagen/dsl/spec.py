@@ -22,7 +22,7 @@ QFormatName = Literal["dtype", "e4m3"]
 MaskKind = Literal["causal", "tree", "none"]
 Family = Literal["naive", "flash", "mma"]
 Split = int | Literal["adaptive", "balanced"]
-Schedule = Literal["lockstep", "seesaw", "transposed", "p_exchange", "fp8_ws"]
+Schedule = Literal["lockstep", "seesaw", "transposed", "p_exchange", "fp8_ws", "fp8_mma"]
 Loads = Literal["cp_async", "tma"]
 Combine = Literal["merge", "cluster"]
 Partials = Literal["fp32", "16bit"]
@@ -34,7 +34,7 @@ Q_FORMATS: tuple[str, ...] = ("dtype", "e4m3")
 MASKS: tuple[str, ...] = ("causal", "tree", "none")
 MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
 FAMILIES: tuple[str, ...] = ("naive", "flash", "mma")
-SCHEDULES: tuple[str, ...] = ("lockstep", "seesaw", "transposed", "p_exchange", "fp8_ws")
+SCHEDULES: tuple[str, ...] = ("lockstep", "seesaw", "transposed", "p_exchange", "fp8_ws", "fp8_mma")
 LOADS: tuple[str, ...] = ("cp_async", "tma")
 COMBINES: tuple[str, ...] = ("merge", "cluster")
 PARTIALS: tuple[str, ...] = ("fp32", "16bit")
@@ -151,6 +151,11 @@ class Variant:
             widening runs beside the products instead of between them. 64 rows, 64-key tiles,
             two stages, TMA loads (block_n dividing the page size), the "merge" combine. Named
             `_ws`.
+        "fp8_mma": sm_90a mma with e4m3 queries over an e4m3 cache, both products on e4m3
+            wgmma (fp32 accumulation), warp-specialized as fp8_ws: the producer lands each tile's
+            bytes with TMA and transposes its value dims into a key-major copy (8-bit wgmma reads
+            K-major operands only); P goes to e4m3, scaled by 2^8. No widening anywhere. The
+            same tile, splits and loads as fp8_ws. Named `_f8`.
     loads: how KV tiles reach shared memory (LOADS): "cp_async" (every thread's 16-byte copies)
         or "tma" (mma on sm_90a, block_n dividing the page size: TMA boxes,
         `cp.async.bulk.tensor`, one thread issues a tile's 64-dim column blocks, an mbarrier per
@@ -264,7 +269,7 @@ class Variant:
 TAGS: tuple[tuple[str, object, str], ...] = (
     ("mma_pv", True, "pvm"), ("combine", "cluster", "cl"), ("partials", "16bit", "p16"), ("loads", "tma", "tma"),
     ("schedule", "seesaw", "ss"), ("schedule", "transposed", "tr"), ("schedule", "p_exchange", "px"),
-    ("schedule", "fp8_ws", "ws"), ("rows", "ragged", "rg"),
+    ("schedule", "fp8_ws", "ws"), ("schedule", "fp8_mma", "f8"), ("rows", "ragged", "rg"),
 )
 
 

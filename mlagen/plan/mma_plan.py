@@ -14,7 +14,7 @@ take the same swizzle for wgmma.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..dsl.arch import MAX_ACCUMULATORS, accumulator_budget
 from ..dsl.kv_layout import row_bytes
@@ -224,6 +224,32 @@ def widened_layout(p: Problem, v: Variant) -> MmaLayout | str:
     """The fp8_ws schedule's layout: the seesaw's, two 16-bit stages and no staged rows, as an FP8
     tile lands in the back of the stage it widens into (templates/mma_ws_producer.cuh.j2)."""
     return lockstep_layout(p.with_(kv_format="dtype"), v)
+
+
+# The fp8_mma schedule keeps Q and its KV stages as e4m3 bytes in 128-byte column blocks of the
+# same swizzle (a 576-byte row fills four blocks and half of a fifth, the rope's), and beside each
+# stage the key-major copy of its value dims that P·V reads (BN bytes a value dim).
+FP8_BLOCK_BYTES = 128
+
+
+def fp8_row_bytes(p: Problem) -> int:
+    """Bytes of a Q or KV row of e4m3 values in the fp8_mma schedule's column blocks: head_dim
+    rounded up to whole 128-byte blocks."""
+    return -(-p.head_dim // FP8_BLOCK_BYTES) * FP8_BLOCK_BYTES
+
+
+def fp8_products_layout(p: Problem, v: Variant) -> MmaLayout | str:
+    """The fp8_mma schedule's layout: the seesaw's tile and warps, with Q and `v.stages` KV stages
+    of e4m3 bytes (`fp8_row_bytes` a row) and one key-major value copy a stage (Dl x block_n
+    bytes), then P (unused by its products, kept for the epilogue's layout), the row statistics and
+    the tree-mask rows."""
+    layout = lockstep_layout(p.with_(kv_format="dtype"), v)
+    if isinstance(layout, str):
+        return layout
+    row = fp8_row_bytes(p)
+    smem = (layout.m_pad * row + v.stages * v.block_n * (row + p.dl) + layout.m_pad * layout.p_stride * 2
+            + layout.wnq * layout.m_pad * 4 + layout.m_pad * 4 + MAX_SEQLEN_Q * 8)
+    return replace(layout, smem_bytes=smem)
 
 
 def lockstep_layout(p: Problem, v: Variant) -> MmaLayout | str:

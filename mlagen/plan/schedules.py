@@ -31,6 +31,7 @@ from .mma_plan import (
     MmaLayout,
     exchange_layout,
     exchange_mbarriers,
+    fp8_products_layout,
     lockstep_layout,
     no_mbarriers,
     no_stack,
@@ -91,6 +92,7 @@ class TileSchedule:
     twin_of: the schedule whose variants the tuner and the dispatcher also run on this one, the
         tile unchanged (`twin`); None: none.
     kv_formats: the `Problem.kv_format` values it reads; None: every format its family reads.
+    q_formats: the `Problem.q_format` values it reads.
     producer_warps: warps launched beside `Variant.warps` that load the KV tiles and widen an
         FP8 cache's bytes while the `Variant.warps` warps run the products (the kernel's
         `PRODUCER_THREADS`); 0: the same warps load and compute.
@@ -123,6 +125,7 @@ class TileSchedule:
     tile_a_block: bool
     twin_of: str | None
     kv_formats: tuple[str, ...] | None = None
+    q_formats: tuple[str, ...] = ("dtype",)
     producer_warps: int = 0
     fuzz_weight: int = 1
 
@@ -141,6 +144,10 @@ class TileSchedule:
         loads that stage FP8 rows (`fp8_kv_loads`)."""
         listed = self.kv_formats is None or kv_format in self.kv_formats
         return listed and (kv_format == "dtype" or bool(self.fp8_kv_loads))
+
+    def reads_queries(self, q_format: str) -> bool:
+        """Whether it reads queries of `q_format` (`q_formats`)."""
+        return q_format in self.q_formats
 
     def draw_rows(self, arch: str) -> Sequence[int]:
         """The block rows (q_tile * head_tile) a random variant for `arch` takes: `rows`, else on a
@@ -240,7 +247,18 @@ FP8_WS = TileSchedule(
     fp8_kv_loads=("tma",), seesaw_loop=True, pair_merge=True, prefetches=False, tile_a_block=False, twin_of=None,
     kv_formats=("e4m3",), producer_warps=FP8_WS_PRODUCER_WARPS, fuzz_weight=2)
 
-SCHEDULES: dict[str, TileSchedule] = {s.name: s for s in (LOCKSTEP, SEESAW, TRANSPOSED, P_EXCHANGE, FP8_WS)}
+# e4m3 queries over an e4m3 cache, both products on e4m3 wgmma: fp8_ws's producer lands each tile
+# with TMA and transposes its value dims into a key-major copy, the 8-bit B operand P·V needs,
+# while the seesaw's two warpgroups run the products (templates/mma_ws_producer.cuh.j2). The
+# dispatcher does not pick it yet.
+FP8_MMA = TileSchedule(
+    name="fp8_mma", template="mma.cu.j2", families=_MMA, archs=_SM90A, block_ns=(64,), warps=(8,), stages=(2,),
+    loads=("tma",), combines=("merge",), partials=PARTIALS, mma_pv=False, paired=True, partial_rows=True,
+    layout=fp8_products_layout, mbarriers=ws_mbarriers, load_mbarriers=ws_landing_mbarriers, stack=no_stack,
+    rows=(), fp8_kv_loads=("tma",), seesaw_loop=True, pair_merge=True, prefetches=False, tile_a_block=False,
+    twin_of=None, kv_formats=("e4m3",), q_formats=("e4m3",), producer_warps=FP8_WS_PRODUCER_WARPS, fuzz_weight=2)
+
+SCHEDULES: dict[str, TileSchedule] = {s.name: s for s in (LOCKSTEP, SEESAW, TRANSPOSED, P_EXCHANGE, FP8_WS, FP8_MMA)}
 
 
 def schedule_of(v: Variant) -> TileSchedule:

@@ -30,7 +30,7 @@ from ..dsl.spec import (
     kernel_name,
 )
 from .families import CHUNK, FAMILIES, KernelFamily, family_of
-from .mma_plan import EXCHANGE_MAX_SLOT, EXCHANGE_SLOT, MmaLayout, fp8_staging_bytes
+from .mma_plan import EXCHANGE_MAX_SLOT, EXCHANGE_SLOT, MmaLayout, fp8_row_bytes, fp8_staging_bytes
 from .schedules import SCHEDULES, TileSchedule, schedule_of
 from .terms import N, Term, ceil_div, select
 
@@ -279,6 +279,11 @@ class KernelPlan:
         return fp8_staging_bytes(self.problem, self.variant) if staged else 0
 
     @property
+    def f8_row_bytes(self) -> int:
+        """Bytes of a Q or KV row in the fp8_mma schedule's e4m3 tiles (`mma_plan.fp8_row_bytes`)."""
+        return fp8_row_bytes(self.problem)
+
+    @property
     def producer_threads(self) -> int:
         """Threads launched beside `threads` that load the KV tiles and widen an FP8 cache's bytes
         (`TileSchedule.producer_warps`); 0 where the computing threads load."""
@@ -486,11 +491,21 @@ def _check_fp8_family(p: Problem, v: Variant) -> None:
     and on the schedules that stage a tile's FP8 rows and dequantize them into the 16-bit tile
     their products read (`TileSchedule.fp8_kv_loads`) of the families that stage them (the mma
     one; `KernelFamily.fp8_kv`); e4m3 queries run on the families that read them
-    (`KernelFamily.fp8_q`: the naive one)."""
-    family = family_of(v)
-    require(not p.fp8_q or family.fp8_q, "variant.family", v.family,
-            f"{_quoted([f for f in FAMILIES.values() if f.fp8_q])} for problem.q_format={p.q_format!r} "
-            "(the tiled families read 16-bit queries only)")
+    (`KernelFamily.fp8_q`: the naive one) and on the schedules that read them
+    (`TileSchedule.q_formats`)."""
+    family, schedule = family_of(v), schedule_of(v)
+    if p.fp8_q and not family.fp8_q:
+        readers = [s.name for s in SCHEDULES.values()
+                   if s.takes(v) and s.reads_queries(p.q_format) and s.reads(p.kv_format)]
+        require(bool(readers), "variant.family", v.family,
+                f"{_quoted([f for f in FAMILIES.values() if f.fp8_q])} for problem.q_format={p.q_format!r} "
+                f"(the {v.family} family reads 16-bit queries only, but for e4m3 caches on sm_90a)")
+        require(schedule.reads_queries(p.q_format), "variant.schedule", v.schedule,
+                f"{' or '.join(map(repr, readers))} for problem.q_format={p.q_format!r} (the {v.family} family's "
+                f"schedules that read e4m3 queries on {v.arch})")
+    require(p.fp8_q or schedule.reads_queries(p.q_format), "variant.schedule", v.schedule,
+            f"a schedule that reads problem.q_format={p.q_format!r} queries (the {v.schedule} schedule reads "
+            f"{' or '.join(map(repr, schedule.q_formats))} ones)")
     if not p.fp8_kv or family.fp8_kv == "rows":
         return
     fp8 = f"problem.kv_format={p.kv_format!r}"

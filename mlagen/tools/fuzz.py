@@ -34,7 +34,7 @@ from ..dsl.errors import SpecError
 from ..dsl.spec import DTYPES, KV_FORMATS, LOADS, MASKS, MAX_SEQLEN_Q, Q_FORMATS, Problem, Variant, naive
 from ..plan.families import FAMILIES
 from ..plan.mma_plan import WGMMA_TILE
-from ..plan.schedules import SCHEDULES
+from ..plan.schedules import SCHEDULES, TileSchedule
 from ..plan.tiles import enumerate_tiles, head_tiles
 from ..plan.validate import MAX_CLUSTER, is_valid, validate
 from .testing import Case, Tolerance, make_case, mismatch, poison_allocator, poisoned_out
@@ -190,25 +190,34 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
     archs = (arch, *specializations(arch))
     # The family first, by its `KernelFamily.fuzz_weight`, so that easy ones do not crowd.
     family = FAMILIES[rng.choice([f.name for f in FAMILIES.values() for _ in range(f.fuzz_weight)])]
-    if shape.problem.fp8_q and not family.fp8_q:
+    if shape.problem.fp8_q and not family.fp8_q and not any(_schedules(shape, family.name, a) for a in archs):
         family = next(f for f in FAMILIES.values() if f.fp8_q)                 # a family that reads e4m3 queries
     elif shape.problem.fp8_kv and not family.fp8_kv:
         family = next(f for f in FAMILIES.values() if f.tiled and f.fp8_kv)    # a tiled one that reads FP8 caches
-    for _ in range(tries):
+    for _ in range(tries if family.fp8_q or not shape.problem.fp8_q else tries // 10):
         target = rng.choice(archs)
         if not family.tiled:
             v = naive(arch=target, warps=rng.choice([1, 2, 4, 8]))
-        else:
+        elif _schedules(shape, family.name, target):
             v = _draw_tiled(shape, family.name, family.knobs, target, rng)
+        else:
+            continue
         if is_valid(shape.problem, v):
             return v
+    if shape.problem.fp8_q and not family.fp8_q:         # no tile that reads e4m3 queries fits the shape
+        return naive(arch=rng.choice(archs), warps=rng.choice([1, 2, 4, 8]))
     return None
+
+
+def _schedules(shape: Shape, family: str, target: str) -> list[TileSchedule]:
+    """The schedules of `family` on `target` that read the shape's cache and query formats."""
+    return [s for s in SCHEDULES.values() if s.takes(Variant(family=family, arch=target))
+            and s.reads(shape.problem.kv_format) and s.reads_queries(shape.problem.q_format)]
 
 
 def _draw_tiled(shape: Shape, family: str, knobs: bool, target: str, rng: random.Random) -> Variant:
     """A random variant of a tiled family for `target` (`draw_variant`), valid or not."""
-    takes = [s for s in SCHEDULES.values() if s.takes(Variant(family=family, arch=target))
-             and s.reads(shape.problem.kv_format)]
+    takes = _schedules(shape, family, target)
     schedule = rng.choices(takes, weights=[s.fuzz_weight for s in takes])[0]
     rows = schedule.draw_rows(target) if knobs else ()
     if rows:

@@ -134,6 +134,12 @@ constexpr int PS = 72;                                // P row stride (padded)
 // they land in the back of the STAGES 16-bit tiles they widen into (mma_ws_producer.cuh.j2).
 constexpr bool FP8 = false;
 constexpr bool WS = false;
+// e4m3 queries over an e4m3 cache (the fp8_mma schedule): both products run on e4m3 wgmma. Q and the
+// STAGES KV stages hold e4m3 bytes in TILE_ROW-byte rows of the same 128-byte swizzled column
+// blocks, and after the stages each has a key-major copy of its value dims (VT_BYTES, written by
+// the producer) for P·V, whose e4m3 P is P_SCALE times the softmax's.
+constexpr bool F8MMA = false;
+constexpr int STAGE_BYTES = BN * D * (int)sizeof(elem_t);   // a KV stage
 constexpr int ROW_BYTES = 1152;
 constexpr int STAGED_BYTES = 0;
 constexpr int KV_TILES = FP8 ? 1 : STAGES;                          // 16-bit KV tiles in shared memory
@@ -840,13 +846,15 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
 // The descriptor's fields (PTX ISA, "Matrix Descriptor Format"), each a byte count / 16 at its bit.
 struct WgmmaDesc {
   static constexpr int START_ADDRESS = 0, LEADING_BYTE_OFFSET = 16, STRIDE_BYTE_OFFSET = 32, LAYOUT = 62;
-  static constexpr unsigned long long SWIZZLE_128B = 1;   // the layout field's 128-byte swizzle
+  // the layout field's swizzles: 128-byte rows (chunk ^ row % 8), 64-byte rows (chunk ^ row / 2 % 4)
+  static constexpr unsigned long long SWIZZLE_128B = 1, SWIZZLE_64B = 2;
 };
-__device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned lbo = 16, unsigned sbo = 1024) {
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned lbo = 16, unsigned sbo = 1024,
+                                                         unsigned long long layout = WgmmaDesc::SWIZZLE_128B) {
   return (unsigned long long)((addr & 0x3FFFF) >> 4) << WgmmaDesc::START_ADDRESS
          | (unsigned long long)(lbo >> 4) << WgmmaDesc::LEADING_BYTE_OFFSET
          | (unsigned long long)(sbo >> 4) << WgmmaDesc::STRIDE_BYTE_OFFSET
-         | WgmmaDesc::SWIZZLE_128B << WgmmaDesc::LAYOUT;
+         | layout << WgmmaDesc::LAYOUT;
 }
 // d (+)= A B, m64n32k16 with fp32 accumulators, for one warpgroup: A from shared memory, B from
 // shared memory.
@@ -945,8 +953,10 @@ __device__ __forceinline__ float new_max(const float* sM, const float* sPart, in
 // NT), each one 16-byte chunk of every 128 bytes of the row, so a warp reads whole 128-byte lines.
 // The thread's rows are tid/8 + k*NT/8 (pass k), and every copy's addresses are a per-row base
 // plus constants. Two layouts:
-// - ROW_CHUNKS 0: a swizzled [NROWS][D] tile of elem_t, D/64 column blocks of [NROWS][64] with
-//   chunks XOR-swizzled by row % 8 (`swz`); a thread's rows share row % 8 and so its chunk offset.
+// - ROW_CHUNKS 0: a swizzled [NROWS][D] tile of T, column blocks of [NROWS][128 bytes] with
+//   chunks XOR-swizzled by row % 8 (`swz` for elem_t); a thread's rows share row % 8 and so its
+//   chunk offset. A row of 1-byte values that ends inside a block (e4m3 queries: 576 bytes)
+//   leaves that block's last chunks uncopied.
 // - ROW_CHUNKS > 0: rows as the cache holds them (an FP8 cache's, T = kv_t), ROW_CHUNKS 16-byte
 //   chunks each, one after another in a staging tile; a row's chunks past ROW_CHUNKS are skipped
 //   by a PTX predicate (the count is no multiple of the 8 threads).
@@ -959,7 +969,8 @@ struct RowLoad {
   static constexpr bool STAGED = ROW_CHUNKS > 0;
   static constexpr int PASSES = (NROWS * 8 + NT - 1) / NT;
   static constexpr int ROW = STAGED ? ROW_CHUNKS * 16 : 128;   // bytes between rows in the destination
-  static constexpr int COLUMNS = STAGED ? (ROW_CHUNKS + 7) / 8 : CH / 8;   // copy()'s columns
+  static constexpr int COLUMNS = STAGED ? (ROW_CHUNKS + 7) / 8 : (D * (int)sizeof(T) + 127) / 128;   // copy()'s columns
+  static constexpr int TAIL = D * (int)sizeof(T) / 16 % 8;    // chunks of a tile row's last block (0: whole)
   const T* src[PASSES];        // this thread's chunk of each row's first 128 bytes
   int bytes[PASSES];           // 16, or 0 to zero-fill the row
   unsigned dst;                // the chunk's byte offset in the destination's row tid/8
@@ -990,8 +1001,9 @@ struct RowLoad {
           asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16, %2;\n}\n"
                        :: "r"(tile + dst + k * (NT / 8) * ROW + blk * 128), "l"(src[k] + blk * 128), "r"(bytes[k]),
                           "r"(take));
-        } else {
-          cp_async16_to(tile + dst + k * (NT / 8) * 128 + blk * (NROWS * 128), src[k] + blk * 64, bytes[k]);
+        } else if (TAIL == 0 || blk + 1 < COLUMNS || (int)(threadIdx.x % 8) < TAIL) {
+          cp_async16_to(tile + dst + k * (NT / 8) * 128 + blk * (NROWS * 128), src[k] + blk * (128 / (int)sizeof(T)),
+                        bytes[k]);
         }
       }
   }
@@ -1283,8 +1295,8 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
     segment_tiles(p, x, n, t0, t1, split, splits, &kb_begin, &kb_end);
 
     {
-      RowLoad<M_PAD, THREADS> ql;
-      ql.prepare(threadIdx.x, p.q, [&](int r, int) -> const elem_t* {
+      RowLoad<M_PAD, THREADS, q_t> ql;
+      ql.prepare(threadIdx.x, p.q, [&](int r, int) -> const q_t* {
         const int i = q0 + r / HT;
         if (r >= ROWS || i >= S) return nullptr;
         return p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)(h0 + r % HT) * p.q_stride_h;
