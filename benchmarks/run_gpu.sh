@@ -10,8 +10,8 @@
 #   tests      pytest -m gpu tests/, all but test_gpu_verify.py       6-7 min, cold       540 s
 #   verify     pytest -m gpu tests/test_gpu_verify.py                 6-7 min             540 s
 #   memcheck   compute-sanitizer memcheck on benchmarks/sanitize.py  2.5 min             300 s
-#   synccheck  synccheck on the transposed tile and the fp8_ws        under 1 min         150 s
-#              schedule's FP8 tile (--only _tr_,feature+fp8_ws)
+#   synccheck  synccheck on the transposed tile and the fp8_ws and    under 1 min         150 s
+#              fp8_mma schedules' FP8 tiles (--only _tr_,feature+fp8_ws,feature+fp8_mma)
 #   racecheck1 racecheck, all but the transposed tile (--skip _tr_),  3.5 min, cold       360 s
 #              on the three small cases, every family (--cases 0-2)
 #   racecheck2 the same on the balanced splits' and the P exchange's  4-5 min             480 s
@@ -158,9 +158,9 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         # -lineinfo: each report names its source lines. racecheck does not pair bar.arrive with
         # bar.sync: the transposed tile (_tr_), whose warpgroups hand over through them, gets
         # synccheck instead (and tests/test_gpu_verify.py's bitwise-repeatability test). The
-        # fp8_ws tile, whose producer keeps barriers of its own, gets both.
+        # fp8_ws and fp8_mma tiles, whose producer keeps barriers of its own, get both.
         local pick=()
-        [[ $step == synccheck ]] && pick=(--only _tr_,feature+fp8_ws)
+        [[ $step == synccheck ]] && pick=(--only _tr_,feature+fp8_ws,feature+fp8_mma)
         [[ $step == racecheck1 ]] && pick=(--skip _tr_ --cases 0-2)
         [[ $step == racecheck2 ]] && pick=(--skip _tr_ --cases 3-8)
         [[ $step == racecheck3 ]] && pick=(--only feature+ --skip _tr_)

@@ -3,7 +3,7 @@ the reference: the workload for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py
     compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py --skip _tr_ [--cases 0-2]
-    compute-sanitizer --tool synccheck python3 benchmarks/sanitize.py --only _tr_,feature+fp8_ws
+    compute-sanitizer --tool synccheck python3 benchmarks/sanitize.py --only _tr_,feature+fp8_ws,feature+fp8_mma
     python3 benchmarks/sanitize.py --list [--arch sm_90]     # what would run; no GPU needed
 
 --only / --skip keep the variants whose names do / do not contain one of their comma-separated
@@ -15,8 +15,9 @@ bitwise-repeatability test. The engine features run last (named "feature+FEATURE
 dispatcher's pick: batch-invariant splits, FP8 caches of both formats and e4m3 queries, and
 the two ranks of a context-parallel pair (their per-request shard masks), merged; and the mma
 family's FP8 tiles (`fp8_tile`: a balanced split with 16-bit partials on sm_90a, a fixed split on
-mma.sync elsewhere) and, on sm_90a, that tile on the warp-specialized fp8_ws schedule (its
-producer warpgroup's hand-offs are mbarriers, which racecheck follows). Attention sinks and the
+mma.sync elsewhere) and, on sm_90a, that tile on the warp-specialized fp8_ws schedule and, with
+e4m3 queries, on the fp8_mma schedule (their producer warpgroup's hand-offs are mbarriers, which
+racecheck follows). Attention sinks and the
 merge are torch ops: nothing there for the sanitizer. Prints one line per
 (case, variant) and a count at the end.
 """
@@ -31,7 +32,7 @@ from bench_cli import parser, require_gpu
 
 import mlagen
 from mlagen.dsl.spec import Problem, Variant, naive, parse_variant
-from mlagen.plan.schedules import FP8_WS
+from mlagen.plan.schedules import FP8_MMA, FP8_WS
 from mlagen.tools.testing import Case, assert_matches, make_case, pinned_balanced_ranges
 
 CASES = [
@@ -69,7 +70,12 @@ FEATURES = [("invariant", INVARIANT, {}), ("invariant", CASES[0], {}),
             ("cp_shards", CASES[0] | {"per_request_tree": True}, {}), ("cp_shards", CASES[1], {}),
             ("fp8_tile", CROSSING, {"kv_format": "e4m3"}), ("fp8_tile", CASES[0], {"kv_format": "ds_mla"}),
             ("fp8_ws", CROSSING, {"kv_format": "e4m3"}), ("fp8_ws", CASES[1], {"kv_format": "e4m3"}),
+            ("fp8_mma", CROSSING, {"kv_format": "e4m3", "q_format": "e4m3"}),
+            ("fp8_mma", CASES[1], {"kv_format": "e4m3", "q_format": "e4m3"}),
             ("ragged_rows", RAGGED, {}), ("ragged_rows_tr_", RAGGED, {})]
+
+# The features that run the FP8 tile on an sm_90a schedule, and that schedule.
+SM90A_FEATURES = {"fp8_ws": FP8_WS, "fp8_mma": FP8_MMA}
 
 Run = tuple[dict, list[Variant | None], int | None]   # (case, variants, balanced ranges pinned or None)
 
@@ -179,14 +185,14 @@ def fp8_tile(kv_format: str, arch: str) -> Variant:
 
 def run_feature(feature: str, case: Case, arch: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of `case` with `feature` on, on a GPU of compile target `arch`: through the
-    dispatcher, or for `fp8_tile` through the FP8 tile (`fp8_ws`: on the fp8_ws schedule)."""
+    dispatcher, or for `fp8_tile` through the FP8 tile (`fp8_ws` and `fp8_mma`: on that schedule)."""
     args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens)
     if feature == "fp8_tile":
         fmt = mlagen.kv_format_of(case.kv_cache, case.kv_scale).name
         return mlagen.verify_attention(*args, variant=fp8_tile(fmt, arch), return_lse=True, **case.kwargs())
-    if feature == "fp8_ws":
-        return mlagen.verify_attention(*args, variant=FP8_WS.adopt(fp8_tile("e4m3", arch)), return_lse=True,
-                                       **case.kwargs())
+    if feature in SM90A_FEATURES:
+        return mlagen.verify_attention(*args, variant=SM90A_FEATURES[feature].adopt(fp8_tile("e4m3", arch)),
+                                       return_lse=True, **case.kwargs())
     if feature == "invariant":
         return mlagen.verify_attention(*args, return_lse=True, batch_invariant=True, **case.kwargs())
     if feature in RAGGED_VARIANTS:
@@ -234,7 +240,7 @@ def main(only: str | None, skip: str | None, arch: str, listing: bool, cases: se
         name = f"feature+{feature}"
         if (cases is not None and i not in cases) or not wanted(name, only, skip):
             continue
-        if feature == "fp8_ws" and arch != "sm_90":     # an sm_90a schedule
+        if feature in SM90A_FEATURES and arch != "sm_90":
             continue
         if not listing:
             case = make_case(seed=i, **shape, **extra)

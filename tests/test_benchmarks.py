@@ -44,7 +44,7 @@ from mlagen.codegen.render import render  # noqa: E402
 from mlagen.dispatch import policy  # noqa: E402
 from mlagen.dispatch.policy import INVARIANT_SPLIT_KEYS_LOG2  # noqa: E402
 from mlagen.dsl.spec import Problem, Variant, parse_variant  # noqa: E402
-from mlagen.plan.schedules import FP8_WS  # noqa: E402
+from mlagen.plan.schedules import FP8_MMA, FP8_WS  # noqa: E402
 from mlagen.plan.validate import validate  # noqa: E402
 from mlagen.runtime import context_parallel, launch, op  # noqa: E402
 from mlagen.runtime.inputs import key_bound  # noqa: E402
@@ -177,7 +177,8 @@ def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
     for i, (feature, _, _) in enumerate(sanitize.FEATURES, start=first):
         assert f"case {i} feature+{feature}: listed" in out
     assert {f for f, _, _ in sanitize.FEATURES} == {"invariant", "fp8_e4m3", "fp8_ds_mla", "q_e4m3", "cp_shards",
-                                                    "fp8_tile", "fp8_ws", "ragged_rows", "ragged_rows_tr_"}
+                                                    "fp8_tile", "fp8_ws", "fp8_mma", "ragged_rows",
+                                                    "ragged_rows_tr_"}
     assert "_tr_" in "feature+ragged_rows_tr_" and "_tr_" in sanitize.RAGGED_VARIANTS["ragged_rows_tr_"]
     assert "_ss_rg_" in sanitize.RAGGED_VARIANTS["ragged_rows"]
     counts = sanitize.RAGGED_COUNTS
@@ -189,12 +190,14 @@ def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
             variant = sanitize.fp8_tile(fmt, arch)
             assert render(validate(Problem(heads=8, kv_format=fmt, mask="tree", lse=True), variant))
     assert {extra.get("kv_format") for _, _, extra in sanitize.FEATURES} >= {"e4m3", "ds_mla"}
-    # the FP8 tile on the fp8_ws schedule, on sm_90a only: its balanced and adaptive splits
-    ws = [(shape, FP8_WS.adopt(sanitize.fp8_tile("e4m3", "sm_90"))) for f, shape, _ in sanitize.FEATURES
-          if f == "fp8_ws"]
-    assert len(ws) == 2 and all(v.schedule == "fp8_ws" for _, v in ws)
-    for shape, v in ws:
-        assert render(validate(sanitize.problem_of(shape).with_(kv_format="e4m3"), v))
+    # the FP8 tile on the fp8_ws and fp8_mma schedules, on sm_90a only
+    ws = [(shape, extra, sanitize.SM90A_FEATURES[f].adopt(sanitize.fp8_tile("e4m3", "sm_90")))
+          for f, shape, extra in sanitize.FEATURES if f in sanitize.SM90A_FEATURES]
+    assert sorted(v.schedule for _, _, v in ws) == ["fp8_mma", "fp8_mma", "fp8_ws", "fp8_ws"]
+    assert sanitize.SM90A_FEATURES == {"fp8_ws": FP8_WS, "fp8_mma": FP8_MMA}
+    for shape, extra, v in ws:
+        problem = sanitize.problem_of(shape).with_formats(extra["kv_format"], extra.get("q_format", "dtype"))
+        assert render(validate(problem, v))
     assert features - sanitize.main("feature+", None, "sm_80", listing=True) == len(ws)
     assert any(shape.get("per_request_tree") for f, shape, _ in sanitize.FEATURES if f == "cp_shards")
     lengths = [p + sanitize.INVARIANT["seqlen_q"] for p in sanitize.INVARIANT["prefixes"]]
@@ -223,11 +226,12 @@ def test_sanitize_only_and_skip_split_the_variants(capsys):
     assert "case 0 mma_ht8_qt9_bn64_w8_st2_sp2_tr_sm90a: listed" in out
     args = sanitize.parse_args(["--skip", "_tr_", "--list"])
     assert (args.skip, args.only, args.list, args.arch, args.cases) == ("_tr_", None, True, "sm_90", None)
-    # comma-separated parts: any of them (run_gpu.sh's synccheck also takes the fp8_ws tile)
-    both = sanitize.main("_tr_,feature+fp8_ws", None, "sm_90", listing=True)
-    assert both == only + sum(1 for f, _, _ in sanitize.FEATURES if f == "fp8_ws") and both == total - sanitize.main(
-        None, "_tr_,feature+fp8_ws", "sm_90", listing=True)
-    assert "--only _tr_,feature+fp8_ws" in (ROOT / "benchmarks" / "run_gpu.sh").read_text()
+    # comma-separated parts: any of them (run_gpu.sh's synccheck also takes the fp8_ws and fp8_mma tiles)
+    parts = "_tr_,feature+fp8_ws,feature+fp8_mma"
+    both = sanitize.main(parts, None, "sm_90", listing=True)
+    assert both == only + sum(1 for f, _, _ in sanitize.FEATURES if f in sanitize.SM90A_FEATURES)
+    assert both == total - sanitize.main(None, parts, "sm_90", listing=True)
+    assert f"--only {parts}" in (ROOT / "benchmarks" / "run_gpu.sh").read_text()
 
 
 def test_sanitize_cases_split_the_racecheck():
