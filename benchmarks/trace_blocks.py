@@ -38,7 +38,8 @@ from bench_cli import parser, require_gpu, variant_name
 import mlagen
 import mlagen.codegen.build as build
 from mlagen.codegen.render import render
-from mlagen.dsl.spec import Problem, parse_variant
+from mlagen.dsl.spec import Problem, Variant, parse_variant
+from mlagen.plan.schedules import schedule_of
 from mlagen.plan.validate import KernelPlan, validate
 from mlagen.runtime import launch
 from mlagen.tools.testing import make_case
@@ -116,21 +117,32 @@ def block_trace(plan: KernelPlan, source: str, globaltimer_only: bool = False) -
     return traced(source, header(globaltimer_only), BLOCK_POINTS, REQUIRED_POINTS)
 
 
+def formats_of(variant: Variant | None) -> tuple[str, str]:
+    """The first cache and query formats `variant`'s schedule reads; 16-bit ones for None."""
+    if variant is None:
+        return "dtype", "dtype"
+    schedule = schedule_of(variant)
+    return (schedule.kv_formats or ("dtype",))[0], schedule.q_formats[0]
+
+
 def traced_row(trace: Callable[[KernelPlan, str], str], heads: int, batch: int, seqlen_q: int, prefix: int,
                variant: str | None = None) -> tuple[object, Callable[[], None]]:
     """One benchmark row (page 64, causal) through the dispatched kernel or `variant`, its source
     traced by `trace(plan, source)`: called three times (compiled, loaded, warm); returns the
-    loaded kernel and a function that calls it again. Kernels built after this one render as usual."""
+    loaded kernel and a function that calls it again. The inputs are in the first cache and query
+    formats the variant's schedule reads (16-bit ones for the dispatched kernel). Kernels built
+    after this one render as usual."""
     render = build.render
     build.render = lambda plan: trace(plan, render(plan))
     try:
-        case = make_case(batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=[prefix] * batch,
-                         page_size=64, mask="causal", seed=0)
         v = parse_variant(variant) if variant else None
+        kv_format, q_format = formats_of(v)
+        case = make_case(batch=batch, seqlen_q=seqlen_q, heads=heads, prefixes=[prefix] * batch,
+                         page_size=64, mask="causal", seed=0, kv_format=kv_format, q_format=q_format)
 
         def call() -> None:
-            mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
-                                    softmax_scale=case.scale, variant=v)
+            mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, variant=v,
+                                    **case.kwargs())
 
         for _ in range(3):
             call()
@@ -223,9 +235,10 @@ def row_parser(script: str, doc: str | None, variant_help: str):
 
 
 def traced_source(variant: str, heads: int, trace: Callable[[KernelPlan, str], str]) -> str:
-    """`variant`'s rendered source for `heads` heads (page 64, causal), traced by `trace`: what a
-    traced launch compiles, shown without a GPU."""
-    plan = validate(Problem(heads=heads), parse_variant(variant))
+    """`variant`'s rendered source for `heads` heads (page 64, causal, the formats its schedule
+    reads), traced by `trace`: what a traced launch compiles, shown without a GPU."""
+    v = parse_variant(variant)
+    plan = validate(Problem(heads=heads).with_formats(*formats_of(v)), v)
     return trace(plan, render(plan))
 
 

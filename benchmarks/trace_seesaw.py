@@ -11,7 +11,8 @@ point's stamp ahead of the rendered kernel. On the GPU machine:
     python3 benchmarks/trace_seesaw.py 8 16 9 16384 mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a
     python3 benchmarks/trace_seesaw.py 8 16 9 16384 VARIANT --source > traced.cu   # no GPU
 
-The variant must be a seesaw or a transposed one. Printed: each phase's mean over the pairs of
+The variant must run the seesaw's tile pairs (the seesaw, fp8_ws and fp8_mma schedules: their
+inputs are in the formats the schedule reads) or the transposed tile. Printed: each phase's mean over the pairs of
 the blocks (first and last pair left out: they carry the prologue and the tail), where a
 balanced range moves on to its next request what its segment boundary spends (the epilogue's
 steps, stamped by thread 0, then the next segment's prologue), then the pairs of one block, and
@@ -31,6 +32,8 @@ from bench_cli import require_gpu
 from trace_blocks import device_array, row_parser, traced, traced_row, traced_source
 
 from mlagen.dsl.spec import Variant, parse_variant
+from mlagen.plan.schedules import TRANSPOSED as TRANSPOSED_TILE
+from mlagen.plan.schedules import schedule_of as registered_schedule
 from mlagen.plan.validate import KernelPlan
 
 MAX_BLOCKS, MAX_PAIRS, WARMUP = 512, 96, 20
@@ -174,7 +177,8 @@ TRANSPOSED = Schedule(
 
 def schedule_of(variant: Variant) -> Schedule | None:
     """The schedule whose trace points `variant`'s template has, or None for an unpaired kernel."""
-    return SEESAW if variant.seesaw else TRANSPOSED if variant.transposed else None
+    loop = registered_schedule(variant)
+    return SEESAW if loop.seesaw_loop else TRANSPOSED if loop is TRANSPOSED_TILE else None
 
 
 def paired_trace(plan: KernelPlan, source: str) -> str:
@@ -285,7 +289,7 @@ def parse_args(argv: list[str]):
     p.add_argument("--source", action="store_true", help="print the traced source of VARIANT and exit (no GPU)")
     args = p.parse_args(argv)
     if args.source and (args.variant is None or schedule_of(parse_variant(args.variant)) is None):
-        p.error("--source needs a seesaw (_ss_) or transposed (_tr_) variant name")
+        p.error("--source needs a variant of the seesaw's tile pairs (_ss_, _ws_, _f8_) or the transposed tile (_tr_)")
     return args
 
 

@@ -1207,20 +1207,27 @@ __device__ __forceinline__ void mbar_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
 }
 
-// Waits until the phase of parity `parity` has completed (the tile is in shared memory).
-__device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
+// One thread waits until the phase of parity `parity` has completed (the tile is in shared memory).
+__device__ __forceinline__ void mbar_wait_thread(unsigned bar, int parity) {
   unsigned done = 0;
   while (!done)
     asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
 }
+// Whole warps wait, and leave converged: try_wait suspends each thread on its own, so a warp may
+// leave the loop split, and the aligned barriers (bar.sync), wgmma, ldmatrix and stmatrix that
+// follow need every thread of the warp together (compute-sanitizer's synccheck reports it).
+__device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
+  mbar_wait_thread(bar, parity);
+  __syncwarp();
+}
 
-// mbar_wait with its loop inside the asm statement, for a wait between two wgmma groups whose
-// accumulators are in flight: a loop in the kernel's own control flow there makes ptxas serialize
-// every wgmma of the kernel (mma_seesaw.cuh.j2, scores_widened).
+// mbar_wait with its loop (and the warp's reconvergence) inside the asm statement, for a wait
+// between two wgmma groups whose accumulators are in flight: a loop in the kernel's own control
+// flow there makes ptxas serialize every wgmma of the kernel (mma_seesaw.cuh.j2, scores_widened).
 __device__ __forceinline__ void mbar_wait_in_asm(unsigned bar, int parity) {
-  asm volatile("{\n.reg .pred p;\nwait_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra wait_%=;\n}\n"
-               :: "r"(bar), "r"(parity) : "memory");
+  asm volatile("{\n.reg .pred p;\nwait_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra wait_%=;\n"
+               "bar.warp.sync -1;\n}\n" :: "r"(bar), "r"(parity) : "memory");
 }
 
 // Whether the phase of parity `parity` of mbarrier `bar` has completed, without waiting.
