@@ -248,10 +248,13 @@ def tolerance(*dtypes: torch.dtype) -> Tolerance:
 E4M3_QUERY_TOLERANCE = Tolerance(row_rel=0.25, row_max=0.75, lse_abs=0.3, lse_rel=0.0)
 
 # How far the fp8_mma schedule (both products on e4m3 wgmma) may be from the fp64 reference of
-# the same e4m3 queries and cache (dequantized): its scores are exact products of the stored
-# values summed in fp32, so the lse keeps bf16's tolerance, but P goes to e4m3 for P·V (3 mantissa
-# bits: each weight off by up to 2^-4 relative), which moves every output row.
-FP8_PRODUCTS_TOLERANCE = Tolerance(row_rel=0.1, row_max=0.5, lse_abs=2.0**-9, lse_rel=2.0**-13)
+# the same e4m3 queries and cache (dequantized). P goes to e4m3 for P·V (3 mantissa bits: each
+# weight off by up to 2^-4 relative), which moves every output row, and the e4m3 tensor cores
+# sum the scores' products with fewer bits than fp32, which moves the lse. Measured on an H100
+# over 36 cases (64 heads, S 1/4/9, every mask, up to 3500 keys, 27,648 rows): the worst row
+# 0.037 off relative (the bf16 path on the same inputs: 0.0019), its largest element 0.13 x the
+# row's RMS, cosine at least 0.9994, an lse 0.0065 off. Each bound is about 1.5x the worst.
+FP8_PRODUCTS_TOLERANCE = Tolerance(row_rel=0.06, row_max=0.2, lse_abs=0.01, lse_rel=0.0)
 
 
 def _row_errors(x: torch.Tensor, ref: torch.Tensor,
