@@ -448,9 +448,10 @@ def test_with_fp8_quantizes_each_set_and_keeps_the_rest():
 
 
 def test_fp8_side_variants_and_their_jobs():
-    """--fp8 cases time the dispatcher's pick for the FP8 problem (an mma tile, naive for e4m3
-    queries) and, over a 16-bit query, the mma tile that reads the FP8 cache
-    (`policy.fp8_tile`), compiled with the other cells."""
+    """--fp8 cases time the dispatcher's pick for the FP8 problem (an mma tile; for e4m3 queries
+    over an e4m3 cache that tile on the fp8_mma schedule, both products on e4m3 wgmma) and,
+    over a 16-bit query, the mma tile that reads the FP8 cache (`policy.fp8_tile`), compiled with
+    the other cells."""
     row = Row(8, 16, 9, 16384)
     config = BenchConfig(fp8=tuple(FP8_CASES))
     side = side_variants(row, config, "sm_90a", "NVIDIA H200", policy.H200)
@@ -468,10 +469,11 @@ def test_fp8_side_variants_and_their_jobs():
             assert (variant.schedule, variant.loads) == ("fp8_ws", "tma") and case == "e4m3"
             assert (variant.kv_split, variant.head_tile, variant.q_tile) == (picked.kv_split, picked.head_tile,
                                                                              picked.q_tile)
-        else:   # the dispatcher's pick: a tile for an FP8 cache, naive for e4m3 queries
-            assert variant.family == ("naive" if case == "e4m3-q" else "mma")
-    assert policy.fp8_tile(fp8_problem(problem_for(row, 64, "causal", "bf16"), "e4m3-q"), 9, "sm_90a",
-                           policy.H200) is None
+        else:   # the dispatcher's pick: a tile for an FP8 cache, on fp8_mma for e4m3 queries
+            assert variant.family == "mma" and (variant.schedule == "fp8_mma") == (case == "e4m3-q")
+    q8 = fp8_problem(problem_for(row, 64, "causal", "bf16"), "e4m3-q")
+    assert policy.fp8_tile(q8, 9, "sm_90a", policy.H200).schedule == "fp8_mma"
+    assert policy.fp8_tile(q8, 9, "sm_80", policy.H200) is None             # e4m3 wgmma: sm_90a only
     (plan,) = plan_rows([(row, ("serving",))], config, "sm_90a", "NVIDIA H200", policy.H200)
     assert all((p, v) in compile_jobs([plan]) for _, p, v in plan.side.values())
 

@@ -17,6 +17,7 @@ from mlagen.dispatch import policy, tables
 from mlagen.dispatch.policy import H200, policy_for
 from mlagen.dsl.arch import CI_ARCHS, get_arch, runs_on
 from mlagen.dsl.spec import FAMILIES, Problem, Variant, naive, parse_variant
+from mlagen.plan.schedules import FP8_MMA
 from mlagen.plan.space import split_variants, structures, tile_shapes, twin_variants
 from mlagen.plan.tiles import FLASH_Q_TILE, MAX_ROWS, balanced_q_tile, enumerate_tiles
 from mlagen.plan.validate import SEGMENT_TILES, UNSPLIT_SLACK_TILES, validate
@@ -63,14 +64,16 @@ def test_fp8_inputs_have_buckets_of_their_own():
 
 def test_fp8_inputs_take_the_tables_pick_else_the_heuristic_tile():
     """Without a table an FP8 cache runs on the heuristic's mma tile (the balanced split for a
-    batch) and e4m3 queries on the naive kernel; a tuned FP8 tile under its own key is
-    dispatched, and a 16-bit key's pick never reaches it."""
+    batch) and e4m3 queries on that tile's fp8_mma schedule (both products on e4m3 wgmma); a
+    tuned FP8 tile under its own key is dispatched, and a 16-bit key's pick never reaches it."""
     bf16, e4m3 = Problem(heads=64), Problem(heads=64, kv_format="e4m3")
     untuned = policy.fp8_tile(e4m3, 9, "sm_90", policy.H200)
     assert untuned.family == "mma" and untuned.loads == "cp_async" and untuned.schedule == "lockstep"
     assert policy.choose_variant(e4m3, 9, 1, 4160, "sm_90", GPU) == untuned
     assert policy.choose_variant(e4m3, 9, 64, 4160, "sm_90", GPU) == untuned.with_(kv_split="balanced")
-    assert policy.choose_variant(e4m3.with_(q_format="e4m3"), 9, 1, 4160, "sm_90", GPU) == naive("sm_90")
+    q8 = e4m3.with_(q_format="e4m3")
+    assert policy.choose_variant(q8, 9, 1, 4160, "sm_90", GPU) == FP8_MMA.adopt(untuned)
+    assert policy.choose_variant(q8, 9, 1, 4160, "sm_80", GPU) == naive("sm_80")
     seesaw = "mma_ht64_qt1_bn64_w8_st2_spa_p16_tma_ss_sm90a"
     _save({tables.bucket_key(bf16, 9, 1, 4160): {"variant": seesaw, "us": 1.0}})
     assert policy.choose_variant(e4m3, 9, 1, 4160, "sm_90", GPU) == untuned
@@ -80,8 +83,7 @@ def test_fp8_inputs_take_the_tables_pick_else_the_heuristic_tile():
     assert policy.choose_variant(e4m3, 9, 1, 4160, "sm_90", GPU).name == tile
     batched = policy.choose_variant(e4m3, 9, 64, 4160, "sm_90", GPU)
     assert batched == parse_variant(tile).with_(kv_split="balanced") and validate(e4m3, batched)
-    q8 = e4m3.with_(q_format="e4m3")
-    assert policy.choose_variant(q8, 9, 1, 4160, "sm_90", GPU) == naive("sm_90")
+    assert policy.choose_variant(q8, 9, 1, 4160, "sm_90", GPU) == FP8_MMA.adopt(untuned)
 
 
 def test_the_tuner_searches_fp8_caches_among_the_tiles_that_read_them():

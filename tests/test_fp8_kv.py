@@ -18,6 +18,7 @@ from mlagen.dsl import kv_layout
 from mlagen.dsl.arch import ARCHS, runs_on
 from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import Problem, naive, parse_variant
+from mlagen.plan.schedules import FP8_MMA
 from mlagen.plan.validate import validate
 from mlagen.runtime import context_parallel, varlen
 from mlagen.runtime.op import device_info
@@ -117,8 +118,9 @@ def test_the_tiles_e4m3_bit_moves_give_every_value_exactly(dtype):
 def test_the_dispatcher_runs_fp8_caches_on_the_heuristic_tile(fmt):
     """Without a table an FP8 cache runs on the heuristic's mma tile (lockstep, cp.async loads;
     the balanced split for a batch), on every arch where one fits (H=16 S=9 and 64: all), else on
-    the naive variant; batch-invariant mode and e4m3 queries run on the naive variant. Every pick
-    validates."""
+    the naive variant; batch-invariant mode runs on the naive variant, and e4m3 queries on the
+    tile's fp8_mma schedule over an e4m3 cache on sm_90a (where it fits), else on the naive
+    variant. Every pick validates."""
     for arch in ARCHS:
         for seqlen_q, batch in ((1, 1), (9, 32), (64, 4)):
             problem = Problem(heads=16, kv_format=fmt, mask="tree")
@@ -132,8 +134,10 @@ def test_the_dispatcher_runs_fp8_caches_on_the_heuristic_tile(fmt):
             assert validate(problem, picked)
             assert batch_invariant_variant(problem, seqlen_q, arch, H200) == naive(arch)
             q8 = problem.with_(q_format="e4m3")
-            assert choose_variant(q8, seqlen_q, batch, 4096, arch, policy=H200) == naive(arch)
-            validate(problem, naive(arch))
+            q8_pick = choose_variant(q8, seqlen_q, batch, 4096, arch, policy=H200)
+            f8 = fmt == "e4m3" and tile is not None and FP8_MMA.takes(tile)
+            assert q8_pick.schedule == "fp8_mma" if f8 else q8_pick == naive(arch), (arch, q8_pick.name)
+            assert validate(q8, q8_pick) and validate(problem, naive(arch))
 
 
 @pytest.mark.parametrize("fmt", FP8)

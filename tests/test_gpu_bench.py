@@ -77,8 +77,8 @@ def test_bench_fp8_cells(tmp_path, user_tables):
     for name in names:
         cell = row.cells[name]
         assert cell.us is not None and math.isfinite(cell.us) and cell.us > 0, (name, cell)
-        # e4m3 queries run on the naive kernel; FP8 caches on mma tiles, dispatched or named
-        assert cell.variant.startswith("naive_" if "e4m3-q" in name else "mma_"), (name, cell)
+        # FP8 caches run on mma tiles, dispatched or named; e4m3 queries on the fp8_mma schedule
+        assert cell.variant.startswith("mma_") and ("e4m3-q" not in name or "_f8_" in cell.variant), (name, cell)
         assert 0 < row.floor_of(name) < row.floor_us
     assert summary_markdown(result)[0].endswith(" | ".join(f"{n}/dispatch" for n in names) + " |")
     assert from_json(to_json(result)) == result

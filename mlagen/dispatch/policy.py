@@ -41,7 +41,7 @@ from ..dsl.errors import SpecError
 from ..dsl.spec import Problem, Variant, naive, parse_variant
 from ..plan.families import FAMILIES, family_of
 from ..plan.mma_plan import padded_rows
-from ..plan.schedules import SEESAW, TRANSPOSED, schedule_of
+from ..plan.schedules import SCHEDULES, SEESAW, TRANSPOSED, schedule_of
 from ..plan.space import tile_a_block_variants
 from ..plan.tiles import FLASH_Q_TILE, balanced_q_tile, enumerate_tiles
 from ..plan.validate import MAX_CLUSTER, SEGMENT_TILES, split_unit, validate
@@ -269,7 +269,8 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
     and runs slower (docs/performance.md).
 
     An FP8 cache runs on the heuristic's mma tile that stages its rows (`fp8_tile`), where one
-    fits; e4m3 queries, and FP8 caches where no tile fits, on the naive kernel (`fp8_variant`)."""
+    fits, and e4m3 queries over an e4m3 cache on that tile's fp8_mma schedule on sm_90a; the
+    others, and FP8 inputs where no tile fits, on the naive kernel (`fp8_variant`)."""
     if problem.fp8:
         return fp8_tile(problem, seqlen_q, arch, policy) or fp8_variant(arch)
     exchange = exchange_tile(problem, seqlen_q, batch, kv_capacity, arch, policy)
@@ -363,11 +364,23 @@ def fp8_variant(arch: str) -> Variant:
 
 def fp8_tile(problem: Problem, seqlen_q: int, arch: str, policy: DispatchPolicy) -> Variant | None:
     """The mma tile for an FP8 cache that the heuristic sizes (`heuristic_mma`: the lockstep loop
-    with cp.async loads, which stages FP8 rows, and an adaptive split), or None where none fits
-    and for e4m3 queries (the naive family's alone): the untuned pick for FP8 caches, which
-    `balanced_for_batch` moves to the balanced split for a batch; it runs far ahead of the naive
-    kernel (docs/performance.md)."""
-    return None if problem.fp8_q else heuristic_mma(problem, seqlen_q, arch, policy)
+    with cp.async loads, which stages FP8 rows, and an adaptive split), or None where none fits:
+    the untuned pick for FP8 caches, which `balanced_for_batch` moves to the balanced split for a
+    batch; it runs far ahead of the naive kernel (docs/performance.md). e4m3 queries take that
+    tile on a schedule that reads them over the cache (`TileSchedule.q_formats`: fp8_mma, both
+    products on e4m3 wgmma, over an e4m3 cache on sm_90a) where it fits, else None (the naive
+    kernel's)."""
+    if not problem.fp8_q:
+        return heuristic_mma(problem, seqlen_q, arch, policy)
+    tile = heuristic_mma(problem.with_(q_format="dtype"), seqlen_q, arch, policy)
+    if tile is None:
+        return None
+    for schedule in SCHEDULES.values():
+        if schedule.takes(tile) and schedule.reads_queries(problem.q_format) and schedule.reads(problem.kv_format):
+            v = schedule.adopt(tile)
+            if policy.fits(problem, v):
+                return v
+    return None
 
 
 @functools.lru_cache(maxsize=4096)

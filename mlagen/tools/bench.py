@@ -71,9 +71,10 @@ def fp8_cell(case: str) -> str:
 
 
 def fp8_cells(case: str) -> list[str]:
-    """FP8 case `case`'s cells: the dispatcher's pick, and for 16-bit queries the mma tile that
-    reads the FP8 cache (`policy.fp8_tile`) and, over a cache the fp8_ws schedule reads, the
-    dispatcher's pick on that schedule (`ws_twin`) where a row has one."""
+    """FP8 case `case`'s cells: the dispatcher's pick (for e4m3 queries the fp8_mma tile where one
+    fits, which is `policy.fp8_tile`), and for 16-bit queries the mma tile that reads the FP8
+    cache (`policy.fp8_tile`) and, over a cache the fp8_ws schedule reads, the dispatcher's pick
+    on that schedule (`ws_twin`) where a row has one."""
     kv_format, q_format = FP8_CASES[case]
     if q_format != "dtype":
         return [fp8_cell(case)]
@@ -267,7 +268,7 @@ def side_variants(row: Row, config: BenchConfig, arch: str, gpu: str,
         side[fp8_cell(case)] = (config.mask, problem, choose_variant(problem, row.seqlen_q, row.batch, cap, arch, gpu,
                                                                      policy=dispatch))
         tile = fp8_tile(problem, row.seqlen_q, arch, dispatch)
-        if tile is not None:
+        if tile is not None and fp8_cell(case) + TILE in fp8_cells(case):
             side[fp8_cell(case) + TILE] = (config.mask, problem, tile)
         ws = ws_twin(problem, side[fp8_cell(case)][2]) or (tile and ws_twin(problem, tile))
         if ws is not None:
