@@ -337,13 +337,15 @@ def verify_attention(
     Args:
         q: [B, S, H, Dl+Dr] bf16/fp16 CUDA tensor; the first Dl dims are q_nope @ W_UK. Or
             float8_e4m3fn queries (Dl+Dr = 576) with q_scale: out is then in the cache's
-            16-bit dtype, bf16 over an FP8 cache, and the naive kernel runs.
+            16-bit dtype, bf16 over an FP8 cache. Over an e4m3 cache on sm_90a both products
+            run on e4m3 tensor cores (schedule "fp8_mma", e4m3's accuracy: P keeps 3 mantissa
+            bits); elsewhere the naive kernel runs.
         kv_cache: [num_pages, page_size, Dl+Dr] or [num_pages, page_size, 1, Dl+Dr] in q's dtype;
             or an FP8 cache of DeepSeek's rows (Dl+Dr = 576, head_dim_v 512;
             `mlagen.quantize_kv` makes one): float8_e4m3fn [.., 576] with kv_scale, or uint8
             [.., 656] (ds_mla: 512 e4m3 latent dims, four fp32 group scales, 64 bf16 rope
             dims). FP8 caches run on an mma tile that dequantizes each KV tile in shared memory
-            (the naive kernel where none fits), e4m3 queries on the naive kernel.
+            (the naive kernel where none fits).
         block_table: [B, max_pages] int32, page ids of each request in order.
         cache_seqlens: [B] int32, valid keys per request including its S draft tokens, which
             sit at positions cache_seqlens[b]-S .. cache_seqlens[b]-1.

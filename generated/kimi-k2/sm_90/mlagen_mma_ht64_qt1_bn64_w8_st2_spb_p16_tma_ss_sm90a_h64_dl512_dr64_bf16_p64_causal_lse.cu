@@ -1214,9 +1214,9 @@ __device__ __forceinline__ void mbar_wait_thread(unsigned bar, int parity) {
     asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
 }
-// Whole warps wait, and leave converged: try_wait suspends each thread on its own, so a warp may
-// leave the loop split, and the aligned barriers (bar.sync), wgmma, ldmatrix and stmatrix that
-// follow need every thread of the warp together (compute-sanitizer's synccheck reports it).
+// Whole warps wait, and leave converged: try_wait may suspend each thread on its own, so a warp
+// may leave the loop split, and the aligned instructions that follow (wgmma, ldmatrix, stmatrix,
+// bar.sync) need every thread of the warp together.
 __device__ __forceinline__ void mbar_wait(unsigned bar, int parity) {
   mbar_wait_thread(bar, parity);
   __syncwarp();
