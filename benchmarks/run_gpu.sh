@@ -23,8 +23,8 @@
 #   sanitize   memcheck synccheck racecheck1 racecheck2 racecheck3
 #   tune       mlagen tune, seed and serving grids, into the shipped   under 5 min         420 s
 #              table mlagen/dispatch/tables/<gpu>.json (--write-default)
-#   tune8      mlagen tune --kv e4m3, then --kv ds_mla, serving grid  ~5 min, estimated  540 s
-#              (the FP8 caches' entries of that table)
+#   tune8      mlagen tune --kv e4m3, --kv ds_mla, then --kv e4m3     ~5 min, estimated  540 s
+#              --q e4m3, serving grid (the FP8 inputs' entries of that table)
 #   bench      mlagen bench, seed, serving and trees grids; the      under 2 min warm    585 s
 #              dispatcher's pick under tree masks too, batch-invariant mode's and on FP8 inputs
 #   ragged     benchmarks/ragged.py on three batch shapes, then       1-4 min             450 s
@@ -171,10 +171,10 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
       tune)
         timeout ${LIMIT[tune]} python3 cli.py tune --grid seed --grid serving --write-default 2>&1 | tee "$results/tune.log"
         rc=${PIPESTATUS[0]}; written+=(tune.log); tables=(mlagen/dispatch/tables/*.json) ;;
-      tune8)    # each FP8 cache format in turn, half the step's time each
+      tune8)    # each FP8 cache format in turn, then e4m3 queries over e4m3, a third of the step's time each
         rc=0; : > "$results/tune8.log"
-        for kv in e4m3 ds_mla; do
-          timeout $(( ${LIMIT[tune8]} / 2 )) python3 cli.py tune --grid serving --kv $kv --write-default 2>&1 |
+        for formats in "--kv e4m3" "--kv ds_mla" "--kv e4m3 --q e4m3"; do
+          timeout $(( ${LIMIT[tune8]} / 3 )) python3 cli.py tune --grid serving $formats --write-default 2>&1 |
             tee -a "$results/tune8.log"
           [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
         done

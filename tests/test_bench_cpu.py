@@ -48,6 +48,7 @@ from mlagen.tools.workload import (
     Workload,
     draft_tree,
     eager_call,
+    fp8_case,
     fp8_problem,
     problem_for,
     with_fp8,
@@ -445,6 +446,15 @@ def test_with_fp8_quantizes_each_set_and_keeps_the_rest():
             else:
                 assert s.q is src.q and s.out is src.out and s.q_scale is None
     assert fp8_problem(problem_for(row, 64, "causal", "fp16"), "e4m3").dtype == "fp16"
+
+
+def test_fp8_case_names_each_pair_of_formats():
+    """fp8_case: the FP8 case of a cache and query format (the tuner's --kv and --q), None for
+    16-bit inputs, and an error naming the pairs for one no case holds."""
+    assert [fp8_case(*formats) for formats in FP8_CASES.values()] == list(FP8_CASES)
+    assert fp8_case("dtype", "dtype") is None
+    with pytest.raises(ValueError, match="no FP8 case holds a ds_mla cache with e4m3 queries: one of e4m3/dtype"):
+        fp8_case("ds_mla", "e4m3")
 
 
 def test_fp8_side_variants_and_their_jobs():

@@ -466,16 +466,20 @@ def _row_tunes() -> list[RowTune]:
 
 
 def test_tune_kv_format_reaches_the_config(tmp_path, monkeypatch, fake_gpu):
-    """--kv names the cache format the tuner quantizes its inputs to; dtype by default."""
+    """--kv names the cache format the tuner quantizes its inputs to, --q the queries' (e4m3 over
+    an e4m3 cache only); dtype by default."""
     import mlagen.tools.tune
 
     configs = []
     monkeypatch.setattr(mlagen.tools.tune, "tune", lambda rows, config, table, write_default, progress:
                         configs.append(config) or (tmp_path / "t.json", []))
-    for args in ([], ["--kv", "ds_mla"]):
+    for args in ([], ["--kv", "ds_mla"], ["--kv", "e4m3", "--q", "e4m3"]):
         done = runner.invoke(app, ["tune", "--row", "8,4,1,4096", "--format", "json", *args])
         assert done.exit_code == 0, done.output
-    assert [c.kv_format for c in configs] == ["dtype", "ds_mla"]
+    assert [(c.kv_format, c.q_format) for c in configs] == [("dtype", "dtype"), ("ds_mla", "dtype"), ("e4m3", "e4m3")]
+    done = runner.invoke(app, ["tune", "--row", "8,4,1,4096", "--q", "e4m3"])
+    assert done.exit_code == 2 and "--q e4m3: expected --kv e4m3 with it" in done.output
+    assert len(configs) == 3
 
 
 def test_tune_formats(tmp_path, monkeypatch, fake_gpu):

@@ -210,3 +210,26 @@ def test_graph_replay_reads_changed_scales_and_new_lengths():
         graph.replay()
         problem = _compare(case, out, lse, kv_scale=kv_scale, q_scale=q_scale)
         assert problem is None, (factor, lengths, problem)
+
+
+def test_the_dispatcher_and_the_tuner_run_e4m3_queries_on_it():
+    """e4m3 queries over an e4m3 cache: the dispatcher's pick is the heuristic tile on fp8_mma on
+    sm_90a (the naive kernel on other archs and caches), and the tuner's candidates are its pick,
+    the naive kernel and the mma structures of the 16-bit-query problem on fp8_mma, every one
+    valid."""
+    from mlagen.dispatch.policy import H200, choose_variant
+    from mlagen.plan.space import structures
+    from mlagen.tools.tune import candidates
+
+    problem = Problem(heads=64, **BOTH)
+    picked = choose_variant(problem, 9, 32, 4160, "sm_90a", "NVIDIA H100", policy=H200)
+    assert picked.schedule == "fp8_mma" and picked.kv_split == "balanced" and validate(problem, picked)
+    assert choose_variant(problem, 9, 32, 4160, "sm_80", "NVIDIA A100", policy=H200).family == "naive"
+    assert choose_variant(problem.with_(kv_format="ds_mla"), 9, 32, 4160, "sm_90a", "NVIDIA H100",
+                          policy=H200).family == "naive"
+    shapes = structures(problem, 9, "sm_90a", "mma")
+    assert shapes and all(v.schedule == "fp8_mma" and validate(problem, v) for v in shapes)
+    assert structures(problem, 9, "sm_90", "mma") == []        # fp8_mma runs on sm_90a only
+    cands = candidates(problem, 9, 32, 4160, "sm_90", 24, H200)
+    assert cands[0].schedule == "fp8_mma" and any(v.family == "naive" for v in cands)
+    assert set(shapes) <= set(cands) and all(validate(problem, v) for v in cands)

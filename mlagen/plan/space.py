@@ -40,10 +40,18 @@ def tile_shapes(heads: int, seqlen_q: int) -> list[tuple[int, int]]:
 def structures(problem: Problem, seqlen_q: int, arch: str, family: Family,
                limit: int | None = None) -> list[Variant]:
     """Valid adaptive-split variants of `family` for S=seqlen_q on `arch`, most promising first
-    (an untiled family's, `KernelFamily.tiled`: its variant of 4 warps, then of 8)."""
+    (an untiled family's, `KernelFamily.tiled`: its variant of 4 warps, then of 8). For queries
+    in a format the family's own loops do not read (e4m3), the structures of the same problem
+    with 16-bit queries on each schedule that reads them (`TileSchedule.q_formats`; fp8_mma),
+    where valid."""
     if not FAMILIES[family].tiled:
         naives = [v for v in (naive(arch=arch, warps=4), naive(arch=arch, warps=8)) if is_valid(problem, v)]
         return naives[:limit]
+    if problem.fp8_q and not FAMILIES[family].fp8_q:
+        readers = [s for s in SCHEDULES.values() if family in s.families and s.reads_queries(problem.q_format)]
+        adopted = [s.adopt(v) for v in structures(problem.with_(q_format="dtype"), seqlen_q, arch, family)
+                   for s in readers if s.takes(v)]
+        return list(dict.fromkeys(v for v in adopted if is_valid(problem, v)))[:limit]
     knobs = list(itertools.product(SEARCH_BLOCK_NS, WARPS, STAGES, MMA_PV))
     shapes = tile_shapes(problem.heads, seqlen_q)
 

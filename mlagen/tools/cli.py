@@ -670,6 +670,9 @@ def tune(
     kv: str = typer.Option("dtype", "--kv", metavar="FORMAT",
                            help="the KV cache's format: dtype (--dtype's), e4m3 or ds_mla (FP8 caches: the inputs "
                            "quantized, the winners under keys of their own)"),
+    q: str = typer.Option("dtype", "--q", metavar="FORMAT",
+                          help="the queries' format: dtype, or e4m3 (with --kv e4m3: e4m3 queries, the winners under "
+                          "keys of their own)"),
     max_candidates: int = typer.Option(24, metavar="N", help="variants timed per shape and mask, at most"),
     split_top: int = typer.Option(3, metavar="N", help="how many of the fastest variants are timed again with each "
                                   "fixed number of KV splits (a request's keys shared among thread blocks)"),
@@ -692,6 +695,9 @@ def tune(
     masks = mask or ["causal"]
     _problem_options(page_size, masks, dtype)
     _choice("--kv", kv, KV_FORMATS)
+    _choice("--q", q, Q_FORMATS)
+    if q != "dtype" and kv != "e4m3":
+        _fail(f"--q {q}: expected --kv e4m3 with it (e4m3 queries are tuned over an e4m3 cache), got --kv {kv}")
     _at_least("--max-candidates", max_candidates, 1)
     _at_least("--split-top", split_top, 0)
     _at_least("--retimes", retimes, 0)
@@ -711,7 +717,8 @@ def tune(
 
     info = _info(fmt)
     config = TuneConfig(page_size=page_size, masks=tuple(dict.fromkeys(masks)), dtype=dtype, kv_format=kv,
-                        max_candidates=max_candidates, split_top=split_top, retimes=retimes, workers=workers)
+                        q_format=q, max_candidates=max_candidates, split_top=split_top, retimes=retimes,
+                        workers=workers)
     with _progress(info) as progress:
         path, results = run_tune([r for r, _ in rows], config, table, write_default, progress)
     if fmt == "table":

@@ -35,7 +35,7 @@ from ..runtime.op import device_info, device_name, device_policy
 from .grids import Row
 from .stamp import stamp
 from .timing import TimingConfig, l2_bytes, measure
-from .workload import Workload, make_workload, mlagen_call, problem_for, with_fp8
+from .workload import Workload, fp8_case, make_workload, mlagen_call, problem_for, with_fp8
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class TuneConfig:
     masks: tuple[str, ...] = ("causal",)
     dtype: str = "bf16"
     kv_format: str = "dtype"      # the cache: q's dtype, or an FP8 format ("e4m3", "ds_mla"; the inputs quantized)
+    q_format: str = "dtype"       # the queries: "dtype", or "e4m3" over an e4m3 cache (FP8_CASES' "e4m3-q")
     max_candidates: int = 24      # structures (adaptive split) timed per row and mask
     split_top: int = 3            # the fastest structures whose fixed splits are also timed
     workers: int | None = None    # compile processes; default: one per CPU
@@ -172,7 +173,8 @@ def tune_rows(rows: list[Row], config: TuneConfig, progress=None,
     plans = []
     for row in rows:
         for mask in config.masks:
-            problem = problem_for(row, config.page_size, mask, config.dtype).with_(kv_format=config.kv_format)
+            problem = problem_for(row, config.page_size, mask, config.dtype).with_formats(config.kv_format,
+                                                                                          config.q_format)
             capacity = row.kv_capacity(config.page_size)
             cands = as_dispatched(problem, row.batch, candidates(problem, row.seqlen_q, row.batch, capacity, arch,
                                                                    config.max_candidates, dispatch), dispatch)
@@ -200,8 +202,9 @@ def tune_rows(rows: list[Row], config: TuneConfig, progress=None,
             progress.update(time_task, description=f"timing H={row.heads} B={row.batch} S={row.seqlen_q} "
                                                    f"prefix={row.prefix} {mask}")
         work = make_workload(row, config.page_size, mask, config.dtype, l2)
-        if config.kv_format != "dtype":
-            work = with_fp8(work, config.kv_format, l2)
+        case = fp8_case(config.kv_format, config.q_format)
+        if case is not None:
+            work = with_fp8(work, case, l2)
         results.append(_tune_one(work, cands, errors, config, dispatch, advance, incumbent))
         del work
         torch.cuda.empty_cache()

@@ -128,6 +128,18 @@ def with_mask(work: Workload, mask: str, seed: int = 0) -> Workload:
                     visible=_visible(work.row, mask, tree, device), scale=work.scale)
 
 
+def fp8_case(kv_format: str, q_format: str) -> str | None:
+    """The FP8 case (FP8_CASES) of a cache and query format; None for 16-bit inputs. Raises
+    ValueError for a pair no case holds (e4m3 queries over a 16-bit or ds_mla cache)."""
+    if (kv_format, q_format) == ("dtype", "dtype"):
+        return None
+    for case, formats in FP8_CASES.items():
+        if formats == (kv_format, q_format):
+            return case
+    raise ValueError(f"no FP8 case holds a {kv_format} cache with {q_format} queries: one of "
+                     f"{', '.join(f'{k}/{q}' for k, q in FP8_CASES.values())}")
+
+
 def fp8_problem(problem: Problem, case: str) -> Problem:
     """`problem` on FP8 case `case`'s inputs (FP8_CASES; `Problem.with_formats`)."""
     return problem.with_formats(*FP8_CASES[case])
