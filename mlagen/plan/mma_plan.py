@@ -119,6 +119,8 @@ SEESAW_BARRIERS = SEESAW_LOAD_PARTS + 2
 # two. Its mbarriers take the seesaw's four load parts' places as each stage's "free" (both
 # warpgroups' reads done) and "front widened" (the 16-bit tile's first blocks ready) hand-offs,
 # keep the P hand-offs, and add two a stage: "landed" (its TMA boxes' bytes) and "back widened".
+# The fp8_mma schedule keeps the same mbarriers, "front" as a stage's "empty" and "back" as its
+# value copy's "written" (templates/mma_ws_producer.cuh.j2).
 FP8_WS_PRODUCER_WARPS = 4
 FP8_WS_STAGES = 2
 FP8_WS_BARRIERS = SEESAW_BARRIERS + 2 * FP8_WS_STAGES
