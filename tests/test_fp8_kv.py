@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from gpu_checks import require_target
 
 import mlagen
 from mlagen.codegen.build import build
@@ -444,8 +445,7 @@ def test_fp8_tiles_run_ragged_rows(fmt):
     """The sm_90a FP8 tile as a balanced split with ragged rows, as the dispatcher runs a balanced
     FP8 table pick for a call with q_counts: 12 requests of 0..9 real rows, each real row against
     the fp64 reference over the same FP8 cache."""
-    if not runs_on("sm_90a", device_info(torch.cuda.current_device())[0]):
-        pytest.skip("sm_90a code does not run on this GPU")
+    require_target("sm_90a")
     case = make_case(batch=12, seqlen_q=9, heads=16, page_size=64, mask="tree", per_request_tree=True, seed=71,
                      prefixes=[900, 0, 2000, 70, 1500, 300, 2600, 5, 1200, 800, 0, 1700])
     counts = [9, 0, 4, 1, 9, 6, 2, 9, 5, 3, 7, 8]

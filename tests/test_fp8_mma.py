@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_checks import assert_bitwise_repeatable, require_target
 
 import mlagen
 from mlagen.codegen.build import build
-from mlagen.dsl.arch import runs_on
 from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import Problem, parse_variant
 from mlagen.plan.mma_plan import FP8_WS_BARRIERS, fp8_row_bytes
 from mlagen.plan.schedules import FP8_MMA, FP8_WS
 from mlagen.plan.validate import validate
-from mlagen.runtime.op import device_info
 from mlagen.tools.testing import FP8_PRODUCTS_TOLERANCE, compare_rows, make_case, pinned_balanced_ranges
 
 F8 = "mma_ht64_qt1_bn64_w8_st2_spa_tma_f8_sm90a"
@@ -101,12 +100,6 @@ def test_16bit_kernels_render_none_of_its_code():
         assert "constexpr bool F8MMA = false;" in src and "e4m3.e4m3" not in src and "transpose_tile" not in src
 
 
-def _gpu_sm90a() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if not runs_on("sm_90a", device_info(torch.cuda.current_device())[0]):
-        pytest.skip("sm_90a code does not run on this GPU")
-
 
 def _run(case, variant, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     return mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, variant=variant,
@@ -132,7 +125,7 @@ def test_it_matches_the_reference_of_its_e4m3_inputs(name, mask):
     an odd tile count (a padding tile), an empty request and one shorter than a tile; the scales
     as floats and as device tensors: every row and lse entry against the fp64 reference of the
     same e4m3 queries and cache."""
-    _gpu_sm90a()
+    require_target("sm_90a")
     variant = parse_variant(name)
     seqlen_q = variant.q_tile if variant.q_tile > 1 else 5
     for seed, (page_size, as_tensor) in enumerate(((64, False), (128, True))):
@@ -156,7 +149,7 @@ def test_it_matches_the_reference_of_its_e4m3_inputs(name, mask):
 def test_balanced_ranges_that_cut_requests_anywhere(ranges):
     """The balanced split with its range count pinned: the producer and the computing warps walk
     several segments per block with their mbarriers' phases carried across them."""
-    _gpu_sm90a()
+    require_target("sm_90a")
     variant = parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_f8_sm90a")
     case = make_case(batch=6, seqlen_q=3, heads=64, prefixes=[4000, 64, 0, 1900, 130, 9000], page_size=64,
                      mask="causal", seed=91, **BOTH)
@@ -171,20 +164,17 @@ def test_balanced_ranges_that_cut_requests_anywhere(ranges):
 def test_it_is_bitwise_repeatable(name):
     """Ten launches on the same inputs give the same bits: the producer's hand-offs leave no race
     for the results to show (racecheck and synccheck run it in benchmarks/run_gpu.sh)."""
-    _gpu_sm90a()
+    require_target("sm_90a")
     case = make_case(batch=3, seqlen_q=9, heads=64, prefixes=[5000, 333, 64], page_size=64, mask="tree", seed=7,
                      **BOTH)
-    first = _run(case, parse_variant(name))
-    for _ in range(9):
-        again = _run(case, parse_variant(name))
-        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert_bitwise_repeatable(lambda: _run(case, parse_variant(name)))
 
 
 @pytest.mark.gpu
 def test_graph_replay_reads_changed_scales_and_new_lengths():
     """Captured once, replayed with the scale tensors, the lengths and the queries changed in
     place: each replay matches the reference of what it read."""
-    _gpu_sm90a()
+    require_target("sm_90a")
     variant = parse_variant(F8)
     case = make_case(batch=2, seqlen_q=4, heads=64, prefixes=[2000, 600], page_size=64, mask="causal", seed=5,
                      **BOTH)

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_checks import assert_bitwise_repeatable, require_target
 
 import mlagen
 from mlagen.codegen.build import build
-from mlagen.dsl.arch import runs_on
 from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import Problem, parse_variant
 from mlagen.plan.mma_plan import FP8_WS_BARRIERS, FP8_WS_PRODUCER_WARPS
 from mlagen.plan.schedules import FP8_WS, SEESAW
 from mlagen.plan.validate import validate
-from mlagen.runtime.op import device_info
 from mlagen.tools.testing import assert_matches, compare_rows, make_case, pinned_balanced_ranges
 
 WS = "mma_ht64_qt1_bn64_w8_st2_spa_tma_ws_sm90a"
@@ -91,12 +90,6 @@ def test_16bit_seesaw_kernels_keep_their_source():
     assert "produce_tiles" not in src and "setmaxnreg" not in src and "STAGE_FRONT" not in src
 
 
-def _gpu_sm90a() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if not runs_on("sm_90a", device_info(torch.cuda.current_device())[0]):
-        pytest.skip("sm_90a code does not run on this GPU")
-
 
 def _check(case, variant, kv_scale, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = mlagen.verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
@@ -112,7 +105,7 @@ def test_it_matches_the_reference_of_its_e4m3_cache(name, mask):
     an odd tile count (a padding tile), an empty request and one shorter than a tile; the scale
     as a float and as a device tensor: every row and lse entry against the fp64 reference of the
     same e4m3 cache, with bf16's tolerance."""
-    _gpu_sm90a()
+    require_target("sm_90a")
     variant = parse_variant(name)
     q_tile, heads = variant.q_tile, 64
     seqlen_q = q_tile if q_tile > 1 else 5
@@ -142,7 +135,7 @@ def test_it_matches_the_reference_of_its_e4m3_cache(name, mask):
 def test_fp16_queries_over_an_e4m3_cache(name):
     """fp16 queries and output (the widening's fp16 unit and shift): every row against the
     reference, fp16's tolerance."""
-    _gpu_sm90a()
+    require_target("sm_90a")
     case = make_case(batch=3, seqlen_q=5, heads=64, prefixes=[900, 0, 2100], page_size=64, mask="tree", seed=17,
                      dtype=torch.float16, empty=[False, True, False], kv_format="e4m3")
     out, lse = _check(case, parse_variant(name), case.kv_scale)
@@ -156,7 +149,7 @@ def test_balanced_ranges_that_cut_requests_anywhere(ranges):
     """The balanced split with its range count pinned: ranges that start and end mid-request, so
     the producer and the computing warps walk several segments per block with their mbarriers'
     phases carried across them; every row against the reference."""
-    _gpu_sm90a()
+    require_target("sm_90a")
     variant = parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ws_sm90a")
     case = make_case(batch=6, seqlen_q=3, heads=64, prefixes=[4000, 64, 0, 1900, 130, 9000], page_size=64,
                      mask="causal", seed=91, kv_format="e4m3")
@@ -170,20 +163,17 @@ def test_balanced_ranges_that_cut_requests_anywhere(ranges):
 def test_it_is_bitwise_repeatable(name):
     """Ten launches on the same inputs give the same bits: the producer's hand-offs leave no race
     for the results to show (racecheck and synccheck run it in benchmarks/run_gpu.sh)."""
-    _gpu_sm90a()
+    require_target("sm_90a")
     case = make_case(batch=3, seqlen_q=9, heads=64, prefixes=[5000, 333, 64], page_size=64, mask="tree",
                      seed=7, kv_format="e4m3")
-    first = _check(case, parse_variant(name), case.kv_scale)
-    for _ in range(9):
-        again = _check(case, parse_variant(name), case.kv_scale)
-        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert_bitwise_repeatable(lambda: _check(case, parse_variant(name), case.kv_scale))
 
 
 @pytest.mark.gpu
 def test_graph_replay_reads_a_changed_scale_and_new_lengths():
     """Captured once, replayed with the scale tensor, the lengths and the queries changed in
     place: each replay matches the reference of what it read."""
-    _gpu_sm90a()
+    require_target("sm_90a")
     variant = parse_variant(WS)
     case = make_case(batch=2, seqlen_q=4, heads=64, prefixes=[2000, 600], page_size=64, mask="causal", seed=5,
                      kv_format="e4m3")
