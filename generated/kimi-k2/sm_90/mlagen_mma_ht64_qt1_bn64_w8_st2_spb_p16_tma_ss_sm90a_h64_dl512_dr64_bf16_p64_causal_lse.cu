@@ -1706,18 +1706,35 @@ __device__ __forceinline__ void named_sync(int id, int count) {
   asm volatile("barrier.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
 }
 
-// The seesaw's tile loop over tiles [kb_begin, kb_end) of a request with n keys, for the row
-// group of queries q0.. of S: o, lpart and sM end as the lockstep loop leaves them for
-// end_segment. t_base counts the block's tiles before this segment (its mbarriers' phases
-// follow it); tile_page(kb) is tile kb's page id (-1 past the segment). Q is at sQa, the two KV
-// stages at sKV, the mbarriers at sFull, the tree rows at sBits, the maxima's exchange in sPart.
-// Returns the tiles it ran, padding included.
+// A segment as the seesaw's tile loop takes it: tiles [kb_begin, kb_end) of a request with n keys,
+// for the row group of queries q0.. of S; t_base counts the block's tiles before the segment (the
+// mbarriers' phases follow it). The shared memory it reads: Q at sQa, the KV stages at sKV, the
+// mbarriers at sFull, the tree rows at sBits, the maxima's exchange in sPart, the running max at
+// sM, all of it from smem_raw.
+struct PairedSegment {
+  int n, S, q0, kb_begin, kb_end, t_base;
+  unsigned sQa;
+  elem_t* sKV;
+  unsigned long long* sFull;
+  const unsigned long long* sBits;
+  float* sPart;
+  float* sM;
+  unsigned char* smem_raw;
+};
+
+// The seesaw's tile loop over segment `seg`: o, lpart and sM end as the lockstep loop leaves them
+// for end_segment; tile_page(kb) is tile kb's page id (-1 past the segment). Returns the tiles it
+// ran, padding included.
 template <class TilePage>
-__device__ __forceinline__ int seesaw_tiles(const VerifyParams& p, int n, int S, int q0, int kb_begin, int kb_end,
-                                            int t_base, TilePage tile_page, float (&o)[MT_O][NT_O][4],
-                                            float (&lpart)[MTQ][2], unsigned sQa, elem_t* sKV,
-                                            unsigned long long* sFull, const unsigned long long* sBits,
-                                            float* sPart, float* sM, unsigned char* smem_raw, const FragmentAt& at) {
+__device__ __forceinline__ int seesaw_tiles(const VerifyParams& p, const PairedSegment& seg, TilePage tile_page,
+                                            float (&o)[MT_O][NT_O][4], float (&lpart)[MTQ][2], const FragmentAt& at) {
+  const int n = seg.n, S = seg.S, q0 = seg.q0, kb_begin = seg.kb_begin, kb_end = seg.kb_end, t_base = seg.t_base;
+  const unsigned sQa = seg.sQa;
+  elem_t* sKV = seg.sKV;
+  unsigned long long* sFull = seg.sFull;
+  const unsigned long long* sBits = seg.sBits;
+  float *sPart = seg.sPart, *sM = seg.sM;
+  unsigned char* smem_raw = seg.smem_raw;
   const int g = at.g, t = at.t, wmq = at.wmq, wnq = at.wnq;
   // ---- seesaw: the tiles go in pairs, k0 in stage 0 and k1 in stage 1 ----
   //   warpgroup 0: S0 = Q K0^T; m0 = max(m, rowmax S0); P0 = exp2(S0 - m0) (to K0's rope block
@@ -2089,8 +2106,8 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a_h64_dl512_dr64_bf16_p64_cau
     const int o_row0 = PV_WGMMA ? 16 * wmq : 0, o_dim0 = PV_WGMMA ? (DL / 2) * wnq : warp * DIMS_W;
     float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
     const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
-    tiles_done += seesaw_tiles(p, n, S, q0, kb_begin, kb_end, kv.t_base, [&](int kb) { return kv.page(kb); }, o, lpart, sQa, sKV, sFull, sBits, sPart, sM,
-                               smem_raw, FragmentAt{warp, lane, g, t, wmq, wnq, o_row0, o_dim0});
+    tiles_done += seesaw_tiles(p, PairedSegment{n, S, q0, kb_begin, kb_end, kv.t_base, sQa, sKV, sFull, sBits, sPart, sM, smem_raw},
+                               [&](int kb) { return kv.page(kb); }, o, lpart, FragmentAt{warp, lane, g, t, wmq, wnq, o_row0, o_dim0});
     MLAGEN_TRACE(loop_end);
 #pragma unroll
     for (int mt = 0; mt < MT_O; ++mt)
