@@ -57,6 +57,8 @@ H200 = ("sm_90", "NVIDIA H200", policy.H200)     # arch, name, dispatch policy
 SEESAW = "mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a"
 TRANSPOSED = "mma_ht8_qt9_bn64_w8_st2_spb_p16_tr_sm90a"
 EXCHANGE = "mma_ht64_qt1_bn64_w8_st1_sp8_cl_px_sm90a"
+FP8_MMA_TILE = "mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_f8_sm90a"
+FP8_WS_TILE = "mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ws_sm90a"
 
 # Each GPU script with arguments for a small shape: run without a GPU it must exit with one line.
 GPU_RUNS = {
@@ -490,6 +492,14 @@ def test_seesaw_trace_defines_both_schedules():
         slots += [schedule.boundary_slot + k for k in range(len(schedule.boundary))]
         assert len(set(slots)) == len(slots) and max(slots) < schedule.events, name
     assert trace_seesaw.TRANSPOSED.points()["pairs_before"] == "int tr_pairs = 0"
+    # the warp-specialized FP8 tiles run the seesaw's pairs: the same stamps, on inputs in the
+    # formats their schedules read
+    for name, formats in ((FP8_MMA_TILE, ("e4m3", "e4m3")), (FP8_WS_TILE, ("e4m3", "dtype"))):
+        assert trace_seesaw.schedule_of(parse_variant(name)) is trace_seesaw.SEESAW
+        assert trace_blocks.formats_of(parse_variant(name)) == formats
+        defined = _defined(trace_blocks.traced_source(name, 64, trace_seesaw.paired_trace))
+        assert {point: code for point, code in defined.items() if code} == trace_seesaw.SEESAW.points(), name
+    assert trace_blocks.formats_of(None) == ("dtype", "dtype")
     plan, plain = _rendered("mma_ht8_qt8_bn64_w8_st2_sp2_sm90a", 64)
     assert trace_seesaw.paired_trace(plan, plain) == plain
     seesaw = trace_seesaw.SEESAW
