@@ -14,7 +14,7 @@ emitted files, cache manifests and benchmark rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, get_args
 
 Dtype = Literal["bf16", "fp16"]
 KVFormatName = Literal["dtype", "e4m3", "ds_mla"]
@@ -28,17 +28,18 @@ Combine = Literal["merge", "cluster"]
 Partials = Literal["fp32", "16bit"]
 Rows = Literal["dense", "ragged"]
 
-DTYPES: tuple[str, ...] = ("bf16", "fp16")
-KV_FORMATS: tuple[str, ...] = ("dtype", "e4m3", "ds_mla")
-Q_FORMATS: tuple[str, ...] = ("dtype", "e4m3")
-MASKS: tuple[str, ...] = ("causal", "tree", "none")
+# Each field's values, from its type.
+DTYPES: tuple[str, ...] = get_args(Dtype)
+KV_FORMATS: tuple[str, ...] = get_args(KVFormatName)
+Q_FORMATS: tuple[str, ...] = get_args(QFormatName)
+MASKS: tuple[str, ...] = get_args(MaskKind)
 MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
-FAMILIES: tuple[str, ...] = ("naive", "flash", "mma")
-SCHEDULES: tuple[str, ...] = ("lockstep", "seesaw", "transposed", "p_exchange", "fp8_ws", "fp8_mma")
-LOADS: tuple[str, ...] = ("cp_async", "tma")
-COMBINES: tuple[str, ...] = ("merge", "cluster")
-PARTIALS: tuple[str, ...] = ("fp32", "16bit")
-ROWS: tuple[str, ...] = ("dense", "ragged")
+FAMILIES: tuple[str, ...] = get_args(Family)
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+LOADS: tuple[str, ...] = get_args(Loads)
+COMBINES: tuple[str, ...] = get_args(Combine)
+PARTIALS: tuple[str, ...] = get_args(Partials)
+ROWS: tuple[str, ...] = get_args(Rows)
 
 
 @dataclass(frozen=True)
