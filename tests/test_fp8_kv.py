@@ -24,7 +24,14 @@ from mlagen.plan.validate import validate
 from mlagen.runtime import context_parallel, varlen
 from mlagen.runtime.op import device_info
 from mlagen.tools.fuzz import FuzzSpace, draw
-from mlagen.tools.testing import E4M3_QUERY_TOLERANCE, compare_rows, make_case, reference_op, tolerance
+from mlagen.tools.testing import (
+    E4M3_QUERY_TOLERANCE,
+    FP8_PRODUCTS_TOLERANCE,
+    compare_rows,
+    make_case,
+    reference_op,
+    tolerance,
+)
 
 FP8 = ("e4m3", "ds_mla")
 
@@ -280,9 +287,9 @@ def test_e4m3_queries_match_the_reference_of_their_dequantized_values(kv_format)
 
 # ---- FP8 through varlen and context-parallel shards
 
-def _fp8_inputs(fmt: str, device: str, seed: int):
+def _fp8_inputs(fmt: str, device: str, seed: int, page_size: int = 16):
     """(case, e4m3 queries, their q_scale tensor, FP8 cache, kv_scale): a tree-masked ragged case."""
-    case = make_case(batch=3, seqlen_q=4, heads=16, prefixes=[300, 0, 70], page_size=16, mask="tree",
+    case = make_case(batch=3, seqlen_q=4, heads=16, prefixes=[300, 0, 70], page_size=page_size, mask="tree",
                      seed=seed, empty=[False, True, False], device=device, per_request_tree=True)
     cache, kv_scale = mlagen.quantize_kv(case.kv_cache, fmt)
     q8, q_scale = mlagen.quantize_q(case.q)
@@ -305,10 +312,10 @@ def _packed(case, q8):
     return q, cu, mask, dense, counts
 
 
-def _check_varlen_fp8(case, q8, q_scale, cache, kv_scale):
+def _check_varlen_fp8(case, q8, q_scale, cache, kv_scale, tol=None):
     """verify_attention_varlen on e4m3 queries over an FP8 cache: every packed row against the
     dense reference's row at its position (request b's last s_b queries see its last s_b draft
-    tokens through the same tree)."""
+    tokens through the same tree), within `tol` (None: bf16's)."""
     q, cu, mask, dense, counts = _packed(case, q8)
     kw = dict(softmax_scale=case.scale, head_dim_v=512, kv_scale=kv_scale, q_scale=q_scale)
     out, lse = mlagen.verify_attention_varlen(q, cache, case.block_table, case.cache_seqlens, cu, 4, tree_mask=mask,
@@ -320,13 +327,13 @@ def _check_varlen_fp8(case, q8, q_scale, cache, kv_scale):
     rows = [(b, i) for b, s in enumerate(counts) for i in range(S - s, S)]
     ref_rows = torch.stack([ref_out[b, i] for b, i in rows])
     ref_lse_rows = torch.stack([ref_lse[b, :, i] for b, i in rows])
-    problem = compare_rows(out, lse.T, ref_rows, ref_lse_rows, dims=("row", "h"))
+    problem = compare_rows(out, lse.T, ref_rows, ref_lse_rows, tol, dims=("row", "h"))
     assert problem is None, problem
 
 
-def _check_cp_fp8(case, q8, q_scale, cache, kv_scale):
+def _check_cp_fp8(case, q8, q_scale, cache, kv_scale, tol=None):
     """Two context-parallel ranks over their shards of the FP8 cache, merged: the unsharded
-    reference of the same e4m3 queries and cache."""
+    reference of the same e4m3 queries and cache, within `tol` (None: bf16's)."""
     kw = dict(softmax_scale=case.scale, tree_mask=case.tree_mask, kv_scale=kv_scale, q_scale=q_scale)
     parts = []
     for rank in range(2):
@@ -335,7 +342,7 @@ def _check_cp_fp8(case, q8, q_scale, cache, kv_scale):
         parts.append(mlagen.verify_attention_cp_shard(q8, kv, table, case.cache_seqlens, rank=rank, world=2, **kw))
     out, lse = mlagen.merge_states(*parts[0], *parts[1])
     ref_out, ref_lse = mlagen.reference(q8, cache, case.block_table, case.cache_seqlens, dtype=torch.float64, **kw)
-    problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2))
+    problem = compare_rows(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2), tol)
     assert problem is None, problem
 
 
@@ -365,6 +372,16 @@ def test_empty_varlen_batches_of_e4m3_queries_return_bf16():
 def test_varlen_and_shards_of_fp8_inputs_match_the_reference(fmt, check):
     """The same checks through the kernels."""
     check(*_fp8_inputs(fmt, "cuda", seed=12))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("check", [_check_varlen_fp8, _check_cp_fp8])
+def test_varlen_and_shards_of_e4m3_queries_on_e4m3_products(check):
+    """With pages of 64 keys the dispatcher runs e4m3 queries over an e4m3 cache on the fp8_mma
+    schedule on sm_90a: varlen's padded rows and two context-parallel shards merged, within the
+    e4m3 products' tolerance."""
+    require_target("sm_90a")
+    check(*_fp8_inputs("e4m3", "cuda", seed=13, page_size=64), tol=FP8_PRODUCTS_TOLERANCE)
 
 
 # ---- e4m3 queries against the 16-bit queries they come from
