@@ -1746,7 +1746,8 @@ __device__ __forceinline__ int seesaw_tiles(const VerifyParams& p, const PairedS
   // O_L / O_R are the value dims [0, DL/2) / [DL/2, DL), the same layout as the lockstep
   // loop's. Each part of the next pair's tiles is issued by the warpgroup that reads it last,
   // once it has: four mbarriers, one per part, each completing once a pair. A rope block is
-  // free once its tile's scores are done: P goes there.
+  // free once its tile's scores are done: P goes there. (With e4m3 products, F8MMA, P goes to
+  // buffers of its own and the producer lands the tiles: mma_ws_producer.cuh.j2.)
   const int pairs = (kb_end - kb_begin + 1) / 2;          // an odd count ends with a padding tile
   const int lim = kb_end * BN < n ? kb_end * BN : n;      // keys this segment reads
   const unsigned buf0 = smem_addr(sKV), buf1 = buf0 + STAGE_BYTES;
