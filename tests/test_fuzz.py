@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from gpu_checks import require_target
 from typer.testing import CliRunner
 
 from cli import app
@@ -316,6 +317,19 @@ def test_fuzz_runs_clean_on_e4m3_queries():
     """e4m3 queries over 16-bit and FP8 caches through the dispatcher's pick."""
     report = fuzz(range(8), [None], FuzzSpace(max_prefix=2000, kv_formats=KV_FORMATS, q_formats=("e4m3",)))
     assert report.count("ok", "dispatch") == 8, [o.message for o in report.outcomes if o.status != "ok"]
+
+
+@pytest.mark.gpu
+def test_fuzz_random_variants_run_clean_on_e4m3_queries():
+    """Random variants for e4m3 queries over an e4m3 cache (the naive kernel and, on sm_90a with
+    pages of 64 keys, the fp8_mma tiles), each shape against the reference, on a GPU that runs
+    sm_90a code; fp8_mma among them."""
+    require_target("sm_90a")
+    space = FuzzSpace(max_prefix=3000, page_sizes=(64, 128), kv_formats=("e4m3",), q_formats=("e4m3",))
+    report = fuzz(range(24), [], space, any_variant="sm_90")
+    assert report.count("fail") == 0, [o.message for o in report.failures]
+    drawn = {o.variant for o in report.outcomes if o.status == "ok"}
+    assert drawn and any("_f8_" in v for v in drawn), sorted(drawn)
 
 
 @pytest.mark.gpu
