@@ -17,9 +17,8 @@ the two ranks of a context-parallel pair (their per-request shard masks), merged
 family's FP8 tiles (`fp8_tile`: a balanced split with 16-bit partials on sm_90a, a fixed split on
 mma.sync elsewhere) and, on sm_90a, that tile on the warp-specialized fp8_ws schedule and, with
 e4m3 queries, on the fp8_mma schedule (their producer warpgroup's hand-offs are mbarriers, which
-racecheck follows). Attention sinks and the
-merge are torch ops: nothing there for the sanitizer. Prints one line per
-(case, variant) and a count at the end.
+racecheck follows). Attention sinks and the merge are torch ops: nothing there for the
+sanitizer. Prints one line per (case, variant) and a count at the end.
 """
 
 from __future__ import annotations

@@ -16,13 +16,12 @@ import mlagen
 from mlagen.codegen.build import build
 from mlagen.dispatch.policy import H200, batch_invariant_variant, choose_variant, fp8_tile
 from mlagen.dsl import kv_layout
-from mlagen.dsl.arch import ARCHS, runs_on
+from mlagen.dsl.arch import ARCHS
 from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import Problem, naive, parse_variant
 from mlagen.plan.schedules import FP8_MMA
 from mlagen.plan.validate import validate
 from mlagen.runtime import context_parallel, varlen
-from mlagen.runtime.op import device_info
 from mlagen.tools.fuzz import FuzzSpace, draw
 from mlagen.tools.testing import (
     E4M3_QUERY_TOLERANCE,
@@ -436,8 +435,7 @@ def test_fp8_tiles_match_the_reference_of_their_dequantized_rows(fmt, name, mask
     as the tiles use it (the rounding errs alike for equal stored values of a group, a bias that
     moves the lse past bf16's tolerance on long requests; docs/design.md)."""
     variant = parse_variant(name)
-    if not runs_on(variant.arch, device_info(torch.cuda.current_device())[0]):
-        pytest.skip(f"{variant.arch} code does not run on this GPU")
+    require_target(variant.arch)
     for seed, (page_size, as_tensor) in enumerate(((16, False), (64, True))):
         case = make_case(batch=3, seqlen_q=5, heads=64, prefixes=[700, 0, 3500], page_size=page_size, mask=mask,
                          seed=30 + seed, empty=[False, True, False])

@@ -42,7 +42,7 @@ def test_the_schedule_reads_e4m3_queries_over_an_e4m3_cache_on_sm90a():
     assert v.schedule == "fp8_mma" and v.name == F8
     assert validate(Problem(**BOTH), v)
     with pytest.raises(SpecError, match="variant.family: got 'mma', expected 'naive' for problem.q_format='e4m3' "
-                                        r"\(the mma family reads 16-bit queries only, but for e4m3 caches on sm_90a\)"):
+                                        r"\(the mma family reads them with fp8_mma on sm_90a over caches in 'e4m3'\)"):
         validate(Problem(kv_format="ds_mla", q_format="e4m3"), v)
     with pytest.raises(SpecError, match="variant.schedule: got 'fp8_mma', expected a schedule that reads "
                                         "problem.q_format='dtype' queries"):

@@ -375,12 +375,8 @@ def fp8_tile(problem: Problem, seqlen_q: int, arch: str, policy: DispatchPolicy)
     tile = heuristic_mma(problem.with_(q_format="dtype"), seqlen_q, arch, policy)
     if tile is None:
         return None
-    for schedule in SCHEDULES.values():
-        if schedule.takes(tile) and schedule.reads_queries(problem.q_format) and schedule.reads(problem.kv_format):
-            v = schedule.adopt(tile)
-            if policy.fits(problem, v):
-                return v
-    return None
+    adopted = (s.adopt(tile) for s in SCHEDULES.values() if s.serves(problem, tile))
+    return next((v for v in adopted if policy.fits(problem, v)), None)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -159,12 +159,13 @@ def seesaw_load_mbarriers(v: Variant) -> int:
 
 
 def ws_mbarriers(v: Variant) -> int:
-    """The fp8_ws schedule's mbarriers: FP8_WS_BARRIERS."""
+    """The fp8_ws and fp8_mma schedules' mbarriers: FP8_WS_BARRIERS."""
     return FP8_WS_BARRIERS
 
 
 def ws_landing_mbarriers(v: Variant) -> int:
-    """Those of the fp8_ws schedule's mbarriers that count a TMA load's bytes: one a stage."""
+    """Those of the fp8_ws and fp8_mma schedules' mbarriers that count a TMA load's bytes: one a
+    stage."""
     return FP8_WS_STAGES
 
 
@@ -241,17 +242,16 @@ def fp8_row_bytes(p: Problem) -> int:
 
 
 def fp8_products_layout(p: Problem, v: Variant) -> MmaLayout | str:
-    """The fp8_mma schedule's layout: the seesaw's tile and warps, with Q and `v.stages` KV stages
-    of e4m3 bytes (`fp8_row_bytes` a row) and one key-major value copy a stage (Dl x block_n
-    bytes), then P (unused by its products, kept for the epilogue's layout), the row statistics and
-    the tree-mask rows."""
-    layout = lockstep_layout(p.with_(kv_format="dtype"), v)
+    """The fp8_mma schedule's layout: the seesaw's (`widened_layout`), its 16-bit Q and stages
+    replaced by Q and `v.stages` KV stages of e4m3 bytes (`fp8_row_bytes` a row) and one
+    key-major value copy a stage (Dl x block_n bytes); P's place holds P0 and P1 in e4m3."""
+    layout = widened_layout(p, v)
     if isinstance(layout, str):
         return layout
     row = fp8_row_bytes(p)
-    smem = (layout.m_pad * row + v.stages * v.block_n * (row + p.dl) + layout.m_pad * layout.p_stride * 2
-            + layout.wnq * layout.m_pad * 4 + layout.m_pad * 4 + MAX_SEQLEN_Q * 8)
-    return replace(layout, smem_bytes=smem)
+    widened = layout.m_pad * p.head_dim * 2 + kv_stage_bytes(p.with_(kv_format="dtype"), v)
+    e4m3 = layout.m_pad * row + v.stages * v.block_n * (row + p.dl)
+    return replace(layout, smem_bytes=layout.smem_bytes - widened + e4m3)
 
 
 def lockstep_layout(p: Problem, v: Variant) -> MmaLayout | str:

@@ -149,6 +149,11 @@ class TileSchedule:
         """Whether it reads queries of `q_format` (`q_formats`)."""
         return q_format in self.q_formats
 
+    def serves(self, p: Problem, v: Variant) -> bool:
+        """Whether it may run `v`'s family and arch over `p`'s cache and query formats (`takes`,
+        `reads`, `reads_queries`); the rest of `v`'s settings are `check`'s."""
+        return self.takes(v) and self.reads(p.kv_format) and self.reads_queries(p.q_format)
+
     def draw_rows(self, arch: str) -> Sequence[int]:
         """The block rows (q_tile * head_tile) a random variant for `arch` takes: `rows`, else on a
         wgmma arch the rows that pad to its tile's; (): any."""
@@ -250,7 +255,7 @@ FP8_WS = TileSchedule(
 # e4m3 queries over an e4m3 cache, both products on e4m3 wgmma: fp8_ws's producer lands each tile
 # with TMA and transposes its value dims into a key-major copy, the 8-bit B operand P·V needs,
 # while the seesaw's two warpgroups run the products (templates/mma_ws_producer.cuh.j2). The
-# dispatcher does not pick it yet.
+# dispatcher runs e4m3 queries over an e4m3 cache on it (`policy.fp8_tile`).
 FP8_MMA = TileSchedule(
     name="fp8_mma", template="mma.cu.j2", families=_MMA, archs=_SM90A, block_ns=(64,), warps=(8,), stages=(2,),
     loads=("tma",), combines=("merge",), partials=PARTIALS, mma_pv=False, paired=True, partial_rows=True,

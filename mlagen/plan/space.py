@@ -48,9 +48,8 @@ def structures(problem: Problem, seqlen_q: int, arch: str, family: Family,
         naives = [v for v in (naive(arch=arch, warps=4), naive(arch=arch, warps=8)) if is_valid(problem, v)]
         return naives[:limit]
     if problem.fp8_q and not FAMILIES[family].fp8_q:
-        readers = [s for s in SCHEDULES.values() if family in s.families and s.reads_queries(problem.q_format)]
         adopted = [s.adopt(v) for v in structures(problem.with_(q_format="dtype"), seqlen_q, arch, family)
-                   for s in readers if s.takes(v)]
+                   for s in SCHEDULES.values() if s.serves(problem, v)]
         return list(dict.fromkeys(v for v in adopted if is_valid(problem, v)))[:limit]
     knobs = list(itertools.product(SEARCH_BLOCK_NS, WARPS, STAGES, MMA_PV))
     shapes = tile_shapes(problem.heads, seqlen_q)

@@ -495,11 +495,13 @@ def _check_fp8_family(p: Problem, v: Variant) -> None:
     (`TileSchedule.q_formats`)."""
     family, schedule = family_of(v), schedule_of(v)
     if p.fp8_q and not family.fp8_q:
-        readers = [s.name for s in SCHEDULES.values()
-                   if s.takes(v) and s.reads_queries(p.q_format) and s.reads(p.kv_format)]
+        readers = [s.name for s in SCHEDULES.values() if s.serves(p, v)]
+        elsewhere = "; ".join(f"{s.name} on {' or '.join(s.archs or ('any arch',))} over caches in "
+                              f"{' or '.join(map(repr, s.kv_formats or ('dtype',)))}"
+                              for s in SCHEDULES.values() if v.family in s.families and s.reads_queries(p.q_format))
         require(bool(readers), "variant.family", v.family,
                 f"{_quoted([f for f in FAMILIES.values() if f.fp8_q])} for problem.q_format={p.q_format!r} "
-                f"(the {v.family} family reads 16-bit queries only, but for e4m3 caches on sm_90a)")
+                f"(the {v.family} family reads them {'with ' + elsewhere if elsewhere else 'nowhere'})")
         require(schedule.reads_queries(p.q_format), "variant.schedule", v.schedule,
                 f"{' or '.join(map(repr, readers))} for problem.q_format={p.q_format!r} (the {v.family} family's "
                 f"schedules that read e4m3 queries on {v.arch})")

@@ -194,7 +194,7 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
         family = next(f for f in FAMILIES.values() if f.fp8_q)                 # a family that reads e4m3 queries
     elif shape.problem.fp8_kv and not family.fp8_kv:
         family = next(f for f in FAMILIES.values() if f.tiled and f.fp8_kv)    # a tiled one that reads FP8 caches
-    for _ in range(tries if family.fp8_q or not shape.problem.fp8_q else tries // 10):
+    for _ in range(tries):
         target = rng.choice(archs)
         if not family.tiled:
             v = naive(arch=target, warps=rng.choice([1, 2, 4, 8]))
@@ -211,8 +211,7 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
 
 def _schedules(shape: Shape, family: str, target: str) -> list[TileSchedule]:
     """The schedules of `family` on `target` that read the shape's cache and query formats."""
-    return [s for s in SCHEDULES.values() if s.takes(Variant(family=family, arch=target))
-            and s.reads(shape.problem.kv_format) and s.reads_queries(shape.problem.q_format)]
+    return [s for s in SCHEDULES.values() if s.serves(shape.problem, Variant(family=family, arch=target))]
 
 
 def _draw_tiled(shape: Shape, family: str, knobs: bool, target: str, rng: random.Random) -> Variant:
