@@ -7,8 +7,9 @@
 #   bash benchmarks/run_gpu.sh STEP...         # the named steps, in order
 #
 #   step       what it runs                                           time on the H200    timeout
-#   tests      pytest -m gpu tests/, all but test_gpu_verify.py       6-7 min, cold       540 s
-#   verify     pytest -m gpu tests/test_gpu_verify.py                 6-7 min             540 s
+#   tests      pytest -m gpu tests/, all but test_gpu_verify.py,      4 min cold, H100   540 s
+#              on 12 pytest-xdist workers sharing the GPU
+#   verify     pytest -m gpu tests/test_gpu_verify.py, 12 workers     under 3 min, H100   540 s
 #   memcheck   compute-sanitizer memcheck on benchmarks/sanitize.py  2.5 min             300 s
 #   synccheck  synccheck on the transposed tile and the fp8_ws and    under 1 min         150 s
 #              fp8_mma schedules' FP8 tiles (--only _tr_,feature+fp8_ws,feature+fp8_mma)
@@ -59,6 +60,9 @@ set -uo pipefail
 
 STEPS="tests verify memcheck synccheck racecheck1 racecheck2 racecheck3 racecheck sanitize tune tune8 bench ragged host fuzz facts"
 DEFAULT_STEPS="tests verify sanitize bench"
+# The GPU tests' pytest-xdist workers: one process takes over 9 minutes for the tests step, since most
+# of its time is NVRTC compiles and host work that workers overlap; the kernels share the GPU.
+TEST_WORKERS=${TEST_WORKERS:-12}
 # Each step's timeout in seconds (ragged: all its runs together), a safety limit against a hung step.
 declare -A LIMIT=([tests]=540 [verify]=540 [memcheck]=300 [synccheck]=150 [racecheck1]=360 [racecheck2]=480 [racecheck3]=420 [tune]=420 [tune8]=540
                   [bench]=585 [ragged]=450 [host]=120 [fuzz]=330 [facts]=0)
@@ -148,11 +152,12 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
     echo "== $step (results in $results)"
     case $step in
       tests)
-        timeout ${LIMIT[tests]} python3 -m pytest -q -m gpu tests/ --ignore=tests/test_gpu_verify.py 2>&1 |
+        timeout ${LIMIT[tests]} python3 -m pytest -q -m gpu -n "$TEST_WORKERS" tests/ --ignore=tests/test_gpu_verify.py 2>&1 |
           tee "$results/gpu_tests.log"
         rc=${PIPESTATUS[0]}; written+=(gpu_tests.log) ;;
       verify)   # the kernels against the fp64 reference, family by family
-        timeout ${LIMIT[verify]} python3 -m pytest -q -m gpu tests/test_gpu_verify.py 2>&1 | tee "$results/gpu_verify.log"
+        timeout ${LIMIT[verify]} python3 -m pytest -q -m gpu -n "$TEST_WORKERS" tests/test_gpu_verify.py 2>&1 |
+          tee "$results/gpu_verify.log"
         rc=${PIPESTATUS[0]}; written+=(gpu_verify.log) ;;
       memcheck | synccheck | racecheck1 | racecheck2 | racecheck3)
         # -lineinfo: each report names its source lines. racecheck does not pair bar.arrive with
