@@ -1,7 +1,8 @@
 """mlagen.compat.flash_mla on CPU: FlashMLA's signatures, defaults, metadata forms, argument
-errors and conventions, several KV heads and attention sinks through a stand-in op or on meta
-tensors (the op's fake implementation: shapes only), and the sink's math against an fp64
-formula. Numerics against the reference are GPU tests (tests/test_gpu_dropin.py)."""
+errors and conventions, several KV heads, attention sinks, FP8 rows and sparse attention's call
+form through a stand-in op or on meta tensors (the op's fake implementation: shapes only), and
+the sink's math against an fp64 formula. Numerics against the reference are GPU tests
+(tests/test_gpu_dropin.py; FlashMLA's own sparse test file through benchmarks/flashmla_sparse_tests.py)."""
 
 import inspect
 import math
@@ -18,7 +19,7 @@ from mlagen.runtime.inputs import InputError
 FLASH_MLA_PARAMETERS = ["q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata",
                         "num_splits", "softmax_scale", "causal", "is_fp8_kvcache", "indices", "attn_sink",
                         "extra_k_cache", "extra_indices_in_kvcache", "topk_length", "extra_topk_length"]
-SPARSE = ["indices", "extra_k_cache", "extra_indices_in_kvcache", "topk_length", "extra_topk_length"]
+EXTRA = ["extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length"]
 
 
 def test_signatures_match_flash_mla():
@@ -54,6 +55,7 @@ def test_metadata_without_arguments():
     lambda lens: flash_mla.get_mla_metadata(cache_seqlens=lens, num_q_tokens_per_head_k=64, num_heads_k=1),
     lambda lens: flash_mla.get_mla_metadata(lens, 64, num_heads_k=2, num_heads_q=32, is_fp8_kvcache=False, topk=None),
     lambda lens: flash_mla.get_mla_metadata(lens, 4 * 64 // 8, 8, 64),          # several KV heads
+    lambda lens: flash_mla.get_mla_metadata(lens, 2 * 128, 1, 128, True, 2048),  # sparse attention's
 ])
 def test_metadata_older_forms(call):
     lens = torch.tensor([5, 9, 0], dtype=torch.int32)
@@ -67,8 +69,10 @@ def test_metadata_older_forms(call):
 def test_metadata_older_form_errors():
     lens = torch.tensor([5, 9, 0], dtype=torch.int32)
     assert flash_mla.get_mla_metadata(lens, 4, 1, is_fp8_kvcache=True)[0].shape == (1, 8)   # accepted
-    with pytest.raises(NotImplementedError, match="sparse"):
-        flash_mla.get_mla_metadata(lens, 4, 1, num_heads_q=16, topk=2048)
+    assert flash_mla.get_mla_metadata(lens, 4, 1, num_heads_q=16, topk=2048)[1].shape == (4,)       # accepted
+    for topk in (0, True, 64.0):
+        with pytest.raises(InputError, match=rf"^topk: got {topk!r}, expected None or an int >= 1"):
+            flash_mla.get_mla_metadata(lens, 4, 1, topk=topk)
     with pytest.raises(InputError, match=r"^num_heads_k: got 0, expected an int >= 1"):
         flash_mla.get_mla_metadata(lens, 4, 0)
     with pytest.raises(InputError, match=r"^num_heads_k: got True"):
@@ -92,7 +96,12 @@ def _inputs(B=2, S=2, H=16, H_kv=1, pages=4, page=64, device="cpu", dtype=torch.
 
 
 class _Calls(list):
-    """The stand-in op's calls: (q, kv_cache, kwargs) each."""
+    """The stand-in op's calls: (q, kv_cache, kwargs) each; `paged` holds each call's
+    (block_table, cache_seqlens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.paged = []
 
 
 @pytest.fixture
@@ -104,6 +113,7 @@ def fake_op(monkeypatch):
 
     def op(q, kv_cache, block_table, cache_seqlens, **kwargs):
         calls.append((q, kv_cache, kwargs))
+        calls.paged.append((block_table, cache_seqlens))
         B, S, H, _ = q.shape
         value = q[..., 0].float() + kv_cache.reshape(-1)[0].float()              # [B, S, H]
         out = value[..., None].expand(B, S, H, kwargs["head_dim_v"]).to(q.dtype).contiguous()
@@ -162,7 +172,8 @@ def test_several_kv_heads_run_one_call_per_group(fake_op, H, H_kv):
     assert torch.equal(out[1, 1, :, 511].float(), expected)
     assert torch.equal(lse[1], expected[:, None].expand(H, 2))
     assert (lse[0] == math.inf).all()
-    assert meta.config == flash_mla.SchedConfig(b=2, s_q=2, h_q=H, page_block_size=64, h_k=H_kv, causal=True)
+    assert meta.config == flash_mla.SchedConfig(b=2, s_q=2, h_q=H, page_block_size=64, h_k=H_kv, causal=True,
+                                                is_fp8_kvcache=False, topk=None)
 
 
 @pytest.mark.parametrize("H, H_kv", [(9, 2), (3, 8), (63, 2)])
@@ -173,31 +184,166 @@ def test_query_heads_must_be_a_multiple_of_kv_heads(fake_op, H, H_kv):
     assert fake_op == []
 
 
-@pytest.mark.parametrize("name", SPARSE)
-def test_sparse_arguments_raise_naming_the_argument(fake_op, name):
+@pytest.mark.parametrize("name", EXTRA)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_extra_cache_arguments_raise_naming_the_argument(fake_op, name, sparse):
     q, k_cache, block_table, lens = _inputs()
     value = torch.zeros(2, 2, 8, dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match=rf"sparse attention \({name}\) is not supported by mlagen"):
-        flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, None, **{name: value})
+    call = (dict(indices=value, block_table=None, cache_seqlens=None) if sparse
+            else dict(block_table=block_table, cache_seqlens=lens))
+    with pytest.raises(NotImplementedError, match=rf"sparse attention's extra cache \({name}\) is not supported "
+                                                  "by mlagen; use FlashMLA for it"):
+        flash_mla.flash_mla_with_kvcache(q, k_cache, head_dim_v=512, tile_scheduler_metadata=None, **call,
+                                         **{name: value})
     assert fake_op == []
 
 
-def test_fp8_caches_pass_flashmlas_rows_to_the_op(fake_op):
-    """is_fp8_kvcache=True takes FlashMLA's uint8 656-byte rows, per KV head as views; a cache that
-    does not match the flag is named; a flat e4m3 cache (no kv_scale here) is not FlashMLA's."""
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.float8_e4m3fn])
+def test_fp8_caches_pass_flashmlas_rows_to_the_op(fake_op, dtype):
+    """is_fp8_kvcache=True takes FlashMLA's 656-byte rows in any of FlashMLA's three dtypes and
+    passes them as uint8 views of the same bytes, per KV head; a cache that does not match the
+    flag is named; a flat e4m3 cache (no kv_scale here) is not FlashMLA's."""
     q, _, block_table, lens = _inputs(H=16, H_kv=2)
-    rows = torch.zeros(4, 64, 2, 656, dtype=torch.uint8)
+    rows = torch.zeros(4, 64, 2, 656, dtype=dtype)
     meta, _ = flash_mla.get_mla_metadata(lens, 2 * 8, 2, 16, True)
     flash_mla.flash_mla_with_kvcache(q, rows, block_table, lens, 512, meta, is_fp8_kvcache=True)
-    assert [(c[1].dtype, c[1].shape) for c in fake_op] == [(torch.uint8, (4, 64, 656))] * 2
+    assert [(c[1].dtype, c[1].shape, c[1].stride()) for c in fake_op] == [(torch.uint8, (4, 64, 656),
+                                                                           (64 * 2 * 656, 2 * 656, 1))] * 2
+    assert [c[1].data_ptr() for c in fake_op] == [rows[:, :, 0].data_ptr(), rows[:, :, 1].data_ptr()]
     with pytest.raises(InputError, match=r"^k_cache: got torch.bfloat16 \(4, 64, 2, 576\), expected uint8 rows of 656"):
         flash_mla.flash_mla_with_kvcache(q, torch.zeros(4, 64, 2, 576, dtype=torch.bfloat16), block_table, lens,
                                          512, None, is_fp8_kvcache=True)
-    with pytest.raises(InputError, match="^is_fp8_kvcache: got False, expected True for a uint8 k_cache"):
+    with pytest.raises(InputError, match=rf"^is_fp8_kvcache: got False, expected True for a {dtype} k_cache of "
+                                         r"FlashMLA's FP8 rows \(656 bytes\)"):
         flash_mla.flash_mla_with_kvcache(q, rows, block_table, lens, 512, None)
     with pytest.raises(NotImplementedError, match="a torch.float8_e4m3fn KV cache.*mlagen.verify_attention"):
         flash_mla.flash_mla_with_kvcache(q, torch.zeros(4, 64, 2, 576, dtype=torch.float8_e4m3fn), block_table,
                                          lens, 512, None)
+    assert len(fake_op) == 2
+
+
+@pytest.mark.parametrize("head_dim, row_bytes", [(512, 584), (512, 656), (576, 584)])
+def test_flashmlas_d512_fp8_layout_is_refused(fake_op, head_dim, row_bytes):
+    """FlashMLA's d_qk 512 FP8 rows (448 e4m3 + 64 bf16 rope dims, e8m0 scales: 584 bytes), told
+    by q's width or the rows' bytes, raise NotImplementedError naming what was given and what
+    mlagen takes, dense or sparse."""
+    q = torch.zeros(2, 2, 64, head_dim, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 64, 1, row_bytes, dtype=torch.float8_e4m3fn)
+    message = (rf"FlashMLA's d_qk 512 FP8 layout \(q.shape\[-1\]={head_dim}, k_cache rows of {row_bytes} bytes: "
+               r"448 e4m3 and 64 bf16 rope dims with e8m0 scales\); mlagen takes d_qk 576 with FP8 rows of 656 bytes")
+    with pytest.raises(NotImplementedError, match=message):
+        flash_mla.flash_mla_with_kvcache(q, cache, None, None, 512, None, None, None, False, True,
+                                         torch.zeros(2, 2, 64, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match=message):
+        flash_mla.flash_mla_with_kvcache(q, cache, *_inputs()[2:], 512, None, is_fp8_kvcache=True)
+    assert fake_op == []
+
+
+def _flashmla_sparse_inputs(B=3, S=2, H=64, topk=8, pages=5, page=61):
+    """q, FP8 rows and indices as FlashMLA's sparse test makes them: q a strided view, the rows
+    float8_e4m3fn [pages, page, 1, 656] with one spare row a page (a padded page stride), the
+    indices [B, S, topk] a strided view with -1 in unused slots."""
+    q = torch.zeros(B + 1, S + 1, H + 1, 576 + 128, dtype=torch.bfloat16)[:B, :S, :H, :576]
+    rows = torch.zeros(pages, page + 1, 656, dtype=torch.float8_e4m3fn)[:, :page].view(pages, page, 1, 656)
+    indices = torch.arange(B * S * topk, dtype=torch.int32).view(B, S, topk) % (pages * page)
+    indices[:, :, -1] = -1
+    strided = torch.zeros(B + 1, S + 1, topk + 128, dtype=torch.int32)[:B, :S, :topk]
+    strided.copy_(indices)
+    return q, rows, strided
+
+
+def test_sparse_call_in_flashmlas_form_reaches_the_op(fake_op):
+    """FlashMLA's sparse decode call, positional as its tests make it (block_table and
+    cache_seqlens None, causal False, is_fp8_kvcache True, then indices, attn_sink, the extra
+    cache's None, topk_length, extra_topk_length): one op call with the rows as a uint8 view
+    of the same bytes and strides, the indices and topk_length as given, no block table or
+    lengths, causal False; lse +inf for rows without keys; the metadata object bound to topk."""
+    q, rows, indices = _flashmla_sparse_inputs()
+    sink = torch.zeros(64)
+    topk_length = torch.tensor([8, 3, 0], dtype=torch.int32)
+    meta, _ = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(q, rows, None, None, 512, meta, None, 0.25, False, True, indices,
+                                                sink, None, None, topk_length, None)
+    (seen_q, seen_kv, kwargs), = fake_op
+    assert fake_op.paged == [(None, None)]
+    assert seen_q is q
+    assert seen_kv.dtype == torch.uint8 and seen_kv.shape == rows.shape and seen_kv.stride() == rows.stride()
+    assert seen_kv.data_ptr() == rows.data_ptr()
+    assert kwargs.pop("indices") is indices and kwargs.pop("topk_length") is topk_length
+    assert kwargs.pop("attn_sink") is sink
+    assert kwargs == dict(softmax_scale=0.25, causal=False, return_lse=True, head_dim_v=512)
+    assert out.shape == (3, 2, 64, 512) and lse.shape == (3, 64, 2)
+    assert (lse[0] == math.inf).all() and (out[0] == 0).all() and (lse[1:] == 0).all()
+    assert meta.config == flash_mla.SchedConfig(b=3, s_q=2, h_q=64, page_block_size=61, h_k=1, causal=False,
+                                                is_fp8_kvcache=True, topk=8)
+
+
+def test_sparse_defaults_and_bf16_caches(fake_op):
+    """FlashMLA's default scale (576 ** -0.5) and topk_length None reach the op; a bf16 cache
+    (which FlashMLA's sparse path refuses) passes as given; the placeholder metadata of the
+    older form with topk is accepted."""
+    q, _, indices = _flashmla_sparse_inputs(B=2)
+    cache = torch.zeros(5, 61, 576, dtype=torch.bfloat16)
+    metadata, splits = flash_mla.get_mla_metadata(torch.ones(2, dtype=torch.int32), 2 * 64, 1, 64, False, 8)
+    flash_mla.flash_mla_with_kvcache(q, cache, None, None, 512, metadata, splits, indices=indices)
+    (_, seen_kv, kwargs), = fake_op
+    assert seen_kv is cache
+    assert kwargs == dict(softmax_scale=576 ** -0.5, causal=False, return_lse=True, head_dim_v=512, indices=indices,
+                          topk_length=None, attn_sink=None)
+
+
+def test_sparse_with_several_kv_heads_runs_one_call_per_group(fake_op):
+    """Every KV head's group reads the same row ids, each from its own head's view."""
+    q, _, indices = _flashmla_sparse_inputs(B=2, H=8)
+    cache = torch.zeros(5, 61, 2, 576, dtype=torch.bfloat16)
+    flash_mla.flash_mla_with_kvcache(q, cache, None, None, 512, None, indices=indices)
+    assert [c[1].data_ptr() for c in fake_op] == [cache[:, :, 0].data_ptr(), cache[:, :, 1].data_ptr()]
+    assert [c[0].shape for c in fake_op] == [(2, 2, 4, 576)] * 2
+    assert all(c[2]["indices"] is indices for c in fake_op)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(causal=True), r"^causal: got True, expected False with indices \(sparse attention has no mask\)"),
+    (dict(block_table=torch.zeros(3, 2, dtype=torch.int32)),
+     r"^block_table: got Tensor, expected None with indices \(sparse attention reads the rows indices lists\)"),
+    (dict(cache_seqlens=torch.ones(3, dtype=torch.int32)), r"^cache_seqlens: got Tensor, expected None with indices"),
+    (dict(max_seqlen_k=64), r"^max_seqlen_k: got int, expected None with indices"),
+    (dict(indices=[[0]]), r"^indices: got list, expected an int32 torch.Tensor \[B, S, topk\] or None"),
+])
+def test_sparse_call_errors_name_the_argument(fake_op, change, message):
+    q, rows, indices = _flashmla_sparse_inputs()
+    call = {**dict(block_table=None, cache_seqlens=None, is_fp8_kvcache=True, indices=indices), **change}
+    with pytest.raises(InputError, match=message):
+        flash_mla.flash_mla_with_kvcache(q, rows, head_dim_v=512, tile_scheduler_metadata=None, **call)
+    assert fake_op == []
+
+
+def test_topk_length_needs_indices(fake_op):
+    q, k_cache, block_table, lens = _inputs()
+    with pytest.raises(InputError, match=r"^topk_length: got Tensor, expected None without indices"):
+        flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, None, topk_length=lens)
+    assert fake_op == []
+
+
+def test_sched_meta_binds_sparse_configuration(fake_op):
+    """A FlashMLASchedMeta first used sparse refuses another topk, a dense call, and an FP8 flag
+    that changed, naming each; the same topk with other row ids and lengths is fine."""
+    q, rows, indices = _flashmla_sparse_inputs()
+    meta, _ = flash_mla.get_mla_metadata()
+    flash_mla.flash_mla_with_kvcache(q, rows, None, None, 512, meta, is_fp8_kvcache=True, indices=indices)
+    flash_mla.flash_mla_with_kvcache(q, rows, None, None, 512, meta, is_fp8_kvcache=True, indices=indices.flip(-1),
+                                     topk_length=torch.ones(3, dtype=torch.int32))
+    prefix = r"^tile_scheduler_metadata: got a FlashMLASchedMeta first used with another configuration \("
+    _, wider, more = _flashmla_sparse_inputs(topk=16)
+    with pytest.raises(InputError, match=prefix + r"topk \(indices.shape\[-1\]\) 8 -> 16\)"):
+        flash_mla.flash_mla_with_kvcache(q, rows, None, None, 512, meta, is_fp8_kvcache=True, indices=more)
+    bf16 = torch.zeros(5, 61, 1, 576, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match=prefix + r"is_fp8_kvcache True -> False\)"):
+        flash_mla.flash_mla_with_kvcache(q, bf16, None, None, 512, meta, indices=indices)
+    with pytest.raises(InputError, match=prefix + r"is_fp8_kvcache True -> False, topk \(indices.shape\[-1\]\) "
+                                                  r"8 -> None\)"):
+        flash_mla.flash_mla_with_kvcache(q, bf16, torch.zeros(3, 2, dtype=torch.int32),
+                                         torch.ones(3, dtype=torch.int32), 512, meta)
     assert len(fake_op) == 2
 
 
@@ -206,7 +352,8 @@ def test_sched_meta_records_its_first_configuration(fake_op):
     q, k_cache, block_table, lens = _inputs(H=16, H_kv=2)
     flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, meta, None, causal=True)
     assert meta.have_initialized
-    assert meta.config == flash_mla.SchedConfig(b=2, s_q=2, h_q=16, page_block_size=64, h_k=2, causal=True)
+    assert meta.config == flash_mla.SchedConfig(b=2, s_q=2, h_q=16, page_block_size=64, h_k=2, causal=True,
+                                                is_fp8_kvcache=False, topk=None)
     # the same configuration again, with other values, scale and pages: fine
     q2, k2, bt2, lens2 = _inputs(H=16, H_kv=2, pages=9)
     flash_mla.flash_mla_with_kvcache(q2, k2, bt2, lens2 + 5, 512, meta, None, 0.1, True)
@@ -376,7 +523,8 @@ def test_traces_in_one_graph_under_torch_compile():
     assert len(graphs) == 1
     ops = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "mlagen" in str(n.target)]
     assert len(ops) == 2
-    assert meta.config == flash_mla.SchedConfig(b=2, s_q=3, h_q=8, page_block_size=64, h_k=2, causal=True)
+    assert meta.config == flash_mla.SchedConfig(b=2, s_q=3, h_q=8, page_block_size=64, h_k=2, causal=True,
+                                                is_fp8_kvcache=False, topk=None)
     # torch.compile(fullgraph=True) reports the InputError inside its own error
     with pytest.raises(Exception, match=r"batch size \(q.shape\[0\]\) 2 -> 3"):
         compiled(*_meta_inputs(B=3, H=8, H_kv=2))
@@ -411,8 +559,7 @@ def planner(monkeypatch):
     before any launch."""
     plans = []
 
-    def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, table_capacity, device,
-                variant, invariant=False, kv_format="dtype", q_format="dtype", ragged=False):
+    def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, *rest, **options):
         plans.append((heads, kv_capacity))
         raise _Planned
 

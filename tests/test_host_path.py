@@ -22,7 +22,7 @@ from mlagen.runtime.inputs import InputError
 B, S, H, D, DL, PAGES, PAGE = 2, 3, 4, 576, 512, 5, 16
 MAIN = (0x7F00, 8, 2, B + 4, 256, 1, 1, 100_000)    # function, grid (2 splits, merge slabs), block, smem
 GROUPS = 8 * B                                        # row groups: grid x * B
-_FORMAT = struct.Struct("<14Q11q7iffi")
+_FORMAT = struct.Struct("<16Q14q7iffi")
 
 
 class Driver:
@@ -52,9 +52,9 @@ def fake_gpu(monkeypatch):
     kernel = launch.KernelLaunch(args=MAIN, name="main_k")
 
     def prepare(heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, table_capacity, device,
-                variant, invariant=False, kv_format="dtype", q_format="dtype", ragged=False):
+                variant, invariant=False, kv_format="dtype", q_format="dtype", ragged=False, keys="paged"):
         prepared.append((heads, dl, dr, dtype, page_size, mask, lse, batch, seqlen_q, kv_capacity, device, variant,
-                         invariant, kv_format, q_format, ragged))
+                         invariant, kv_format, q_format, ragged, keys))
         rows, value_bytes = 2 * batch * seqlen_q * heads, 2 if variant and variant.partials == "16bit" else 4
         return op._Prepared(loaded=None, kernel=kernel, splits=2, merge_blocks=3,
                                  layout=workspace.Layout.of(rows, dl * value_bytes, GROUPS))
@@ -175,11 +175,11 @@ def test_q_counts_reach_the_plan_and_the_parameter_block(fake_gpu):
     ragged rows) and its pointer goes into the block; a call without it passes null."""
     a = make_args()
     call(a)
-    assert fields(fake_gpu.driver.launches[-1][1])["q_counts"] == 0 and fake_gpu.prepared[-1][-1] is False
+    assert fields(fake_gpu.driver.launches[-1][1])["q_counts"] == 0 and fake_gpu.prepared[-1][-2] is False
     counts = torch.tensor([3, 1], dtype=torch.int32)
     call(a, q_counts=counts)
     assert fields(fake_gpu.driver.launches[-1][1])["q_counts"] == counts.data_ptr()
-    assert fake_gpu.prepared[-1][-1] is True and len(fake_gpu.prepared) == 2
+    assert fake_gpu.prepared[-1][-2] is True and len(fake_gpu.prepared) == 2
 
 
 @pytest.mark.parametrize("counts,match", [
@@ -490,7 +490,7 @@ def test_batch_invariant_calls_plan_apart_and_follow_the_environment(fake_gpu, m
     call(a)
     call(a, batch_invariant=True)
     call(a, batch_invariant=True)
-    assert [p[-4] for p in fake_gpu.prepared] == [False, True] and len(op._calls) == 2
+    assert [p[-5] for p in fake_gpu.prepared] == [False, True] and len(op._calls) == 2
     monkeypatch.setattr(op, "BATCH_INVARIANT_DEFAULT", True)
     call(a)                                                            # the same call as batch_invariant=True
     assert len(fake_gpu.prepared) == 2
@@ -504,7 +504,7 @@ def test_fp8_caches_reach_the_plan_with_their_scale(fake_gpu):
     each launch; a ds_mla cache plans as "ds_mla" and takes no kv_scale."""
     e4m3 = make_args(kv_cache=torch.zeros(PAGES, PAGE, D, dtype=torch.float8_e4m3fn))
     call(e4m3, kv_scale=0.5)
-    assert fake_gpu.prepared[-1][-3:-1] == ("e4m3", "dtype")
+    assert fake_gpu.prepared[-1][-4:-2] == ("e4m3", "dtype")
     block = fields(fake_gpu.driver.launches[-1][1])
     assert block["kv_scale"] == 0.5 and block["kv_scale_ptr"] == 0
     call(e4m3, kv_scale=0.25)
@@ -517,7 +517,7 @@ def test_fp8_caches_reach_the_plan_with_their_scale(fake_gpu):
     assert fields(fake_gpu.driver.launches[-1][1])["kv_scale_ptr"] == other.data_ptr() and len(op._calls) == 3
     ds = make_args(kv_cache=torch.zeros(PAGES, PAGE, 1, 656, dtype=torch.uint8))
     call(ds)
-    assert fake_gpu.prepared[-1][-3:-1] == ("ds_mla", "dtype")
+    assert fake_gpu.prepared[-1][-4:-2] == ("ds_mla", "dtype")
     assert fields(fake_gpu.driver.launches[-1][1])["kv_stride_row"] == 656
 
 
@@ -559,12 +559,12 @@ def test_e4m3_queries_plan_with_their_scale_and_the_caches_output_dtype(fake_gpu
     q8 = torch.zeros(B, S, H, D, dtype=torch.float8_e4m3fn)
     out = call(make_args(q=q8, kv_cache=torch.zeros(PAGES, PAGE, D, dtype=torch.float16)), q_scale=0.5,
                softmax_scale=0.1)
-    assert out.dtype == torch.float16 and fake_gpu.prepared[-1][3] == "fp16" and fake_gpu.prepared[-1][-2] == "e4m3"
+    assert out.dtype == torch.float16 and fake_gpu.prepared[-1][3] == "fp16" and fake_gpu.prepared[-1][-3] == "e4m3"
     block = fields(fake_gpu.driver.launches[-1][1])
     assert _math.isclose(block["scale_log2"], 0.1 * 0.5 * op.LOG2E, rel_tol=1e-6) and block["q_scale_ptr"] == 0
     scale = torch.ones(1, dtype=torch.float32)
     out = call(make_args(q=q8, kv_cache=torch.zeros(PAGES, PAGE, 656, dtype=torch.uint8)), q_scale=scale)
-    assert out.dtype == torch.bfloat16 and fake_gpu.prepared[-1][-3:-1] == ("ds_mla", "e4m3")
+    assert out.dtype == torch.bfloat16 and fake_gpu.prepared[-1][-4:-2] == ("ds_mla", "e4m3")
     assert fields(fake_gpu.driver.launches[-1][1])["q_scale_ptr"] == scale.data_ptr()
     with pytest.raises(InputError, match="^q_scale: got None, expected a float or a one-element"):
         call(make_args(q=q8))
@@ -574,3 +574,80 @@ def test_e4m3_queries_plan_with_their_scale_and_the_caches_output_dtype(fake_gpu
         call(make_args(q=q8), q_scale=1.0, out=torch.empty(B, S, H, DL, dtype=torch.float16))
     with pytest.raises(InputError, match="^q.dtype: got torch.float32, expected torch.bfloat16, torch.float16 or"):
         call(make_args(q=torch.zeros(B, S, H, D)))
+
+
+# ---- gathered keys (sparse verify)
+
+def sparse_args(**change) -> dict:
+    a = dict(q=torch.zeros(B, S, H, D, dtype=torch.bfloat16),
+             kv_cache=torch.zeros(PAGES, PAGE, D, dtype=torch.bfloat16),
+             indices=torch.zeros(B, S, 40, dtype=torch.int32), topk_length=torch.full((B,), 40, dtype=torch.int32))
+    a.update(change)
+    return a
+
+
+def sparse_call(a: dict, **kw):
+    a = dict(a)
+    return op.verify_attention(a.pop("q"), a.pop("kv_cache"), **a, **({"causal": False} | kw))
+
+
+def test_gathered_keys_plan_their_own_call_and_fill_the_block(fake_gpu):
+    """A call with indices plans a "gathered" problem with no mask for its topk slots, remembers
+    its signature, and passes indices, topk_length, their strides and topk in the parameter
+    block with no block table; without topk_length the pointer is null and the call plans apart."""
+    a = sparse_args()
+    sparse_call(a)
+    sparse_call(a)
+    assert len(fake_gpu.prepared) == 1 and fake_gpu.prepared[0][-1] == "gathered"
+    assert fake_gpu.prepared[0][5] == "none" and fake_gpu.prepared[0][9] == 40
+    block = fields(fake_gpu.driver.launches[-1][1])
+    assert block["indices"] == a["indices"].data_ptr() and block["topk_length"] == a["topk_length"].data_ptr()
+    assert (block["idx_stride_b"], block["idx_stride_s"], block["topk"]) == (S * 40, 40, 40)
+    assert block["block_table"] == block["seqlens"] == block["max_pages"] == block["bt_stride_b"] == 0
+    sparse_call(sparse_args(topk_length=None))
+    assert len(fake_gpu.prepared) == 2 and fields(fake_gpu.driver.launches[-1][1])["topk_length"] == 0
+
+
+def test_paged_calls_pass_no_gathered_keys(fake_gpu):
+    call(make_args())
+    block = fields(fake_gpu.driver.launches[-1][1])
+    assert fake_gpu.prepared[-1][-1] == "paged"
+    assert block["indices"] == block["topk_length"] == block["topk"] == block["idx_stride_b"] == 0
+
+
+@pytest.mark.parametrize("change,kw,match", [
+    ({}, {"causal": True}, r"causal: got True \(the default\), expected causal=False with indices"),
+    ({}, {"block_table": torch.zeros(B, 2, dtype=torch.int32)}, r"block_table: got Tensor, expected None with indices"),
+    ({}, {"cache_seqlens": torch.zeros(B, dtype=torch.int32)}, r"cache_seqlens: got Tensor, expected None"),
+    ({}, {"tree_mask": torch.ones(S, S, dtype=torch.bool)}, r"tree_mask: got Tensor, expected None with indices"),
+    ({}, {"q_counts": torch.ones(B, dtype=torch.int32)}, r"q_counts: got Tensor, expected None with indices"),
+    ({}, {"max_seqlen_k": 64}, r"max_seqlen_k: got int, expected None with indices"),
+    ({"indices": torch.zeros(B, S, 40, dtype=torch.int64)},
+     {}, r"indices.dtype: got torch.int64, expected torch\.int32"),
+    ({"indices": torch.zeros(B, S + 1, 40, dtype=torch.int32)}, {}, rf"indices.shape: got \({B}, {S + 1}, 40\), "
+     rf"expected \[B={B}, S={S}, topk >= 1\]"),
+    ({"indices": torch.zeros(B, S, 0, dtype=torch.int32)}, {}, r"indices.shape: got .*topk >= 1"),
+    ({"indices": torch.zeros(B, S, 80, dtype=torch.int32)[:, :, ::2]}, {}, r"indices.stride\(\): got .*last dim"),
+    ({"topk_length": torch.zeros(B + 1, dtype=torch.int32)}, {}, rf"topk_length.shape: got \({B + 1},\), "
+     rf"expected a contiguous \[B={B}\]"),
+    ({"topk_length": torch.zeros(B, dtype=torch.int64)}, {}, r"topk_length.dtype: got torch.int64"),
+    ({"indices": torch.full((B, S, 40), PAGES * PAGE, dtype=torch.int32)}, {"check_values": True},
+     rf"indices: got a row id {PAGES * PAGE}, expected -1 or a row of the cache, 0..{PAGES * PAGE - 1}"),
+    ({"indices": torch.full((B, S, 40), -2, dtype=torch.int32)}, {"check_values": True}, r"indices: got a row id -2"),
+    ({"topk_length": torch.full((B,), 41, dtype=torch.int32)}, {"check_values": True},
+     r"topk_length: got a length 41, expected 0..topk=40"),
+])
+def test_bad_gathered_keys_are_named_before_any_launch(fake_gpu, change, kw, match):
+    with pytest.raises(InputError, match=match):
+        sparse_call(sparse_args(**change), **kw)
+    assert not fake_gpu.driver.launches
+
+
+def test_gathered_values_are_checked_on_every_call_when_asked(fake_gpu):
+    """check_values reads the row ids back on a remembered call too: values change between calls."""
+    a = sparse_args()
+    sparse_call(a, check_values=True)
+    a["indices"].fill_(PAGES * PAGE)
+    with pytest.raises(InputError, match="indices: got a row id"):
+        sparse_call(a, check_values=True)
+    assert len(fake_gpu.driver.launches) == 1

@@ -185,8 +185,9 @@ def test_tma_header_encodes_the_runtimes_tensor_map():
     assert "make_kv_map(const void*, long long, long long, int, void*) { return cudaSuccess; }" in plain
     assert ("bool programmatic = false, const void* kv_map = nullptr,\n"
             "    float kv_scale = 1.0f, const float* kv_scale_ptr = nullptr, const float* q_scale_ptr = nullptr,\n"
-            "    const int* q_counts = nullptr)") in plain
-    assert "p.q_counts = q_counts;" in plain
+            "    const int* q_counts = nullptr, const int* indices = nullptr, long long idx_stride_b = 0,\n"
+            "    long long idx_stride_s = 0, int topk = 0, const int* topk_length = nullptr)") in plain
+    assert "p.q_counts = q_counts;" in plain and "p.indices = kGathered ? indices : nullptr;" in plain
     # the fp8_ws schedule's e4m3 cache: bytes, 128-byte boxes, 16-byte aligned strides, 384 threads
     ws = render_launcher(validate(Problem(kv_format="e4m3"),
                                   parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ws_sm90a")))

@@ -19,12 +19,12 @@ def _inputs(device, B=2, S=3, H=8, dtype=torch.bfloat16):
 
 def test_schema():
     schema = str(torch.ops.mlagen.verify_attention.default._schema)
-    assert schema.startswith("mlagen::verify_attention(Tensor q, Tensor kv_cache, Tensor block_table, "
-                             "Tensor cache_seqlens, float? softmax_scale=None, bool causal=True, "
+    assert schema.startswith("mlagen::verify_attention(Tensor q, Tensor kv_cache, Tensor? block_table, "
+                             "Tensor? cache_seqlens, float? softmax_scale=None, bool causal=True, "
                              "Tensor? tree_mask=None, bool return_lse=False, str? variant=None")
     assert schema.endswith("Tensor? attn_sink=None, bool? batch_invariant=None, float? kv_scale=None, "
-                           "Tensor? kv_scale_tensor=None, float? q_scale=None, Tensor? q_scale_tensor=None) "
-                           "-> (Tensor, Tensor)")
+                           "Tensor? kv_scale_tensor=None, float? q_scale=None, Tensor? q_scale_tensor=None, "
+                           "Tensor? indices=None, Tensor? topk_length=None) -> (Tensor, Tensor)")
 
 
 @pytest.mark.parametrize("return_lse", [False, True])

@@ -457,6 +457,13 @@ def _table_or_heuristic(problem: Problem, seqlen_q: int, batch: int, kv_capacity
                               else untuned_variant(problem, seqlen_q, batch, kv_capacity, arch, policy), batch, policy)
 
 
+def gathered_variant(arch: str) -> Variant:
+    """The variant for gathered keys (`Problem.keys` "gathered", sparse verify): the naive
+    family's, the family that reads them (`KernelFamily.gathers`), one block per query row
+    reading each listed row by its address."""
+    return naive(arch=arch)
+
+
 @functools.lru_cache(maxsize=8192)
 def choose_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, arch: str,
                    gpu: str = "", *, policy: DispatchPolicy = H200, table_capacity: int | None = None,
@@ -474,7 +481,10 @@ def choose_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int
     FP8 inputs take the table's pick like any problem, else `untuned_variant`'s.
     ragged_rows: the call says which rows of each request are real (q_counts): a balanced split
     then runs ragged rows (`Variant.rows`), whose work lists skip the padded row groups.
+    Gathered keys (sparse verify) run on `gathered_variant`.
     """
+    if problem.gathered:
+        return gathered_variant(arch)
     table = kv_capacity if table_capacity is None else table_capacity
     v = _table_or_heuristic(problem, seqlen_q, batch, kv_capacity, arch, gpu, policy)
     if not covers(v, table):

@@ -20,6 +20,7 @@ Dtype = Literal["bf16", "fp16"]
 KVFormatName = Literal["dtype", "e4m3", "ds_mla"]
 QFormatName = Literal["dtype", "e4m3"]
 MaskKind = Literal["causal", "tree", "none"]
+Keys = Literal["paged", "gathered"]
 Family = Literal["naive", "flash", "mma"]
 Split = int | Literal["adaptive", "balanced"]
 Schedule = Literal["lockstep", "seesaw", "transposed", "p_exchange", "fp8_ws", "fp8_mma"]
@@ -33,6 +34,7 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 KV_FORMATS: tuple[str, ...] = get_args(KVFormatName)
 Q_FORMATS: tuple[str, ...] = get_args(QFormatName)
 MASKS: tuple[str, ...] = get_args(MaskKind)
+KEYS: tuple[str, ...] = get_args(Keys)
 MAX_SEQLEN_Q = 64          # draft tokens per request a block can hold (tree masks are 64-bit rows)
 FAMILIES: tuple[str, ...] = get_args(Family)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
@@ -57,6 +59,12 @@ class Problem:
         values), "e4m3" (rows of dl + dr float8_e4m3fn values, times one kv_scale) or "ds_mla"
         (DeepSeek's 656-byte rows: 512 e4m3 latent dims, four fp32 scales, 64 bf16 rope dims).
     q_format: "dtype" (q in `dtype`) or "e4m3" (float8_e4m3fn, times one q_scale).
+    keys: which cache rows each query row attends to (KEYS): "paged" (request b's first
+        cache_seqlens[b] keys through its block_table row, the mask deciding which of the draft
+        tokens each query sees) or "gathered" (sparse verify, DeepSeek Sparse Attention: query
+        token i of request b attends to the rows indices[b, i, :topk_length[b]] lists, each a
+        flat row id page x page_size + offset, -1 an unused slot; mask "none", since the indexer
+        already chose). Named `_gather`.
     """
 
     heads: int = 64
@@ -68,6 +76,12 @@ class Problem:
     lse: bool = False
     kv_format: KVFormatName = "dtype"
     q_format: QFormatName = "dtype"
+    keys: Keys = "paged"
+
+    @property
+    def gathered(self) -> bool:
+        """Whether each query row attends to the cache rows it lists (keys "gathered")."""
+        return self.keys == "gathered"
 
     @property
     def fp8_kv(self) -> bool:
@@ -90,7 +104,7 @@ class Problem:
 
     @property
     def name(self) -> str:
-        lse = "_lse" if self.lse else ""
+        lse = ("_lse" if self.lse else "") + ("_gather" if self.gathered else "")
         kv = (f"_kv{self.kv_format}" if self.fp8_kv else "") + (f"_q{self.q_format}" if self.fp8_q else "")
         return (
             f"h{self.heads}_dl{self.dl}_dr{self.dr}_{self.dtype}{kv}_p{self.page_size}_{self.mask}{lse}"

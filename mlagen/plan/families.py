@@ -65,6 +65,8 @@ class KernelFamily:
         than lockstep), as its schedule's entry accepts them (`TileSchedule.check`); a family
         without takes each setting's default.
     fp8_q: whether it reads e4m3 queries (`Problem.fp8_q`).
+    gathers: whether it reads gathered keys (`Problem.keys` "gathered": each query row's own
+        listed cache rows, sparse verify).
     fp8_kv: how it reads an FP8 cache: "rows" (it dequantizes each row as it reads it),
         "staged" (its schedules that stage a tile's FP8 rows and dequantize them into the 16-bit
         tile, `TileSchedule.fp8_kv_loads`) or "" (it reads 16-bit caches only).
@@ -84,6 +86,7 @@ class KernelFamily:
     tiled: bool
     knobs: bool
     fp8_q: bool
+    gathers: bool
     fp8_kv: Literal["rows", "staged", ""]
     prefetches: bool
     tensor_cores: bool
@@ -171,17 +174,18 @@ def _mma_block(p: Problem, v: Variant, arch: Arch) -> Block:
                  rows_per_warp=layout.rows_w, row_elems=p.head_dim, smem_bytes=layout.smem_bytes, mma=layout)
 
 
-# One block per query row, its warps sharing the keys; it dequantizes FP8 rows as it reads them.
+# One block per query row, its warps sharing the keys; it dequantizes FP8 rows as it reads them
+# and reads any row's address, so it also runs gathered keys.
 NAIVE = KernelFamily(
-    name="naive", template="naive.cu.j2", tiled=False, knobs=False, fp8_q=True, fp8_kv="rows", prefetches=False,
-    tensor_cores=False, specializes=False, fuzz_weight=1, block=_naive_block)
+    name="naive", template="naive.cu.j2", tiled=False, knobs=False, fp8_q=True, gathers=True, fp8_kv="rows",
+    prefetches=False, tensor_cores=False, specializes=False, fuzz_weight=1, block=_naive_block)
 # Head-tiled, split-KV, scalar FMA.
 FLASH = KernelFamily(
-    name="flash", template="flash.cu.j2", tiled=True, knobs=False, fp8_q=False, fp8_kv="", prefetches=False,
-    tensor_cores=False, specializes=False, fuzz_weight=1, block=_flash_block)
+    name="flash", template="flash.cu.j2", tiled=True, knobs=False, fp8_q=False, gathers=False, fp8_kv="",
+    prefetches=False, tensor_cores=False, specializes=False, fuzz_weight=1, block=_flash_block)
 # Head-tiled, split-KV, tensor cores (mma.sync; wgmma and TMA on sm_90a), its loop the schedule's.
 MMA = KernelFamily(
-    name="mma", template=None, tiled=True, knobs=True, fp8_q=False, fp8_kv="staged", prefetches=True,
+    name="mma", template=None, tiled=True, knobs=True, fp8_q=False, gathers=False, fp8_kv="staged", prefetches=True,
     tensor_cores=True, specializes=True, fuzz_weight=3, block=_mma_block)
 
 FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (NAIVE, FLASH, MMA)}

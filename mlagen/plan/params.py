@@ -32,6 +32,10 @@ FIELDS: tuple[Field, ...] = (
     Field("tree_mask", "const unsigned char*", "Q", "(B or 1, S, S) bool, tree mask kind only"),
     Field("q_counts", "const int*", "Q", "(B,) ragged rows (Variant.rows 'ragged'): request b's real query rows "
           "are its last q_counts[b], the rows before them padding; null: all S rows are real"),
+    Field("indices", "const int*", "Q", "(B, S, topk) gathered keys (Problem.keys 'gathered'): the flat cache row "
+          "ids, page x page_size + offset, each query token attends to; -1 an unused slot"),
+    Field("topk_length", "const int*", "Q", "(B,) gathered keys: request b's tokens use their first topk_length[b] "
+          "slots; null: all topk"),
     Field("out", "elem_t*", "Q", "(B, S, H, Dl)"),
     Field("lse", "float*", "Q", "(B, H, S) fp32, natural log; written when the problem has lse"),
     Field("part_o", "void*", "Q", "(num_splits, B, S, H, Dl) partial outputs: fp32 unnormalized, "
@@ -50,6 +54,9 @@ FIELDS: tuple[Field, ...] = (
     Field("bt_stride_b", "long long", "q", "elements between rows of block_table"),
     Field("mask_stride_b", "long long", "q", "elements between requests of tree_mask (0: shared)"),
     Field("mask_stride_q", "long long", "q", "elements between query rows of tree_mask"),
+    Field("idx_stride_b", "long long", "q", "elements between requests of indices"),
+    Field("idx_stride_s", "long long", "q", "elements between query tokens of indices"),
+    Field("topk", "long long", "q", "slots per query token in indices (gathered keys), else 0"),
     Field("out_stride_b", "long long", "q", "elements between requests of out"),
     Field("out_stride_s", "long long", "q", "elements between query positions of out"),
     Field("out_stride_h", "long long", "q", "elements between heads of out"),

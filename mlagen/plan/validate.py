@@ -18,6 +18,7 @@ from ..dsl.errors import SpecError, require
 from ..dsl.spec import (
     COMBINES,
     DTYPES,
+    KEYS,
     KV_FORMATS,
     LOADS,
     MASKS,
@@ -443,6 +444,9 @@ def _check_problem(p: Problem) -> None:
     require(isinstance(p.lse, bool), "problem.lse", p.lse, "a bool")
     require(p.kv_format in KV_FORMATS, "problem.kv_format", p.kv_format, f"one of {KV_FORMATS}")
     require(p.q_format in Q_FORMATS, "problem.q_format", p.q_format, f"one of {Q_FORMATS}")
+    require(p.keys in KEYS, "problem.keys", p.keys, f"one of {KEYS}")
+    require(not p.gathered or p.mask == "none", "problem.mask", p.mask,
+            "'none' with problem.keys='gathered' (each query row attends to the rows it lists: the indexer chose them)")
     fp8_rows = (kv_layout.LATENT_DIM, kv_layout.ROPE_DIM)
     for field, value, fp8 in (("kv_format", p.kv_format, p.fp8_kv), ("q_format", p.q_format, p.fp8_q)):
         require(not fp8 or (p.dl, p.dr) == fp8_rows, f"problem.{field}", value,
@@ -529,10 +533,18 @@ def _check_schedule_formats(p: Problem, v: Variant) -> None:
             f"a cache in {formats} for the {v.schedule} schedule, got problem.kv_format={p.kv_format!r}")
 
 
+def _check_keys(p: Problem, v: Variant) -> None:
+    """Gathered keys run on the families that read them (`KernelFamily.gathers`)."""
+    require(not p.gathered or family_of(v).gathers, "variant.family", v.family,
+            f"{_quoted([f for f in FAMILIES.values() if f.gathers])} for problem.keys='gathered' (the families "
+            "that read each query row's listed cache rows)")
+
+
 def validate(problem: Problem, variant: Variant) -> KernelPlan:
     """Check `problem` and `variant` together; return the plan or raise `SpecError`."""
     _check_problem(problem)
     _check_common(variant)
+    _check_keys(problem, variant)
     _check_fp8_family(problem, variant)
     _check_schedule_formats(problem, variant)
     try:

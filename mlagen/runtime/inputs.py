@@ -48,6 +48,7 @@ class Shapes(NamedTuple):   # no tensors: the runtime keeps one per argument sig
     mask_strides: tuple[int, int]   # (request, query row) of tree_mask: request 0 if shared, (0, 0) if none
     kv_format: KVFormatName = "dtype"   # Problem.kv_format: "dtype", or an FP8 cache's "e4m3" / "ds_mla"
     q_format: QFormatName = "dtype"     # Problem.q_format: "dtype", or "e4m3" queries (dtype: the output's)
+    topk: int = 0                   # gathered keys (indices [B, S, topk]): slots per query token; 0: paged keys
 
 
 def fail(name: str, got: object, expected: str) -> NoReturn:
@@ -86,10 +87,18 @@ def output_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
     return kv_dtype if kv_dtype in DTYPES else torch.bfloat16
 
 
-def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens: object,
-                 tree_mask: object, head_dim_v: int, softmax_scale: float | None) -> Shapes:
-    """Metadata checks (every tensor on q's device; the caller requires that to be CUDA);
-    returns the problem's sizes. Raises InputError."""
+class _Rows(NamedTuple):
+    """What q's and the cache's checks find (`_check_rows`)."""
+
+    q: torch.Tensor
+    kv: torch.Tensor                # the cache as [num_pages, page_size, row]
+    kv_format: KVFormatName
+    q_format: QFormatName
+    dtype: Dtype                    # the output's
+
+
+def _check_rows(q: object, kv_cache: object, head_dim_v: int) -> _Rows:
+    """q [B, S, H, D] and the cache's rows: dtypes, shapes, 16-byte rows. Raises InputError."""
     q = tensor_arg("q", q)
     if q.dtype not in DTYPES and q.dtype != torch.float8_e4m3fn:
         fail("q.dtype", q.dtype, "torch.bfloat16, torch.float16 or torch.float8_e4m3fn (with q_scale)")
@@ -131,7 +140,22 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
     if kv.size(0) < 1:
         fail("kv_cache.shape[0]", kv.size(0), "at least one page")
     _aligned_rows("kv_cache", kv, (0, 1))
+    return _Rows(q, kv, kv_format, q_format, DTYPES[out_dtype])
 
+
+def _check_softmax_scale(softmax_scale: object) -> None:
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
+                                          and softmax_scale == softmax_scale
+                                          and abs(softmax_scale) != float("inf")):
+        fail("softmax_scale", softmax_scale, "a finite float or None")
+
+
+def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens: object,
+                 tree_mask: object, head_dim_v: int, softmax_scale: float | None) -> Shapes:
+    """Metadata checks (every tensor on q's device; the caller requires that to be CUDA);
+    returns the problem's sizes. Raises InputError."""
+    q, kv, kv_format, q_format, dtype = _check_rows(q, kv_cache, head_dim_v)
+    B, S = q.shape[:2]
     block_table = tensor_arg("block_table", block_table, q.device)
     if block_table.dtype != torch.int32:
         fail("block_table.dtype", block_table.dtype, "torch.int32")
@@ -158,18 +182,43 @@ def check_inputs(q: object, kv_cache: object, block_table: object, cache_seqlens
         if mask.stride(-1) != 1:
             fail("tree_mask.stride()", tuple(mask.stride()), "the last dim contiguous")
 
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
-                                          and softmax_scale == softmax_scale
-                                          and abs(softmax_scale) != float("inf")):
-        fail("softmax_scale", softmax_scale, "a finite float or None")
+    _check_softmax_scale(softmax_scale)
 
     mask_strides = (0, 0)
     if mask is not None:
         mask_strides = (mask.stride(0) if mask.dim() == 3 else 0, mask.stride(-2))
-    return Shapes(batch=B, seqlen_q=S, heads=H, head_dim=D, dl=head_dim_v,
+    return Shapes(batch=B, seqlen_q=S, heads=q.size(2), head_dim=q.size(3), dl=head_dim_v,
                   num_pages=kv.size(0), page_size=kv.size(1), max_pages=block_table.size(1),
-                  dtype=DTYPES[out_dtype], kv_strides=(kv.stride(0), kv.stride(1)), mask_strides=mask_strides,
+                  dtype=dtype, kv_strides=(kv.stride(0), kv.stride(1)), mask_strides=mask_strides,
                   kv_format=kv_format, q_format=q_format)
+
+
+def check_sparse_inputs(q: object, kv_cache: object, indices: object, topk_length: object, head_dim_v: int,
+                        softmax_scale: float | None) -> Shapes:
+    """Metadata checks of a call with gathered keys (sparse verify): q and the cache as for
+    paged keys, indices int32 [B, S, topk >= 1] with its last dim contiguous, topk_length None
+    or a contiguous int32 [B]. Returns the problem's sizes (max_pages 0, topk set). Raises
+    InputError."""
+    q, kv, kv_format, q_format, dtype = _check_rows(q, kv_cache, head_dim_v)
+    B, S = q.shape[:2]
+    indices = tensor_arg("indices", indices, q.device)
+    if indices.dtype != torch.int32:
+        fail("indices.dtype", indices.dtype, "torch.int32")
+    if indices.dim() != 3 or tuple(indices.shape[:2]) != (B, S) or indices.size(2) < 1:
+        fail("indices.shape", tuple(indices.shape), f"[B={B}, S={S}, topk >= 1]")
+    if indices.stride(2) != 1 and indices.size(2) > 1:
+        fail("indices.stride()", tuple(indices.stride()), "the last dim contiguous")
+    if topk_length is not None:
+        topk_length = tensor_arg("topk_length", topk_length, q.device)
+        if topk_length.dtype != torch.int32:
+            fail("topk_length.dtype", topk_length.dtype, "torch.int32")
+        if tuple(topk_length.shape) != (B,) or (B > 1 and topk_length.stride(0) != 1):
+            fail("topk_length.shape", tuple(topk_length.shape), f"a contiguous [B={B}]")
+    _check_softmax_scale(softmax_scale)
+    return Shapes(batch=B, seqlen_q=S, heads=q.size(2), head_dim=q.size(3), dl=head_dim_v,
+                  num_pages=kv.size(0), page_size=kv.size(1), max_pages=0, dtype=dtype,
+                  kv_strides=(kv.stride(0), kv.stride(1)), mask_strides=(0, 0), kv_format=kv_format,
+                  q_format=q_format, topk=indices.size(2))
 
 
 # The torch dtype of each Shapes.dtype.
@@ -241,11 +290,15 @@ def signature(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor
             head_dim_v, softmax_scale)
 
 
-def check_values(shapes: Shapes, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
-    """Device reads: lengths within what block_table addresses, used page ids within the cache."""
+def _refuse_capture() -> None:
     if torch.cuda.is_current_stream_capturing():
         raise InputError("check_values: cannot read values back while a CUDA graph is being "
                          "captured; check outside the capture or pass check_values=False")
+
+
+def check_values(shapes: Shapes, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
+    """Device reads: lengths within what block_table addresses, used page ids within the cache."""
+    _refuse_capture()
     lengths = cache_seqlens.tolist()
     capacity = shapes.max_pages * shapes.page_size
     for b, n in enumerate(lengths):
@@ -259,3 +312,18 @@ def check_values(shapes: Shapes, block_table: torch.Tensor, cache_seqlens: torch
     if bool(bad.any()):
         fail("block_table", f"page id {int(pages[bad][0])} in use",
               f"page ids in 0..{shapes.num_pages - 1} for the pages each request uses")
+
+
+def check_sparse_values(shapes: Shapes, indices: torch.Tensor, topk_length: torch.Tensor | None) -> None:
+    """Device reads of gathered keys: every row id -1 or a row of the cache, every topk_length
+    within 0..topk. (Unchecked, a row id outside the cache is dropped by the kernels, never read.)"""
+    _refuse_capture()
+    rows = shapes.num_pages * shapes.page_size
+    low, high = int(indices.min()), int(indices.max())
+    if low < -1 or high >= rows:
+        fail("indices", f"a row id {low if low < -1 else high}",
+             f"-1 or a row of the cache, 0..{rows - 1} (num_pages x page_size)")
+    if topk_length is not None and shapes.batch:
+        short, long = int(topk_length.min()), int(topk_length.max())
+        if short < 0 or long > shapes.topk:
+            fail("topk_length", f"a length {short if short < 0 else long}", f"0..topk={shapes.topk}")

@@ -36,7 +36,7 @@ from ..dispatch.policy import (
     policy_for,
 )
 from ..dsl.arch import arch_for_capability, runs_on
-from ..dsl.spec import Dtype, KVFormatName, MaskKind, Problem, QFormatName, Variant
+from ..dsl.spec import Dtype, Keys, KVFormatName, MaskKind, Problem, QFormatName, Variant
 from ..plan.params import pointers, tail
 from . import inputs, sinks, tensormap, workspace
 from .kv_formats import check_scale
@@ -112,14 +112,15 @@ def pick_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int, 
 def _prepare(heads: int, dl: int, dr: int, dtype: Dtype, page_size: int, mask: MaskKind, lse: bool,
              batch: int, seqlen_q: int, kv_capacity: int, table_capacity: int, device: int,
              variant: Variant | None, invariant: bool = False, kv_format: KVFormatName = "dtype",
-             q_format: QFormatName = "dtype", ragged: bool = False) -> _Prepared:
+             q_format: QFormatName = "dtype", ragged: bool = False, keys: Keys = "paged") -> _Prepared:
     """Problem, variant (given, batch-invariant, or dispatched), loaded kernels, split and grids
     of a shape, planned for requests of up to kv_capacity keys (of the table_capacity the block
     table addresses): memoized on plain values, since a serving step repeats the same shapes and
     each piece costs host time. ragged: the call passes q_counts (the dispatcher's balanced split
-    then runs ragged rows)."""
+    then runs ragged rows). keys: "gathered" for calls with indices, whose kv_capacity and
+    table_capacity are the slots a query token lists (topk)."""
     problem = Problem(heads=heads, dl=dl, dr=dr, dtype=dtype, page_size=page_size, mask=mask, lse=lse,
-                      kv_format=kv_format, q_format=q_format)
+                      kv_format=kv_format, q_format=q_format, keys=keys)
     device_arch = device_info(device)[0]
     dispatch = device_policy(device)
     invariant = invariant and variant is None           # a named variant runs as given
@@ -191,21 +192,57 @@ def _check_scale_arg(name: str, scale: object, taken: bool, refusal: str, device
         raise inputs.InputError(f"{name}: got {type(scale).__name__}, expected None {refusal}")
 
 
-def _lookup(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+def _lookup(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
+            cache_seqlens: torch.Tensor | None,
             tree_mask: torch.Tensor | None, out: torch.Tensor | None, head_dim_v: int, softmax_scale: float | None,
             causal: bool, return_lse: bool, variant: Variant | None, bound: int | None, invariant: bool,
             kv_scale: float | torch.Tensor | None = None, q_scale: float | torch.Tensor | None = None,
-            q_counts: torch.Tensor | None = None) -> tuple[tuple | None, _Call | None]:
+            q_counts: torch.Tensor | None = None, indices: torch.Tensor | None = None,
+            topk_length: torch.Tensor | None = None) -> tuple[tuple | None, _Call | None]:
     """(key, remembered _Call or None) for these arguments; the key is None for arguments that
-    are not tensors or not hashable (the full checks name those)."""
+    are not tensors or not hashable (the full checks name those). With gathered keys, indices
+    and topk_length (or indices again without one) stand in the signature where block_table
+    and cache_seqlens stand for paged keys, the key saying which."""
     try:
-        key = (inputs.signature(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale),
+        if indices is not None:
+            block_table, cache_seqlens = indices, topk_length if topk_length is not None else indices
+        # (a None block_table or cache_seqlens raises AttributeError there: no key)
+        key = (inputs.signature(q, kv_cache, block_table, cache_seqlens,  # type: ignore[arg-type]
+                                tree_mask, out, head_dim_v, softmax_scale),
                causal, return_lse, variant, bound, invariant, _scale_key(kv_scale), _scale_key(q_scale),
                None if q_counts is None else (type(q_counts), q_counts.shape, q_counts.stride(), q_counts.dtype,
-                                              q_counts.device))
+                                              q_counts.device),
+               None if indices is None else topk_length is None)
         return key, _calls.get(key)           # (the get hashes the key: TypeError if it cannot be)
     except (AttributeError, TypeError, RuntimeError):
         return None, None
+
+
+def _check_key_values(shapes: inputs.Shapes, block_table: torch.Tensor | None, cache_seqlens: torch.Tensor | None,
+                      indices: torch.Tensor | None, topk_length: torch.Tensor | None) -> None:
+    """The device reads of `check_values`: paged keys' lengths and page ids, or the row ids and
+    lengths of gathered keys."""
+    if indices is not None:
+        inputs.check_sparse_values(shapes, indices, topk_length)
+    else:
+        assert block_table is not None and cache_seqlens is not None   # checked tensors
+        inputs.check_values(shapes, block_table, cache_seqlens)
+
+
+def _check_gathered_call(block_table: object, cache_seqlens: object, causal: bool, tree_mask: object,
+                         q_counts: object, max_seqlen_k: object) -> None:
+    """A call with indices takes none of the paged keys' arguments; raises InputError naming one."""
+    for name, value, why in (
+            ("block_table", block_table, "the keys are the rows indices lists"),
+            ("cache_seqlens", cache_seqlens, "topk_length says how many slots each request uses"),
+            ("tree_mask", tree_mask, "each query token attends to the rows it lists"),
+            ("q_counts", q_counts, "every query token lists its own keys"),
+            ("max_seqlen_k", max_seqlen_k, "the keys a row may see are its topk slots")):
+        if value is not None:
+            raise inputs.InputError(f"{name}: got {type(value).__name__}, expected None with indices ({why})")
+    if causal:
+        raise inputs.InputError("causal: got True (the default), expected causal=False with indices (each query "
+                                "token attends to the rows it lists: the indexer chose them)")
 
 
 def _require_cuda(q: object) -> None:
@@ -214,16 +251,22 @@ def _require_cuda(q: object) -> None:
                                 "expected a CUDA tensor")
 
 
-def _checked_call(key: tuple | None, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                  cache_seqlens: torch.Tensor, tree_mask: torch.Tensor | None, out: torch.Tensor | None,
+def _checked_call(key: tuple | None, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
+                  cache_seqlens: torch.Tensor | None, tree_mask: torch.Tensor | None, out: torch.Tensor | None,
                   head_dim_v: int, softmax_scale: float | None, causal: bool, return_lse: bool,
                   variant: Variant | None, check_values: bool | None, bound: int | None, invariant: bool = False,
                   kv_scale: float | torch.Tensor | None = None, q_scale: float | torch.Tensor | None = None,
-                  q_counts: torch.Tensor | None = None) -> _Call:
+                  q_counts: torch.Tensor | None = None, indices: torch.Tensor | None = None,
+                  topk_length: torch.Tensor | None = None) -> _Call:
     """Every check, in the op's order (each names the bad argument), then the _Call, which is
-    remembered under `key` (from `_lookup`). bound: `inputs.key_bound(max_seqlen_k)`."""
+    remembered under `key` (from `_lookup`). bound: `inputs.key_bound(max_seqlen_k)`. With
+    indices the keys are gathered: block_table, cache_seqlens, tree_mask, q_counts and bound
+    are None (the caller checked)."""
     _require_cuda(q)
-    shapes = inputs.check_inputs(q, kv_cache, block_table, cache_seqlens, tree_mask, head_dim_v, softmax_scale)
+    if indices is not None:
+        shapes = inputs.check_sparse_inputs(q, kv_cache, indices, topk_length, head_dim_v, softmax_scale)
+    else:
+        shapes = inputs.check_inputs(q, kv_cache, block_table, cache_seqlens, tree_mask, head_dim_v, softmax_scale)
     values = inputs.values_requested(check_values)
     _check_scale_arg("kv_scale", kv_scale, shapes.kv_format == "e4m3",
                      f"(only an e4m3 cache takes one; this cache is {shapes.kv_format}, whose rows hold their own "
@@ -233,14 +276,16 @@ def _checked_call(key: tuple | None, q: torch.Tensor, kv_cache: torch.Tensor, bl
     if q_counts is not None:
         inputs.check_q_counts(q_counts, shapes.batch, shapes.seqlen_q, q.device, values)
     if values:
-        inputs.check_values(shapes, block_table, cache_seqlens)
+        _check_key_values(shapes, block_table, cache_seqlens, indices, topk_length)
     B, S, H, dl = shapes.batch, shapes.seqlen_q, shapes.heads, shapes.dl
     mask: MaskKind = "tree" if tree_mask is not None else ("causal" if causal else "none")
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    capacity = shapes.max_pages * shapes.page_size
+    # Keys a query row may see: what the block table addresses, or the slots it lists.
+    capacity = shapes.topk if indices is not None else shapes.max_pages * shapes.page_size
     prep = _prepare(H, dl, shapes.head_dim - dl, shapes.dtype, shapes.page_size, mask,
                     return_lse, B, S, capacity if bound is None else min(capacity, bound), capacity, device, variant,
-                    invariant, shapes.kv_format, shapes.q_format, q_counts is not None)
+                    invariant, shapes.kv_format, shapes.q_format, q_counts is not None,
+                    "gathered" if indices is not None else "paged")
     if out is not None:
         inputs.check_out(out, q, shapes)
     out_size = (B, S, H, dl)
@@ -258,7 +303,9 @@ def _checked_call(key: tuple | None, q: torch.Tensor, kv_cache: torch.Tensor, bl
         tail=tail({
             "q_stride_b": q_strides[0], "q_stride_s": q_strides[1], "q_stride_h": q_strides[2],
             "kv_stride_page": shapes.kv_strides[0], "kv_stride_row": shapes.kv_strides[1],
-            "bt_stride_b": block_table.stride(0),
+            "bt_stride_b": block_table.stride(0) if block_table is not None else 0,
+            "idx_stride_b": indices.stride(0) if indices is not None else 0,
+            "idx_stride_s": indices.stride(1) if indices is not None else 0, "topk": shapes.topk,
             "mask_stride_b": shapes.mask_strides[0], "mask_stride_q": shapes.mask_strides[1],
             "out_stride_b": out_strides[0], "out_stride_s": out_strides[1], "out_stride_h": out_strides[2],
             "split_keys_log2": prep.split_keys_log2,
@@ -277,45 +324,51 @@ def _checked_call(key: tuple | None, q: torch.Tensor, kv_cache: torch.Tensor, bl
 
 @overload
 def verify_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, *,
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None = ...,
+    cache_seqlens: torch.Tensor | None = ..., *,
     softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
     return_lse: Literal[False] = ..., variant: Variant | None = ..., head_dim_v: int = ...,
     check_values: bool | None = ..., out: torch.Tensor | None = ..., max_seqlen_k: int | None = ...,
     attn_sink: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
     kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
-    q_counts: torch.Tensor | None = ...,
+    q_counts: torch.Tensor | None = ..., indices: torch.Tensor | None = ...,
+    topk_length: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
 @overload
 def verify_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, *,
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None = ...,
+    cache_seqlens: torch.Tensor | None = ..., *,
     softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
     return_lse: Literal[True], variant: Variant | None = ..., head_dim_v: int = ...,
     check_values: bool | None = ..., out: torch.Tensor | None = ..., max_seqlen_k: int | None = ...,
     attn_sink: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
     kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
-    q_counts: torch.Tensor | None = ...,
+    q_counts: torch.Tensor | None = ..., indices: torch.Tensor | None = ...,
+    topk_length: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
 def verify_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, *,
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None = ...,
+    cache_seqlens: torch.Tensor | None = ..., *,
     softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
     return_lse: bool = ..., variant: Variant | None = ..., head_dim_v: int = ...,
     check_values: bool | None = ..., out: torch.Tensor | None = ..., max_seqlen_k: int | None = ...,
     attn_sink: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
     kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
-    q_counts: torch.Tensor | None = ...,
+    q_counts: torch.Tensor | None = ..., indices: torch.Tensor | None = ...,
+    topk_length: torch.Tensor | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def verify_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
     *,
     softmax_scale: float | None = None,
     causal: bool = True,
@@ -331,8 +384,12 @@ def verify_attention(
     kv_scale: float | torch.Tensor | None = None,
     q_scale: float | torch.Tensor | None = None,
     q_counts: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """MLA verify attention over a paged latent KV cache.
+    """MLA verify attention over a paged latent KV cache: each request's prefix and draft
+    tokens through its block table, or (sparse verify, DeepSeek Sparse Attention) the cache rows
+    each query token lists in `indices`.
 
     Args:
         q: [B, S, H, Dl+Dr] bf16/fp16 CUDA tensor; the first Dl dims are q_nope @ W_UK. Or
@@ -346,11 +403,12 @@ def verify_attention(
             [.., 656] (ds_mla: 512 e4m3 latent dims, four fp32 group scales, 64 bf16 rope
             dims). FP8 caches run on an mma tile that dequantizes each KV tile in shared memory
             (the naive kernel where none fits).
-        block_table: [B, max_pages] int32, page ids of each request in order.
+        block_table: [B, max_pages] int32, page ids of each request in order; None with indices.
         cache_seqlens: [B] int32, valid keys per request including its S draft tokens, which
-            sit at positions cache_seqlens[b]-S .. cache_seqlens[b]-1.
+            sit at positions cache_seqlens[b]-S .. cache_seqlens[b]-1; None with indices.
         softmax_scale: multiplies q.k; default 1/sqrt(Dl+Dr).
         causal: query i sees every prefix key and draft tokens 0..i (ignored with tree_mask).
+            With indices, False: no mask applies to gathered keys.
         tree_mask: bool [S, S] or [B, S, S]; tree_mask[.., i, k]: query i sees draft token k.
             Prefix keys are always visible. S <= 64.
         return_lse: also return lse [B, H, S] fp32 (natural log; -inf for a row with no key).
@@ -385,6 +443,16 @@ def verify_attention(
             split then runs only the real rows (`Variant.rows` "ragged");
             `verify_attention_varlen` passes its draft counts so. Read on the device (checked
             with check_values).
+        indices: optional [B, S, topk] int32 on q's device, last dim contiguous: gathered keys
+            (sparse verify). Query token i of request b attends to the cache rows
+            indices[b, i, :topk_length[b]], each a flat row id page x page_size + offset; -1
+            marks an unused slot, and a row listed twice counts twice. No mask applies (the
+            indexer chose the rows): block_table, cache_seqlens, tree_mask, q_counts and
+            max_seqlen_k stay None. Runs on the naive kernel (one block per query row); with
+            check_values, every id is checked to be -1 or a row of the cache, else a row id
+            outside the cache is dropped, never read.
+        topk_length: optional [B] int32 with indices: request b's tokens use their first
+            topk_length[b] slots (0..topk); None: all topk.
 
     Returns:
         out [B, S, H, Dl] in q's dtype (e4m3 queries: see q), and lse if return_lse. A row that sees no key gives
@@ -397,13 +465,15 @@ def verify_attention(
                                   causal=causal, tree_mask=tree_mask, return_lse=True, variant=variant,
                                   head_dim_v=head_dim_v, check_values=check_values, out=out,
                                   max_seqlen_k=max_seqlen_k, batch_invariant=batch_invariant, kv_scale=kv_scale,
-                                  q_scale=q_scale, q_counts=q_counts)
+                                  q_scale=q_scale, q_counts=q_counts, indices=indices, topk_length=topk_length)
         sinks.apply_attn_sink_(result[0], result[1].transpose(1, 2), attn_sink)
         return result if return_lse else result[0]
+    if indices is not None:
+        _check_gathered_call(block_table, cache_seqlens, causal, tree_mask, q_counts, max_seqlen_k)
     bound = inputs.key_bound(max_seqlen_k) if max_seqlen_k is not None else None
     invariant = BATCH_INVARIANT_DEFAULT if batch_invariant is None else bool(batch_invariant)
     key, call = _lookup(q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v, softmax_scale, causal,
-                        return_lse, variant, bound, invariant, kv_scale, q_scale, q_counts)
+                        return_lse, variant, bound, invariant, kv_scale, q_scale, q_counts, indices, topk_length)
     if call is not None:
         # Pointers change from call to call, so alignment is checked every time; a misaligned
         # one goes through the full checks, which name it.
@@ -413,10 +483,10 @@ def verify_attention(
     if call is None:
         call = _checked_call(key, q, kv_cache, block_table, cache_seqlens, tree_mask, out, head_dim_v,
                              softmax_scale, causal, return_lse, variant, check_values, bound, invariant, kv_scale,
-                             q_scale, q_counts)
+                             q_scale, q_counts, indices, topk_length)
         q_ptr, kv_ptr = q.data_ptr(), kv_cache.data_ptr()
     elif check_values or (check_values is None and inputs.CHECK_VALUES_DEFAULT):   # values_requested, inlined
-        inputs.check_values(call.shapes, block_table, cache_seqlens)
+        _check_key_values(call.shapes, block_table, cache_seqlens, indices, topk_length)
         for name, scale in (("kv_scale", kv_scale), ("q_scale", q_scale)):    # a tensor's value is new each call
             if isinstance(scale, torch.Tensor):
                 check_scale(name, scale, q.device, check_values=True)
@@ -440,8 +510,12 @@ def verify_attention(
               if call.tma_rows else 0)
     # kv_cache's pointer is the [num_pages, page_size, D] view's too (a 4-dim cache's index 0).
     pointer_values = pointers({
-        "q": q_ptr, "kv": kv_ptr, "kv_map": kv_map, "block_table": block_table.data_ptr(),
-        "seqlens": cache_seqlens.data_ptr(), "tree_mask": tree_mask.data_ptr() if tree_mask is not None else 0,
+        "q": q_ptr, "kv": kv_ptr, "kv_map": kv_map,
+        "block_table": block_table.data_ptr() if block_table is not None else 0,
+        "seqlens": cache_seqlens.data_ptr() if cache_seqlens is not None else 0,
+        "indices": indices.data_ptr() if indices is not None else 0,
+        "topk_length": topk_length.data_ptr() if topk_length is not None else 0,
+        "tree_mask": tree_mask.data_ptr() if tree_mask is not None else 0,
         "q_counts": q_counts.data_ptr() if q_counts is not None else 0, "out": out.data_ptr(),
         "lse": lse.data_ptr() if lse is not None else 0, "part_o": part_o, "part_ml": part_ml, "counters": counters,
         "kv_scale_ptr": kv_scale.data_ptr() if isinstance(kv_scale, torch.Tensor) else 0,

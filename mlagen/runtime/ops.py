@@ -26,8 +26,8 @@ OP_NAME = "mlagen::verify_attention"
 def _verify_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
     softmax_scale: float | None = None,
     causal: bool = True,
     tree_mask: torch.Tensor | None = None,
@@ -41,6 +41,8 @@ def _verify_attention(
     kv_scale_tensor: torch.Tensor | None = None,
     q_scale: float | None = None,
     q_scale_tensor: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     result = verify_attention(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale,
                               causal=causal, tree_mask=tree_mask, return_lse=return_lse,
@@ -48,7 +50,8 @@ def _verify_attention(
                               head_dim_v=head_dim_v, max_seqlen_k=max_seqlen_k, attn_sink=attn_sink,
                               batch_invariant=batch_invariant,
                               kv_scale=kv_scale_tensor if kv_scale_tensor is not None else kv_scale,
-                              q_scale=q_scale_tensor if q_scale_tensor is not None else q_scale)
+                              q_scale=q_scale_tensor if q_scale_tensor is not None else q_scale,
+                              indices=indices, topk_length=topk_length)
     if return_lse:
         return result  # type: ignore[return-value]  # (out, lse) with return_lse
     return result, q.new_empty(0, dtype=torch.float32)  # type: ignore[return-value]  # out alone without it
@@ -58,7 +61,7 @@ def _verify_attention(
 def _verify_attention_fake(q, kv_cache, block_table, cache_seqlens, softmax_scale=None, causal=True,
                            tree_mask=None, return_lse=False, variant=None, head_dim_v=512, max_seqlen_k=None,
                            attn_sink=None, batch_invariant=None, kv_scale=None, kv_scale_tensor=None, q_scale=None,
-                           q_scale_tensor=None):
+                           q_scale_tensor=None, indices=None, topk_length=None):
     B, S, H, _ = q.shape
     out = q.new_empty(B, S, H, head_dim_v, dtype=output_dtype(q.dtype, kv_cache.dtype))
     lse = q.new_empty((B, H, S) if return_lse else (0,), dtype=torch.float32)
@@ -79,8 +82,8 @@ def _split_scale(name: str, scale: object) -> tuple[float | None, torch.Tensor |
 def verify_attention_op(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
     *,
     softmax_scale: float | None = None,
     causal: bool = True,
@@ -93,15 +96,18 @@ def verify_attention_op(
     batch_invariant: bool | None = None,
     kv_scale: float | torch.Tensor | None = None,
     q_scale: float | torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`verify_attention` through the registered custom op: use this inside torch.compile'd
     code and CUDA graphs.
 
     Same arguments, shapes and results as `mlagen.verify_attention` (q [B, S, H, Dl+Dr],
     out [B, S, H, Dl] in q's dtype, lse [B, H, S] fp32; FP8 caches with kv_scale, e4m3
-    queries with q_scale), except: `variant` may also be a variant name (e.g.
-    "flash_ht8_qt8_bn32_w8_st2_spa_sm90"), there is no `out=` (custom ops return fresh tensors)
-    and no `check_values` (MLAGEN_CHECK_VALUES still applies eagerly).
+    queries with q_scale; gathered keys with indices and topk_length), except: `variant` may
+    also be a variant name (e.g. "flash_ht8_qt8_bn32_w8_st2_spa_sm90"), there is no `out=`
+    (custom ops return fresh tensors) and no `check_values` (MLAGEN_CHECK_VALUES still applies
+    eagerly).
     """
     if max_seqlen_k is not None:
         # checked before the op: its schema turns a bool into an int and refuses a str or a
@@ -112,5 +118,5 @@ def verify_attention_op(
                                                  softmax_scale, causal, tree_mask, return_lse, name,
                                                  head_dim_v, max_seqlen_k, attn_sink, batch_invariant,
                                                  *_split_scale("kv_scale", kv_scale),
-                                                 *_split_scale("q_scale", q_scale))
+                                                 *_split_scale("q_scale", q_scale), indices, topk_length)
     return (out, lse) if return_lse else out
