@@ -25,6 +25,7 @@ import ab_constant  # noqa: E402
 import ab_trees  # noqa: E402
 import bench_cli  # noqa: E402
 import cold_code  # noqa: E402
+import flashmla_sparse_tests  # noqa: E402, F401  (its --help below; tests/test_flashmla_sparse_script.py for the rest)
 import host_cost  # noqa: E402
 import hot_loop  # noqa: E402
 import profile_row  # noqa: E402
@@ -75,8 +76,9 @@ GPU_RUNS = {
     "ab_constant.py": ["1", "MERGE_TARGET_BLOCKS=128,144", "8,1,9,1024"],
     "cold_code.py": ["1", "main=.", "8,1,9,1024=main/dispatch"],
 }
-HELP = ["ab_constant", "ab_trees", "cold_code", "host_cost", "hot_loop", "profile_row", "ragged", "ragged_drafts",
-        "sanitize", "sass_histogram", "trace_blocks", "trace_exchange", "trace_seesaw", "wide_table"]
+HELP = ["ab_constant", "ab_trees", "cold_code", "flashmla_sparse_tests", "host_cost", "hot_loop", "profile_row",
+        "ragged", "ragged_drafts", "sanitize", "sass_histogram", "trace_blocks", "trace_exchange", "trace_seesaw",
+        "wide_table"]
 
 
 def _script(name: str, *args: str, env: dict[str, str] | None = None,
@@ -765,6 +767,8 @@ EXERCISED = {   # every file under benchmarks/ but results/ (and the bench's def
     "ab_constant.py": [test_ab_constant_sets_and_restores_a_constant, test_gpu_script_runs],
     "cold_code.py": [test_cold_code_flush_kernel_is_large_straight_line_code, test_gpu_script_runs],
     "hot_loop.py": [test_hot_loop_reports_the_tile_loop],
+    # and tests/test_flashmla_sparse_script.py: its shim, groups, skips and counts
+    "flashmla_sparse_tests.py": [test_help_prints_the_usage],
 }
 
 

@@ -249,3 +249,15 @@ def test_run_of_one_group_and_a_range(checkout, cpu_run, capsys):
     assert "correctness         0       0        0" in out and "corner              1       1        1" in out
     assert "performance         1       0        0" in out
     assert script.main(["--flashmla", str(checkout), "--cases", ":1"]) == 0
+
+
+def test_commit_is_the_checkouts_own(tmp_path):
+    """A clone names its commit; an exported tree inside another repository names none (not the
+    outer repository's)."""
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "c"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+    assert script.checkout_commit(tmp_path) == f"commit {head.stdout.strip()}"
+    (tmp_path / "FlashMLA").mkdir()
+    assert script.checkout_commit(tmp_path / "FlashMLA") == "commit unknown"

@@ -3,9 +3,10 @@
     # from flash_mla import get_mla_metadata, flash_mla_with_kvcache
     from mlagen.compat.flash_mla import get_mla_metadata, flash_mla_with_kvcache
 
-    sched_meta, _ = get_mla_metadata()
+    sched_meta, _ = get_mla_metadata()                  # one per configuration
     out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512, sched_meta, causal=True)
-    out, lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, sparse_meta, is_fp8_kvcache=True,
+    sparse_meta, _ = get_mla_metadata()
+    out, lse = flash_mla_with_kvcache(q, fp8_rows, None, None, 512, sparse_meta, is_fp8_kvcache=True,
                                       indices=indices, topk_length=topk_length, attn_sink=attn_sink)
 
 Same argument layouts, defaults and results as FlashMLA's functions of these names, on every
@@ -22,9 +23,9 @@ GPU mlagen targets (sm_80, sm_89, sm_90, sm_120):
   with e8m0 scales, 584-byte rows) raises NotImplementedError.
 - Sparse attention (`indices` [B, S, topk] int32, flat row ids page * page_block_size + offset,
   -1 for an unused slot; `topk_length` [B] int32 or None): query token s of request b attends to
-  the rows indices[b, s, :topk_length[b]] lists, at any page size, with block_table,
-  cache_seqlens and causal left None / False. FlashMLA takes it on its FP8 cache only; mlagen
-  takes bf16 and fp16 caches too. The extra cache (`extra_k_cache`, `extra_indices_in_kvcache`,
+  the rows indices[b, s, :topk_length[b]] lists, with block_table, cache_seqlens and causal
+  left None / False. FlashMLA takes it on its FP8 cache only; mlagen takes bf16 and fp16
+  caches too. The extra cache (`extra_k_cache`, `extra_indices_in_kvcache`,
   `extra_topk_length`) raises NotImplementedError.
 - Both metadata forms: `get_mla_metadata()` gives a `FlashMLASchedMeta` and None, as FlashMLA
   does; `get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, ...)` gives
@@ -62,7 +63,7 @@ from ..runtime.sinks import check_attn_sink
 # FlashMLA's tile-scheduler metadata rows hold 8 int32 fields each.
 _METADATA_FIELDS = 8
 
-# The extra cache of FlashMLA's sparse attention, which mlagen's kernels do not read yet.
+# The extra cache of FlashMLA's sparse attention, which mlagen's kernels do not read.
 _EXTRA_ARGUMENTS = ("extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length")
 
 # The dtypes FlashMLA takes an FP8 cache in; mlagen reads the same bytes as uint8.

@@ -270,7 +270,10 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
 
     An FP8 cache runs on the heuristic's mma tile that stages its rows (`fp8_tile`), where one
     fits, and e4m3 queries over an e4m3 cache on that tile's fp8_mma schedule on sm_90a; the
-    others, and FP8 inputs where no tile fits, on the naive kernel (`fp8_variant`)."""
+    others, and FP8 inputs where no tile fits, on the naive kernel (`fp8_variant`). Gathered
+    keys run on `gathered_variant`."""
+    if problem.gathered:
+        return gathered_variant(arch)
     if problem.fp8:
         return fp8_tile(problem, seqlen_q, arch, policy) or fp8_variant(arch)
     exchange = exchange_tile(problem, seqlen_q, batch, kv_capacity, arch, policy)
@@ -483,7 +486,7 @@ def choose_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int
     then runs ragged rows (`Variant.rows`), whose work lists skip the padded row groups.
     Gathered keys (sparse verify) run on `gathered_variant`.
     """
-    if problem.gathered:
+    if problem.gathered:         # no table holds them
         return gathered_variant(arch)
     table = kv_capacity if table_capacity is None else table_capacity
     v = _table_or_heuristic(problem, seqlen_q, batch, kv_capacity, arch, gpu, policy)

@@ -29,11 +29,16 @@ class Preset:
         chosen = {untuned_variant(self.problem, s, 1, keys, arch, H200) for s in self.seqlens_q for keys in EMIT_KEYS}
         chosen |= {v for s in self.seqlens_q if (v := heuristic_mma(self.problem, s, arch, H200, specialize=False))}
         chosen |= {v for s in self.seqlens_q if (v := transposed_tile(self.problem, s, arch, H200))}
-        return [naive(arch=arch)] + sorted(chosen, key=lambda v: v.name)
+        return [naive(arch=arch)] + sorted(chosen - {naive(arch=arch)}, key=lambda v: v.name)
 
 
 def _mla(heads: int) -> Problem:
     return Problem(heads=heads, dl=512, dr=64, dtype="bf16", page_size=64, mask="causal", lse=True)
+
+
+def _sparse(heads: int) -> Problem:
+    """DeepSeek Sparse Attention's verify: gathered keys over the ds_mla cache, no mask."""
+    return _mla(heads).with_(kv_format="ds_mla", keys="gathered", mask="none")
 
 
 PRESETS: dict[str, Preset] = {
@@ -48,6 +53,10 @@ PRESETS: dict[str, Preset] = {
                "Kimi K2 over a flat e4m3 cache (kv_scale): 64 heads"),
         Preset("deepseek-v3-fp8", _mla(128).with_(kv_format="ds_mla"),
                "DeepSeek-V3 over FlashMLA's 656-byte FP8 rows: 128 heads"),
+        Preset("deepseek-v3.2", _sparse(128),
+               "DeepSeek-V3.2 sparse verify (top-k rows per token) over the 656-byte FP8 rows: 128 heads"),
+        Preset("deepseek-v3.2-tp8", _sparse(16),
+               "DeepSeek-V3.2 sparse verify sharded 8 ways: 16 heads per GPU"),
     )
 }
 DEFAULT_PRESET = "kimi-k2"

@@ -437,9 +437,10 @@ def _check_problem(p: Problem) -> None:
     require(isinstance(p.dr, int) and 0 <= p.dr <= 256 and p.dr % CHUNK == 0, "problem.dr",
             p.dr, "a multiple of 8 in 0..256")
     require(p.dtype in DTYPES, "problem.dtype", p.dtype, f"one of {DTYPES}")
-    require(isinstance(p.page_size, int) and p.page_size >= 1
-            and p.page_size & (p.page_size - 1) == 0 and p.page_size <= 4096,
-            "problem.page_size", p.page_size, "a power of two in 1..4096")
+    require(isinstance(p.page_size, int) and 1 <= p.page_size <= 4096
+            and (p.page_size & (p.page_size - 1) == 0 or p.keys == "gathered"),
+            "problem.page_size", p.page_size, "a power of two in 1..4096 (any size in 1..4096 with gathered keys, "
+            "whose rows the kernels address one by one)")
     require(p.mask in MASKS, "problem.mask", p.mask, f"one of {MASKS}")
     require(isinstance(p.lse, bool), "problem.lse", p.lse, "a bool")
     require(p.kv_format in KV_FORMATS, "problem.kv_format", p.kv_format, f"one of {KV_FORMATS}")

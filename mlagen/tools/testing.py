@@ -22,6 +22,7 @@ import torch
 from ..runtime.inputs import output_dtype
 from ..runtime.kv_formats import quantize_kv, quantize_q
 from ..runtime.reference import reference
+from ..runtime.sparse_reference import sparse_reference
 
 
 @dataclass
@@ -153,6 +154,76 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
     return Case(q=q, kv_cache=kv, block_table=table,
                 cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=device),
                 tree_mask=tree, causal=(mask == "causal"), scale=scale, dl=dl, kv_scale=kv_scale, q_scale=q_scale)
+
+
+@dataclass
+class SparseCase:
+    """One sparse verify problem (gathered keys) with its inputs; `kwargs()` gives the op's
+    keyword arguments and `reference()` the expected out [B, S, H, Dl] and lse [B, H, S]."""
+
+    q: torch.Tensor                  # [B, S, H, D]
+    kv_cache: torch.Tensor           # [num_pages, page, D]; pages no used slot lists: NaN
+    indices: torch.Tensor            # [B, S, topk] int32: flat row ids, -1 unused; past a length: NaN rows
+    topk_length: torch.Tensor | None  # [B] int32, or None: every slot used
+    scale: float
+    dl: int
+    kv_scale: torch.Tensor | None = None
+    q_scale: torch.Tensor | None = None
+
+    def kwargs(self) -> dict:
+        """indices, topk_length, softmax_scale, causal=False and head_dim_v, as the op takes them,
+        and kv_scale for an e4m3 cache, q_scale for e4m3 queries."""
+        kw = dict(indices=self.indices, topk_length=self.topk_length, softmax_scale=self.scale, causal=False,
+                  head_dim_v=self.dl)
+        scales = {"kv_scale": self.kv_scale, "q_scale": self.q_scale}
+        return kw | {k: v for k, v in scales.items() if v is not None}
+
+    def reference(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """out [B, S, H, Dl] and lse [B, H, S] from `mlagen.sparse_reference`, in `dtype`."""
+        return sparse_reference(self.q, self.kv_cache, self.indices, self.topk_length, softmax_scale=self.scale,
+                                head_dim_v=self.dl, dtype=dtype, kv_scale=self.kv_scale, q_scale=self.q_scale)
+
+
+def make_sparse_case(*, batch: int, seqlen_q: int, heads: int, topk: int, pages: int, page_size: int, seed: int,
+                     lengths: list[int] | None = None, unused: float = 0.25, dtype: torch.dtype = torch.bfloat16,
+                     device: str = "cuda", dl: int = 512, dr: int = 64, spare_pages: int = 3,
+                     kv_format: str = "dtype", q_format: str = "dtype") -> SparseCase:
+    """A sparse case: each query token lists `topk` random rows of the cache's `pages` pages.
+
+    The cache holds those pages and `spare_pages` more filled with NaN, shuffled. Each slot
+    lists a random row of the filled pages (rows listed twice happen, as an indexer's duplicates
+    would), a share `unused` of them -1; the slots past request b's lengths[b] (default topk:
+    topk_length None) list rows of the NaN pages, so a slot read past its length shows. q and
+    the rows are standard normal in `dtype` on `device`; the softmax scale is 1/sqrt(dl+dr) times
+    a random factor in [0.5, 2]. kv_format and q_format as for `make_case`.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.Generator(device=device).manual_seed(seed + (1 << 32))
+    D = dl + dr
+    order = torch.randperm(pages + spare_pages, generator=gen)
+    filled, nan_pages = order[:pages], order[pages:]
+    kv = torch.randn(pages + spare_pages, page_size, D, generator=values, device=device, dtype=dtype)
+    kv[nan_pages.to(device)] = math.nan
+    shape = (batch, seqlen_q, topk)
+    offset = torch.randint(0, page_size, shape, generator=gen)
+    indices = filled[torch.randint(0, pages, shape, generator=gen)] * page_size + offset
+    indices[torch.rand(shape, generator=gen) < unused] = -1
+    topk_length = None
+    if lengths is not None:
+        past = torch.arange(topk)[None, None, :] >= torch.tensor(lengths)[:, None, None]
+        if spare_pages:
+            stray = nan_pages[torch.randint(0, spare_pages, shape, generator=gen)] * page_size + offset
+            indices = torch.where(past, stray, indices)
+        topk_length = torch.tensor(lengths, dtype=torch.int32, device=device)
+    q = torch.randn(batch, seqlen_q, heads, D, generator=values, device=device, dtype=dtype)
+    scale = (1.0 / math.sqrt(D)) * float(torch.empty(1).uniform_(0.5, 2.0, generator=gen))
+    kv_scale = q_scale = None
+    if kv_format != "dtype":
+        kv, kv_scale = quantize_kv(kv, kv_format)
+    if q_format == "e4m3":
+        q, q_scale = quantize_q(q)
+    return SparseCase(q=q, kv_cache=kv, indices=indices.to(torch.int32).to(device), topk_length=topk_length,
+                      scale=scale, dl=dl, kv_scale=kv_scale, q_scale=q_scale)
 
 
 def reference_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,

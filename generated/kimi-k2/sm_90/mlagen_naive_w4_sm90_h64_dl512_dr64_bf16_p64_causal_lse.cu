@@ -1,6 +1,8 @@
 // mlagen generated kernel: mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse
 // family naive: one block per (query head h, query position i, request b); the block's warps
 // take keys round-robin, each with its own online softmax, then merge through shared memory.
+// Its keys are the request's paged prefix and draft tokens, or with gathered keys (sparse
+// verify) the cache rows the query token lists.
 // Reads the whole KV once per head: the correctness baseline, slow by design.
 #include <cuda_bf16.h>
 
@@ -34,6 +36,8 @@ struct __align__(8) VerifyParams {
   const int* seqlens;  // (B,) valid keys per request, draft tokens included
   const unsigned char* tree_mask;  // (B or 1, S, S) bool, tree mask kind only
   const int* q_counts;  // (B,) ragged rows (Variant.rows 'ragged'): request b's real query rows are its last q_counts[b], the rows before them padding; null: all S rows are real
+  const int* indices;  // (B, S, topk) gathered keys (Problem.keys 'gathered'): the flat cache row ids, page x page_size + offset, each query token attends to; -1 an unused slot
+  const int* topk_length;  // (B,) gathered keys: request b's tokens use their first topk_length[b] slots; null: all topk
   elem_t* out;  // (B, S, H, Dl)
   float* lse;  // (B, H, S) fp32, natural log; written when the problem has lse
   void* part_o;  // (num_splits, B, S, H, Dl) partial outputs: fp32 unnormalized, or normalized in elem_t (part16)
@@ -49,6 +53,9 @@ struct __align__(8) VerifyParams {
   long long bt_stride_b;  // elements between rows of block_table
   long long mask_stride_b;  // elements between requests of tree_mask (0: shared)
   long long mask_stride_q;  // elements between query rows of tree_mask
+  long long idx_stride_b;  // elements between requests of indices
+  long long idx_stride_s;  // elements between query tokens of indices
+  long long topk;  // slots per query token in indices (gathered keys), else 0
   long long out_stride_b;  // elements between requests of out
   long long out_stride_s;  // elements between query positions of out
   long long out_stride_h;  // elements between heads of out
@@ -426,11 +433,11 @@ mlagen_naive_w4_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(const VerifyParams 
   const int h = blockIdx.x, i = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int S = p.seqlen_q;
-  const int n = request_keys(p, b);
 
   const q_t* qrow = p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)h * p.q_stride_h;
   for (int c = threadIdx.x; c < CH; c += blockDim.x)
     unpack8(*reinterpret_cast<const uint4*>(qrow + c * CHUNK), sq + c * CHUNK);
+  const int n = request_keys(p, b);
   const unsigned long long bits = MASK_TREE ? tree_bits(p, b, i, lane) : 0ull;
   __syncthreads();
 

@@ -1,0 +1,158 @@
+"""Sparse verify (DeepSeek Sparse Attention): `verify_attention(..., indices=, topk_length=)`, each
+query token over the cache rows it lists. On the CPU: the DSL's rules for gathered keys, the
+dispatcher's pick and the kernels compiled for every arch and cache format. On a GPU: every row
+against the fp64 reference (`mlagen.sparse_reference`) of the same inputs, over the cache formats,
+page sizes 1 to 128, head counts and S up to DeepSeek-V3.2's, with unused slots, duplicate rows,
+empty rows, NaN wherever no slot may read, row ids outside the cache, attention sinks, the
+custom op and CUDA graph replay with indices changed in place."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mlagen
+from mlagen.codegen.build import build
+from mlagen.dispatch.policy import choose_variant
+from mlagen.dsl.errors import SpecError
+from mlagen.dsl.spec import Problem, naive, parse_variant
+from mlagen.plan.validate import validate
+from mlagen.runtime.inputs import InputError
+from mlagen.tools.testing import SparseCase, assert_rows_match, make_sparse_case, tolerance
+
+GATHERED = Problem(mask="none", keys="gathered")
+
+
+def test_gathered_keys_take_no_mask_and_the_naive_family():
+    """A gathered problem is named `_gather`, takes mask "none" only and runs on the families that
+    read gathered keys (naive); the refusals name the field and what it needs."""
+    assert GATHERED.gathered and GATHERED.name.endswith("_none_gather")
+    assert validate(GATHERED, naive("sm_90a")).problem == GATHERED
+    with pytest.raises(SpecError, match=r"problem.mask: got 'causal', expected 'none' with problem.keys='gathered'"):
+        validate(GATHERED.with_(mask="causal"), naive())
+    for name in ("flash_ht8_qt1_bn32_w8_st2_spa_sm90", "mma_ht64_qt1_bn64_w8_st2_spa_sm90a"):
+        with pytest.raises(SpecError, match=r"variant.family: got '(flash|mma)', expected 'naive' for "
+                                            r"problem.keys='gathered'"):
+            validate(GATHERED, parse_variant(name))
+    with pytest.raises(SpecError, match="problem.keys: got 'dense'"):
+        validate(GATHERED.with_(keys="dense"), naive())
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_120"])
+def test_the_dispatcher_runs_gathered_keys_on_the_naive_kernel(arch):
+    for problem in (GATHERED, GATHERED.with_(heads=128, kv_format="ds_mla", lse=True)):
+        assert choose_variant(problem, 2, 8, 2048, arch, "") == naive(arch=arch)
+
+
+@pytest.mark.parametrize("kv_format", ["dtype", "e4m3", "ds_mla"])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_120"])
+def test_gathered_kernels_compile_reading_listed_rows(arch, kv_format):
+    """Each cache format's gathered kernel compiles on every arch and reads its keys through the
+    listed rows (listed_row), never through a block table."""
+    built = build(GATHERED.with_(kv_format=kv_format, lse=True, page_size=1), naive(arch), use_cache=False)
+    assert built.module.cubin
+    assert "listed_row(p, b, i, j)" in built.source and "kv_row(p, b, j)" not in built.source
+
+
+# ---- on a GPU
+
+def _run(case: SparseCase, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    return mlagen.verify_attention(case.q, case.kv_cache, return_lse=True, **(case.kwargs() | kw))
+
+
+def _check(case: SparseCase, out: torch.Tensor, lse: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor] | None = None
+           ) -> None:
+    """Every row (b, i, h) of out and lse against the fp64 reference, with the tolerance of the
+    16-bit output (the naive kernel dequantizes FP8 inputs exactly)."""
+    ref_out, ref_lse = ref if ref is not None else case.reference(torch.float64)
+    assert_rows_match(out, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2), tolerance(out.dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format,q_format,dtype", [
+    ("dtype", "dtype", torch.bfloat16), ("dtype", "dtype", torch.float16), ("e4m3", "dtype", torch.bfloat16),
+    ("ds_mla", "dtype", torch.bfloat16), ("e4m3", "e4m3", torch.bfloat16), ("ds_mla", "e4m3", torch.bfloat16),
+])
+@pytest.mark.parametrize("page_size,heads,seqlen_q", [(1, 16, 1), (16, 64, 4), (64, 128, 2), (128, 8, 3)])
+def test_every_row_matches_the_reference(kv_format, q_format, dtype, page_size, heads, seqlen_q):
+    """Ragged topk_length (one request with none), a quarter of the slots unused, duplicate rows,
+    NaN pages listed past each length and in no used slot; out poisoned with NaN beforehand."""
+    case = make_sparse_case(batch=3, seqlen_q=seqlen_q, heads=heads, topk=192, pages=max(2, 640 // page_size),
+                            page_size=page_size, seed=page_size + heads, lengths=[192, 0, 77], dtype=dtype,
+                            kv_format=kv_format, q_format=q_format)
+    out = torch.full((3, seqlen_q, heads, 512), math.nan, dtype=dtype, device="cuda")
+    result, lse = _run(case, out=out)
+    assert result is out
+    _check(case, out, lse)
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+
+
+@pytest.mark.gpu
+def test_deepseek_v32_shape_over_the_ds_mla_cache():
+    """H=128, S=2 (an MTP draft), topk 2048 over 64-key pages of DeepSeek's FP8 rows, every slot
+    used (topk_length None)."""
+    case = make_sparse_case(batch=2, seqlen_q=2, heads=128, topk=2048, pages=96, page_size=64, seed=32,
+                            unused=0.0, kv_format="ds_mla")
+    _check(case, *_run(case))
+
+
+@pytest.mark.gpu
+def test_one_row_listed_in_every_slot_gives_that_row():
+    """Every slot listing the same row: uniform weights over copies of one key, so each output
+    row is that row's values and lse its score plus log(topk) (duplicates count as keys)."""
+    case = make_sparse_case(batch=1, seqlen_q=2, heads=8, topk=100, pages=4, page_size=16, seed=5, unused=0.0)
+    case.indices.fill_(37)
+    out, lse = _run(case)
+    row = case.kv_cache.reshape(-1, 576)[37].double()
+    torch.testing.assert_close(out.double(), row[:512].expand_as(out), rtol=0, atol=1e-2)
+    score = (case.q.double() @ row) * case.scale
+    torch.testing.assert_close(lse.double(), (score + math.log(100)).transpose(1, 2), rtol=0, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_row_ids_outside_the_cache_are_dropped_unchecked_and_named_when_checked():
+    """Without check_values, ids past the cache or below -1 read nothing (the result is the
+    reference's with them unused); with it, InputError names the id before any launch."""
+    case = make_sparse_case(batch=2, seqlen_q=3, heads=16, topk=64, pages=8, page_size=16, seed=9)
+    rows = case.kv_cache.size(0) * case.kv_cache.size(1)
+    bad = case.indices.clone()
+    bad[:, :, ::3] = rows + 1000
+    bad[:, :, 1::7] = -5
+    expected = SparseCase(**{**case.__dict__, "indices": torch.where((bad < 0) | (bad >= rows), -1, bad)})
+    broken = SparseCase(**{**case.__dict__, "indices": bad})
+    _check(broken, *_run(broken, check_values=False), ref=expected.reference(torch.float64))
+    with pytest.raises(InputError, match=rf"indices: got a row id (-5|{rows + 1000})"):
+        _run(broken, check_values=True)
+
+
+@pytest.mark.gpu
+def test_attention_sinks_scale_each_row():
+    case = make_sparse_case(batch=2, seqlen_q=2, heads=8, topk=128, pages=8, page_size=32, seed=13, lengths=[128, 0])
+    sink = torch.tensor([math.inf, -math.inf, 0.0, 1.5, -2.0, 3.0, 0.5, -0.5], device="cuda")
+    out, lse = _run(case, attn_sink=sink)
+    ref_out, ref_lse = case.reference(torch.float64)
+    keep = torch.exp(ref_lse) / (torch.exp(ref_lse) + torch.exp(sink.double())[None, :, None])   # [B, H, S]
+    ref_out = ref_out * keep.nan_to_num(0.0).transpose(1, 2)[..., None]
+    _check(case, out, lse, ref=(ref_out, ref_lse))
+    assert (out[:, :, 0] == 0).all()
+
+
+@pytest.mark.gpu
+def test_custom_op_and_graph_replay_with_indices_changed_in_place():
+    """The custom op gives verify_attention's bits; a captured graph, replayed after indices and
+    topk_length change in place, gives the new inputs' result."""
+    case = make_sparse_case(batch=2, seqlen_q=4, heads=32, topk=256, pages=16, page_size=64, seed=21,
+                            lengths=[256, 100], kv_format="ds_mla")
+    direct = _run(case)
+    through_op = mlagen.verify_attention_op(case.q, case.kv_cache, return_lse=True, **case.kwargs())
+    assert all(torch.equal(a, b) for a, b in zip(direct, through_op, strict=True))
+    graph = torch.cuda.CUDAGraph()
+    _run(case)   # loaded before the capture
+    with torch.cuda.graph(graph):
+        captured = _run(case)
+    case.indices.copy_(case.indices.flip(1))      # other rows for each token, NaN rows still past each length
+    case.topk_length.copy_(torch.tensor([30, 100], dtype=torch.int32))
+    graph.replay()
+    _check(case, *captured)
