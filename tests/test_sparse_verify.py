@@ -49,9 +49,10 @@ def test_the_dispatcher_runs_gathered_keys_on_the_naive_kernel(arch):
 @pytest.mark.parametrize("kv_format", ["dtype", "e4m3", "ds_mla"])
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_120"])
 def test_gathered_kernels_compile_reading_listed_rows(arch, kv_format):
-    """Each cache format's gathered kernel compiles on every arch and reads its keys through the
-    listed rows (listed_row), never through a block table."""
-    built = build(GATHERED.with_(kv_format=kv_format, lse=True, page_size=1), naive(arch), use_cache=False)
+    """Each cache format's gathered kernel compiles on every arch, with a page size that is no
+    power of two, and reads its keys through the listed rows (listed_row), never through a block
+    table."""
+    built = build(GATHERED.with_(kv_format=kv_format, lse=True, page_size=61), naive(arch), use_cache=False)
     assert built.module.cubin
     assert "listed_row(p, b, i, j)" in built.source and "kv_row(p, b, j)" not in built.source
 
@@ -75,7 +76,7 @@ def _check(case: SparseCase, out: torch.Tensor, lse: torch.Tensor, ref: tuple[to
     ("dtype", "dtype", torch.bfloat16), ("dtype", "dtype", torch.float16), ("e4m3", "dtype", torch.bfloat16),
     ("ds_mla", "dtype", torch.bfloat16), ("e4m3", "e4m3", torch.bfloat16), ("ds_mla", "e4m3", torch.bfloat16),
 ])
-@pytest.mark.parametrize("page_size,heads,seqlen_q", [(1, 16, 1), (16, 64, 4), (64, 128, 2), (128, 8, 3)])
+@pytest.mark.parametrize("page_size,heads,seqlen_q", [(1, 16, 1), (16, 64, 4), (61, 64, 3), (64, 128, 2), (128, 8, 3)])
 def test_every_row_matches_the_reference(kv_format, q_format, dtype, page_size, heads, seqlen_q):
     """Ragged topk_length (one request with none), a quarter of the slots unused, duplicate rows,
     NaN pages listed past each length and in no used slot; out poisoned with NaN beforehand."""
