@@ -36,12 +36,16 @@ def test_presets_cover_short_and_long_contexts():
     """Each preset's Hopper kernels are the dispatcher's untuned picks for a short and a long
     context: the lockstep wgmma tile and its seesaw twin with TMA loads and the balanced split;
     other archs have no seesaw (it is sm_90a only). Sparse verify presets (gathered keys) emit
-    the naive kernel, the one family that reads them."""
+    the naive kernel and the dispatcher's one-token tiles."""
 
     for preset in PRESETS.values():
-        if preset.problem.gathered:
+        if preset.problem.gathered:    # naive and the one-token tiles with cp.async row gathers
             for a in ("sm_80", "sm_90", "sm_120"):
-                assert preset.variants(a) == [naive(a)] and validate(preset.problem, naive(a))
+                variants = preset.variants(a)
+                assert variants[0] == naive(a) and all(validate(preset.problem, v) for v in variants)
+                assert all(untuned_variant(preset.problem, s, 1, k, a, H200) in variants
+                           for s in preset.seqlens_q for k in EMIT_KEYS)
+                assert all(v.q_tile == 1 and v.loads == "cp_async" for v in variants[1:])
             continue
         if preset.problem.fp8_kv:      # FP8 caches: naive and the lockstep tiles, no TMA or seesaw
             for a in ("sm_80", "sm_90", "sm_90a", "sm_120"):

@@ -20,44 +20,66 @@ from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import Problem, naive, parse_variant
 from mlagen.plan.validate import validate
 from mlagen.runtime.inputs import InputError
+from mlagen.runtime.op import device_info
 from mlagen.tools.testing import SparseCase, assert_rows_match, make_sparse_case, tolerance
 
 GATHERED = Problem(mask="none", keys="gathered")
+TILE = "mma_ht64_qt1_bn64_w8_st2_spa_p16_sm90a"     # the dispatcher's pick for 64 and 128 heads on an H100
 
 
-def test_gathered_keys_take_no_mask_and_the_naive_family():
-    """A gathered problem is named `_gather`, takes mask "none" only and runs on the families that
-    read gathered keys (naive); the refusals name the field and what it needs."""
+def test_gathered_keys_take_no_mask_and_their_own_tiles():
+    """A gathered problem is named `_gather` and takes mask "none" only; it runs on the naive
+    family and on the mma family's lockstep loop with cp.async loads, a row group of one query
+    token and a fixed or adaptive split. Each refusal names the field and what it needs."""
     assert GATHERED.gathered and GATHERED.name.endswith("_none_gather")
     assert validate(GATHERED, naive("sm_90a")).problem == GATHERED
+    assert validate(GATHERED, parse_variant(TILE))
     with pytest.raises(SpecError, match=r"problem.mask: got 'causal', expected 'none' with problem.keys='gathered'"):
         validate(GATHERED.with_(mask="causal"), naive())
-    for name in ("flash_ht8_qt1_bn32_w8_st2_spa_sm90", "mma_ht64_qt1_bn64_w8_st2_spa_sm90a"):
-        with pytest.raises(SpecError, match=r"variant.family: got '(flash|mma)', expected 'naive' for "
-                                            r"problem.keys='gathered'"):
-            validate(GATHERED, parse_variant(name))
+    with pytest.raises(SpecError, match=r"variant.family: got 'flash', expected 'naive' or 'mma' for "
+                                        r"problem.keys='gathered'"):
+        validate(GATHERED, parse_variant("flash_ht8_qt1_bn32_w8_st2_spa_sm90"))
+    for change, match in (
+            (dict(schedule="seesaw", loads="tma"), r"variant.schedule: got 'seesaw', expected 'lockstep'"),
+            (dict(loads="tma"), r"variant.loads: got 'tma', expected 'cp_async'"),
+            (dict(q_tile=2, head_tile=32), r"variant.q_tile: got 2, expected 1 for problem.keys='gathered'"),
+            (dict(kv_split="balanced"), r"variant.kv_split: got 'balanced', expected an int or 'adaptive'")):
+        with pytest.raises(SpecError, match=match):
+            validate(GATHERED, parse_variant(TILE).with_(**change))
     with pytest.raises(SpecError, match="problem.keys: got 'dense'"):
         validate(GATHERED.with_(keys="dense"), naive())
+    with pytest.raises(SpecError, match="problem.page_size: got 61, expected a power of two"):
+        validate(Problem(page_size=61), naive())
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_120"])
-def test_the_dispatcher_runs_gathered_keys_on_the_naive_kernel(arch):
-    for problem in (GATHERED, GATHERED.with_(heads=128, kv_format="ds_mla", lse=True)):
-        assert choose_variant(problem, 2, 8, 2048, arch, "") == naive(arch=arch)
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_120"])
+def test_the_dispatcher_runs_gathered_keys_on_a_one_token_tile(arch):
+    """The pick is the heuristic's mma tile for one query token (q_tile 1, adaptive split), in
+    every cache format."""
+    for problem in (GATHERED, GATHERED.with_(heads=128, kv_format="ds_mla", lse=True, page_size=61)):
+        v = choose_variant(problem, 2, 8, 2048, arch, "")
+        assert v.family == "mma" and v.q_tile == 1 and v.kv_split == "adaptive" and v.schedule == "lockstep"
+        assert validate(problem, v)
 
 
 @pytest.mark.parametrize("kv_format", ["dtype", "e4m3", "ds_mla"])
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "sm_120"])
 def test_gathered_kernels_compile_reading_listed_rows(arch, kv_format):
-    """Each cache format's gathered kernel compiles on every arch, with a page size that is no
-    power of two, and reads its keys through the listed rows (listed_row), never through a block
-    table."""
-    built = build(GATHERED.with_(kv_format=kv_format, lse=True, page_size=61), naive(arch), use_cache=False)
-    assert built.module.cubin
-    assert "listed_row(p, b, i, j)" in built.source and "kv_row(p, b, j)" not in built.source
+    """Each cache format's gathered kernels, naive and the dispatched tile, compile on every
+    arch with a page size that is no power of two, and read their keys through the rows each
+    token lists, never through a block table."""
+    problem = GATHERED.with_(kv_format=kv_format, lse=True, page_size=61, heads=128)
+    for variant in (naive(arch), choose_variant(problem, 2, 8, 2048, arch, "")):
+        built = build(problem, variant, use_cache=False)
+        assert built.module.cubin
+        assert "listed_row_at(p, " in built.source and "kv_page(p, b, j)" not in built.source
 
 
 # ---- on a GPU
+
+def device_arch() -> str:
+    return device_info(torch.cuda.current_device())[0]
+
 
 def _run(case: SparseCase, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     return mlagen.verify_attention(case.q, case.kv_cache, return_lse=True, **(case.kwargs() | kw))
@@ -77,26 +99,32 @@ def _check(case: SparseCase, out: torch.Tensor, lse: torch.Tensor, ref: tuple[to
     ("ds_mla", "dtype", torch.bfloat16), ("e4m3", "e4m3", torch.bfloat16), ("ds_mla", "e4m3", torch.bfloat16),
 ])
 @pytest.mark.parametrize("page_size,heads,seqlen_q", [(1, 16, 1), (16, 64, 4), (61, 64, 3), (64, 128, 2), (128, 8, 3)])
-def test_every_row_matches_the_reference(kv_format, q_format, dtype, page_size, heads, seqlen_q):
+@pytest.mark.parametrize("kernel", ["dispatched", "naive"])
+def test_every_row_matches_the_reference(kv_format, q_format, dtype, page_size, heads, seqlen_q, kernel):
     """Ragged topk_length (one request with none), a quarter of the slots unused, duplicate rows,
-    NaN pages listed past each length and in no used slot; out poisoned with NaN beforehand."""
+    NaN pages listed past each length and in no used slot; out poisoned with NaN beforehand. The
+    dispatcher's pick (the one-token mma tile; e4m3 queries: the naive kernel) and the naive
+    kernel."""
     case = make_sparse_case(batch=3, seqlen_q=seqlen_q, heads=heads, topk=192, pages=max(2, 640 // page_size),
                             page_size=page_size, seed=page_size + heads, lengths=[192, 0, 77], dtype=dtype,
                             kv_format=kv_format, q_format=q_format)
     out = torch.full((3, seqlen_q, heads, 512), math.nan, dtype=dtype, device="cuda")
-    result, lse = _run(case, out=out)
+    variant = naive(device_arch()) if kernel == "naive" else None
+    result, lse = _run(case, out=out, variant=variant)
     assert result is out
     _check(case, out, lse)
     assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
 
 
 @pytest.mark.gpu
-def test_deepseek_v32_shape_over_the_ds_mla_cache():
+@pytest.mark.parametrize("splits", [None, 1, 3, 16])
+def test_deepseek_v32_shape_over_the_ds_mla_cache(splits):
     """H=128, S=2 (an MTP draft), topk 2048 over 64-key pages of DeepSeek's FP8 rows, every slot
-    used (topk_length None)."""
+    used (topk_length None), on the dispatched tile with its own split and with fixed ones."""
     case = make_sparse_case(batch=2, seqlen_q=2, heads=128, topk=2048, pages=96, page_size=64, seed=32,
                             unused=0.0, kv_format="ds_mla")
-    _check(case, *_run(case))
+    picked = choose_variant(GATHERED.with_(heads=128, kv_format="ds_mla", lse=True), 2, 2, 2048, device_arch(), "")
+    _check(case, *_run(case, variant=picked if splits is None else picked.with_(kv_split=splits)))
 
 
 @pytest.mark.gpu

@@ -273,7 +273,7 @@ def untuned_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: in
     others, and FP8 inputs where no tile fits, on the naive kernel (`fp8_variant`). Gathered
     keys run on `gathered_variant`."""
     if problem.gathered:
-        return gathered_variant(arch)
+        return gathered_variant(problem, arch, policy)
     if problem.fp8:
         return fp8_tile(problem, seqlen_q, arch, policy) or fp8_variant(arch)
     exchange = exchange_tile(problem, seqlen_q, batch, kv_capacity, arch, policy)
@@ -460,11 +460,16 @@ def _table_or_heuristic(problem: Problem, seqlen_q: int, batch: int, kv_capacity
                               else untuned_variant(problem, seqlen_q, batch, kv_capacity, arch, policy), batch, policy)
 
 
-def gathered_variant(arch: str) -> Variant:
-    """The variant for gathered keys (`Problem.keys` "gathered", sparse verify): the naive
-    family's, the family that reads them (`KernelFamily.gathers`), one block per query row
-    reading each listed row by its address."""
-    return naive(arch=arch)
+def gathered_variant(problem: Problem, arch: str, policy: DispatchPolicy) -> Variant:
+    """The variant for gathered keys (`Problem.keys` "gathered", sparse verify): each query
+    token's rows are its own, so a row group holds one token's heads, the tile the heuristic
+    sizes for one token (`heuristic_mma` at S=1: the lockstep loop, whose cp.async copies load
+    each listed row from its address, and an adaptive split over the slots), its splits' partial
+    rows in fp32: short batches split each token's slots many ways, and 16-bit partials round
+    each part once more, past FlashMLA's tolerance for this attention. The naive kernel where no
+    such tile fits."""
+    tile = heuristic_mma(problem, 1, arch, policy)
+    return tile.with_(partials="fp32") if tile is not None else naive(arch=arch)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -487,7 +492,7 @@ def choose_variant(problem: Problem, seqlen_q: int, batch: int, kv_capacity: int
     Gathered keys (sparse verify) run on `gathered_variant`.
     """
     if problem.gathered:         # no table holds them
-        return gathered_variant(arch)
+        return gathered_variant(problem, arch, policy)
     table = kv_capacity if table_capacity is None else table_capacity
     v = _table_or_heuristic(problem, seqlen_q, batch, kv_capacity, arch, gpu, policy)
     if not covers(v, table):

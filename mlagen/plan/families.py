@@ -66,7 +66,8 @@ class KernelFamily:
         without takes each setting's default.
     fp8_q: whether it reads e4m3 queries (`Problem.fp8_q`).
     gathers: whether it reads gathered keys (`Problem.keys` "gathered": each query row's own
-        listed cache rows, sparse verify).
+        listed cache rows, sparse verify): the naive family, and the mma family on the schedules
+        that load them (`TileSchedule.gathered_loads`).
     fp8_kv: how it reads an FP8 cache: "rows" (it dequantizes each row as it reads it),
         "staged" (its schedules that stage a tile's FP8 rows and dequantize them into the 16-bit
         tile, `TileSchedule.fp8_kv_loads`) or "" (it reads 16-bit caches only).
@@ -185,7 +186,7 @@ FLASH = KernelFamily(
     prefetches=False, tensor_cores=False, specializes=False, fuzz_weight=1, block=_flash_block)
 # Head-tiled, split-KV, tensor cores (mma.sync; wgmma and TMA on sm_90a), its loop the schedule's.
 MMA = KernelFamily(
-    name="mma", template=None, tiled=True, knobs=True, fp8_q=False, gathers=False, fp8_kv="staged", prefetches=True,
+    name="mma", template=None, tiled=True, knobs=True, fp8_q=False, gathers=True, fp8_kv="staged", prefetches=True,
     tensor_cores=True, specializes=True, fuzz_weight=3, block=_mma_block)
 
 FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (NAIVE, FLASH, MMA)}

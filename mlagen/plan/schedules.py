@@ -93,6 +93,9 @@ class TileSchedule:
         tile unchanged (`twin`); None: none.
     kv_formats: the `Problem.kv_format` values it reads; None: every format its family reads.
     q_formats: the `Problem.q_format` values it reads.
+    gathered_loads: the `Variant.loads` it accepts over gathered keys (`Problem.keys`
+        "gathered"), whose rows it loads one by one from the addresses the indices give; (): it
+        reads paged keys only.
     producer_warps: warps launched beside `Variant.warps` that load the KV tiles and widen an
         FP8 cache's bytes while the `Variant.warps` warps run the products (the kernel's
         `PRODUCER_THREADS`); 0: the same warps load and compute.
@@ -126,6 +129,7 @@ class TileSchedule:
     twin_of: str | None
     kv_formats: tuple[str, ...] | None = None
     q_formats: tuple[str, ...] = ("dtype",)
+    gathered_loads: tuple[str, ...] = ()
     producer_warps: int = 0
     fuzz_weight: int = 1
 
@@ -218,7 +222,7 @@ LOCKSTEP = TileSchedule(
     stages=ANY_STAGES, loads=LOADS, combines=COMBINES, partials=PARTIALS, mma_pv=True, paired=False,
     partial_rows=True, layout=lockstep_layout, mbarriers=stage_mbarriers, load_mbarriers=stage_mbarriers,
     stack=no_stack, rows=(), fp8_kv_loads=("cp_async",), seesaw_loop=False, pair_merge=True, prefetches=True,
-    tile_a_block=False, twin_of=None, fuzz_weight=6)
+    tile_a_block=False, twin_of=None, gathered_loads=("cp_async",), fuzz_weight=6)
 # TMA loads, two stages, both products on wgmma: the lockstep loop's tile on sm_90a in pairs.
 SEESAW = TileSchedule(
     name="seesaw", template="mma.cu.j2", families=_MMA, archs=_SM90A, block_ns=(64,), warps=(8,), stages=(2,),

@@ -373,9 +373,10 @@ class KernelPlan:
         first KV tile into L2 while the previous grid drains: the kernels of a family that may
         (`KernelFamily.prefetches`) on a schedule that does (`TileSchedule.prefetches`) where
         `programmatic_launch`, but for the balanced split (its ranges need every request's
-        length) and FP8 caches (the prefetch reads 16-bit rows)."""
+        length), FP8 caches (the prefetch reads 16-bit rows) and gathered keys (it reads the
+        block table)."""
         return (self.programmatic_launch and self.family.prefetches and self.schedule.prefetches
-                and not self.split.balanced and not self.problem.fp8_kv)
+                and not self.split.balanced and not self.problem.fp8_kv and not self.problem.gathered)
 
     @property
     def arch_specific(self) -> bool:
@@ -535,10 +536,26 @@ def _check_schedule_formats(p: Problem, v: Variant) -> None:
 
 
 def _check_keys(p: Problem, v: Variant) -> None:
-    """Gathered keys run on the families that read them (`KernelFamily.gathers`)."""
-    require(not p.gathered or family_of(v).gathers, "variant.family", v.family,
-            f"{_quoted([f for f in FAMILIES.values() if f.gathers])} for problem.keys='gathered' (the families "
-            "that read each query row's listed cache rows)")
+    """Gathered keys run on the families that read them (`KernelFamily.gathers`); a tiled one's
+    row group holds one query token, whose listed rows its schedule loads one by one
+    (`TileSchedule.gathered_loads`) over fixed or adaptive splits."""
+    if not p.gathered:
+        return
+    gathered = "for problem.keys='gathered'"
+    require(family_of(v).gathers, "variant.family", v.family,
+            f"{_quoted([f for f in FAMILIES.values() if f.gathers])} {gathered} (the families that read each "
+            "query row's listed cache rows)")
+    if not family_of(v).tiled:
+        return
+    loaders = [s.name for s in SCHEDULES.values() if s.gathered_loads and v.family in s.families]
+    loads = schedule_of(v).gathered_loads
+    require(bool(loads), "variant.schedule", v.schedule,
+            f"{' or '.join(map(repr, loaders))} {gathered} (the loops that load each listed row by its address)")
+    require(v.loads in loads, "variant.loads", v.loads,
+            f"{' or '.join(map(repr, loads))} {gathered} (a TMA box copies a run of a page's rows)")
+    require(v.q_tile == 1, "variant.q_tile", v.q_tile,
+            f"1 {gathered} (a row group's tiles hold the rows its one query token lists)")
+    require(v.kv_split != "balanced", "variant.kv_split", v.kv_split, f"an int or 'adaptive' {gathered}")
 
 
 def validate(problem: Problem, variant: Variant) -> KernelPlan:

@@ -232,7 +232,6 @@ __device__ __forceinline__ void prefetch_row_quarters(const elem_t* q_row, const
 __device__ __forceinline__ long long key_capacity(const VerifyParams& p) {
   return (long long)p.max_pages * PAGE;
 }
-
 // Keys of request b that may be read: the stored length, clamped to what block_table can
 // address, so a bad length never makes a kernel read outside the cache it was given.
 __device__ __forceinline__ int request_keys(const VerifyParams& p, int b) {
@@ -241,15 +240,15 @@ __device__ __forceinline__ int request_keys(const VerifyParams& p, int b) {
   return n < 0 ? 0 : (n > cap ? (int)cap : n);
 }
 
-// Page id of key j of request b, as block_table stores it (checked by kv_row_in).
-__device__ __forceinline__ int kv_page(const VerifyParams& p, int b, int j) {
-  return p.block_table[(long long)b * p.bt_stride_b + j / PAGE];
-}
-
 // Address of key j in page `page`, or nullptr when the page id is outside the cache.
 __device__ __forceinline__ const kv_t* kv_row_in(const VerifyParams& p, int page, int j) {
   if (page < 0 || page >= p.num_pages) return nullptr;
   return p.kv + (long long)page * p.kv_stride_page + (long long)(j % PAGE) * p.kv_stride_row;
+}
+
+// Page id of key j of request b, as block_table stores it (checked by kv_row_in).
+__device__ __forceinline__ int kv_page(const VerifyParams& p, int b, int j) {
+  return p.block_table[(long long)b * p.bt_stride_b + j / PAGE];
 }
 
 // Address of key j of request b, or nullptr when its page id is outside the cache.
@@ -884,7 +883,8 @@ struct RowLoad {
 // thread, one commit group a tile, into STAGES stages of rows STAGE_ROW kv_t values apart. Each
 // tile loads in three steps a tile apart (H=64 S=9 at 65536 keys: -10%): the block-table ids are
 // read (fetch_pages) a tile before the row lookups (prepare), and the lookups a tile before the
-// copies, so no copy waits on a dependent global read.
+// copies, so no copy waits on a dependent global read. With gathered keys the ids are the row
+// ids the segment's query token lists, and each row is copied from its own address.
 struct KvRows {
   using Load = RowLoad<BN, THREADS, kv_t, STAGED_CHUNKS>;
   const VerifyParams& p;

@@ -169,7 +169,6 @@ __device__ __forceinline__ void prefetch_row_quarters(const elem_t* q_row, const
 __device__ __forceinline__ long long key_capacity(const VerifyParams& p) {
   return (long long)p.max_pages * PAGE;
 }
-
 // Keys of request b that may be read: the stored length, clamped to what block_table can
 // address, so a bad length never makes a kernel read outside the cache it was given.
 __device__ __forceinline__ int request_keys(const VerifyParams& p, int b) {
@@ -178,15 +177,15 @@ __device__ __forceinline__ int request_keys(const VerifyParams& p, int b) {
   return n < 0 ? 0 : (n > cap ? (int)cap : n);
 }
 
-// Page id of key j of request b, as block_table stores it (checked by kv_row_in).
-__device__ __forceinline__ int kv_page(const VerifyParams& p, int b, int j) {
-  return p.block_table[(long long)b * p.bt_stride_b + j / PAGE];
-}
-
 // Address of key j in page `page`, or nullptr when the page id is outside the cache.
 __device__ __forceinline__ const kv_t* kv_row_in(const VerifyParams& p, int page, int j) {
   if (page < 0 || page >= p.num_pages) return nullptr;
   return p.kv + (long long)page * p.kv_stride_page + (long long)(j % PAGE) * p.kv_stride_row;
+}
+
+// Page id of key j of request b, as block_table stores it (checked by kv_row_in).
+__device__ __forceinline__ int kv_page(const VerifyParams& p, int b, int j) {
+  return p.block_table[(long long)b * p.bt_stride_b + j / PAGE];
 }
 
 // Address of key j of request b, or nullptr when its page id is outside the cache.
