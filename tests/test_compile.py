@@ -129,8 +129,9 @@ KNOB_JOBS = ([("_spb_", p, v.with_(kv_split="balanced")) for p, v in MMA_JOBS]
 
 @pytest.mark.parametrize("tag,preset,variant", largest_of_each_kind(KNOB_JOBS))
 def test_knob_variants_compile_without_spills(tag, preset, variant):
-    # a cluster's staged rows, or a TMA tile's page, may not fit a preset: refused, then skipped
-    if tag in ("_cl_", "_tma_") and not is_valid(preset.problem, variant):
+    # a cluster's staged rows, or a TMA tile's page, may not fit a preset, and gathered keys take no
+    # balanced split or TMA: refused, then skipped
+    if (tag in ("_cl_", "_tma_") or preset.problem.gathered) and not is_valid(preset.problem, variant):
         with pytest.raises(SpecError) as refused:
             validate(preset.problem, variant)
         pytest.skip(f"{variant.name}: {refused.value}")
