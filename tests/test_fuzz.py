@@ -108,6 +108,37 @@ def test_a_correct_kernel_passes_e4m3_query_shapes():
     assert case.q.dtype == torch.float8_e4m3fn and case.kwargs()["q_scale"] is case.q_scale
 
 
+def test_gathered_keys_are_drawn_last_with_their_own_slots():
+    """With --keys a seed keeps its shape's batch, drafts, heads, page size and formats and then
+    draws gathered keys: no mask, a topk within the work bound, each request's slot count (0
+    where it is empty); its random variants are the naive kernel or one-token lockstep tiles."""
+    both = dataclasses.replace(SMALL, keys=("paged", "gathered"), kv_formats=KV_FORMATS)
+    shapes = [draw(seed, both) for seed in range(60)]
+    paged = [draw(seed, dataclasses.replace(SMALL, kv_formats=KV_FORMATS)) for seed in range(60)]
+    gathered = [s for s in shapes if s.keys == "gathered"]
+    assert gathered and len(gathered) < len(shapes)
+    for s, p in zip(shapes, paged, strict=True):
+        assert (s.batch, s.seqlen_q, s.heads, s.page_size, s.kv_format, s.dtype) == (
+            p.batch, p.seqlen_q, p.heads, p.page_size, p.kv_format, p.dtype)
+        if s.keys == "paged":
+            assert s == p
+    for s in gathered:
+        assert s.problem.gathered and s.mask == "none" and s.kv_capacity == s.topk
+        assert len(s.topk_lengths) == s.batch and all(0 <= n <= s.topk for n in s.topk_lengths)
+        assert all(n == 0 for n, e in zip(s.topk_lengths, s.empty, strict=True) if e)
+        assert "gathered topk=" in str(s)
+        v = draw_variant(s, "sm_90")
+        assert v.family == "naive" or (v.q_tile == 1 and v.schedule == "lockstep" and v.loads == "cp_async"), v.name
+
+
+def test_a_correct_kernel_passes_gathered_shapes():
+    """The fuzz loop on gathered keys: make_sparse_case's inputs, the sparse reference."""
+    space = dataclasses.replace(SMALL, keys=("gathered",), kv_formats=("dtype", "ds_mla"))
+    report = fuzz(range(8), [None], space, device="cpu", kernel=_reference_kernel)
+    assert [o.status for o in report.outcomes] == ["ok"] * 8
+    assert report.outcomes[0].shape.case("cpu").indices.dtype == torch.int32
+
+
 def test_a_narrow_space_is_kept():
     shapes = [draw(seed, SMALL) for seed in range(100)]
     assert {s.heads for s in shapes} <= {8, 16} and {s.page_size for s in shapes} <= {16, 64}
@@ -271,6 +302,7 @@ def test_a_lost_cuda_context_stops_the_run_at_that_seed():
     (["--variant", "mma_bogus"], "--variant"),
     (["--kv", "fp8"], "--kv: got 'fp8', expected one of dtype, e4m3, ds_mla"),
     (["--q", "e5m2"], "--q: got 'e5m2', expected one of dtype, e4m3"),
+    (["--keys", "sparse"], "--keys: got 'sparse', expected one of paged, gathered"),
 ])
 def test_fuzz_options_fail_before_any_gpu_work(args, message):
     result = runner.invoke(app, ["fuzz", *args])
@@ -330,6 +362,15 @@ def test_fuzz_random_variants_run_clean_on_e4m3_queries():
     assert report.count("fail") == 0, [o.message for o in report.failures]
     drawn = {o.variant for o in report.outcomes if o.status == "ok"}
     assert drawn and any("_f8_" in v for v in drawn), sorted(drawn)
+
+
+@pytest.mark.gpu
+def test_fuzz_runs_clean_on_gathered_keys():
+    """Gathered keys in every cache format through the dispatcher's pick and random variants."""
+    space = FuzzSpace(page_sizes=(1, 16, 64), kv_formats=KV_FORMATS, keys=("gathered",))
+    report = fuzz(range(16), [None], space, any_variant="sm_90")
+    assert report.count("fail") == 0, [o.message for o in report.failures]
+    assert report.count("ok", "dispatch") == 16
 
 
 @pytest.mark.gpu

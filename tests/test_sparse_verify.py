@@ -185,3 +185,32 @@ def test_custom_op_and_graph_replay_with_indices_changed_in_place():
     case.topk_length.copy_(torch.tensor([30, 100], dtype=torch.int32))
     graph.replay()
     _check(case, *captured)
+
+
+def test_varlen_gathered_keys_name_bad_shapes():
+    q = torch.zeros(5, 8, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    with pytest.raises(InputError, match=r"indices.shape: got \(5, 1, 64\), expected \[total_q=5, topk\]"):
+        mlagen.verify_attention_varlen(q, kv, None, None, cu, 3, indices=torch.zeros(5, 1, 64, dtype=torch.int32),
+                                       causal=False)
+    with pytest.raises(InputError, match=r"topk_length.shape: got \(5,\), expected \[B=3\]"):
+        mlagen.verify_attention_varlen(q, kv, None, None, cu, 3, indices=torch.zeros(5, 64, dtype=torch.int32),
+                                       topk_length=torch.zeros(5, dtype=torch.int32), causal=False)
+
+
+@pytest.mark.gpu
+def test_varlen_gathered_keys_run_each_token_over_its_request_length():
+    """Packed tokens (draft counts 2, 0, 3) with indices [total_q, topk] and topk_length per
+    request: every token's row against the reference of the same token with its request's
+    length; lse comes back [H, total_q]."""
+    per_token = [150, 150, 40, 40, 40]
+    case = make_sparse_case(batch=5, seqlen_q=1, heads=16, topk=150, pages=12, page_size=16, seed=41,
+                            lengths=per_token, kv_format="ds_mla")
+    cu = torch.tensor([0, 2, 2, 5], dtype=torch.int32, device="cuda")
+    out, lse = mlagen.verify_attention_varlen(
+        case.q[:, 0], case.kv_cache, None, None, cu, 3, indices=case.indices[:, 0],
+        topk_length=torch.tensor([150, 7, 40], dtype=torch.int32, device="cuda"), softmax_scale=case.scale,
+        causal=False, return_lse=True)
+    assert out.shape == (5, 16, 512) and lse.shape == (16, 5)
+    _check(case, out[:, None], lse.T[:, :, None])

@@ -143,45 +143,48 @@ def _check_counts(cu_seqlens_q: torch.Tensor, max_seqlen_q: int, total_q: int) -
 
 @overload
 def verify_attention_varlen(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None, cache_seqlens: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *,
     softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
     return_lse: Literal[False] = ..., variant: Variant | None = ..., head_dim_v: int = ...,
     check_values: bool | None = ..., max_seqlen_k: int | None = ..., attn_sink: torch.Tensor | None = ...,
     batch_invariant: bool | None = ...,
     kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
+    indices: torch.Tensor | None = ..., topk_length: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
 @overload
 def verify_attention_varlen(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None, cache_seqlens: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *,
     softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
     return_lse: Literal[True], variant: Variant | None = ..., head_dim_v: int = ...,
     check_values: bool | None = ..., max_seqlen_k: int | None = ..., attn_sink: torch.Tensor | None = ...,
     batch_invariant: bool | None = ...,
     kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
+    indices: torch.Tensor | None = ..., topk_length: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
 def verify_attention_varlen(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None, cache_seqlens: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *,
     softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
     return_lse: bool = ..., variant: Variant | None = ..., head_dim_v: int = ...,
     check_values: bool | None = ..., max_seqlen_k: int | None = ..., attn_sink: torch.Tensor | None = ...,
     batch_invariant: bool | None = ...,
     kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
+    indices: torch.Tensor | None = ..., topk_length: torch.Tensor | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def verify_attention_varlen(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor,
     max_seqlen_q: int,
     *,
@@ -197,6 +200,8 @@ def verify_attention_varlen(
     batch_invariant: bool | None = None,
     kv_scale: float | torch.Tensor | None = None,
     q_scale: float | torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA verify attention for a batch whose requests have different draft counts.
 
@@ -215,6 +220,12 @@ def verify_attention_varlen(
         tree_mask: packed bool [B, max_seqlen_q, max_seqlen_q], request b's s_b x s_b draft
             tree mask in the top-left corner (or [max_seqlen_q, max_seqlen_q] shared the same
             way); tree_mask[b, i, k]: query i of request b sees its draft token k.
+        indices: optional [total_q, topk] int32, gathered keys (sparse verify) as in
+            `verify_attention`, one row of slots per packed query token; block_table,
+            cache_seqlens and tree_mask are then None and causal False. Each token runs as a
+            request of its own (no padding).
+        topk_length: optional [B] int32 with indices: request b's tokens use their first
+            topk_length[b] slots; None: all topk.
 
     Returns:
         out [total_q, H, Dl] in q's dtype (with e4m3 queries, as `verify_attention` says) and,
@@ -223,6 +234,12 @@ def verify_attention_varlen(
         them.
     """
     check_varlen(q, cu_seqlens_q, max_seqlen_q, cache_seqlens, tree_mask)
+    if indices is not None:
+        return _gathered(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, indices, topk_length,
+                         return_lse, check_values, dict(
+                             softmax_scale=softmax_scale, causal=causal, tree_mask=tree_mask, variant=variant,
+                             head_dim_v=head_dim_v, max_seqlen_k=max_seqlen_k, attn_sink=attn_sink,
+                             batch_invariant=batch_invariant, kv_scale=kv_scale, q_scale=q_scale))
     total_q = q.shape[0]
     if inputs.values_requested(check_values):
         _check_counts(cu_seqlens_q, max_seqlen_q, total_q)
@@ -245,3 +262,31 @@ def verify_attention_varlen(
         return layout.unpad_out(result)  # type: ignore[arg-type]  # a tensor without return_lse
     out, lse = result
     return layout.unpad_out(out), layout.unpad_lse(lse)
+
+
+def _gathered(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
+              cache_seqlens: torch.Tensor | None, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+              indices: torch.Tensor, topk_length: torch.Tensor | None, return_lse: bool, check_values: bool | None,
+              kwargs: dict) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gathered keys of packed tokens: each token a request of one query (B = total_q, S = 1),
+    its slot count repeated from its request's on the device (no host read: `output_size`)."""
+    total_q = q.shape[0]
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.size(0) != total_q:
+        raise inputs.InputError(f"indices.shape: got {tuple(getattr(indices, 'shape', ()))}, expected "
+                                f"[total_q={total_q}, topk] (one row of slots per packed query token)")
+    batch = cu_seqlens_q.numel() - 1
+    if topk_length is not None and (not isinstance(topk_length, torch.Tensor) or topk_length.shape != (batch,)):
+        raise inputs.InputError(f"topk_length.shape: got {tuple(getattr(topk_length, 'shape', ()))}, expected "
+                                f"[B={batch}] (cu_seqlens_q has B+1 entries)")
+    if inputs.values_requested(check_values):
+        _check_counts(cu_seqlens_q, max_seqlen_q, total_q)
+    per_token = None
+    if topk_length is not None:
+        counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+        per_token = torch.repeat_interleave(topk_length, counts, output_size=total_q)
+    result = verify_attention(q[:, None], kv_cache, block_table, cache_seqlens, return_lse=return_lse,
+                              check_values=check_values, indices=indices[:, None], topk_length=per_token, **kwargs)
+    if not return_lse:
+        return result[:, 0]  # type: ignore[call-overload]  # a tensor without return_lse
+    out, lse = result
+    return out[:, 0], lse[:, :, 0].T

@@ -35,7 +35,7 @@ from mlagen.codegen.compiler import Resources
 from mlagen.dispatch.presets import DEFAULT_EMIT_ARCHS, DEFAULT_PRESET, PRESETS, Preset
 from mlagen.dsl.arch import ARCHS, CI_ARCHS
 from mlagen.dsl.errors import SpecError
-from mlagen.dsl.spec import DTYPES, KV_FORMATS, MASKS, Q_FORMATS, Variant, parse_variant
+from mlagen.dsl.spec import DTYPES, KEYS, KV_FORMATS, MASKS, Q_FORMATS, Variant, parse_variant
 from mlagen.plan.mma_plan import TRANSPOSED_STACK
 from mlagen.plan.validate import KernelPlan, validate
 from mlagen.tools.tables import text_table
@@ -731,7 +731,7 @@ def tune(
 # FuzzSpace's fields as fuzz's options, for its errors and the replay line.
 _FUZZ_OPTIONS = {"heads": "--heads", "max_batch": "--max-batch", "max_seqlen_q": "--max-seqlen-q",
                  "max_prefix": "--max-prefix", "page_sizes": "--page-size", "masks": "--mask", "dtypes": "--dtype",
-                 "kv_formats": "--kv", "q_formats": "--q"}
+                 "kv_formats": "--kv", "q_formats": "--q", "keys": "--keys"}
 MAX_SEED = 1 << 62
 DEFAULT_FUZZ_CASES = 200
 
@@ -767,12 +767,16 @@ def fuzz(
     q: list[str] | None = typer.Option(None, "--q", metavar="FORMAT",
                                        help="query formats to draw from (repeatable): dtype (bf16/fp16), e4m3 (with "
                                        "a q_scale); default dtype"),
+    keys: list[str] | None = typer.Option(None, "--keys", metavar="KEYS",
+                                          help="keys to draw (repeatable): paged (a request's prefix and drafts), "
+                                          "gathered (sparse verify: each token's listed rows); default paged"),
     format_: str = typer.Option("table", "--format", metavar="FORMAT", help=FORMAT_HELP),
 ) -> None:
     """Check the kernels on random shapes on this GPU against a float64 reference.
 
     Shapes vary batches (ragged, some requests empty), draft lengths, head counts, page sizes,
-    masks, dtypes, KV cache and query formats (with --kv and --q) and lse; each runs into an
+    masks, dtypes, KV cache and query formats (with --kv and --q), paged or gathered keys (with
+    --keys) and lse; each runs into an
     output filled with garbage first. Exits with 1 if a check failed, and prints the command that
     replays each failure.
     """
@@ -793,8 +797,11 @@ def fuzz(
         _choice("--kv", f, KV_FORMATS)
     for f in q or []:
         _choice("--q", f, Q_FORMATS)
+    for k in keys or []:
+        _choice("--keys", k, KEYS)
     given = {"heads": heads, "max_batch": max_batch, "max_seqlen_q": max_seqlen_q, "max_prefix": max_prefix,
-             "page_sizes": page_size, "masks": mask, "dtypes": dtype, "kv_formats": kv, "q_formats": q}
+             "page_sizes": page_size, "masks": mask, "dtypes": dtype, "kv_formats": kv, "q_formats": q,
+             "keys": keys}
     defaults = FuzzSpace()
     changed = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}
     changed = {k: v for k, v in changed.items() if v != getattr(defaults, k)}

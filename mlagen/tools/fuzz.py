@@ -31,13 +31,22 @@ import torch
 from ..dispatch.policy import DispatchPolicy
 from ..dsl.arch import specializations
 from ..dsl.errors import SpecError
-from ..dsl.spec import DTYPES, KV_FORMATS, LOADS, MASKS, MAX_SEQLEN_Q, Q_FORMATS, Problem, Variant, naive
+from ..dsl.spec import DTYPES, KEYS, KV_FORMATS, LOADS, MASKS, MAX_SEQLEN_Q, Q_FORMATS, Problem, Variant, naive
 from ..plan.families import FAMILIES
 from ..plan.mma_plan import WGMMA_TILE
 from ..plan.schedules import SCHEDULES, TileSchedule
 from ..plan.tiles import enumerate_tiles, head_tiles
 from ..plan.validate import MAX_CLUSTER, is_valid, validate
-from .testing import Case, Tolerance, make_case, mismatch, poison_allocator, poisoned_out
+from .testing import (
+    AnyCase,
+    SparseCase,
+    Tolerance,
+    make_case,
+    make_sparse_case,
+    mismatch,
+    poison_allocator,
+    poisoned_out,
+)
 from .workload import TORCH_DTYPES
 
 # Prefix ceilings a shape draws its requests' prefixes under: empty caches, a tile, a few
@@ -60,6 +69,7 @@ class FuzzSpace:
     max_work: float = 3e9
     kv_formats: tuple[str, ...] = ("dtype",)     # caches to draw: "dtype" (q's), "e4m3", "ds_mla"
     q_formats: tuple[str, ...] = ("dtype",)      # queries to draw: "dtype" (bf16/fp16), "e4m3"
+    keys: tuple[str, ...] = ("paged",)           # keys to draw: "paged", "gathered" (sparse verify)
 
     def __post_init__(self) -> None:
         checks = [
@@ -78,15 +88,21 @@ class FuzzSpace:
              f"some of {', '.join(KV_FORMATS)}"),
             ("q_formats", self.q_formats, bool(self.q_formats) and set(self.q_formats) <= set(Q_FORMATS),
              f"some of {', '.join(Q_FORMATS)}"),
+            ("keys", self.keys, bool(self.keys) and set(self.keys) <= set(KEYS), f"some of {', '.join(KEYS)}"),
         ]
         for name, got, ok, expected in checks:
             if not ok:
                 raise ValueError(f"{name}: got {got!r}, expected {expected}")
 
 
+# Slot counts a gathered shape draws its topk from: one key, a few, a tile and some, DeepSeek-V3.2's.
+_TOPKS = (1, 7, 64, 200, 2048)
+
+
 @dataclass(frozen=True)
 class Shape:
-    """One drawn case: request b holds prefixes[b] + seqlen_q keys, or none where empty[b]."""
+    """One drawn case: request b holds prefixes[b] + seqlen_q keys, or none where empty[b]; with
+    gathered keys, each of its tokens lists topk rows of which it uses topk_lengths[b]."""
 
     seed: int
     batch: int
@@ -103,11 +119,16 @@ class Shape:
     table_pages: int = 0                # block table width, when wider than the lengths need
     kv_format: str = "dtype"            # Problem.kv_format: the cache q's dtype, or FP8
     q_format: str = "dtype"             # Problem.q_format: q in `dtype`, or e4m3
+    keys: str = "paged"                 # Problem.keys: "paged", or "gathered" (mask "none")
+    topk: int = 0                       # gathered keys: slots a token lists
+    topk_lengths: tuple[int, ...] = ()  # gathered keys: the slots request b's tokens use
 
     @property
     def kv_capacity(self) -> int:
         """Keys the case's block table addresses (`make_case`: a spare page column past the
-        longest request, or table_pages wide)."""
+        longest request, or table_pages wide); with gathered keys, the slots a token lists."""
+        if self.keys == "gathered":
+            return self.topk
         longest = max((0 if e else p + self.seqlen_q) for p, e in zip(self.prefixes, self.empty, strict=True))
         return max(1, -(-longest // self.page_size) + 1, self.table_pages) * self.page_size
 
@@ -116,10 +137,16 @@ class Shape:
         """The kernel problem of the shape (Dl=512, Dr=64; its output dtype by
         `Problem.with_formats`)."""
         return Problem(heads=self.heads, dtype=self.dtype, page_size=self.page_size, mask=self.mask,
-                       lse=self.lse).with_formats(self.kv_format, self.q_format)
+                       lse=self.lse, keys=self.keys).with_formats(self.kv_format, self.q_format)
 
-    def case(self, device: str = "cuda") -> Case:
-        """The shape's inputs (`mlagen.tools.testing.make_case`, NaN wherever nothing may be read)."""
+    def case(self, device: str = "cuda") -> AnyCase:
+        """The shape's inputs (`mlagen.tools.testing.make_case`, or `make_sparse_case` for
+        gathered keys; NaN wherever nothing may be read)."""
+        if self.keys == "gathered":
+            return make_sparse_case(batch=self.batch, seqlen_q=self.seqlen_q, heads=self.heads, topk=self.topk,
+                                    pages=max(2, -(-self.topk // self.page_size)), page_size=self.page_size,
+                                    seed=self.seed, lengths=list(self.topk_lengths), dtype=TORCH_DTYPES[self.dtype],
+                                    device=device, kv_format=self.kv_format, q_format=self.q_format)
         return make_case(batch=self.batch, seqlen_q=self.seqlen_q, heads=self.heads, prefixes=list(self.prefixes),
                          page_size=self.page_size, mask=self.mask, seed=self.seed, dtype=TORCH_DTYPES[self.dtype],
                          device=device, empty=list(self.empty), per_request_tree=self.per_request_tree,
@@ -132,6 +159,10 @@ class Shape:
         bound += f" table={self.table_pages} pages" if self.table_pages else ""
         kv = f" kv {self.kv_format}" if self.kv_format != "dtype" else ""
         kv += f" q {self.q_format}" if self.q_format != "dtype" else ""
+        if self.keys == "gathered":
+            return (f"B={self.batch} S={self.seqlen_q} H={self.heads} gathered topk={self.topk} "
+                    f"lengths=[{','.join(map(str, self.topk_lengths))}] page={self.page_size} {self.dtype}{kv}"
+                    f"{' lse' if self.lse else ''}")
         return (f"B={self.batch} S={self.seqlen_q} H={self.heads} prefixes=[{','.join(lengths)}] "
                 f"page={self.page_size}{tree} {self.mask} {self.dtype}{kv}{' lse' if self.lse else ''}{bound}")
 
@@ -176,7 +207,15 @@ def draw(seed: int, space: FuzzSpace = FuzzSpace()) -> Shape:
     # shape in the 16-bit space stays what it was.
     kv_format = rng.choice(space.kv_formats) if len(space.kv_formats) > 1 else space.kv_formats[0]
     q_format = rng.choice(space.q_formats) if len(space.q_formats) > 1 else space.q_formats[0]
-    return dataclasses.replace(shape, kv_format=kv_format, q_format=q_format)
+    shape = dataclasses.replace(shape, kv_format=kv_format, q_format=q_format)
+    keys = rng.choice(space.keys) if len(space.keys) > 1 else space.keys[0]
+    if keys == "paged":
+        return shape
+    # Gathered keys: no mask; topk within the work bound; each request's length, 0 where empty.
+    topk = rng.choice([t for t in _TOPKS if batch * seqlen_q * heads * t <= space.max_work] or [1])
+    lengths = tuple(0 if e else rng.choice([topk, rng.randint(0, topk)]) for e in empty)
+    return dataclasses.replace(shape, keys=keys, mask="none", per_request_tree=False, max_seqlen_k=None,
+                               table_pages=0, topk=topk, topk_lengths=lengths)
 
 
 def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
@@ -194,6 +233,8 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
         family = next(f for f in FAMILIES.values() if f.fp8_q)                 # a family that reads e4m3 queries
     elif shape.problem.fp8_kv and not family.fp8_kv:
         family = next(f for f in FAMILIES.values() if f.tiled and f.fp8_kv)    # a tiled one that reads FP8 caches
+    if shape.problem.gathered and not family.gathers:
+        family = next(f for f in FAMILIES.values() if f.tiled and f.gathers)   # a tiled one that reads gathered keys
     for _ in range(tries):
         target = rng.choice(archs)
         if not family.tiled:
@@ -210,8 +251,10 @@ def draw_variant(shape: Shape, arch: str, tries: int = 500) -> Variant | None:
 
 
 def _schedules(shape: Shape, family: str, target: str) -> list[TileSchedule]:
-    """The schedules of `family` on `target` that read the shape's cache and query formats."""
-    return [s for s in SCHEDULES.values() if s.serves(shape.problem, Variant(family=family, arch=target))]
+    """The schedules of `family` on `target` that read the shape's cache and query formats, and
+    its gathered keys (`TileSchedule.gathered_loads`)."""
+    return [s for s in SCHEDULES.values() if s.serves(shape.problem, Variant(family=family, arch=target))
+            and (s.gathered_loads or not shape.problem.gathered)]
 
 
 def _draw_tiled(shape: Shape, family: str, knobs: bool, target: str, rng: random.Random) -> Variant:
@@ -226,7 +269,10 @@ def _draw_tiled(shape: Shape, family: str, knobs: bool, target: str, rng: random
     else:
         head_tile, q_tile = rng.choice(head_tiles(shape.heads)), rng.randint(1, 16)
         block_n, warps, stages = rng.choice([32, 64, 128]), rng.choice([2, 4, 8, 16]), rng.randint(1, 3)
-    kv_split = rng.choice(["adaptive", "balanced", 1, 2, 4, 5])
+    if shape.problem.gathered:       # a row group of one token; the slots split as keys (no work list)
+        q_tile = 1
+        head_tile = rng.choice([h for h in head_tiles(shape.heads) if not rows or h in rows] or [head_tile])
+    kv_split = rng.choice(["adaptive", 1, 2, 4, 5] if shape.problem.gathered else ["adaptive", "balanced", 1, 2, 4, 5])
     v = Variant(family=family, head_tile=head_tile, q_tile=q_tile, block_n=block_n, warps=warps, stages=stages,
                 kv_split=kv_split, arch=target)
     if knobs:
@@ -240,18 +286,21 @@ def _draw_tiled(shape: Shape, family: str, knobs: bool, target: str, rng: random
 
 
 # A kernel under test: (case, shape, variant or None for the dispatcher's pick) -> (out, lse or None).
-Kernel = Callable[[Case, Shape, Variant | None], tuple[torch.Tensor, torch.Tensor | None]]
+Kernel = Callable[[AnyCase, Shape, Variant | None], tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def launch(case: Case, shape: Shape, variant: Variant | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def launch(case: AnyCase, shape: Shape, variant: Variant | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`mlagen.verify_attention` on the case, with a NaN `out=` and NaN left in torch's allocator
     for its workspace, synchronized."""
     from ..runtime.op import verify_attention
 
     poison_allocator(64 << 20, str(case.q.device))
     out = poisoned_out(case)
-    res = verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, variant=variant,
-                           return_lse=shape.lse, out=out, max_seqlen_k=shape.max_seqlen_k, **case.kwargs())
+    if isinstance(case, SparseCase):
+        res = verify_attention(case.q, case.kv_cache, variant=variant, return_lse=shape.lse, out=out, **case.kwargs())
+    else:
+        res = verify_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, variant=variant,
+                               return_lse=shape.lse, out=out, max_seqlen_k=shape.max_seqlen_k, **case.kwargs())
     torch.cuda.synchronize()
     return res if shape.lse else (res, None)
 
@@ -287,7 +336,7 @@ def _skipped(shape: Shape, variant: Variant | None) -> Outcome | None:
     return None
 
 
-def _run(shape: Shape, variant: Variant | None, kernel: Kernel, case: Case, expected: Expected,
+def _run(shape: Shape, variant: Variant | None, kernel: Kernel, case: AnyCase, expected: Expected,
          tol: Tolerance | None) -> Outcome:
     """The kernel on the case, its output compared with `expected`."""
     name = variant.name if variant is not None else "dispatch"
@@ -300,7 +349,7 @@ def _run(shape: Shape, variant: Variant | None, kernel: Kernel, case: Case, expe
 
 
 def check(shape: Shape, variant: Variant | None, *, device: str = "cuda", kernel: Kernel | None = None,
-          tol: Tolerance | None = None, case: Case | None = None, expected: Expected | None = None) -> Outcome:
+          tol: Tolerance | None = None, case: AnyCase | None = None, expected: Expected | None = None) -> Outcome:
     """Run one shape through `variant` (None: the dispatcher's pick) and compare every row with
     the fp64 reference. kernel: what runs it (None: `launch`, the op itself); tol: None for the
     dtypes' (`mlagen.tools.testing.tolerance`); case, expected: the shape's case and its fp64 reference
@@ -360,7 +409,7 @@ class _Inputs:
 
     def __init__(self, shape: Shape, device: str) -> None:
         self.shape, self.device = shape, device
-        self.case: Case | None = None
+        self.case: AnyCase | None = None
         self.expected: Expected | None = None
 
     def check(self, variant: Variant | None, kernel: Kernel | None) -> Outcome:

@@ -226,6 +226,10 @@ def make_sparse_case(*, batch: int, seqlen_q: int, heads: int, topk: int, pages:
                       scale=scale, dl=dl, kv_scale=kv_scale, q_scale=q_scale)
 
 
+# A case of either kind: paged keys (`make_case`) or gathered keys (`make_sparse_case`).
+AnyCase = Case | SparseCase
+
+
 def reference_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                  *, return_lse: bool = False, variant: object = None, check_values: object = None,
                  max_seqlen_k: object = None, batch_invariant: object = None, attn_sink: None = None,
@@ -243,7 +247,7 @@ def reference_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     return (out, lse.float()) if return_lse else out
 
 
-def poisoned_out(case: Case) -> torch.Tensor:
+def poisoned_out(case: AnyCase) -> torch.Tensor:
     """An `out=` tensor for the case, [B, S, H, Dl] in the op's output dtype (q's; with e4m3
     queries the cache's 16-bit dtype or bf16), all NaN: any element a kernel does not write
     stays NaN."""
@@ -436,7 +440,7 @@ def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float(rel.max()) if rel.numel() else 0.0
 
 
-def mismatch(out: torch.Tensor, lse: torch.Tensor | None, case: Case, tol: Tolerance | None = None,
+def mismatch(out: torch.Tensor, lse: torch.Tensor | None, case: AnyCase, tol: Tolerance | None = None,
              expected: tuple[torch.Tensor, torch.Tensor] | None = None) -> str | None:
     """What is wrong with out [B, S, H, Dl] (and lse [B, H, S] fp32, if not None) against the fp64
     reference, or None: `compare_rows` on every row (b, i, h). tol: None for `tolerance` of out's
