@@ -15,7 +15,7 @@ import torch
 
 import mlagen
 from mlagen.codegen.build import build
-from mlagen.dispatch.policy import choose_variant
+from mlagen.dispatch.policy import H200, batch_invariant_variant, choose_variant
 from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import Problem, naive, parse_variant
 from mlagen.plan.validate import validate
@@ -60,6 +60,13 @@ def test_the_dispatcher_runs_gathered_keys_on_a_one_token_tile(arch):
         v = choose_variant(problem, 2, 8, 2048, arch, "")
         assert v.family == "mma" and v.q_tile == 1 and v.kv_split == "adaptive" and v.schedule == "lockstep"
         assert validate(problem, v)
+
+
+@pytest.mark.parametrize("heads,seqlen_q", [(128, 2), (16, 4), (64, 9)])
+def test_batch_invariant_mode_runs_gathered_keys_on_the_naive_kernel(heads, seqlen_q):
+    """Batch-invariant mode takes the kernel without a split for gathered keys, in every format."""
+    for problem in (GATHERED.with_(heads=heads), GATHERED.with_(heads=heads, kv_format="ds_mla")):
+        assert batch_invariant_variant(problem, seqlen_q, "sm_90", H200) == naive("sm_90")
 
 
 @pytest.mark.parametrize("kv_format", ["dtype", "e4m3", "ds_mla"])
@@ -214,3 +221,18 @@ def test_varlen_gathered_keys_run_each_token_over_its_request_length():
         causal=False, return_lse=True)
     assert out.shape == (5, 16, 512) and lse.shape == (16, 5)
     _check(case, out[:, None], lse.T[:, :, None])
+
+
+@pytest.mark.gpu
+def test_batch_invariant_gathered_keys_give_a_requests_bits_alone_or_in_a_batch():
+    """In batch-invariant mode a request's out and lse bits are the same run alone and inside a
+    batch of others."""
+    case = make_sparse_case(batch=4, seqlen_q=2, heads=128, topk=1024, pages=40, page_size=64, seed=51,
+                            lengths=[1024, 300, 0, 700], kv_format="ds_mla")
+    batch = _run(case, batch_invariant=True)
+    for b in range(4):
+        alone = SparseCase(**{**case.__dict__, "q": case.q[b:b + 1], "indices": case.indices[b:b + 1],
+                              "topk_length": case.topk_length[b:b + 1]})
+        out, lse = _run(alone, batch_invariant=True)
+        assert torch.equal(out, batch[0][b:b + 1]) and torch.equal(lse, batch[1][b:b + 1]), b
+    _check(case, *batch)

@@ -360,8 +360,8 @@ INVARIANT_SPLIT_KEYS_LOG2 = 11      # 2048 keys; the kernels' split_keys_log2 pa
 
 def fp8_variant(arch: str) -> Variant:
     """The naive family's variant on `arch`, which dequantizes each row as it reads it: the pick for
-    e4m3 queries, for FP8 caches where no mma tile fits (`fp8_tile`), and for both in
-    batch-invariant mode (it has no split, so it is batch-invariant as it is)."""
+    e4m3 queries, for FP8 caches where no mma tile fits (`fp8_tile`), and for both and gathered
+    keys in batch-invariant mode (it has no split, so it is batch-invariant as it is)."""
     return naive(arch)
 
 
@@ -391,8 +391,9 @@ def batch_invariant_variant(problem: Problem, seqlen_q: int, arch: str, policy: 
     The tile is the heuristic's (`heuristic_variant`), or the transposed tile where a request's
     rows fit one (`transposed_tile`); an sm_90a 64-row tile runs on the seesaw schedule with TMA
     loads where it fits. No balanced or adaptive split (their ranges follow the batch), no
-    cluster or P exchange (their cluster sizes follow the table)."""
-    if problem.fp8:
+    cluster or P exchange (their cluster sizes follow the table). FP8 inputs and gathered keys
+    run on the naive kernel, which has no split."""
+    if problem.fp8 or problem.gathered:
         return fp8_variant(arch)
     v = transposed_tile(problem, seqlen_q, arch, policy) or heuristic_variant(problem, seqlen_q, arch, policy)
     seesaw = SEESAW.twin(v) if SEESAW.takes(v) else None

@@ -318,6 +318,8 @@ def check_sparse_values(shapes: Shapes, indices: torch.Tensor, topk_length: torc
     """Device reads of gathered keys: every row id -1 or a row of the cache, every topk_length
     within 0..topk. (Unchecked, a row id outside the cache is dropped by the kernels, never read.)"""
     _refuse_capture()
+    if indices.numel() == 0:
+        return
     rows = shapes.num_pages * shapes.page_size
     low, high = int(indices.min()), int(indices.max())
     if low < -1 or high >= rows:
