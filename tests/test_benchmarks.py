@@ -33,6 +33,7 @@ import ragged  # noqa: E402
 import ragged_drafts  # noqa: E402
 import sanitize  # noqa: E402
 import sass_histogram  # noqa: E402
+import sparse_rows  # noqa: E402
 import trace_blocks  # noqa: E402
 import trace_exchange  # noqa: E402
 import trace_seesaw  # noqa: E402
@@ -67,6 +68,7 @@ GPU_RUNS = {
     "host_cost.py": ["--calls", "200"],
     "ragged.py": ["8", "4", "9", "256", "2048"],
     "ragged_drafts.py": ["8", "4", "9", "256"],
+    "sparse_rows.py": ["--heads", "16", "--seqlen-q", "2", "--batch", "2", "--topk", "64", "--cache-keys", "1024"],
     "wide_table.py": ["8", "1", "9", "256", "16384"],
     "profile_row.py": ["8", "1", "9", "1024"],
     "trace_blocks.py": ["64", "2", "9", "2048", "mma_ht32_qt2_bn64_w8_st2_spa_p16_tma_sm90a"],
@@ -77,8 +79,8 @@ GPU_RUNS = {
     "cold_code.py": ["1", "main=.", "8,1,9,1024=main/dispatch"],
 }
 HELP = ["ab_constant", "ab_trees", "cold_code", "flashmla_sparse_tests", "host_cost", "hot_loop", "profile_row",
-        "ragged", "ragged_drafts", "sanitize", "sass_histogram", "trace_blocks", "trace_exchange", "trace_seesaw",
-        "wide_table"]
+        "ragged", "ragged_drafts", "sanitize", "sass_histogram", "sparse_rows", "trace_blocks", "trace_exchange",
+        "trace_seesaw", "wide_table"]
 
 
 def _script(name: str, *args: str, env: dict[str, str] | None = None,
@@ -731,12 +733,43 @@ def test_gpu_script_runs(name, tmp_path):
         "ab_trees.py": "copy/dispatch",
         "ab_constant.py": "MERGE_TARGET_BLOCKS 144",
         "cold_code.py": "flush kernel alone",
+        "sparse_rows.py": "TFLOP/s",
     }[name]
     assert expect in out, out[-3000:]
     if name in ("ab_trees.py", "ab_constant.py", "cold_code.py"):
         assert out.count("best") >= 2
     if name == "ab_trees.py":                                          # the FP8 row too
         assert "8,1,9,1024:e4m3" in out and out.count("best") == 4
+
+
+# ---- sparse_rows.py
+
+def test_sparse_rows_arguments_and_flops():
+    args = sparse_rows.parse_args([])
+    assert (args.heads, args.seqlen_q, args.batch, args.topk, args.cache_keys) == ([64, 128], [1, 2, 4],
+                                                                                   [1, 8, 32, 128], 2048, 65536)
+    assert len(sparse_rows.rows(args)) == 24
+    row = sparse_rows.SparseRow(128, 128, 2, 2048)
+    assert row.flops == 2 * 128 * 2 * 128 * 2048 * (576 + 512) and row.gathered_bytes == 128 * 2 * 2048 * 656
+    for argv in (["--topk", "70000"], ["--batch", "0"], ["--variant", "bogus"]):
+        with pytest.raises(SystemExit):
+            sparse_rows.parse_args(argv)
+
+
+def test_sparse_rows_inputs_list_distinct_rows_of_each_request():
+    """Each token lists topk distinct rows of its own request's region; the sets share the cache."""
+    row = sparse_rows.SparseRow(4, 3, 2, 40)
+    sets = sparse_rows.sparse_inputs(row, 128, 2, "cpu")
+    assert sets[0].kv_cache is sets[1].kv_cache and sets[0].kv_cache.shape == (3 * 2, 64, 656)
+    for s in sets:
+        assert s.indices.shape == (3, 2, 40) and s.indices.dtype == torch.int32
+        assert s.q.shape == (3, 2, 4, 576) and s.out.shape == (3, 2, 4, 512)
+        for b in range(3):
+            assert ((s.indices[b] // 128) == b).all()
+            assert all(len(set(t.tolist())) == 40 for t in s.indices[b])
+    assert not torch.equal(sets[0].indices, sets[1].indices)
+    call, reason = sparse_rows.flash_mla_call(0.1)
+    assert call is None and reason.startswith("FlashMLA: not importable")
 
 
 EXERCISED = {   # every file under benchmarks/ but results/ (and the bench's default output, latest/)
@@ -769,6 +802,8 @@ EXERCISED = {   # every file under benchmarks/ but results/ (and the bench's def
     "hot_loop.py": [test_hot_loop_reports_the_tile_loop],
     # and tests/test_flashmla_sparse_script.py: its shim, groups, skips and counts
     "flashmla_sparse_tests.py": [test_help_prints_the_usage],
+    "sparse_rows.py": [test_sparse_rows_arguments_and_flops, test_sparse_rows_inputs_list_distinct_rows_of_each_request,
+                       test_gpu_script_runs],
 }
 
 
