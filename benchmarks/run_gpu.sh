@@ -19,7 +19,7 @@
 #              cases (--cases 3-8)
 #   racecheck3 the same on the engine features (--only feature+,     under 2 min         420 s
 #              --skip _tr_): batch-invariant splits, FP8, context-parallel
-#              shards, ragged rows
+#              shards, ragged rows, gathered keys
 #   racecheck  racecheck1 racecheck2 racecheck3
 #   sanitize   memcheck synccheck racecheck1 racecheck2 racecheck3
 #   tune       mlagen tune, seed and serving grids, into the shipped   under 5 min         420 s

@@ -17,8 +17,9 @@ the two ranks of a context-parallel pair (their per-request shard masks), merged
 family's FP8 tiles (`fp8_tile`: a balanced split with 16-bit partials on sm_90a, a fixed split on
 mma.sync elsewhere) and, on sm_90a, that tile on the warp-specialized fp8_ws schedule and, with
 e4m3 queries, on the fp8_mma schedule (their producer warpgroup's hand-offs are mbarriers, which
-racecheck follows). Attention sinks and the merge are torch ops: nothing there for the
-sanitizer. Prints one line per (case, variant) and a count at the end.
+racecheck follows); and gathered keys (sparse verify) on the dispatcher's one-token tile and on
+the naive kernel, over pages of 64 and of 61 keys. Attention sinks and the merge are torch ops:
+nothing there for the sanitizer. Prints one line per (case, variant) and a count at the end.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from bench_cli import parser, require_gpu
 import mlagen
 from mlagen.dsl.spec import Problem, Variant, naive, parse_variant
 from mlagen.plan.schedules import FP8_MMA, FP8_WS
-from mlagen.tools.testing import Case, assert_matches, make_case, pinned_balanced_ranges
+from mlagen.tools.testing import AnyCase, assert_matches, make_case, make_sparse_case, pinned_balanced_ranges
 
 CASES = [
     dict(batch=3, seqlen_q=5, heads=16, prefixes=[300, 0, 1000], page_size=16, mask="tree", empty=[False, True, False]),
@@ -61,6 +62,10 @@ RAGGED_COUNTS = [9, 0, 4, 1, 9, 6, 2, 9, 5, 3, 7, 8]
 # so that racecheck skips it and synccheck takes it, as for the tile's other cases).
 RAGGED_VARIANTS = {"ragged_rows": "mma_ht16_qt4_bn64_w8_st2_spb_p16_tma_ss_rg_sm90a",
                    "ragged_rows_tr_": "mma_ht16_qt2_bn64_w8_st2_spb_p16_tr_rg_sm90a"}
+# Gathered keys (sparse verify): 128 heads (two row groups a token) over 64-key pages, a request
+# without slots, a quarter of the slots unused; and 16 heads over 61-key pages (no power of two).
+GATHERED = dict(batch=3, seqlen_q=2, heads=128, topk=300, pages=12, page_size=64, lengths=[300, 0, 129])
+GATHERED_ODD_PAGES = dict(batch=2, seqlen_q=3, heads=16, topk=200, pages=9, page_size=61, lengths=[77, 200])
 # (feature, case, make_case's extra arguments): each runs on the dispatcher's pick (ragged rows:
 # on RAGGED_VARIANTS).
 FEATURES = [("invariant", INVARIANT, {}), ("invariant", CASES[0], {}),
@@ -71,7 +76,11 @@ FEATURES = [("invariant", INVARIANT, {}), ("invariant", CASES[0], {}),
             ("fp8_ws", CROSSING, {"kv_format": "e4m3"}), ("fp8_ws", CASES[1], {"kv_format": "e4m3"}),
             ("fp8_mma", CROSSING, {"kv_format": "e4m3", "q_format": "e4m3"}),
             ("fp8_mma", CASES[1], {"kv_format": "e4m3", "q_format": "e4m3"}),
-            ("ragged_rows", RAGGED, {}), ("ragged_rows_tr_", RAGGED, {})]
+            ("ragged_rows", RAGGED, {}), ("ragged_rows_tr_", RAGGED, {}),
+            ("gathered", GATHERED, {"kv_format": "ds_mla"}), ("gathered", GATHERED_ODD_PAGES, {}),
+            ("gathered_naive", GATHERED_ODD_PAGES, {"kv_format": "e4m3"})]
+# The gathered features' cases are make_sparse_case's (each token over its own listed rows).
+GATHERED_FEATURES = ("gathered", "gathered_naive")
 
 # The features that run the FP8 tile on an sm_90a schedule, and that schedule.
 SM90A_FEATURES = {"fp8_ws": FP8_WS, "fp8_mma": FP8_MMA}
@@ -182,9 +191,13 @@ def fp8_tile(kv_format: str, arch: str) -> Variant:
     return Variant(family="mma", head_tile=8, q_tile=4, block_n=32, warps=4, stages=1, kv_split=2, arch=arch)
 
 
-def run_feature(feature: str, case: Case, arch: str) -> tuple[torch.Tensor, torch.Tensor]:
+def run_feature(feature: str, case: AnyCase, arch: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of `case` with `feature` on, on a GPU of compile target `arch`: through the
-    dispatcher, or for `fp8_tile` through the FP8 tile (`fp8_ws` and `fp8_mma`: on that schedule)."""
+    dispatcher, or for `fp8_tile` through the FP8 tile (`fp8_ws` and `fp8_mma`: on that schedule),
+    for `gathered_naive` through the naive kernel."""
+    if feature in GATHERED_FEATURES:
+        variant = naive(arch) if feature == "gathered_naive" else None
+        return mlagen.verify_attention(case.q, case.kv_cache, variant=variant, return_lse=True, **case.kwargs())
     args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens)
     if feature == "fp8_tile":
         fmt = mlagen.kv_format_of(case.kv_cache, case.kv_scale).name
@@ -242,7 +255,7 @@ def main(only: str | None, skip: str | None, arch: str, listing: bool, cases: se
         if feature in SM90A_FEATURES and arch != "sm_90":
             continue
         if not listing:
-            case = make_case(seed=i, **shape, **extra)
+            case = (make_sparse_case if feature in GATHERED_FEATURES else make_case)(seed=i, **shape, **extra)
             out, lse = run_feature(feature, case, arch)
             torch.cuda.synchronize()
             assert_matches(out, lse, case)

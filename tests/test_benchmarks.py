@@ -52,7 +52,7 @@ from mlagen.runtime import context_parallel, launch, op  # noqa: E402
 from mlagen.runtime.inputs import key_bound  # noqa: E402
 from mlagen.tools import sass  # noqa: E402
 from mlagen.tools.grids import Row  # noqa: E402
-from mlagen.tools.testing import assert_matches, make_case, reference_op  # noqa: E402
+from mlagen.tools.testing import assert_matches, make_case, make_sparse_case, reference_op  # noqa: E402
 from mlagen.tools.workload import InputSet, Workload, problem_for  # noqa: E402
 
 H200 = ("sm_90", "NVIDIA H200", policy.H200)     # arch, name, dispatch policy
@@ -184,7 +184,7 @@ def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
         assert f"case {i} feature+{feature}: listed" in out
     assert {f for f, _, _ in sanitize.FEATURES} == {"invariant", "fp8_e4m3", "fp8_ds_mla", "q_e4m3", "cp_shards",
                                                     "fp8_tile", "fp8_ws", "fp8_mma", "ragged_rows",
-                                                    "ragged_rows_tr_"}
+                                                    "ragged_rows_tr_", "gathered", "gathered_naive"}
     assert "_tr_" in "feature+ragged_rows_tr_" and "_tr_" in sanitize.RAGGED_VARIANTS["ragged_rows_tr_"]
     assert "_ss_rg_" in sanitize.RAGGED_VARIANTS["ragged_rows"]
     counts = sanitize.RAGGED_COUNTS
@@ -210,14 +210,15 @@ def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
     assert sorted({min(-(-n // (1 << INVARIANT_SPLIT_KEYS_LOG2)), 8) for n in lengths}) == [1, 2, 3, 8]
 
 
-@pytest.mark.parametrize("feature", ["q_e4m3", "cp_shards", "fp8_tile", "ragged_rows"])
+@pytest.mark.parametrize("feature", ["q_e4m3", "cp_shards", "fp8_tile", "ragged_rows", "gathered", "gathered_naive"])
 def test_sanitize_feature_calls_match_the_reference(feature, monkeypatch):
     """On the CPU, the fp64 reference standing in for the kernels: each feature's call gives the
     case's own result."""
     monkeypatch.setattr(context_parallel, "verify_attention", reference_op)
     monkeypatch.setattr(mlagen, "verify_attention", reference_op)
     shape = next(dict(s, **extra) for f, s, extra in sanitize.FEATURES if f == feature)
-    case = make_case(seed=1, device="cpu", **shape)
+    maker = make_sparse_case if feature in sanitize.GATHERED_FEATURES else make_case
+    case = maker(seed=1, device="cpu", **shape)
     out, lse = sanitize.run_feature(feature, case, "sm_90")
     assert_matches(out, lse, case)
 

@@ -230,19 +230,26 @@ def make_sparse_case(*, batch: int, seqlen_q: int, heads: int, topk: int, pages:
 AnyCase = Case | SparseCase
 
 
-def reference_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
-                 *, return_lse: bool = False, variant: object = None, check_values: object = None,
-                 max_seqlen_k: object = None, batch_invariant: object = None, attn_sink: None = None,
-                 q_counts: object = None, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def reference_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None = None,
+                 cache_seqlens: torch.Tensor | None = None, *, return_lse: bool = False, variant: object = None,
+                 check_values: object = None, max_seqlen_k: object = None, batch_invariant: object = None,
+                 attn_sink: None = None, q_counts: object = None, indices: torch.Tensor | None = None,
+                 topk_length: torch.Tensor | None = None, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`verify_attention` with the fp64 reference as its kernel, for tests that stand it in for
     the op on the CPU (monkeypatched where a caller imports the op): out in the op's output
-    dtype, lse fp32. The arguments that choose or check a kernel (variant, check_values,
-    max_seqlen_k, batch_invariant) change nothing here, nor does q_counts (the reference computes
-    the padded rows too, whose outputs the op leaves unspecified); sinks are the op's, not
-    modelled."""
+    dtype, lse fp32; with indices, the sparse reference (causal False). The arguments that choose
+    or check a kernel (variant, check_values, max_seqlen_k, batch_invariant) change nothing here,
+    nor does q_counts (the reference computes the padded rows too, whose outputs the op leaves
+    unspecified); sinks are the op's, not modelled."""
     if attn_sink is not None:
         raise ValueError("reference_op: attn_sink is not modelled; expected None")
-    out, lse = reference(q, kv_cache, block_table, cache_seqlens, dtype=torch.float64, **kwargs)
+    if indices is not None:
+        if kwargs.pop("causal", False):
+            raise ValueError("reference_op: causal=True with indices; expected False")
+        out, lse = sparse_reference(q, kv_cache, indices, topk_length, dtype=torch.float64, **kwargs)
+    else:
+        assert block_table is not None and cache_seqlens is not None, "paged keys need block_table and cache_seqlens"
+        out, lse = reference(q, kv_cache, block_table, cache_seqlens, dtype=torch.float64, **kwargs)
     out = out.to(output_dtype(q.dtype, kv_cache.dtype))
     return (out, lse.float()) if return_lse else out
 
