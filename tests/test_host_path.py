@@ -22,7 +22,7 @@ from mlagen.runtime.inputs import InputError
 B, S, H, D, DL, PAGES, PAGE = 2, 3, 4, 576, 512, 5, 16
 MAIN = (0x7F00, 8, 2, B + 4, 256, 1, 1, 100_000)    # function, grid (2 splits, merge slabs), block, smem
 GROUPS = 8 * B                                        # row groups: grid x * B
-_FORMAT = struct.Struct("<16Q14q7iffi")
+_FORMAT = struct.Struct("<16Q13q7iffiq")
 
 
 class Driver:

@@ -2,8 +2,12 @@
 
 Every kernel takes `const VerifyParams p` by value. Keeping the list here, once, means the
 struct in the generated source, the bytes the runtime launches with and the C++ launcher of
-`mlagen emit --launcher` cannot drift apart. Fields are ordered 8-byte first so that the C
-layout has no padding and `struct.pack` reproduces it exactly.
+`mlagen emit --launcher` cannot drift apart. Fields are ordered so that the C layout has no
+padding and `struct.pack` reproduces it exactly: the pointers, the 8-byte fields, the 4-byte ones
+(an even count) and one 8-byte field after them. A new field goes to the end of its group, 16
+bytes at a time where it can, so that the fields before it keep their offsets modulo 16: ptxas
+pairs neighbouring fields into wide constant loads by those offsets, and the kernels' code stays
+as it was.
 """
 
 from __future__ import annotations
@@ -32,10 +36,6 @@ FIELDS: tuple[Field, ...] = (
     Field("tree_mask", "const unsigned char*", "Q", "(B or 1, S, S) bool, tree mask kind only"),
     Field("q_counts", "const int*", "Q", "(B,) ragged rows (Variant.rows 'ragged'): request b's real query rows "
           "are its last q_counts[b], the rows before them padding; null: all S rows are real"),
-    Field("indices", "const int*", "Q", "(B, S, topk) gathered keys (Problem.keys 'gathered'): the flat cache row "
-          "ids, page x page_size + offset, each query token attends to; -1 an unused slot"),
-    Field("topk_length", "const int*", "Q", "(B,) gathered keys: request b's tokens use their first topk_length[b] "
-          "slots; null: all topk"),
     Field("out", "elem_t*", "Q", "(B, S, H, Dl)"),
     Field("lse", "float*", "Q", "(B, H, S) fp32, natural log; written when the problem has lse"),
     Field("part_o", "void*", "Q", "(num_splits, B, S, H, Dl) partial outputs: fp32 unnormalized, "
@@ -46,6 +46,10 @@ FIELDS: tuple[Field, ...] = (
           "the kv_scale field"),
     Field("q_scale_ptr", "const float*", "Q", "e4m3 queries: the one fp32 q_scale on the device, or null "
           "(a host q_scale is folded into scale_log2)"),
+    Field("indices", "const int*", "Q", "(B, S, topk) gathered keys (Problem.keys 'gathered'): the flat cache row "
+          "ids, page x page_size + offset, each query token attends to; -1 an unused slot"),
+    Field("topk_length", "const int*", "Q", "(B,) gathered keys: request b's tokens use their first topk_length[b] "
+          "slots; null: all topk"),
     Field("q_stride_b", "long long", "q", "elements between requests of q"),
     Field("q_stride_s", "long long", "q", "elements between query positions of q"),
     Field("q_stride_h", "long long", "q", "elements between heads of q"),
@@ -54,12 +58,11 @@ FIELDS: tuple[Field, ...] = (
     Field("bt_stride_b", "long long", "q", "elements between rows of block_table"),
     Field("mask_stride_b", "long long", "q", "elements between requests of tree_mask (0: shared)"),
     Field("mask_stride_q", "long long", "q", "elements between query rows of tree_mask"),
-    Field("idx_stride_b", "long long", "q", "elements between requests of indices"),
-    Field("idx_stride_s", "long long", "q", "elements between query tokens of indices"),
-    Field("topk", "long long", "q", "slots per query token in indices (gathered keys), else 0"),
     Field("out_stride_b", "long long", "q", "elements between requests of out"),
     Field("out_stride_s", "long long", "q", "elements between query positions of out"),
     Field("out_stride_h", "long long", "q", "elements between heads of out"),
+    Field("idx_stride_b", "long long", "q", "elements between requests of indices"),
+    Field("idx_stride_s", "long long", "q", "elements between query tokens of indices"),
     Field("batch", "int", "i", "B"),
     Field("seqlen_q", "int", "i", "S, draft tokens per request"),
     Field("max_pages", "int", "i", "columns of block_table"),
@@ -73,6 +76,7 @@ FIELDS: tuple[Field, ...] = (
     Field("kv_scale", "float", "f", "e4m3 caches: real value = stored value * kv_scale (when kv_scale_ptr is null)"),
     Field("dependent", "int", "i", "1: launched as a programmatic dependent (the P exchange then prefetches "
           "before its griddepcontrol.wait), 0: plainly"),
+    Field("topk", "long long", "q", "slots per query token in indices (gathered keys), else 0"),
 )
 
 _FORMAT = "<" + "".join(f.fmt for f in FIELDS)

@@ -47,8 +47,6 @@ struct __align__(8) VerifyParams {
   const int* seqlens;  // (B,) valid keys per request, draft tokens included
   const unsigned char* tree_mask;  // (B or 1, S, S) bool, tree mask kind only
   const int* q_counts;  // (B,) ragged rows (Variant.rows 'ragged'): request b's real query rows are its last q_counts[b], the rows before them padding; null: all S rows are real
-  const int* indices;  // (B, S, topk) gathered keys (Problem.keys 'gathered'): the flat cache row ids, page x page_size + offset, each query token attends to; -1 an unused slot
-  const int* topk_length;  // (B,) gathered keys: request b's tokens use their first topk_length[b] slots; null: all topk
   elem_t* out;  // (B, S, H, Dl)
   float* lse;  // (B, H, S) fp32, natural log; written when the problem has lse
   void* part_o;  // (num_splits, B, S, H, Dl) partial outputs: fp32 unnormalized, or normalized in elem_t (part16)
@@ -56,6 +54,8 @@ struct __align__(8) VerifyParams {
   unsigned int* counters;  // (row groups,) finished splits per row group; zero between calls
   const float* kv_scale_ptr;  // e4m3 caches: the one fp32 kv_scale on the device, or null for the kv_scale field
   const float* q_scale_ptr;  // e4m3 queries: the one fp32 q_scale on the device, or null (a host q_scale is folded into scale_log2)
+  const int* indices;  // (B, S, topk) gathered keys (Problem.keys 'gathered'): the flat cache row ids, page x page_size + offset, each query token attends to; -1 an unused slot
+  const int* topk_length;  // (B,) gathered keys: request b's tokens use their first topk_length[b] slots; null: all topk
   long long q_stride_b;  // elements between requests of q
   long long q_stride_s;  // elements between query positions of q
   long long q_stride_h;  // elements between heads of q
@@ -64,12 +64,11 @@ struct __align__(8) VerifyParams {
   long long bt_stride_b;  // elements between rows of block_table
   long long mask_stride_b;  // elements between requests of tree_mask (0: shared)
   long long mask_stride_q;  // elements between query rows of tree_mask
-  long long idx_stride_b;  // elements between requests of indices
-  long long idx_stride_s;  // elements between query tokens of indices
-  long long topk;  // slots per query token in indices (gathered keys), else 0
   long long out_stride_b;  // elements between requests of out
   long long out_stride_s;  // elements between query positions of out
   long long out_stride_h;  // elements between heads of out
+  long long idx_stride_b;  // elements between requests of indices
+  long long idx_stride_s;  // elements between query tokens of indices
   int batch;  // B
   int seqlen_q;  // S, draft tokens per request
   int max_pages;  // columns of block_table
@@ -80,6 +79,7 @@ struct __align__(8) VerifyParams {
   float scale_log2;  // softmax_scale * log2(e)
   float kv_scale;  // e4m3 caches: real value = stored value * kv_scale (when kv_scale_ptr is null)
   int dependent;  // 1: launched as a programmatic dependent (the P exchange then prefetches before its griddepcontrol.wait), 0: plainly
+  long long topk;  // slots per query token in indices (gathered keys), else 0
 };
 
 // The kernel's namespace, opened once here and closed by the kernel's template before its
