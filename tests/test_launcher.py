@@ -47,6 +47,10 @@ PLANS = [
     TMA_PLAN,
     validate(Problem(heads=16, dtype="fp16", page_size=128), Variant(family="mma", head_tile=16, q_tile=4, block_n=64,
                                                                      warps=8, arch="sm_90a", loads="tma")),
+    # gathered keys (sparse verify): the one-token tile over 61-key pages of ds_mla rows, and naive
+    validate(Problem(heads=128, page_size=61, mask="none", keys="gathered", kv_format="ds_mla", lse=True),
+             Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=1, arch="sm_90a")),
+    validate(Problem(heads=16, mask="none", keys="gathered"), naive(arch="sm_90")),
 ]
 # (batch, seqlen_q, max_pages, sm_count, blocks_per_sm)
 SHAPES = [(1, 1, 1, 132, 1), (1, 9, 64, 132, 2), (3, 33, 5, 188, 1), (64, 4, 300, 78, 3), (2, 64, 2048, 132, 1),
@@ -179,7 +183,7 @@ def test_tma_header_encodes_the_runtimes_tensor_map():
     assert "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3," in text and "const cuuint32_t box[3] = {64, 64, 1};" in text
     assert "CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B" in text
     assert "p.kv_map = kUsesTma ? kv_map : nullptr;" in text
-    assert "CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3," in render_launcher(PLANS[-1])
+    assert "CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3," in render_launcher(PLANS[-3])
     plain = render_launcher(PLANS[1])
     assert "constexpr bool kUsesTma = false;" in plain and "<cuda.h>" not in plain
     assert "make_kv_map(const void*, long long, long long, int, void*) { return cudaSuccess; }" in plain
@@ -188,6 +192,9 @@ def test_tma_header_encodes_the_runtimes_tensor_map():
             "    const int* q_counts = nullptr, const int* indices = nullptr, long long idx_stride_b = 0,\n"
             "    long long idx_stride_s = 0, int topk = 0, const int* topk_length = nullptr)") in plain
     assert "p.q_counts = q_counts;" in plain and "p.indices = kGathered ? indices : nullptr;" in plain
+    gathered = render_launcher(PLANS[-2])
+    assert "constexpr bool kGathered = true;" in gathered and "max_pages = ceil(topk / 61)" in gathered
+    assert "(kGathered ? !indices || topk < 1 : !block_table || !cache_seqlens)" in gathered
     # the fp8_ws schedule's e4m3 cache: bytes, 128-byte boxes, 16-byte aligned strides, 384 threads
     ws = render_launcher(validate(Problem(kv_format="e4m3"),
                                   parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ws_sm90a")))
