@@ -185,17 +185,27 @@ def test_query_heads_must_be_a_multiple_of_kv_heads(fake_op, H, H_kv):
 
 
 @pytest.mark.parametrize("name", EXTRA)
-@pytest.mark.parametrize("sparse", [False, True])
-def test_extra_cache_arguments_raise_naming_the_argument(fake_op, name, sparse):
+def test_extra_cache_arguments_need_indices(fake_op, name):
     q, k_cache, block_table, lens = _inputs()
     value = torch.zeros(2, 2, 8, dtype=torch.int32)
-    call = (dict(indices=value, block_table=None, cache_seqlens=None) if sparse
-            else dict(block_table=block_table, cache_seqlens=lens))
-    with pytest.raises(NotImplementedError, match=rf"sparse attention's extra cache \({name}\) is not supported "
-                                                  "by mlagen; use FlashMLA for it"):
-        flash_mla.flash_mla_with_kvcache(q, k_cache, head_dim_v=512, tile_scheduler_metadata=None, **call,
-                                         **{name: value})
+    with pytest.raises(InputError, match=rf"^{name}: got Tensor, expected None without indices"):
+        flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, None, **{name: value})
     assert fake_op == []
+
+
+def test_extra_cache_reaches_the_op_as_the_same_bytes(fake_op):
+    """FlashMLA's extra cache, its indices and lengths go to the op with the main cache's: the
+    extra rows as a uint8 view of the same bytes (its own page size), the indices as given."""
+    q, rows, indices = _flashmla_sparse_inputs()
+    extra = torch.zeros(4, 32, 1, 656, dtype=torch.float8_e4m3fn)
+    extra_indices = torch.zeros(3, 2, 16, dtype=torch.int32)
+    extra_length = torch.tensor([16, 0, 5], dtype=torch.int32)
+    flash_mla.flash_mla_with_kvcache(q, rows, None, None, 512, None, None, 0.25, False, True, indices,
+                                     None, extra, extra_indices, None, extra_length)
+    (_, _, kwargs), = fake_op
+    seen = kwargs.pop("extra_kv_cache")
+    assert seen.dtype == torch.uint8 and seen.data_ptr() == extra.data_ptr() and seen.shape == extra.shape
+    assert kwargs.pop("extra_indices") is extra_indices and kwargs.pop("extra_topk_length") is extra_length
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.float8_e4m3fn])
@@ -271,6 +281,7 @@ def test_sparse_call_in_flashmlas_form_reaches_the_op(fake_op):
     assert seen_kv.data_ptr() == rows.data_ptr()
     assert kwargs.pop("indices") is indices and kwargs.pop("topk_length") is topk_length
     assert kwargs.pop("attn_sink") is sink
+    assert kwargs.pop("extra_indices") is None and kwargs.pop("extra_topk_length") is None
     assert kwargs == dict(softmax_scale=0.25, causal=False, return_lse=True, head_dim_v=512)
     assert out.shape == (3, 2, 64, 512) and lse.shape == (3, 64, 2)
     assert (lse[0] == math.inf).all() and (out[0] == 0).all() and (lse[1:] == 0).all()
@@ -289,7 +300,7 @@ def test_sparse_defaults_and_bf16_caches(fake_op):
     (_, seen_kv, kwargs), = fake_op
     assert seen_kv is cache
     assert kwargs == dict(softmax_scale=576 ** -0.5, causal=False, return_lse=True, head_dim_v=512, indices=indices,
-                          topk_length=None, attn_sink=None)
+                          topk_length=None, attn_sink=None, extra_indices=None, extra_topk_length=None)
 
 
 def test_sparse_with_several_kv_heads_runs_one_call_per_group(fake_op):

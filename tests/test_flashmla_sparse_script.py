@@ -193,11 +193,9 @@ def test_skip_reasons_name_what_mlagen_lacks():
 
     assert script.skip_reason(case()) is None
     assert script.skip_reason(case(d_qk=512)) == "FlashMLA's d_qk 512 FP8 layout is not built in mlagen"
-    assert script.skip_reason(case(extra_s_k=512, extra_topk=64)) == (
-        "needs the extra cache (extra_k_cache, extra_indices_in_kvcache), not built in mlagen")
+    assert script.skip_reason(case(extra_s_k=512, extra_topk=64)) is None        # the extra cache runs
     assert script.skip_reason(case(d_qk=512, extra_topk=64, have_extra_topk_length=True)) == (
-        "FlashMLA's d_qk 512 FP8 layout is not built in mlagen; needs the extra cache (extra_k_cache, "
-        "extra_indices_in_kvcache, extra_topk_length), not built in mlagen")
+        "FlashMLA's d_qk 512 FP8 layout is not built in mlagen")
 
 
 @pytest.fixture
@@ -223,17 +221,14 @@ def test_run_counts_each_group_and_writes_them(checkout, cpu_run, tmp_path, caps
                           "performance         1       0        1",
                           "all                 3       2        4"]
     d512 = "FlashMLA's d_qk 512 FP8 layout is not built in mlagen"
-    assert lines[6:11] == [
+    assert lines[6:10] == [
         "skipped:",
-        f"  correctness       1  {d512}",
-        f"  correctness       1  {d512}; needs the extra cache (extra_k_cache, extra_indices_in_kvcache), not built "
-        "in mlagen",
+        f"  correctness       2  {d512}",
         f"  corner            1  {d512}",
-        f"  performance       1  {d512}; needs the extra cache (extra_k_cache, extra_indices_in_kvcache, "
-        "extra_topk_length), not built in mlagen"]
-    assert lines[11].startswith("performance: 1 cases, timing not run: FlashMLA times its own kernels")
-    failed = "\n".join(lines[12:])
-    assert lines[12] == "failed:"
+        f"  performance       1  {d512}"]
+    assert lines[10].startswith("performance: 1 cases, timing not run: FlashMLA times its own kernels")
+    failed = "\n".join(lines[11:])
+    assert lines[11] == "failed:"
     assert "  [3] correctness: Raw(" in failed and "      out or lse off FlashMLA's tolerances" in failed
     assert "      | case 3: metadata from mlagen.compat.flash_mla" in failed     # FlashMLA's output, kept
     assert "  [5] corner: Raw(" in failed and "      RuntimeError: kernel said no" in failed

@@ -24,7 +24,8 @@ def test_schema():
                              "Tensor? tree_mask=None, bool return_lse=False, str? variant=None")
     assert schema.endswith("Tensor? attn_sink=None, bool? batch_invariant=None, float? kv_scale=None, "
                            "Tensor? kv_scale_tensor=None, float? q_scale=None, Tensor? q_scale_tensor=None, "
-                           "Tensor? indices=None, Tensor? topk_length=None) -> (Tensor, Tensor)")
+                           "Tensor? indices=None, Tensor? topk_length=None, Tensor? extra_kv_cache=None, "
+                           "Tensor? extra_indices=None, Tensor? extra_topk_length=None) -> (Tensor, Tensor)")
 
 
 @pytest.mark.parametrize("return_lse", [False, True])

@@ -236,3 +236,70 @@ def test_batch_invariant_gathered_keys_give_a_requests_bits_alone_or_in_a_batch(
         out, lse = _run(alone, batch_invariant=True)
         assert torch.equal(out, batch[0][b:b + 1]) and torch.equal(lse, batch[1][b:b + 1]), b
     _check(case, *batch)
+
+
+# ---- an extra cache (FlashMLA's), attended in the same softmax
+
+def _extra_cases(device: str) -> tuple[SparseCase, SparseCase]:
+    main = make_sparse_case(batch=3, seqlen_q=2, heads=8, topk=50, pages=6, page_size=16, seed=61,
+                            lengths=[50, 0, 20], device=device)
+    extra = make_sparse_case(batch=3, seqlen_q=2, heads=8, topk=30, pages=5, page_size=32, seed=62,
+                             lengths=[0, 0, 30], device=device)
+    return main, extra
+
+
+def _with_extra(main: SparseCase, extra: SparseCase, **kw):
+    return mlagen.verify_attention(main.q, main.kv_cache, return_lse=True, extra_kv_cache=extra.kv_cache,
+                                   extra_indices=extra.indices, extra_topk_length=extra.topk_length,
+                                   **(main.kwargs() | kw))
+
+
+def _extra_reference(main: SparseCase, extra: SparseCase) -> tuple[torch.Tensor, torch.Tensor]:
+    return mlagen.sparse_reference(main.q, main.kv_cache, main.indices, main.topk_length, softmax_scale=main.scale,
+                                   dtype=torch.float64, extra_kv_cache=extra.kv_cache, extra_indices=extra.indices,
+                                   extra_topk_length=extra.topk_length)
+
+
+def test_an_extra_cache_merges_both_caches_keys(monkeypatch):
+    """The two caches' results (the reference standing in for the kernels, on the CPU) merge
+    into the result over both caches' keys: request 1 has none (out 0, lse -inf), request 0
+    only the main cache's, request 2 both, the extra one on pages of another size."""
+    from mlagen.runtime import op
+    from mlagen.tools.testing import reference_op
+
+    main, extra = _extra_cases("cpu")
+    monkeypatch.setattr(op, "verify_attention", reference_op)
+    out, lse = op._with_extra_keys(main.q, main.kv_cache, None, None, main.indices, main.topk_length, extra.kv_cache,
+                                   extra.indices, extra.topk_length, return_lse=True, out=None, attn_sink=None,
+                                   softmax_scale=main.scale, causal=False, head_dim_v=512)
+    _check(main, out, lse, ref=_extra_reference(main, extra))
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(indices=None, causal=True), r"extra_kv_cache, extra_indices, extra_topk_length: got a tensor, expected None "
+                                      r"without indices"),
+    (dict(extra_indices=None), r"extra_kv_cache, extra_indices: got Tensor and NoneType, expected two tensors"),
+    (dict(extra_kv_cache=torch.zeros(5, 32, 576, dtype=torch.float16)),
+     r"extra_kv_cache.dtype: got torch.float16, expected kv_cache's torch.bfloat16"),
+])
+def test_bad_extra_caches_are_named(change, match):
+    main, extra = _extra_cases("cpu")
+    args = dict(main.kwargs(), extra_kv_cache=extra.kv_cache, extra_indices=extra.indices,
+                extra_topk_length=extra.topk_length) | change
+    with pytest.raises(InputError, match=match):
+        mlagen.verify_attention(main.q, main.kv_cache, **args)
+
+
+@pytest.mark.gpu
+def test_an_extra_cache_on_the_gpu_with_sinks_and_out():
+    main, extra = _extra_cases("cuda")
+    out = torch.full((3, 2, 8, 512), math.nan, dtype=torch.bfloat16, device="cuda")
+    got, lse = _with_extra(main, extra, out=out)
+    assert got is out
+    _check(main, out, lse, ref=_extra_reference(main, extra))
+    sink = torch.full((8,), 0.5, device="cuda")
+    sunk, _ = _with_extra(main, extra, attn_sink=sink)
+    keep = torch.exp(lse) / (torch.exp(lse) + math.exp(0.5))
+    torch.testing.assert_close(sunk.float(), (out.float() * keep.nan_to_num(0.0).transpose(1, 2)[..., None]),
+                               rtol=1e-2, atol=1e-2)

@@ -26,7 +26,8 @@ GPU mlagen targets (sm_80, sm_89, sm_90, sm_120):
   the rows indices[b, s, :topk_length[b]] lists, with block_table, cache_seqlens and causal
   left None / False. FlashMLA takes it on its FP8 cache only; mlagen takes bf16 and fp16
   caches too. The extra cache (`extra_k_cache`, `extra_indices_in_kvcache`,
-  `extra_topk_length`) raises NotImplementedError.
+  `extra_topk_length`) is attended in the same softmax: mlagen runs each cache's keys and
+  merges the two results by their lse.
 - Both metadata forms: `get_mla_metadata()` gives a `FlashMLASchedMeta` and None, as FlashMLA
   does; `get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, ...)` gives
   placeholder tensors of the metadata's types. mlagen schedules each launch itself, so neither
@@ -296,8 +297,11 @@ def flash_mla_with_kvcache(
         attn_sink: None or [H_q] fp32 on q's device: each output row (b, i, h) is scaled by
             exp(lse) / (exp(lse) + exp(attn_sink[h])) (`mlagen.runtime.sinks`); +inf gives 0,
             -inf changes nothing; lse is returned unscaled.
-        extra_k_cache, extra_indices_in_kvcache, extra_topk_length: FlashMLA's extra cache of
-            sparse attention; any of them not None raises NotImplementedError.
+        extra_k_cache, extra_indices_in_kvcache, extra_topk_length: with indices, FlashMLA's extra
+            cache of sparse attention: a second cache in k_cache's format (its own page size),
+            whose rows extra_indices_in_kvcache [B, S, extra_topk] lists, attended in the same
+            softmax (mlagen runs the two caches' keys as two launches and merges them by lse).
+            Without indices they must be None.
         topk_length: with indices, None (every slot used) or [B] int32 contiguous: slots at or
             past topk_length[b] are unused. Without indices it must be None.
         max_seqlen_k: mlagen's extension, keyword-only, for dense calls: optional host int, a
@@ -329,11 +333,13 @@ def flash_mla_with_kvcache(
         _unsupported(f"a {k_cache.dtype} KV cache (FlashMLA's FP8 cache is rows of {DS_MLA_ROW_BYTES} bytes "
                      "with is_fp8_kvcache=True; a flat e4m3 cache with a kv_scale runs through "
                      "mlagen.verify_attention)")
+    sparse = indices is not None
     for name, value in zip(_EXTRA_ARGUMENTS, (extra_k_cache, extra_indices_in_kvcache, extra_topk_length),
                            strict=True):
-        if value is not None:
-            _unsupported(f"sparse attention's extra cache ({name})")
-    sparse = indices is not None
+        if value is not None and not sparse:
+            _fail(name, type(value).__name__, "None without indices (the extra cache adds sparse attention's keys)")
+    if is_fp8_kvcache and isinstance(extra_k_cache, torch.Tensor):
+        extra_k_cache = _fp8_rows(q, extra_k_cache)
     if sparse:
         _check_sparse_call(indices, block_table, cache_seqlens, causal, max_seqlen_k)
     elif topk_length is not None:
@@ -355,16 +361,22 @@ def flash_mla_with_kvcache(
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     kwargs = dict(softmax_scale=scale, causal=causal, return_lse=True, head_dim_v=head_dim_v)
     if sparse:
-        kwargs.update(indices=indices, topk_length=topk_length)
+        kwargs.update(indices=indices, topk_length=topk_length, extra_indices=extra_indices_in_kvcache,
+                      extra_topk_length=extra_topk_length)
     else:
         kwargs.update(max_seqlen_k=max_seqlen_k)
+    if extra_k_cache is not None:
+        kwargs.update(extra_kv_cache=extra_k_cache)
     if heads_k == 1:
         out, lse = verify_attention_op(q, k_cache, block_table, cache_seqlens, attn_sink=attn_sink, **kwargs)
     else:
         group = heads_q // heads_k
+        extra_heads = isinstance(extra_k_cache, torch.Tensor) and extra_k_cache.dim() == 4
         parts = [verify_attention_op(q[:, :, g * group:(g + 1) * group], k_cache[:, :, g], block_table,
                                      cache_seqlens, attn_sink=attn_sink[g * group:(g + 1) * group]
-                                     if attn_sink is not None else None, **kwargs) for g in range(heads_k)]
+                                     if attn_sink is not None else None,
+                                     **kwargs | ({"extra_kv_cache": extra_k_cache[:, :, g]} if extra_heads else {}))
+                 for g in range(heads_k)]
         out = torch.cat([o for o, _ in parts], dim=2)
         lse = torch.cat([s for _, s in parts], dim=1)
     # mlagen marks an empty row with lse = -inf; FlashMLA with +inf.

@@ -19,7 +19,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 
@@ -38,7 +38,7 @@ from ..dispatch.policy import (
 from ..dsl.arch import arch_for_capability, runs_on
 from ..dsl.spec import Dtype, Keys, KVFormatName, MaskKind, Problem, QFormatName, Variant
 from ..plan.params import pointers, tail
-from . import inputs, sinks, tensormap, workspace
+from . import inputs, merge, sinks, tensormap, workspace
 from .kv_formats import check_scale
 from .launch import KernelLaunch, Loaded, kernel_launch, launch, load
 
@@ -245,6 +245,42 @@ def _check_gathered_call(block_table: object, cache_seqlens: object, causal: boo
                                 "token attends to the rows it lists: the indexer chose them)")
 
 
+def _with_extra_keys(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
+                     cache_seqlens: torch.Tensor | None, indices: torch.Tensor | None,
+                     topk_length: torch.Tensor | None, extra_kv_cache: object, extra_indices: object,
+                     extra_topk_length: torch.Tensor | None, *, return_lse: bool, out: torch.Tensor | None,
+                     attn_sink: torch.Tensor | None, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gathered keys of two caches in one softmax (`verify_attention`'s extra cache): each cache's
+    keys through the kernels with their lse, the results merged (`merge.merge_states`), then the
+    sinks. Raises InputError for an extra cache without indices or without its own indices, or
+    in another format than kv_cache's."""
+    if indices is None:
+        raise inputs.InputError("extra_kv_cache, extra_indices, extra_topk_length: got a tensor, expected None "
+                                "without indices (an extra cache adds gathered keys)")
+    if not isinstance(extra_kv_cache, torch.Tensor) or not isinstance(extra_indices, torch.Tensor):
+        raise inputs.InputError(f"extra_kv_cache, extra_indices: got {type(extra_kv_cache).__name__} and "
+                                f"{type(extra_indices).__name__}, expected two tensors (an extra cache comes with "
+                                "its indices)")
+    if isinstance(kv_cache, torch.Tensor) and extra_kv_cache.dtype != kv_cache.dtype:
+        raise inputs.InputError(f"extra_kv_cache.dtype: got {extra_kv_cache.dtype}, expected kv_cache's "
+                                f"{kv_cache.dtype} (the extra cache holds rows of the same format)")
+    parts = [verify_attention(q, cache, block_table, cache_seqlens, indices=listed, topk_length=length,
+                              return_lse=True, **kwargs)
+             for cache, listed, length in ((kv_cache, indices, topk_length),
+                                           (extra_kv_cache, extra_indices, extra_topk_length))]
+    merged, lse = merge.merge_states(*parts[0], *parts[1])
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or (out.shape, out.dtype, out.device) != (
+                merged.shape, merged.dtype, merged.device):
+            inputs.fail("out", f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}",
+                        f"a {merged.dtype} [B, S, H, Dl]={list(merged.shape)} tensor on {merged.device}")
+        merged = out.copy_(merged)
+    if attn_sink is not None:
+        sinks.check_attn_sink(attn_sink, q.shape[2], q.device)
+        sinks.apply_attn_sink_(merged, lse.transpose(1, 2), attn_sink)
+    return (merged, lse) if return_lse else merged
+
+
 def _require_cuda(q: object) -> None:
     if not isinstance(q, torch.Tensor) or not q.is_cuda:
         raise inputs.InputError(f"q.device: got {getattr(q, 'device', type(q).__name__)}, "
@@ -332,7 +368,8 @@ def verify_attention(
     attn_sink: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
     kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
     q_counts: torch.Tensor | None = ..., indices: torch.Tensor | None = ...,
-    topk_length: torch.Tensor | None = ...,
+    topk_length: torch.Tensor | None = ..., extra_kv_cache: torch.Tensor | None = ...,
+    extra_indices: torch.Tensor | None = ..., extra_topk_length: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -346,7 +383,8 @@ def verify_attention(
     attn_sink: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
     kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
     q_counts: torch.Tensor | None = ..., indices: torch.Tensor | None = ...,
-    topk_length: torch.Tensor | None = ...,
+    topk_length: torch.Tensor | None = ..., extra_kv_cache: torch.Tensor | None = ...,
+    extra_indices: torch.Tensor | None = ..., extra_topk_length: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -360,7 +398,8 @@ def verify_attention(
     attn_sink: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
     kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
     q_counts: torch.Tensor | None = ..., indices: torch.Tensor | None = ...,
-    topk_length: torch.Tensor | None = ...,
+    topk_length: torch.Tensor | None = ..., extra_kv_cache: torch.Tensor | None = ...,
+    extra_indices: torch.Tensor | None = ..., extra_topk_length: torch.Tensor | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -386,6 +425,9 @@ def verify_attention(
     q_counts: torch.Tensor | None = None,
     indices: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MLA verify attention over a paged latent KV cache: each request's prefix and draft
     tokens through its block table, or (sparse verify, DeepSeek Sparse Attention) the cache rows
@@ -453,11 +495,24 @@ def verify_attention(
             outside the cache is dropped, never read.
         topk_length: optional [B] int32 with indices: request b's tokens use their first
             topk_length[b] slots (0..topk); None: all topk.
+        extra_kv_cache, extra_indices, extra_topk_length: with indices, a second cache (FlashMLA's
+            extra cache) in kv_cache's format, whose rows extra_indices [B, S, extra_topk] lists
+            as indices does for kv_cache (extra_topk_length as topk_length): each token attends
+            to its rows of both caches in one softmax. The two caches' keys run as two launches
+            whose results merge by their lse (`mlagen.merge_states`, fp32 math on each part's
+            16-bit output), the sinks applied after.
 
     Returns:
         out [B, S, H, Dl] in q's dtype (e4m3 queries: see q), and lse if return_lse. A row that sees no key gives
         out = 0 and lse = -inf.
     """
+    if extra_kv_cache is not None or extra_indices is not None or extra_topk_length is not None:
+        return _with_extra_keys(
+            q, kv_cache, block_table, cache_seqlens, indices, topk_length, extra_kv_cache, extra_indices,
+            extra_topk_length, return_lse=return_lse, out=out, attn_sink=attn_sink, softmax_scale=softmax_scale,
+            causal=causal, tree_mask=tree_mask, variant=variant, head_dim_v=head_dim_v, check_values=check_values,
+            max_seqlen_k=max_seqlen_k, batch_invariant=batch_invariant, kv_scale=kv_scale, q_scale=q_scale,
+            q_counts=q_counts)
     if attn_sink is not None:
         if q.dim() == 4:          # a q of another shape fails the op's own checks, which name it
             sinks.check_attn_sink(attn_sink, q.shape[2], q.device)

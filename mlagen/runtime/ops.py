@@ -43,6 +43,9 @@ def _verify_attention(
     q_scale_tensor: torch.Tensor | None = None,
     indices: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     result = verify_attention(q, kv_cache, block_table, cache_seqlens, softmax_scale=softmax_scale,
                               causal=causal, tree_mask=tree_mask, return_lse=return_lse,
@@ -51,7 +54,8 @@ def _verify_attention(
                               batch_invariant=batch_invariant,
                               kv_scale=kv_scale_tensor if kv_scale_tensor is not None else kv_scale,
                               q_scale=q_scale_tensor if q_scale_tensor is not None else q_scale,
-                              indices=indices, topk_length=topk_length)
+                              indices=indices, topk_length=topk_length, extra_kv_cache=extra_kv_cache,
+                              extra_indices=extra_indices, extra_topk_length=extra_topk_length)
     if return_lse:
         return result  # type: ignore[return-value]  # (out, lse) with return_lse
     return result, q.new_empty(0, dtype=torch.float32)  # type: ignore[return-value]  # out alone without it
@@ -61,7 +65,8 @@ def _verify_attention(
 def _verify_attention_fake(q, kv_cache, block_table, cache_seqlens, softmax_scale=None, causal=True,
                            tree_mask=None, return_lse=False, variant=None, head_dim_v=512, max_seqlen_k=None,
                            attn_sink=None, batch_invariant=None, kv_scale=None, kv_scale_tensor=None, q_scale=None,
-                           q_scale_tensor=None, indices=None, topk_length=None):
+                           q_scale_tensor=None, indices=None, topk_length=None, extra_kv_cache=None,
+                           extra_indices=None, extra_topk_length=None):
     B, S, H, _ = q.shape
     out = q.new_empty(B, S, H, head_dim_v, dtype=output_dtype(q.dtype, kv_cache.dtype))
     lse = q.new_empty((B, H, S) if return_lse else (0,), dtype=torch.float32)
@@ -98,13 +103,16 @@ def verify_attention_op(
     q_scale: float | torch.Tensor | None = None,
     indices: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`verify_attention` through the registered custom op: use this inside torch.compile'd
     code and CUDA graphs.
 
     Same arguments, shapes and results as `mlagen.verify_attention` (q [B, S, H, Dl+Dr],
     out [B, S, H, Dl] in q's dtype, lse [B, H, S] fp32; FP8 caches with kv_scale, e4m3
-    queries with q_scale; gathered keys with indices and topk_length), except: `variant` may
+    queries with q_scale; gathered keys with indices and topk_length, and an extra cache), except: `variant` may
     also be a variant name (e.g. "flash_ht8_qt8_bn32_w8_st2_spa_sm90"), there is no `out=`
     (custom ops return fresh tensors) and no `check_values` (MLAGEN_CHECK_VALUES still applies
     eagerly).
@@ -118,5 +126,6 @@ def verify_attention_op(
                                                  softmax_scale, causal, tree_mask, return_lse, name,
                                                  head_dim_v, max_seqlen_k, attn_sink, batch_invariant,
                                                  *_split_scale("kv_scale", kv_scale),
-                                                 *_split_scale("q_scale", q_scale), indices, topk_length)
+                                                 *_split_scale("q_scale", q_scale), indices, topk_length,
+                                                 extra_kv_cache, extra_indices, extra_topk_length)
     return (out, lse) if return_lse else out
