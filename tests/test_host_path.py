@@ -651,3 +651,11 @@ def test_gathered_values_are_checked_on_every_call_when_asked(fake_gpu):
     with pytest.raises(InputError, match="indices: got a row id"):
         sparse_call(a, check_values=True)
     assert len(fake_gpu.driver.launches) == 1
+
+
+@pytest.mark.parametrize("name", ["block_table", "cache_seqlens"])
+def test_paged_keys_without_their_tables_are_named(fake_gpu, name):
+    """Without indices the keys are paged: a missing block_table or cache_seqlens is named."""
+    with pytest.raises(InputError, match=rf"^{name}: got NoneType, expected a torch.Tensor"):
+        call(make_args(**{name: None}))
+    assert not fake_gpu.driver.launches
