@@ -651,7 +651,7 @@ def test_run_gpu_parses_and_checks_its_steps(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "run_gpu.sh: unknown step 'bogus' (steps: tests verify memcheck synccheck racecheck1 racecheck2 racecheck3 "
         "racecheck "
-        "sanitize tune tune8 bench ragged host fuzz facts)")
+        "sanitize tune tune8 bench ragged sparse host fuzz facts)")
     nogpu = subprocess.run([shutil.which("bash"), "benchmarks/run_gpu.sh", "tests"], cwd=ROOT, capture_output=True,
                            text=True, timeout=60, env={"PATH": str(tmp_path)})   # a PATH without nvidia-smi
     assert nogpu.returncode == 1 and nogpu.stderr.strip() == NO_GPU
@@ -683,7 +683,8 @@ def test_run_gpu_steps_have_timeouts_and_help():
     for step in steps:
         assert f"\n  {step} " in usage, step
     for name in ("gpu.txt", "gpu_tests.log", "gpu_verify.log", "sanitize_<step>.log", "tune.log", "tune8.log",
-                 "bench.json", "ragged.log", "host_cost.log", "fuzz.log", "RESULTS=dir", "COPY_TO=dir"):
+                 "bench.json", "ragged.log", "host_cost.log", "fuzz.log", "flashmla_sparse_tests.txt",
+                 "sparse_rows.log", "RESULTS=dir", "COPY_TO=dir"):
         assert name in usage, name
 
 
