@@ -206,6 +206,9 @@ def test_extra_cache_reaches_the_op_as_the_same_bytes(fake_op):
     seen = kwargs.pop("extra_kv_cache")
     assert seen.dtype == torch.uint8 and seen.data_ptr() == extra.data_ptr() and seen.shape == extra.shape
     assert kwargs.pop("extra_indices") is extra_indices and kwargs.pop("extra_topk_length") is extra_length
+    with pytest.raises(InputError, match=r"^extra_k_cache: got torch.bfloat16 \(4, 32, 1, 576\), expected uint8 rows"):
+        flash_mla.flash_mla_with_kvcache(q, rows, None, None, 512, None, None, 0.25, False, True, indices, None,
+                                         torch.zeros(4, 32, 1, 576, dtype=torch.bfloat16), extra_indices)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.float8_e4m3fn])

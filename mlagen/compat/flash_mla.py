@@ -213,15 +213,16 @@ def _check_num_splits(num_splits: object, config: SchedConfig) -> None:
               f"[batch_size + 1]=[{config.b + 1}] (get_mla_metadata's for this batch), or None")
 
 
-def _fp8_rows(q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
-    """k_cache as FlashMLA's FP8 cache of 656-byte rows, viewed as uint8 (mlagen's ds_mla rows)."""
+def _fp8_rows(q: torch.Tensor, k_cache: torch.Tensor, name: str = "k_cache") -> torch.Tensor:
+    """k_cache (the argument `name`) as FlashMLA's FP8 cache of 656-byte rows, viewed as uint8
+    (mlagen's ds_mla rows)."""
     if k_cache.dtype in _FP8_CACHE_DTYPES and (q.shape[-1] == 512 or k_cache.shape[-1] == _D512_ROW_BYTES):
-        _unsupported(f"FlashMLA's d_qk 512 FP8 layout (q.shape[-1]={q.shape[-1]}, k_cache rows of "
+        _unsupported(f"FlashMLA's d_qk 512 FP8 layout (q.shape[-1]={q.shape[-1]}, {name} rows of "
                      f"{k_cache.shape[-1]} bytes: 448 e4m3 and 64 bf16 rope dims with e8m0 scales); mlagen takes "
                      f"d_qk 576 with FP8 rows of {DS_MLA_ROW_BYTES} bytes (512 e4m3 latent dims, four fp32 scales, "
                      "64 bf16 rope dims)")
     if k_cache.dtype not in _FP8_CACHE_DTYPES or k_cache.shape[-1] != DS_MLA_ROW_BYTES:
-        _fail("k_cache", f"{k_cache.dtype} {tuple(k_cache.shape)}", f"uint8 rows of {DS_MLA_ROW_BYTES} bytes "
+        _fail(name, f"{k_cache.dtype} {tuple(k_cache.shape)}", f"uint8 rows of {DS_MLA_ROW_BYTES} bytes "
               "(FlashMLA's FP8 cache: 512 e4m3 latent dims, four fp32 scales, 64 bf16 rope dims; int8 or "
               "float8_e4m3fn bytes too) with is_fp8_kvcache=True")
     return k_cache if k_cache.dtype == torch.uint8 else k_cache.view(torch.uint8)
@@ -339,7 +340,7 @@ def flash_mla_with_kvcache(
         if value is not None and not sparse:
             _fail(name, type(value).__name__, "None without indices (the extra cache adds sparse attention's keys)")
     if is_fp8_kvcache and isinstance(extra_k_cache, torch.Tensor):
-        extra_k_cache = _fp8_rows(q, extra_k_cache)
+        extra_k_cache = _fp8_rows(q, extra_k_cache, "extra_k_cache")
     if sparse:
         _check_sparse_call(indices, block_table, cache_seqlens, causal, max_seqlen_k)
     elif topk_length is not None:
