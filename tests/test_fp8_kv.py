@@ -479,3 +479,15 @@ def test_fp8_tiles_run_ragged_rows(fmt):
                                 torch.stack([ref_out[b, i] for b, i in rows]),
                                 torch.stack([ref_lse[b, :, i] for b, i in rows]), dims=("row", "h"))
     assert problem_rows is None, problem_rows
+
+
+def test_fp8_caches_name_the_schedules_and_loads_that_stage_them():
+    """An FP8 cache on a schedule that stages no FP8 rows names the ones that do; on loads that
+    do not stage them, the loads that do."""
+    with pytest.raises(SpecError, match=r"^variant.schedule: got 'seesaw', expected 'lockstep' or 'fp8_ws' or "
+                                        r"'fp8_mma' for problem.kv_format='ds_mla' \(the mma family's loops that "
+                                        r"stage FP8 rows\)"):
+        validate(Problem(kv_format="ds_mla"), parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a"))
+    with pytest.raises(SpecError, match=r"^variant.loads: got 'tma', expected 'cp_async' for "
+                                        r"problem.kv_format='ds_mla' \(the loads that stage FP8 rows\)"):
+        validate(Problem(kv_format="ds_mla"), parse_variant("mma_ht64_qt1_bn64_w8_st2_spa_tma_sm90a"))

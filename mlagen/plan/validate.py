@@ -10,6 +10,7 @@ registry entry (`families.KernelFamily.block`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..dsl import kv_layout
@@ -516,15 +517,21 @@ def _check_fp8_family(p: Problem, v: Variant) -> None:
             f"{' or '.join(map(repr, schedule.q_formats))} ones)")
     if not p.fp8_kv or family.fp8_kv == "rows":
         return
-    fp8 = f"problem.kv_format={p.kv_format!r}"
+    fp8 = f"for problem.kv_format={p.kv_format!r}"
     require(family.fp8_kv == "staged", "variant.family", v.family,
-            f"{_quoted([f for f in FAMILIES.values() if f.fp8_kv])} for {fp8}")
-    staging = [s.name for s in SCHEDULES.values() if s.fp8_kv_loads and v.family in s.families]
-    loads = schedule_of(v).fp8_kv_loads
-    require(bool(loads), "variant.schedule", v.schedule,
-            f"{' or '.join(map(repr, staging))} for {fp8} (the {v.family} family's loops that stage FP8 rows)")
-    require(v.loads in loads, "variant.loads", v.loads,
-            f"{' or '.join(map(repr, loads))} for {fp8} (the loads that stage FP8 rows)")
+            f"{_quoted([f for f in FAMILIES.values() if f.fp8_kv])} {fp8}")
+    _require_loads(v, lambda s: s.fp8_kv_loads, fp8, f"the {v.family} family's loops that stage FP8 rows",
+                   "the loads that stage FP8 rows")
+
+
+def _require_loads(v: Variant, loads_of: Callable[[TileSchedule], tuple[str, ...]], need: str, loops: str,
+                   why: str) -> None:
+    """`v`'s schedule is one that loads `need`'s keys (`loads_of` it is not empty: the family's
+    schedules that do are named, with `loops`), and `v.loads` one of those loads (`why`)."""
+    loaders = [s.name for s in SCHEDULES.values() if loads_of(s) and v.family in s.families]
+    loads = loads_of(schedule_of(v))
+    require(bool(loads), "variant.schedule", v.schedule, f"{' or '.join(map(repr, loaders))} {need} ({loops})")
+    require(v.loads in loads, "variant.loads", v.loads, f"{' or '.join(map(repr, loads))} {need} ({why})")
 
 
 def _check_schedule_formats(p: Problem, v: Variant) -> None:
@@ -547,12 +554,8 @@ def _check_keys(p: Problem, v: Variant) -> None:
             "query row's listed cache rows)")
     if not family_of(v).tiled:
         return
-    loaders = [s.name for s in SCHEDULES.values() if s.gathered_loads and v.family in s.families]
-    loads = schedule_of(v).gathered_loads
-    require(bool(loads), "variant.schedule", v.schedule,
-            f"{' or '.join(map(repr, loaders))} {gathered} (the loops that load each listed row by its address)")
-    require(v.loads in loads, "variant.loads", v.loads,
-            f"{' or '.join(map(repr, loads))} {gathered} (a TMA box copies a run of a page's rows)")
+    _require_loads(v, lambda s: s.gathered_loads, gathered, "the loops that load each listed row by its address",
+                   "a TMA box copies a run of a page's rows")
     require(v.q_tile == 1, "variant.q_tile", v.q_tile,
             f"1 {gathered} (a row group's tiles hold the rows its one query token lists)")
     require(v.kv_split != "balanced", "variant.kv_split", v.kv_split, f"an int or 'adaptive' {gathered}")

@@ -318,14 +318,20 @@ def check_sparse_values(shapes: Shapes, indices: torch.Tensor, topk_length: torc
     """Device reads of gathered keys: every row id -1 or a row of the cache, every topk_length
     within 0..topk. (Unchecked, a row id outside the cache is dropped by the kernels, never read.)"""
     _refuse_capture()
-    if indices.numel() == 0:
-        return
-    rows = shapes.num_pages * shapes.page_size
-    low, high = int(indices.min()), int(indices.max())
-    if low < -1 or high >= rows:
-        fail("indices", f"a row id {low if low < -1 else high}",
-             f"-1 or a row of the cache, 0..{rows - 1} (num_pages x page_size)")
-    if topk_length is not None and shapes.batch:
+    check_listed_values("", indices, topk_length, shapes.num_pages * shapes.page_size)
+
+
+def check_listed_values(prefix: str, indices: torch.Tensor, topk_length: torch.Tensor | None, rows: int) -> None:
+    """Device reads of one key set (the op's, the sparse reference's; `prefix` "extra_" names an
+    extra cache's): every row id in indices [B, S, topk] -1 or one of the cache's `rows`, every
+    topk_length within 0..topk. Raises InputError naming the first bad value."""
+    if indices.numel():
+        low, high = int(indices.min()), int(indices.max())
+        if low < -1 or high >= rows:
+            fail(f"{prefix}indices", f"a row id {low if low < -1 else high}",
+                 f"-1 or a row of the cache, 0..{rows - 1} (num_pages x page_size)")
+    if topk_length is not None and topk_length.numel():
+        topk = indices.size(2)
         short, long = int(topk_length.min()), int(topk_length.max())
-        if short < 0 or long > shapes.topk:
-            fail("topk_length", f"a length {short if short < 0 else long}", f"0..topk={shapes.topk}")
+        if short < 0 or long > topk:
+            fail(f"{prefix}topk_length", f"a length {short if short < 0 else long}", f"0..topk={topk}")

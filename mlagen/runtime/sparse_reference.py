@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from .inputs import InputError, fail, tensor_arg
+from .inputs import InputError, check_listed_values, fail, tensor_arg
 from .kv_formats import dequantize_kv
 from .reference import check_cache, check_integers, check_queries, dequantized_queries, fp8_layout
 
@@ -47,20 +47,6 @@ def _check_key_set(prefix: str, keys: KeySet, q: torch.Tensor) -> None:
         check_integers(f"{prefix}topk_length", length)
         if tuple(length.shape) != (B,):
             fail(f"{prefix}topk_length.shape", tuple(length.shape), f"[B={B}]")
-
-
-def _check_values(prefix: str, keys: KeySet) -> None:
-    """Every listed row inside the cache or -1, every length within topk (reads them back)."""
-    rows = keys.kv_cache.size(0) * keys.kv_cache.size(1)
-    low, high = int(keys.indices.min()), int(keys.indices.max())
-    if low < -1 or high >= rows:
-        fail(f"{prefix}indices", f"a row id {low if low < -1 else high}",
-             f"-1 or a row of the cache, 0..{rows - 1} (num_pages x page_size)")
-    if keys.topk_length is not None:
-        topk = keys.indices.size(2)
-        short, long = int(keys.topk_length.min()), int(keys.topk_length.max())
-        if short < 0 or long > topk:
-            fail(f"{prefix}topk_length", f"a length {short if short < 0 else long}", f"0..topk={topk}")
 
 
 def gathered_keys(keys: KeySet, kv_scale: float | torch.Tensor | None, dtype: torch.dtype,
@@ -130,7 +116,7 @@ def sparse_reference(
         _check_key_set(prefix, keys, q)
         fp8_layout(keys.kv_cache, kv_scale)                     # the FP8 format's InputError before any work
     for prefix, keys in sets:
-        _check_values(prefix, keys)
+        check_listed_values(prefix, keys.indices, keys.topk_length, keys.kv_cache.size(0) * keys.kv_cache.size(1))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     parts = [gathered_keys(keys, kv_scale, dtype) for _, keys in sets]
     kv = torch.cat([rows for rows, _ in parts], dim=2).to(q.device)        # [B, S, K, D]

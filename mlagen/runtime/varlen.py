@@ -29,7 +29,7 @@ mask in the top-left corner (`tree_mask[b, i, k]` for i, k < s_b; the rest is ig
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 
@@ -236,10 +236,10 @@ def verify_attention_varlen(
     check_varlen(q, cu_seqlens_q, max_seqlen_q, cache_seqlens, tree_mask)
     if indices is not None:
         return _gathered(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, indices, topk_length,
-                         return_lse, check_values, dict(
-                             softmax_scale=softmax_scale, causal=causal, tree_mask=tree_mask, variant=variant,
-                             head_dim_v=head_dim_v, max_seqlen_k=max_seqlen_k, attn_sink=attn_sink,
-                             batch_invariant=batch_invariant, kv_scale=kv_scale, q_scale=q_scale))
+                         return_lse=return_lse, check_values=check_values, softmax_scale=softmax_scale,
+                         causal=causal, tree_mask=tree_mask, variant=variant, head_dim_v=head_dim_v,
+                         max_seqlen_k=max_seqlen_k, attn_sink=attn_sink, batch_invariant=batch_invariant,
+                         kv_scale=kv_scale, q_scale=q_scale)
     total_q = q.shape[0]
     if inputs.values_requested(check_values):
         _check_counts(cu_seqlens_q, max_seqlen_q, total_q)
@@ -266,8 +266,8 @@ def verify_attention_varlen(
 
 def _gathered(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
               cache_seqlens: torch.Tensor | None, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
-              indices: torch.Tensor, topk_length: torch.Tensor | None, return_lse: bool, check_values: bool | None,
-              kwargs: dict) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              indices: torch.Tensor, topk_length: torch.Tensor | None, *, return_lse: bool,
+              check_values: bool | None, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Gathered keys of packed tokens: each token a request of one query (B = total_q, S = 1),
     its slot count repeated from its request's on the device (no host read: `output_size`)."""
     total_q = q.shape[0]

@@ -89,6 +89,23 @@ def tree_of_shape(shape: str, seqlen_q: int, gen: torch.Generator) -> torch.Tens
     return tree
 
 
+def _softmax_scale(head_dim: int, gen: torch.Generator) -> float:
+    """1/sqrt(head_dim) times a random factor in [0.5, 2] (one draw of `gen`)."""
+    return (1.0 / math.sqrt(head_dim)) * float(torch.empty(1).uniform_(0.5, 2.0, generator=gen))
+
+
+def _in_formats(q: torch.Tensor, kv: torch.Tensor, q_format: str, kv_format: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(q, kv, q_scale, kv_scale): q and the cache in their formats (`quantize_q`,
+    `quantize_kv`), each scale None where its input stays 16-bit (ds_mla's scales are in its rows)."""
+    q_scale = kv_scale = None
+    if kv_format != "dtype":
+        kv, kv_scale = quantize_kv(kv, kv_format)
+    if q_format == "e4m3":
+        q, q_scale = quantize_q(q)
+    return q, kv, q_scale, kv_scale
+
+
 def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], page_size: int,
               mask: str, seed: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
               dl: int = 512, dr: int = 64, empty: list[bool] | None = None,
@@ -145,12 +162,8 @@ def make_case(*, batch: int, seqlen_q: int, heads: int, prefixes: list[int], pag
         else:
             tree = tree_of_shape(tree_shape, seqlen_q, gen)
         tree = tree.to(device)
-    scale = (1.0 / math.sqrt(D)) * float(torch.empty(1).uniform_(0.5, 2.0, generator=gen))
-    kv_scale = q_scale = None
-    if kv_format != "dtype":
-        kv, kv_scale = quantize_kv(kv, kv_format)
-    if q_format == "e4m3":
-        q, q_scale = quantize_q(q)
+    scale = _softmax_scale(D, gen)
+    q, kv, q_scale, kv_scale = _in_formats(q, kv, q_format, kv_format)
     return Case(q=q, kv_cache=kv, block_table=table,
                 cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=device),
                 tree_mask=tree, causal=(mask == "causal"), scale=scale, dl=dl, kv_scale=kv_scale, q_scale=q_scale)
@@ -216,12 +229,8 @@ def make_sparse_case(*, batch: int, seqlen_q: int, heads: int, topk: int, pages:
             indices = torch.where(past, stray, indices)
         topk_length = torch.tensor(lengths, dtype=torch.int32, device=device)
     q = torch.randn(batch, seqlen_q, heads, D, generator=values, device=device, dtype=dtype)
-    scale = (1.0 / math.sqrt(D)) * float(torch.empty(1).uniform_(0.5, 2.0, generator=gen))
-    kv_scale = q_scale = None
-    if kv_format != "dtype":
-        kv, kv_scale = quantize_kv(kv, kv_format)
-    if q_format == "e4m3":
-        q, q_scale = quantize_q(q)
+    scale = _softmax_scale(D, gen)
+    q, kv, q_scale, kv_scale = _in_formats(q, kv, q_format, kv_format)
     return SparseCase(q=q, kv_cache=kv, indices=indices.to(torch.int32).to(device), topk_length=topk_length,
                       scale=scale, dl=dl, kv_scale=kv_scale, q_scale=q_scale)
 
