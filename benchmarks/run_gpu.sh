@@ -30,6 +30,9 @@
 #              dispatcher's pick under tree masks too, batch-invariant mode's and on FP8 inputs
 #   ragged     benchmarks/ragged.py on three batch shapes, then       1-4 min             450 s
 #              ragged_drafts.py with trees and causal
+#   peers      benchmarks/build_flashmla.py: FlashMLA's sm90 decode   1 min, objects built  540 s
+#              kernels from third_party/FlashMLA, for bench's and sparse_rows.py's
+#              live FlashMLA column (objects compile where stale; the module links here)
 #   sparse     benchmarks/flashmla_sparse_tests.py (FlashMLA's own    ~2 min, estimated  540 s
 #              sparse test file, from third_party/FlashMLA; skipped
 #              without it), then sparse_rows.py on the sparse grid
@@ -52,7 +55,7 @@
 #   tune       tune.log                 tune8      tune8.log
 #   bench      bench.json, bench.md, bench.png
 #   ragged     ragged.log               host       host_cost.log        fuzz    fuzz.log
-#   sparse     flashmla_sparse_tests.txt, sparse_rows.log
+#   sparse     flashmla_sparse_tests.txt, sparse_rows.log              peers   flashmla_build.log
 #
 # COPY_TO=dir also copies the files of each step to dir/<gpu>/ as soon as the step ends (and the
 # tuned table to dir/tables/), so a run that is stopped part-way leaves the finished steps there.
@@ -62,14 +65,14 @@
 # step failed or timed out.
 set -uo pipefail
 
-STEPS="tests verify memcheck synccheck racecheck1 racecheck2 racecheck3 racecheck sanitize tune tune8 bench ragged sparse host fuzz facts"
+STEPS="tests verify memcheck synccheck racecheck1 racecheck2 racecheck3 racecheck sanitize tune tune8 peers bench ragged sparse host fuzz facts"
 DEFAULT_STEPS="tests verify sanitize bench"
 # The GPU tests' pytest-xdist workers: one process takes over 9 minutes for the tests step, since most
 # of its time is NVRTC compiles and host work that workers overlap; the kernels share the GPU.
 TEST_WORKERS=${TEST_WORKERS:-12}
 # Each step's timeout in seconds (ragged: all its runs together), a safety limit against a hung step.
 declare -A LIMIT=([tests]=540 [verify]=540 [memcheck]=300 [synccheck]=150 [racecheck1]=360 [racecheck2]=480 [racecheck3]=420 [tune]=420 [tune8]=540
-                  [bench]=585 [ragged]=450 [sparse]=540 [host]=120 [fuzz]=330 [facts]=0)
+                  [peers]=540 [bench]=585 [ragged]=450 [sparse]=540 [host]=120 [fuzz]=330 [facts]=0)
 
 usage() {
   sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -206,6 +209,10 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         } 2>&1 | tee "$results/ragged.log"
         rc=0; grep -q "^ragged.*py .*: rc " "$results/ragged.log" && rc=1
         written+=(ragged.log) ;;
+      peers)    # FlashMLA built from its checkout, so that bench and sparse_rows.py time it live
+        timeout ${LIMIT[peers]} python3 benchmarks/build_flashmla.py 2>&1 | tee "$results/flashmla_build.log"
+        rc=${PIPESTATUS[0]}
+        written+=(flashmla_build.log) ;;
       sparse)   # FlashMLA's sparse test file where its checkout is, then the sparse grid's timings
         rc=0
         if [[ -d third_party/FlashMLA ]]; then

@@ -1,9 +1,10 @@
 """Time sparse verify rows (DeepSeek Sparse Attention): each query token attends to its own topk
 rows of DeepSeek's 656-byte FP8 cache, through the dispatcher's pick and, where the `flash_mla`
-package of a FlashMLA build is importable, FlashMLA's sparse decode kernel on the same inputs.
+package of a FlashMLA build loads (benchmarks/build_flashmla.py; `mlagen.tools.live_peer`), FlashMLA's
+sparse decode kernel on the same inputs.
 
     python3 benchmarks/sparse_rows.py [--heads H ...] [--seqlen-q S ...] [--batch B ...]
-                                      [--topk K] [--cache-keys N] [--variant NAME ...]
+                                      [--topk K] [--cache-keys N] [--variant NAME ...] [--flashmla DIR]
 
 Defaults: H 64 128, S 1 2 4, B 1 8 32 128, topk 2048, 65536 cached keys a request. Request b's
 tokens list random rows (distinct within a token) of its own 65536-key region of the cache, on
@@ -18,12 +19,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from bench_cli import parser, require_gpu, variant_name
 
 from mlagen.dsl.kv_layout import DS_MLA_ROW_BYTES, LATENT_DIM, ROW_DIM
 from mlagen.dsl.spec import Variant, parse_variant
+from mlagen.tools.live_peer import LivePeer, load_flashmla, sparse_call
 
 PAGE_SIZE = 64
 
@@ -81,25 +84,8 @@ def sparse_inputs(row: SparseRow, cache_keys: int, sets: int, device: str, seed:
     return result
 
 
-def flash_mla_call(scale: float):
-    """FlashMLA's sparse decode on a set, as its test file calls it, or the reason it cannot run."""
-    try:
-        import flash_mla
-    except ImportError as e:
-        return None, f"FlashMLA: not importable ({e}); build it from a FlashMLA checkout to compare live"
-    meta, _ = flash_mla.get_mla_metadata()
-
-    def call(s: SparseInputs) -> torch.Tensor:
-        k_cache = s.kv_cache.view(torch.float8_e4m3fn)[:, :, None, :]
-        out, _ = flash_mla.flash_mla_with_kvcache(s.q, k_cache, None, None, LATENT_DIM, meta, None,
-                                                  softmax_scale=scale, causal=False, is_fp8_kvcache=True,
-                                                  indices=s.indices)
-        return out
-
-    return call, ""
-
-
-def run_row(row: SparseRow, cache_keys: int, variants: list[Variant | None], floors: tuple[float, float]) -> None:
+def run_row(row: SparseRow, cache_keys: int, variants: list[Variant | None], floors: tuple[float, float],
+            live: LivePeer) -> None:
     from mlagen import verify_attention
     from mlagen.tools.timing import l2_bytes, measure, rotation_count
 
@@ -116,10 +102,10 @@ def run_row(row: SparseRow, cache_keys: int, variants: list[Variant | None], flo
         outs[variant] = call(sets[0]).float().clone()
         print(f"{row}  {variant.name if variant else 'dispatch':48s} {us:9.1f} µs {row.flops / us / 1e6:7.1f} "
               f"TFLOP/s  {us / floor_us:5.2f}x floor", flush=True)
-    flash, reason = flash_mla_call(scale)
-    if flash is None:
-        print(f"{row}  {reason}")
+    if live.module is None:
+        print(f"{row}  FlashMLA not run: {live.reason}")
         return
+    flash = sparse_call(live.module, scale)
     us = measure(flash, sets).us
     diff = (flash(sets[0]).float() - outs[None]).abs().max().item()
     print(f"{row}  {'FlashMLA':48s} {us:9.1f} µs {row.flops / us / 1e6:7.1f} TFLOP/s  "
@@ -135,6 +121,9 @@ def parse_args(argv: list[str]):
     p.add_argument("--cache-keys", type=int, default=65536, help="cached keys a request's tokens pick from")
     p.add_argument("--variant", type=variant_name, action="append", default=[],
                    help="a variant to time after the dispatcher's pick (repeatable)")
+    p.add_argument("--flashmla", type=Path, metavar="DIR",
+                   help="the FlashMLA checkout built with build_flashmla.py (default $MLAGEN_FLASHMLA, else "
+                   "./third_party/FlashMLA)")
     args = p.parse_args(argv)
     for name in ("heads", "seqlen_q", "batch"):
         if min(getattr(args, name)) < 1:
@@ -156,8 +145,10 @@ def main(args) -> None:
           f"{floors[1] / 1e12:.2f} TB/s; ds_mla cache, {PAGE_SIZE}-key pages, {args.cache_keys} keys a request",
           flush=True)
     variants: list[Variant | None] = [None, *(parse_variant(n) for n in args.variant)]
+    live = load_flashmla(args.flashmla)
+    print(f"FlashMLA: {'live, built at ' + live.source if live.module else 'not run: ' + live.reason}", flush=True)
     for row in rows(args):
-        run_row(row, args.cache_keys, variants, floors)
+        run_row(row, args.cache_keys, variants, floors, live)
 
 
 if __name__ == "__main__":

@@ -280,8 +280,16 @@ def test_plot_has_a_line_per_named_variant(tmp_path, monkeypatch):
     first = fig.axes[0]             # H=8: the named variant has no point there, the legend still names it
     assert first.get_title() == "H=8 B=16 S=9" and PVM not in first.get_legend_handles_labels()[1]
     labels = [t.get_text() for t in first.get_legend().get_texts()]
-    assert labels == ["naive", "flash", PVM, EAGER, DISPATCH, "floor", "FlashMLA (H200)"]
+    assert labels == ["naive", "flash", PVM, EAGER, DISPATCH, "floor", "FlashMLA (H200, stored)"]
     plt.close(fig)
+    live = _with_named_variant()
+    for r in live.rows:
+        r.flashmla_live = True
+    live.meta["flashmla"] = "timed live on the same inputs (FlashMLA built at /x)"
+    plot(live, tmp_path / "live.png")
+    assert [t.get_text() for t in figures[-1].axes[0].get_legend().get_texts()][-1] == "FlashMLA"
+    plt.close(figures[-1])
+    assert "FlashMLA: timed live on the same inputs (FlashMLA built at /x)" in markdown(live)
 
 
 def test_result_without_extra_loads():
@@ -371,7 +379,7 @@ def test_plot_shows_the_side_cells(tmp_path, monkeypatch):
     (fig,) = figures
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels == ["naive", "flash", EAGER, DISPATCH, mask_cell("tree"), mask_cell("tree-per-request"), INVARIANT,
-                      "floor", "FlashMLA (H200)"]
+                      "floor", "FlashMLA (H200, stored)"]
     plt.close(fig)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -30,6 +31,7 @@ from ..plan.validate import is_valid, validate
 from ..runtime.op import device_info, device_name, device_policy, verify_attention
 from .floor import Ceilings, floor_us
 from .grids import Row
+from .live_peer import LivePeer, dense_call, load_flashmla
 from .peers import PEER_GPU, peer
 from .stamp import stamp
 from .timing import TimingConfig, host_us_per_call, l2_bytes, measure, measure_ceilings
@@ -120,6 +122,7 @@ class RowResult:
     floor_us: float
     cells: dict[str, Cell]      # family names, named variants, "eager", "dispatch", side cells (`is_side_cell`)
     flashmla_us: float | None = None
+    flashmla_live: bool = False  # flashmla_us timed in this run on the row's inputs, else the stored figure
     fp8_floor_us: dict[str, float] = field(default_factory=dict)   # {FP8 cell: its floor}
 
     def floor_of(self, name: str) -> float:
@@ -218,6 +221,7 @@ class BenchConfig:
     extra: tuple[Variant, ...] = ()     # named variants timed on every row, besides the families
     batch_invariant: bool = False       # also time batch-invariant mode's pick (INVARIANT) on the base mask
     fp8: tuple[str, ...] = ()           # FP8 cases (`FP8_CASES`) whose dispatched pick to time on the base mask
+    flashmla: Path | None = None        # the FlashMLA checkout to time live (`live_peer.checkout_path`)
 
     @property
     def mask(self) -> str:
@@ -340,26 +344,29 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
 
     result = BenchResult(meta=meta, families=families, extra=[v.name for v in config.extra],
                          other_masks=list(config.masks[1:]), invariant=config.batch_invariant, fp8=list(config.fp8))
-    # The peer figures were measured on one GPU, page 64, causal: show them only for the same.
-    show_peers = (torch.cuda.get_device_name() == PEER_GPU and config.page_size == 64
-                  and config.mask == "causal")
+    live = load_flashmla(config.flashmla, device)
+    meta["flashmla"] = peer_source(live, config)
     for row, grids, problem, variants, side in plans:
         if progress:
             progress.update(row_task, description=f"timing H={row.heads} B={row.batch} S={row.seqlen_q} "
                                                   f"prefix={row.prefix}")
+        peer_us = None
         try:
             work = make_workload(row, config.page_size, config.mask, config.dtype, l2)
         except Exception as e:   # e.g. out of memory: every cell of the row fails, the run goes on
             cells = {n: Cell(error=f"inputs: {type(e).__name__}: {e}"[:300]) for n in [*variants, EAGER, *side]}
         else:
             cells = _time_row(work, config.mask, problem, variants, side, errors, config.timing, l2)
+            peer_us = _time_live_peer(live, work, config) if runs_live(live, config) else None
             del work
         cells |= invalid_cells(problem, config.extra)
         p = peer(row.heads, row.batch, row.seqlen_q, row.prefix)
+        stored = p.flashmla_us if p and shows_stored(config) else None
         result.rows.append(RowResult(
             heads=row.heads, batch=row.batch, seqlen_q=row.seqlen_q, prefix=row.prefix, grids=list(grids),
             floor_us=floor_us(row.heads, row.batch, row.seqlen_q, row.keys, ceilings), cells=cells,
-            flashmla_us=p.flashmla_us if p and show_peers else None, fp8_floor_us=fp8_floors(row, config, ceilings)))
+            flashmla_us=peer_us if peer_us is not None else stored, flashmla_live=peer_us is not None,
+            fp8_floor_us=fp8_floors(row, config, ceilings)))
         torch.cuda.empty_cache()
         if progress:
             progress.advance(row_task)
@@ -367,6 +374,39 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
     if rows:
         meta["host"] = _host_cost(rows[0][0], config)
     return result
+
+
+def runs_live(live: LivePeer, config: BenchConfig) -> bool:
+    """Whether FlashMLA runs live on the rows: built and loaded, on the inputs its dense decode
+    takes (bf16, a causal mask or none; it has no tree masks and this build no fp16)."""
+    return live.module is not None and config.dtype == "bf16" and config.mask in ("causal", "none")
+
+
+def shows_stored(config: BenchConfig) -> bool:
+    """Whether the stored FlashMLA figures describe the rows: they were measured on one GPU
+    (`peers.PEER_GPU`), page 64, bf16, causal."""
+    return (torch.cuda.get_device_name() == PEER_GPU and config.page_size == 64 and config.dtype == "bf16"
+            and config.mask == "causal")
+
+
+def peer_source(live: LivePeer, config: BenchConfig) -> str:
+    """Where the FlashMLA column comes from, in words, for the report."""
+    if runs_live(live, config):
+        return f"timed live on the same inputs (FlashMLA built at {live.source})"
+    why = live.reason or f"FlashMLA does not take {config.dtype} under the {config.mask} mask"
+    if shows_stored(config):
+        return f"stored figures measured on the {PEER_GPU} (not live: {why})"
+    return f"none (not live: {why}; the stored figures are for the {PEER_GPU}, page 64, bf16, causal)"
+
+
+def _time_live_peer(live: LivePeer, work: Workload, config: BenchConfig) -> float | None:
+    """FlashMLA's µs on the row's input sets, or None where its call raises (a shape it refuses)."""
+    call = dense_call(live.module, work.scale, causal=config.mask == "causal")
+    try:
+        return measure(call, work.sets, config.timing).us
+    except Exception:   # FlashMLA asserts and TORCH_CHECKs its own limits: the row has no live figure
+        torch.cuda.empty_cache()
+        return None
 
 
 def fp8_floors(row: Row, config: BenchConfig, ceilings: Ceilings) -> dict[str, float]:

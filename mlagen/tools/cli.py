@@ -610,6 +610,10 @@ def bench(
         "e4m3 (a flat e4m3 cache with bf16/fp16 queries), ds_mla (DeepSeek's 656-byte rows) or e4m3-q (e4m3 "
         "queries over an e4m3 cache), under the base mask, in a column fp8:CASE against a floor of its "
         "own bytes and matrix rate, with its ratio over dispatch"),
+    flashmla: Path | None = typer.Option(
+        None, metavar="DIR", help="a FlashMLA checkout built with benchmarks/build_flashmla.py, timed live on the "
+        "same inputs (bf16, causal or no mask); default $MLAGEN_FLASHMLA, else ./third_party/FlashMLA. Without a "
+        "build, the FlashMLA column holds the stored figures where they apply"),
     out: Path = typer.Option(Path("benchmarks/latest"), metavar="FOLDER",
                              help="the folder for bench.json, bench.md and bench.png"),
     format_: str = typer.Option("table", "--format", metavar="FORMAT", help=FORMAT_HELP),
@@ -635,6 +639,8 @@ def bench(
     _at_least("--target-ms", target_ms, 0, strict=True)
     extra = _variants(variant)
     _folder(out, "--out")
+    if flashmla is not None and not (flashmla / "flash_mla" / "__init__.py").is_file():
+        _fail(f"--flashmla {flashmla}: expected a FlashMLA checkout (a folder holding flash_mla/__init__.py)")
     _need_gpu("bench")
     from mlagen.tools.bench import BenchConfig, run_bench
     from mlagen.tools.report import markdown, rich_table, to_json, write_all
@@ -642,7 +648,7 @@ def bench(
 
     info = _info(fmt)
     config = BenchConfig(page_size=page_size, masks=masks, dtype=dtype, timing=TimingConfig(target_ms=target_ms),
-                         extra=extra, batch_invariant=batch_invariant, fp8=fp8_cases)
+                         extra=extra, batch_invariant=batch_invariant, fp8=fp8_cases, flashmla=flashmla)
     with _progress(info) as progress:
         result = run_bench(rows, config, progress)
     if fmt == "table":

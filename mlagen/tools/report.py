@@ -35,6 +35,7 @@ from .bench import (
     fp8_case_of,
     mask_cell,
 )
+from .peers import PEER_GPU
 from .tables import markdown_table, text_table
 from .workload import FP8_CASES
 
@@ -104,6 +105,8 @@ def _header_lines(result: BenchResult) -> list[str]:
         lines.append(f"host cost of verify_attention (dispatched, {host['row']}): "
                      f"{host['us_per_call_out_given']:.1f} µs/call with out=, "
                      f"{host['us_per_call_allocating']:.1f} µs/call allocating (target < 20)")
+    if "flashmla" in m:
+        lines.append(f"FlashMLA: {m['flashmla']}")
     peers = sorted((r.dispatch_vs_flashmla, r.row) for r in result.rows if r.dispatch_vs_flashmla is not None)
     if peers:
         lines.append(f"dispatch vs FlashMLA over the {len(peers)} rows with its figure: best {peers[0][0]:.2f}×, "
@@ -233,6 +236,13 @@ def from_json(text: str) -> BenchResult:
     return BenchResult.from_dict(data)
 
 
+def _peer_label(rows: list[RowResult]) -> str:
+    """FlashMLA's legend entry: plain when timed live in the run, else naming the stored figures' GPU."""
+    if any(r.flashmla_live for r in rows):
+        return "FlashMLA"
+    return f"FlashMLA ({PEER_GPU.removeprefix('NVIDIA ')}, stored)"
+
+
 def plot(result: BenchResult, path: Path) -> None:
     """Time vs prefix, log-log, one panel per (H, B, S) group; the floor dashed; FlashMLA as x."""
     import matplotlib
@@ -258,7 +268,7 @@ def plot(result: BenchResult, path: Path) -> None:
         ax.plot(prefixes, [r.floor_us for r in rows], "k--", marker="_", ms=14, lw=1, label="floor")
         peers = [(r.prefix, r.flashmla_us) for r in rows if r.flashmla_us]
         if peers:
-            ax.plot(*zip(*peers, strict=True), "x", color="gray", label="FlashMLA (H200)")
+            ax.plot(*zip(*peers, strict=True), "x", color="gray", label=_peer_label(rows))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(group, fontsize=9)
