@@ -172,3 +172,45 @@ def test_sparse_call_passes_fp8_rows_and_indices():
     assert args[2] is None and args[3] is None and args[4] == 512
     assert kwargs["indices"] is s.indices and kwargs["is_fp8_kvcache"] and not kwargs["causal"]
     assert kwargs["softmax_scale"] == 0.5
+
+
+# ---- on a GPU, with a FlashMLA build: both kernels on the same inputs
+
+def _live_or_skip() -> live_peer.LivePeer:
+    live = live_peer.load_flashmla()
+    if live.module is None:
+        pytest.skip(f"FlashMLA is not loaded: {live.reason}")
+    return live
+
+
+@pytest.mark.gpu
+def test_live_flashmla_dense_decode_matches_mlagen():
+    """FlashMLA's dense decode and mlagen's dispatched pick agree on a bench row's inputs, so the
+    bench's live column times the same attention."""
+    from mlagen.tools.grids import Row
+    from mlagen.tools.timing import l2_bytes
+    from mlagen.tools.workload import make_workload, mlagen_call
+
+    live = _live_or_skip()
+    work = make_workload(Row(64, 3, 4, 1000), 64, "causal", "bf16", l2_bytes(0))
+    s = work.sets[0]
+    ours = mlagen_call(work, None)(s)
+    ours = (ours[0] if isinstance(ours, tuple) else ours).float()
+    theirs = live_peer.dense_call(live.module, work.scale, causal=True)(s).float()
+    assert theirs.shape == ours.shape
+    assert (theirs - ours).abs().max().item() <= 2e-2 * ours.abs().max().item()
+
+
+@pytest.mark.gpu
+def test_live_flashmla_sparse_decode_matches_mlagen():
+    import sparse_rows
+
+    from mlagen import verify_attention
+
+    live = _live_or_skip()
+    row = sparse_rows.SparseRow(64, 2, 2, 256)
+    (s,) = sparse_rows.sparse_inputs(row, 1024, 1, "cuda")
+    scale = 576 ** -0.5
+    ours = verify_attention(s.q, s.kv_cache, indices=s.indices, causal=False, softmax_scale=scale).float()
+    theirs = live_peer.sparse_call(live.module, scale)(s).float()
+    assert (theirs - ours).abs().max().item() <= 2e-2 * ours.abs().max().item()
