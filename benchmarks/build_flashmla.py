@@ -59,13 +59,29 @@ NVCC_FLAGS = ("-O3", "-std=c++20", "-D_USE_MATH_DEFINES", "-Wno-deprecated-decla
 CXX_FLAGS = ("-O3", "-std=c++20", "-Wno-deprecated-declarations")
 MODULE_NAME = "cuda"          # FlashMLA's Python imports its extension as flash_mla.cuda
 
-# The module's one translation unit: FlashMLA's decode entry points, and the kernels this build
-# leaves out defined as calls that raise (sparse_decode.h names them in its sm100 dispatch).
+# The module's binding: FlashMLA's decode entry points under the names its Python calls.
 BINDING = """\
 #include <pybind11/pybind11.h>
 
 #include "sparse_decode.h"
 #include "dense_decode.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "FlashMLA sm90 decode (dense bf16, sparse FP8), built by mlagen's benchmarks/build_flashmla.py";
+    m.def("sparse_decode_fwd", &sparse_attn_decode_interface);
+    m.def("dense_decode_fwd", &dense_attn_decode_interface);
+}
+"""
+
+# The kernels this build leaves out that sparse_decode.h's sm100 dispatch names, each defined as
+# a call that raises naming it, in a file of their own (a specialization must precede every use
+# in its translation unit, and the binding's headers use them).
+STUBS = """\
+#include <c10/util/Exception.h>
+
+#include "params.h"
+#include "sm100/decode/head64/kernel.h"
+#include "sm100/prefill/sparse/fwd_for_small_topk/head128/phase1.h"
 
 namespace {
 [[noreturn]] void not_built(const char* kernel) {
@@ -87,12 +103,6 @@ template<> void run_fwd_for_small_topk_phase1_kernel<SparseAttnFwdMode::DecodeWi
         const SparseFwdArgT<SparseAttnFwdMode::DecodeWithSplitKV>&) {
     not_built("sm100 sparse decode (head128, d_qk 512)");
 }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "FlashMLA sm90 decode (dense bf16, sparse FP8), built by mlagen's benchmarks/build_flashmla.py";
-    m.def("sparse_decode_fwd", &sparse_attn_decode_interface);
-    m.def("dense_decode_fwd", &dense_attn_decode_interface);
 }
 """
 
@@ -173,22 +183,27 @@ def build_module(checkout: Path, dry_run: bool) -> list[str]:
     if absent:
         return [f"module: objects missing (run --stage objects first): {', '.join(absent)}"]
     binding = build_dir(checkout) / "flashmla_decode_binding.cpp"
+    stubs = build_dir(checkout) / "flashmla_sm100_stubs.cpp"
     target = checkout / "flash_mla" / f"{MODULE_NAME}.so"
     if dry_run:
-        print(f"module: {binding} + {len(objects)} objects -> {target} (torch.utils.cpp_extension.load)")
+        print(f"module: {binding}, {stubs} + {len(objects)} objects -> {target} (torch.utils.cpp_extension.load)")
         return []
     binding.write_text(BINDING)
+    stubs.write_text(STUBS)
     from torch.utils import cpp_extension
 
     if cpp_extension.CUDA_HOME is None:
         return ["module: this torch finds no CUDA toolkit (CUDA_HOME); the module stage runs on the GPU machine"]
     work = build_dir(checkout) / "module"
     work.mkdir(exist_ok=True)
+    # CUDA 13 keeps libcu++ (cuda/std/..., which CUTLASS includes) under include/cccl: nvcc looks
+    # there, the host compiler needs it named
+    cccl = [str(p) for p in [Path(cpp_extension.CUDA_HOME) / "include" / "cccl"] if p.is_dir()]
     try:
         cpp_extension.load(
-            name=MODULE_NAME, sources=[str(binding)], build_directory=str(work), with_cuda=True,
+            name=MODULE_NAME, sources=[str(binding), str(stubs)], build_directory=str(work), with_cuda=True,
             extra_cflags=[*CXX_FLAGS, *DEFINES],
-            extra_include_paths=[str(checkout / d) for d in INCLUDE_DIRS] + [str(checkout / "csrc" / "api")],
+            extra_include_paths=[str(checkout / d) for d in INCLUDE_DIRS] + [str(checkout / "csrc" / "api"), *cccl],
             extra_ldflags=[*map(str, objects), "-lcudart"], verbose=False)
     except (RuntimeError, subprocess.CalledProcessError) as e:
         return [f"module: {e}"]

@@ -102,8 +102,7 @@ def run_row(row: SparseRow, cache_keys: int, variants: list[Variant | None], flo
         outs[variant] = call(sets[0]).float().clone()
         print(f"{row}  {variant.name if variant else 'dispatch':48s} {us:9.1f} µs {row.flops / us / 1e6:7.1f} "
               f"TFLOP/s  {us / floor_us:5.2f}x floor", flush=True)
-    if live.module is None:
-        print(f"{row}  FlashMLA not run: {live.reason}")
+    if live.module is None:     # main() printed why
         return
     flash = sparse_call(live.module, scale)
     us = measure(flash, sets).us
