@@ -485,8 +485,8 @@ def test_fp8_caches_name_the_schedules_and_loads_that_stage_them():
     """An FP8 cache on a schedule that stages no FP8 rows names the ones that do; on loads that
     do not stage them, the loads that do."""
     with pytest.raises(SpecError, match=r"^variant.schedule: got 'seesaw', expected 'lockstep' or 'fp8_ws' or "
-                                        r"'fp8_mma' for problem.kv_format='ds_mla' \(the mma family's loops that "
-                                        r"stage FP8 rows\)"):
+                                        r"'fp8_mma' or 'fp8_ldg' for problem.kv_format='ds_mla' \(the mma family's "
+                                        r"loops that stage FP8 rows\)"):
         validate(Problem(kv_format="ds_mla"), parse_variant("mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_ss_sm90a"))
     with pytest.raises(SpecError, match=r"^variant.loads: got 'tma', expected 'cp_async' for "
                                         r"problem.kv_format='ds_mla' \(the loads that stage FP8 rows\)"):

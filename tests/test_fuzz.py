@@ -52,7 +52,8 @@ def test_a_seed_always_draws_the_same_shape_within_the_space():
 def test_kv_formats_are_drawn_last_and_run_the_kernels_that_read_them():
     """With --kv a seed keeps its 16-bit shape and draws its cache's format after it; every format
     shows up, and an FP8 shape's random variant is the naive kernel, an mma lockstep tile with
-    cp.async loads or, over an e4m3 cache, the fp8_ws schedule's tile, all among the draws."""
+    cp.async loads or, over an e4m3 cache, the fp8_ws schedule's tile, over a ds_mla one the fp8_ldg
+    schedule's, all among the draws."""
     fp8 = FuzzSpace(kv_formats=KV_FORMATS)
     shapes = [draw(seed, fp8) for seed in range(60)]
     assert [dataclasses.replace(s, kv_format="dtype") for s in shapes] == [draw(seed) for seed in range(60)]
@@ -65,10 +66,14 @@ def test_kv_formats_are_drawn_last_and_run_the_kernels_that_read_them():
         if s.kv_format != "dtype":
             families.add(v.family)
             assert v.family == "naive" or (v.family, v.schedule, v.loads) in {("mma", "lockstep", "cp_async"),
-                                                                             ("mma", "fp8_ws", "tma")}
+                                                                             ("mma", "fp8_ws", "tma"),
+                                                                             ("mma", "fp8_ldg", "cp_async")}
     assert families == {"naive", "mma"}
-    ws = [v for v in (draw_variant(draw(seed, fp8), "sm_90") for seed in range(600)) if v.schedule == "fp8_ws"]
+    drawn = [(s, draw_variant(s, "sm_90")) for s in (draw(seed, fp8) for seed in range(600))]
+    ws = [v for _, v in drawn if v.schedule == "fp8_ws"]
     assert ws and all(v.loads == "tma" and v.arch == "sm_90a" for v in ws)
+    ldg = [(s, v) for s, v in drawn if v.schedule == "fp8_ldg"]
+    assert ldg and all(s.kv_format == "ds_mla" and v.arch == "sm_90a" for s, v in ldg)
     assert "kv ds_mla" in str(next(s for s in shapes if s.kv_format == "ds_mla"))
 
 

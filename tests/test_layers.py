@@ -31,8 +31,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("integrations", ("integrations", "integrations.backends", "integrations.deepseek_v3", "integrations.drafting",
                       "integrations.paged_cache", "integrations.speculative")),
     ("tools", ("tools", "tools.bench", "tools.cli", "tools.eager", "tools.emit", "tools.files", "tools.floor",
-               "tools.fuzz", "tools.grids", "tools.launcher", "tools.peers", "tools.report", "tools.sass",
-               "tools.stamp", "tools.tables", "tools.testing", "tools.timing", "tools.tune", "tools.workload")),
+               "tools.fuzz", "tools.grids", "tools.launcher", "tools.live_peer", "tools.peers", "tools.report",
+               "tools.sass", "tools.stamp", "tools.tables", "tools.testing", "tools.timing", "tools.tune",
+               "tools.workload")),
 )
 
 

@@ -13,7 +13,17 @@ from mlagen.dsl.errors import SpecError
 from mlagen.dsl.spec import COMBINES, FAMILIES, LOADS, PARTIALS, SCHEDULES, TAGS, Problem, Variant, naive
 from mlagen.plan import families, schedules
 from mlagen.plan.families import FLASH, MMA, NAIVE, family_of
-from mlagen.plan.schedules import FP8_MMA, FP8_WS, LOCKSTEP, P_EXCHANGE, SEESAW, TRANSPOSED, schedule_of, stack_budget
+from mlagen.plan.schedules import (
+    FP8_LDG,
+    FP8_MMA,
+    FP8_WS,
+    LOCKSTEP,
+    P_EXCHANGE,
+    SEESAW,
+    TRANSPOSED,
+    schedule_of,
+    stack_budget,
+)
 from mlagen.plan.space import split_variants, structures, twin_variants
 from mlagen.plan.validate import is_valid, validate
 from mlagen.tools.fuzz import FuzzSpace, draw, draw_variant
@@ -130,7 +140,8 @@ def test_the_dsl_names_exactly_the_registered_schedules():
     assert tuple(schedules.SCHEDULES) == SCHEDULES
     assert {value for field, value, _ in TAGS if field == "schedule"} == NAMES - {Variant().schedule}
     assert schedules.SCHEDULES[Variant().schedule] is LOCKSTEP
-    assert tuple(schedules.SCHEDULES.values()) == (LOCKSTEP, SEESAW, TRANSPOSED, P_EXCHANGE, FP8_WS, FP8_MMA)
+    assert tuple(schedules.SCHEDULES.values()) == (LOCKSTEP, SEESAW, TRANSPOSED, P_EXCHANGE, FP8_WS, FP8_MMA,
+                                                  FP8_LDG)
 
 
 @pytest.mark.parametrize("schedule", list(schedules.SCHEDULES.values()), ids=list(schedules.SCHEDULES))
@@ -201,7 +212,7 @@ def test_the_tuner_space_draws_only_valid_variants_of_each_schedule(problem, seq
 
 
 def test_the_fuzzer_draws_every_schedule_and_only_valid_variants():
-    space = FuzzSpace(kv_formats=("dtype", "e4m3"), q_formats=("dtype", "e4m3"))
+    space = FuzzSpace(kv_formats=("dtype", "e4m3", "ds_mla"), q_formats=("dtype", "e4m3"))
     drawn = [(s, draw_variant(s, "sm_90")) for s in (draw(seed, space) for seed in range(300))]
     assert all(v is not None and is_valid(s.problem, v) for s, v in drawn)
     assert {v.schedule for _, v in drawn if v is not None} == NAMES

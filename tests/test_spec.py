@@ -225,7 +225,8 @@ def test_every_schedule_is_registered_with_its_template_and_rules():
     assert tuple(REGISTRY) == SCHEDULES
     for name, schedule in REGISTRY.items():
         assert schedule.name == name and (root / "templates" / schedule.template).is_file()
-    assert [name for name, s in REGISTRY.items() if s.split_unit == 2] == ["seesaw", "transposed", "fp8_ws", "fp8_mma"]
+    assert [name for name, s in REGISTRY.items() if s.split_unit == 2] == ["seesaw", "transposed", "fp8_ws", "fp8_mma",
+                                                                                   "fp8_ldg"]
     seesaw = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, arch="sm_90a", loads="tma", schedule="seesaw")
     assert REGISTRY["seesaw"].check(seesaw) is None
     assert REGISTRY["seesaw"].check(seesaw.with_(loads="cp_async")).startswith("loads 'tma'")

@@ -14,6 +14,7 @@ from mlagen.codegen.render import template_dir
 from mlagen.dsl.arch import Arch
 from mlagen.dsl.spec import Problem
 from mlagen.plan.mma_plan import MmaLayout
+from mlagen.plan.schedules import SCHEDULES
 from mlagen.plan.validate import KernelPlan
 
 TEMPLATES = sorted(template_dir().glob("*.j2"))
@@ -64,6 +65,9 @@ def test_every_fragment_is_included_and_says_what_it_holds():
     Jinja comment that says what it holds."""
     pulled = {name: {p.name for p in TEMPLATES if name in pulls(p.read_text())}
               for name in (p.name for p in TEMPLATES)}
+    for schedule in SCHEDULES.values():     # a schedule's own KV tiles: its template includes them by the entry's name
+        if schedule.kv_template:
+            pulled[schedule.kv_template].add(schedule.template)
     problems = []
     for path in TEMPLATES:
         users = pulled[path.name] - {path.name}

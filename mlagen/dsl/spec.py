@@ -23,7 +23,7 @@ MaskKind = Literal["causal", "tree", "none"]
 Keys = Literal["paged", "gathered"]
 Family = Literal["naive", "flash", "mma"]
 Split = int | Literal["adaptive", "balanced"]
-Schedule = Literal["lockstep", "seesaw", "transposed", "p_exchange", "fp8_ws", "fp8_mma"]
+Schedule = Literal["lockstep", "seesaw", "transposed", "p_exchange", "fp8_ws", "fp8_mma", "fp8_ldg"]
 Loads = Literal["cp_async", "tma"]
 Combine = Literal["merge", "cluster"]
 Partials = Literal["fp32", "16bit"]
@@ -171,6 +171,12 @@ class Variant:
             bytes with TMA and transposes its value dims into a key-major copy (8-bit wgmma reads
             K-major operands only); P goes to e4m3, scaled by 2^8. No widening anywhere. The
             same tile, splits and loads as fp8_ws. Named `_f8`.
+        "fp8_ldg": sm_90a mma over a ds_mla cache, warp-specialized: the lockstep loop's two
+            warpgroups (`warps` 8) run the products while a third, the producer, loads each
+            tile's rows from global memory into its registers (16-byte loads, each row from its
+            own address, so gathered keys take it), widens them there and stores the 16-bit tile:
+            no FP8 byte passes through shared memory, and the widening runs beside the products.
+            64 rows, 64-key tiles, two 16-bit stages, the "merge" combine. Named `_lg`.
     loads: how KV tiles reach shared memory (LOADS): "cp_async" (every thread's 16-byte copies)
         or "tma" (mma on sm_90a, block_n dividing the page size: TMA boxes,
         `cp.async.bulk.tensor`, one thread issues a tile's 64-dim column blocks, an mbarrier per
@@ -284,7 +290,8 @@ class Variant:
 TAGS: tuple[tuple[str, object, str], ...] = (
     ("mma_pv", True, "pvm"), ("combine", "cluster", "cl"), ("partials", "16bit", "p16"), ("loads", "tma", "tma"),
     ("schedule", "seesaw", "ss"), ("schedule", "transposed", "tr"), ("schedule", "p_exchange", "px"),
-    ("schedule", "fp8_ws", "ws"), ("schedule", "fp8_mma", "f8"), ("rows", "ragged", "rg"),
+    ("schedule", "fp8_ws", "ws"), ("schedule", "fp8_mma", "f8"), ("schedule", "fp8_ldg", "lg"),
+    ("rows", "ragged", "rg"),
 )
 
 

@@ -229,6 +229,16 @@ def widened_layout(p: Problem, v: Variant) -> MmaLayout | str:
     return lockstep_layout(p.with_(kv_format="dtype"), v)
 
 
+def ldg_layout(p: Problem, v: Variant) -> MmaLayout | str:
+    """The fp8_ldg schedule's layout: fp8_ws's (`widened_layout`: the seesaw's two 16-bit stages, no
+    staged rows), and over gathered keys a 64-bit word a stage after the mbarriers, the bits of the
+    rows its producer filled from listed rows (templates/mma_fp8_ldg.cuh.j2)."""
+    layout = widened_layout(p, v)
+    if isinstance(layout, str) or not p.gathered:
+        return layout
+    return replace(layout, smem_bytes=layout.smem_bytes + 8 * v.stages)
+
+
 # The fp8_mma schedule keeps Q and its KV stages as e4m3 bytes in 128-byte column blocks of the
 # same swizzle (a 576-byte row fills four blocks and half of a fifth, the rope's), and beside each
 # stage the key-major copy of its value dims that P·V reads (BN bytes a value dim).

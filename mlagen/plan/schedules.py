@@ -32,6 +32,7 @@ from .mma_plan import (
     exchange_layout,
     exchange_mbarriers,
     fp8_products_layout,
+    ldg_layout,
     lockstep_layout,
     no_mbarriers,
     no_stack,
@@ -99,6 +100,10 @@ class TileSchedule:
     producer_warps: warps launched beside `Variant.warps` that load the KV tiles and widen an
         FP8 cache's bytes while the `Variant.warps` warps run the products (the kernel's
         `PRODUCER_THREADS`); 0: the same warps load and compute.
+    kv_template: the template fragment that holds its KV tiles (`KvTiles`) and, with a producer,
+        the producer's loop (`produce_tiles`); "": the lockstep loop's by loads and cache format
+        (templates/mma_kv_tma.cuh.j2, mma_kv_fp8.cuh.j2, mma_kv_cp_async.cuh.j2), with fp8_ws's
+        producer (templates/mma_ws_producer.cuh.j2).
     fuzz_weight: its share of the fuzzer's draws among the schedules a draw's family, arch and
         cache format take (`mlagen.tools.fuzz.draw_variant`).
     """
@@ -131,6 +136,7 @@ class TileSchedule:
     q_formats: tuple[str, ...] = ("dtype",)
     gathered_loads: tuple[str, ...] = ()
     producer_warps: int = 0
+    kv_template: str = ""
     fuzz_weight: int = 1
 
     @property
@@ -267,7 +273,19 @@ FP8_MMA = TileSchedule(
     rows=(), fp8_kv_loads=("tma",), seesaw_loop=True, pair_merge=True, prefetches=False, tile_a_block=False,
     twin_of=None, kv_formats=("e4m3",), q_formats=("e4m3",), producer_warps=FP8_WS_PRODUCER_WARPS, fuzz_weight=2)
 
-SCHEDULES: dict[str, TileSchedule] = {s.name: s for s in (LOCKSTEP, SEESAW, TRANSPOSED, P_EXCHANGE, FP8_WS, FP8_MMA)}
+# The seesaw's tile pairs over a ds_mla cache, warp-specialized as fp8_ws: the producer warpgroup
+# loads each row from its own address into registers, widens it there and stores the 16-bit tile
+# (templates/mma_fp8_ldg.cuh.j2), so gathered keys take it and no FP8 byte lands in shared memory.
+FP8_LDG = TileSchedule(
+    name="fp8_ldg", template="mma.cu.j2", families=_MMA, archs=_SM90A, block_ns=(64,), warps=(8,), stages=(2,),
+    loads=("cp_async",), combines=("merge",), partials=PARTIALS, mma_pv=False, paired=True, partial_rows=True,
+    layout=ldg_layout, mbarriers=ws_mbarriers, load_mbarriers=ws_landing_mbarriers, stack=no_stack, rows=(),
+    fp8_kv_loads=("cp_async",), seesaw_loop=True, pair_merge=True, prefetches=False, tile_a_block=False,
+    twin_of=None, kv_formats=("ds_mla",), gathered_loads=("cp_async",), producer_warps=FP8_WS_PRODUCER_WARPS,
+    kv_template="mma_fp8_ldg.cuh.j2", fuzz_weight=2)
+
+SCHEDULES: dict[str, TileSchedule] = {s.name: s for s in (LOCKSTEP, SEESAW, TRANSPOSED, P_EXCHANGE, FP8_WS, FP8_MMA,
+                                                          FP8_LDG)}
 
 
 def schedule_of(v: Variant) -> TileSchedule:
