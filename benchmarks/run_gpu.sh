@@ -12,7 +12,8 @@
 #   verify     pytest -m gpu tests/test_gpu_verify.py, 12 workers     under 3 min, H100   540 s
 #   memcheck   compute-sanitizer memcheck on benchmarks/sanitize.py  2.5 min             300 s
 #   synccheck  synccheck on the transposed tile and the fp8_ws and    under 1 min         150 s
-#              fp8_mma schedules' FP8 tiles (--only _tr_,feature+fp8_ws,feature+fp8_mma)
+#              fp8_mma and fp8_ldg schedules' tiles
+#              (--only _tr_,feature+fp8_ws,feature+fp8_mma,fp8_ldg)
 #   racecheck1 racecheck, all but the transposed tile (--skip _tr_),  3.5 min, cold       360 s
 #              on the three small cases, every family (--cases 0-2)
 #   racecheck2 the same on the balanced splits' and the P exchange's  4-5 min             480 s
@@ -172,7 +173,7 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         # synccheck instead (and tests/test_gpu_verify.py's bitwise-repeatability test). The
         # fp8_ws and fp8_mma tiles, whose producer keeps barriers of its own, get both.
         local pick=()
-        [[ $step == synccheck ]] && pick=(--only _tr_,feature+fp8_ws,feature+fp8_mma)
+        [[ $step == synccheck ]] && pick=(--only _tr_,feature+fp8_ws,feature+fp8_mma,fp8_ldg)
         [[ $step == racecheck1 ]] && pick=(--skip _tr_ --cases 0-2)
         [[ $step == racecheck2 ]] && pick=(--skip _tr_ --cases 3-8)
         [[ $step == racecheck3 ]] && pick=(--only feature+ --skip _tr_)

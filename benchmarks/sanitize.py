@@ -3,7 +3,7 @@ the reference: the workload for compute-sanitizer.
 
     compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py
     compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py --skip _tr_ [--cases 0-2]
-    compute-sanitizer --tool synccheck python3 benchmarks/sanitize.py --only _tr_,feature+fp8_ws,feature+fp8_mma
+    compute-sanitizer --tool synccheck python3 benchmarks/sanitize.py --only _tr_,feature+fp8_ws,feature+fp8_mma,fp8_ldg
     python3 benchmarks/sanitize.py --list [--arch sm_90]     # what would run; no GPU needed
 
 --only / --skip keep the variants whose names do / do not contain one of their comma-separated
@@ -15,10 +15,11 @@ bitwise-repeatability test. The engine features run last (named "feature+FEATURE
 dispatcher's pick: batch-invariant splits, FP8 caches of both formats and e4m3 queries, and
 the two ranks of a context-parallel pair (their per-request shard masks), merged; and the mma
 family's FP8 tiles (`fp8_tile`: a balanced split with 16-bit partials on sm_90a, a fixed split on
-mma.sync elsewhere) and, on sm_90a, that tile on the warp-specialized fp8_ws schedule and, with
-e4m3 queries, on the fp8_mma schedule (their producer warpgroup's hand-offs are mbarriers, which
-racecheck follows); and gathered keys (sparse verify) on the dispatcher's one-token tile and on
-the naive kernel, over pages of 64 and of 61 keys. Attention sinks and the merge are torch ops:
+mma.sync elsewhere) and, on sm_90a, that tile on the warp-specialized fp8_ws schedule, with
+e4m3 queries on the fp8_mma schedule and over a ds_mla cache on the fp8_ldg schedule (their
+producer warpgroup's hand-offs are mbarriers, which racecheck follows); and gathered keys (sparse
+verify) on the dispatcher's one-token tile, on the naive kernel, over pages of 64 and of 61 keys,
+and on sm_90a on the one-token tile of the fp8_ldg schedule. Attention sinks and the merge are torch ops:
 nothing there for the sanitizer. Prints one line per (case, variant) and a count at the end.
 """
 
@@ -32,7 +33,7 @@ from bench_cli import parser, require_gpu
 
 import mlagen
 from mlagen.dsl.spec import Problem, Variant, naive, parse_variant
-from mlagen.plan.schedules import FP8_MMA, FP8_WS
+from mlagen.plan.schedules import FP8_LDG, FP8_MMA, FP8_WS
 from mlagen.tools.testing import AnyCase, assert_matches, make_case, make_sparse_case, pinned_balanced_ranges
 
 CASES = [
@@ -77,13 +78,18 @@ FEATURES = [("invariant", INVARIANT, {}), ("invariant", CASES[0], {}),
             ("fp8_mma", CROSSING, {"kv_format": "e4m3", "q_format": "e4m3"}),
             ("fp8_mma", CASES[1], {"kv_format": "e4m3", "q_format": "e4m3"}),
             ("ragged_rows", RAGGED, {}), ("ragged_rows_tr_", RAGGED, {}),
+            ("fp8_ldg", CASES[0], {"kv_format": "ds_mla"}),
             ("gathered", GATHERED, {"kv_format": "ds_mla"}), ("gathered", GATHERED_ODD_PAGES, {}),
-            ("gathered_naive", GATHERED_ODD_PAGES, {"kv_format": "e4m3"})]
+            ("gathered_naive", GATHERED_ODD_PAGES, {"kv_format": "e4m3"}),
+            ("gathered_fp8_ldg", GATHERED, {"kv_format": "ds_mla"})]
 # The gathered features' cases are make_sparse_case's (each token over its own listed rows).
-GATHERED_FEATURES = ("gathered", "gathered_naive")
+GATHERED_FEATURES = ("gathered", "gathered_naive", "gathered_fp8_ldg")
 
-# The features that run the FP8 tile on an sm_90a schedule, and that schedule.
-SM90A_FEATURES = {"fp8_ws": FP8_WS, "fp8_mma": FP8_MMA}
+# The features that run on an sm_90a schedule, and that schedule: the FP8 tile (`fp8_tile`) on it,
+# or for gathered keys the one-token tile (GATHERED_TILE).
+SM90A_FEATURES = {"fp8_ws": FP8_WS, "fp8_mma": FP8_MMA, "fp8_ldg": FP8_LDG, "gathered_fp8_ldg": FP8_LDG}
+GATHERED_TILE = Variant(family="mma", head_tile=64, q_tile=1, block_n=64, warps=8, stages=2, kv_split="adaptive",
+                        partials="fp32", arch="sm_90a")
 
 Run = tuple[dict, list[Variant | None], int | None]   # (case, variants, balanced ranges pinned or None)
 
@@ -196,14 +202,16 @@ def run_feature(feature: str, case: AnyCase, arch: str) -> tuple[torch.Tensor, t
     dispatcher, or for `fp8_tile` through the FP8 tile (`fp8_ws` and `fp8_mma`: on that schedule),
     for `gathered_naive` through the naive kernel."""
     if feature in GATHERED_FEATURES:
-        variant = naive(arch) if feature == "gathered_naive" else None
+        variant = (naive(arch) if feature == "gathered_naive" else
+                   SM90A_FEATURES[feature].adopt(GATHERED_TILE) if feature in SM90A_FEATURES else None)
         return mlagen.verify_attention(case.q, case.kv_cache, variant=variant, return_lse=True, **case.kwargs())
     args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens)
     if feature == "fp8_tile":
         fmt = mlagen.kv_format_of(case.kv_cache, case.kv_scale).name
         return mlagen.verify_attention(*args, variant=fp8_tile(fmt, arch), return_lse=True, **case.kwargs())
     if feature in SM90A_FEATURES:
-        return mlagen.verify_attention(*args, variant=SM90A_FEATURES[feature].adopt(fp8_tile("e4m3", arch)),
+        fmt = mlagen.kv_format_of(case.kv_cache, case.kv_scale).name
+        return mlagen.verify_attention(*args, variant=SM90A_FEATURES[feature].adopt(fp8_tile(fmt, arch)),
                                        return_lse=True, **case.kwargs())
     if feature == "invariant":
         return mlagen.verify_attention(*args, return_lse=True, batch_invariant=True, **case.kwargs())

@@ -47,7 +47,7 @@ from mlagen.codegen.render import render  # noqa: E402
 from mlagen.dispatch import policy  # noqa: E402
 from mlagen.dispatch.policy import INVARIANT_SPLIT_KEYS_LOG2  # noqa: E402
 from mlagen.dsl.spec import Problem, Variant, parse_variant  # noqa: E402
-from mlagen.plan.schedules import FP8_MMA, FP8_WS  # noqa: E402
+from mlagen.plan.schedules import FP8_LDG, FP8_MMA, FP8_WS  # noqa: E402
 from mlagen.plan.validate import validate  # noqa: E402
 from mlagen.runtime import context_parallel, launch, op  # noqa: E402
 from mlagen.runtime.inputs import key_bound  # noqa: E402
@@ -184,8 +184,9 @@ def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
     for i, (feature, _, _) in enumerate(sanitize.FEATURES, start=first):
         assert f"case {i} feature+{feature}: listed" in out
     assert {f for f, _, _ in sanitize.FEATURES} == {"invariant", "fp8_e4m3", "fp8_ds_mla", "q_e4m3", "cp_shards",
-                                                    "fp8_tile", "fp8_ws", "fp8_mma", "ragged_rows",
-                                                    "ragged_rows_tr_", "gathered", "gathered_naive"}
+                                                    "fp8_tile", "fp8_ws", "fp8_mma", "fp8_ldg", "ragged_rows",
+                                                    "ragged_rows_tr_", "gathered", "gathered_naive",
+                                                    "gathered_fp8_ldg"}
     assert "_tr_" in "feature+ragged_rows_tr_" and "_tr_" in sanitize.RAGGED_VARIANTS["ragged_rows_tr_"]
     assert "_ss_rg_" in sanitize.RAGGED_VARIANTS["ragged_rows"]
     counts = sanitize.RAGGED_COUNTS
@@ -197,13 +198,20 @@ def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
             variant = sanitize.fp8_tile(fmt, arch)
             assert render(validate(Problem(heads=8, kv_format=fmt, mask="tree", lse=True), variant))
     assert {extra.get("kv_format") for _, _, extra in sanitize.FEATURES} >= {"e4m3", "ds_mla"}
-    # the FP8 tile on the fp8_ws and fp8_mma schedules, on sm_90a only
-    ws = [(shape, extra, sanitize.SM90A_FEATURES[f].adopt(sanitize.fp8_tile("e4m3", "sm_90")))
+    # the FP8 tile on the fp8_ws, fp8_mma and fp8_ldg schedules, and the one-token tile on fp8_ldg, on sm_90a only
+    def tile(f: str, fmt: str) -> Variant:
+        return sanitize.GATHERED_TILE if f in sanitize.GATHERED_FEATURES else sanitize.fp8_tile(fmt, "sm_90")
+    ws = [(f, shape, extra, sanitize.SM90A_FEATURES[f].adopt(tile(f, extra["kv_format"])))
           for f, shape, extra in sanitize.FEATURES if f in sanitize.SM90A_FEATURES]
-    assert sorted(v.schedule for _, _, v in ws) == ["fp8_mma", "fp8_mma", "fp8_ws", "fp8_ws"]
-    assert sanitize.SM90A_FEATURES == {"fp8_ws": FP8_WS, "fp8_mma": FP8_MMA}
-    for shape, extra, v in ws:
-        problem = sanitize.problem_of(shape).with_formats(extra["kv_format"], extra.get("q_format", "dtype"))
+    assert sorted(v.schedule for *_, v in ws) == ["fp8_ldg", "fp8_ldg", "fp8_mma", "fp8_mma", "fp8_ws", "fp8_ws"]
+    assert sanitize.SM90A_FEATURES == {"fp8_ws": FP8_WS, "fp8_mma": FP8_MMA, "fp8_ldg": FP8_LDG,
+                                       "gathered_fp8_ldg": FP8_LDG}
+    for f, shape, extra, v in ws:
+        if f in sanitize.GATHERED_FEATURES:
+            problem = Problem(heads=shape["heads"], page_size=shape["page_size"], mask="none", keys="gathered",
+                              lse=True, kv_format=extra["kv_format"])
+        else:
+            problem = sanitize.problem_of(shape).with_formats(extra["kv_format"], extra.get("q_format", "dtype"))
         assert render(validate(problem, v))
     assert features - sanitize.main("feature+", None, "sm_80", listing=True) == len(ws)
     assert any(shape.get("per_request_tree") for f, shape, _ in sanitize.FEATURES if f == "cp_shards")
@@ -211,7 +219,8 @@ def test_sanitize_runs_each_engine_feature_through_the_dispatcher(capsys):
     assert sorted({min(-(-n // (1 << INVARIANT_SPLIT_KEYS_LOG2)), 8) for n in lengths}) == [1, 2, 3, 8]
 
 
-@pytest.mark.parametrize("feature", ["q_e4m3", "cp_shards", "fp8_tile", "ragged_rows", "gathered", "gathered_naive"])
+@pytest.mark.parametrize("feature", ["q_e4m3", "cp_shards", "fp8_tile", "fp8_ldg", "ragged_rows", "gathered",
+                                     "gathered_naive", "gathered_fp8_ldg"])
 def test_sanitize_feature_calls_match_the_reference(feature, monkeypatch):
     """On the CPU, the fp64 reference standing in for the kernels: each feature's call gives the
     case's own result."""
@@ -234,8 +243,8 @@ def test_sanitize_only_and_skip_split_the_variants(capsys):
     assert "case 0 mma_ht8_qt9_bn64_w8_st2_sp2_tr_sm90a: listed" in out
     args = sanitize.parse_args(["--skip", "_tr_", "--list"])
     assert (args.skip, args.only, args.list, args.arch, args.cases) == ("_tr_", None, True, "sm_90", None)
-    # comma-separated parts: any of them (run_gpu.sh's synccheck also takes the fp8_ws and fp8_mma tiles)
-    parts = "_tr_,feature+fp8_ws,feature+fp8_mma"
+    # comma-separated parts: any of them (run_gpu.sh's synccheck also takes the fp8_ws, fp8_mma and fp8_ldg tiles)
+    parts = "_tr_,feature+fp8_ws,feature+fp8_mma,fp8_ldg"
     both = sanitize.main(parts, None, "sm_90", listing=True)
     assert both == only + sum(1 for f, _, _ in sanitize.FEATURES if f in sanitize.SM90A_FEATURES)
     assert both == total - sanitize.main(None, parts, "sm_90", listing=True)
