@@ -32,11 +32,11 @@
 #   ragged     benchmarks/ragged.py on three batch shapes, then       1-4 min             450 s
 #              ragged_drafts.py with trees and causal
 #   peers      benchmarks/build_flashmla.py: FlashMLA's sm90 decode   1 min, objects built  540 s
-#              kernels from third_party/FlashMLA, for bench's and sparse_rows.py's
+#              kernels from third_party/FlashMLA, for bench's (and bench --sparse's)
 #              live FlashMLA column (objects compile where stale; the module links here)
 #   sparse     benchmarks/flashmla_sparse_tests.py (FlashMLA's own    ~2 min, estimated  540 s
 #              sparse test file, from third_party/FlashMLA; skipped
-#              without it), then sparse_rows.py on the sparse grid
+#              without it), then mlagen bench --sparse
 #   host       benchmarks/host_cost.py                                10 s warm           120 s
 #   fuzz       mlagen fuzz for 4 minutes                              4.5 min             330 s
 #   facts      only gpu.txt (every run writes it first)
@@ -56,7 +56,7 @@
 #   tune       tune.log                 tune8      tune8.log
 #   bench      bench.json, bench.md, bench.png
 #   ragged     ragged.log               host       host_cost.log        fuzz    fuzz.log
-#   sparse     flashmla_sparse_tests.txt, sparse_rows.log              peers   flashmla_build.log
+#   sparse     flashmla_sparse_tests.txt, sparse.json, sparse.md       peers   flashmla_build.log
 #
 # COPY_TO=dir also copies the files of each step to dir/<gpu>/ as soon as the step ends (and the
 # tuned table to dir/tables/), so a run that is stopped part-way leaves the finished steps there.
@@ -210,7 +210,7 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         } 2>&1 | tee "$results/ragged.log"
         rc=0; grep -q "^ragged.*py .*: rc " "$results/ragged.log" && rc=1
         written+=(ragged.log) ;;
-      peers)    # FlashMLA built from its checkout, so that bench and sparse_rows.py time it live
+      peers)    # FlashMLA built from its checkout, so that bench and bench --sparse time it live
         timeout ${LIMIT[peers]} python3 benchmarks/build_flashmla.py 2>&1 | tee "$results/flashmla_build.log"
         rc=${PIPESTATUS[0]}
         written+=(flashmla_build.log) ;;
@@ -223,9 +223,8 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         else
           echo "sparse: no third_party/FlashMLA checkout, so FlashMLA's sparse test file is skipped" >&2
         fi
-        timeout $((LIMIT[sparse] / 2)) python3 benchmarks/sparse_rows.py 2>&1 | tee "$results/sparse_rows.log"
-        [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
-        written+=(sparse_rows.log) ;;
+        timeout $((LIMIT[sparse] / 2)) python3 cli.py bench --sparse --format markdown --out "$results" 2>&1 || rc=1
+        written+=(sparse.json sparse.md) ;;
       host)
         timeout ${LIMIT[host]} python3 benchmarks/host_cost.py 2>&1 | tee "$results/host_cost.log"
         rc=${PIPESTATUS[0]}; written+=(host_cost.log) ;;

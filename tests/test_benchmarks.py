@@ -694,7 +694,7 @@ def test_run_gpu_steps_have_timeouts_and_help():
         assert f"\n  {step} " in usage, step
     for name in ("gpu.txt", "gpu_tests.log", "gpu_verify.log", "sanitize_<step>.log", "tune.log", "tune8.log",
                  "bench.json", "ragged.log", "host_cost.log", "fuzz.log", "flashmla_sparse_tests.txt",
-                 "sparse_rows.log", "RESULTS=dir", "COPY_TO=dir"):
+                 "sparse.md", "RESULTS=dir", "COPY_TO=dir"):
         assert name in usage, name
 
 
@@ -768,20 +768,6 @@ def test_sparse_rows_arguments_and_flops():
             sparse_rows.parse_args(argv)
 
 
-def test_sparse_rows_inputs_list_distinct_rows_of_each_request():
-    """Each token lists topk distinct rows of its own request's region; the sets share the cache."""
-    row = sparse_rows.SparseRow(4, 3, 2, 40)
-    sets = sparse_rows.sparse_inputs(row, 128, 2, "cpu")
-    assert sets[0].kv_cache is sets[1].kv_cache and sets[0].kv_cache.shape == (3 * 2, 64, 656)
-    for s in sets:
-        assert s.indices.shape == (3, 2, 40) and s.indices.dtype == torch.int32
-        assert s.q.shape == (3, 2, 4, 576) and s.out.shape == (3, 2, 4, 512)
-        for b in range(3):
-            assert ((s.indices[b] // 128) == b).all()
-            assert all(len(set(t.tolist())) == 40 for t in s.indices[b])
-    assert not torch.equal(sets[0].indices, sets[1].indices)
-
-
 EXERCISED = {   # every file under benchmarks/ but results/ (and the bench's default output, latest/)
     "README.md": [],
     "bench_cli.py": [test_require_gpu_names_the_script_and_the_reason, test_variant_arguments_are_checked_by_name],
@@ -814,8 +800,8 @@ EXERCISED = {   # every file under benchmarks/ but results/ (and the bench's def
     "flashmla_sparse_tests.py": [test_help_prints_the_usage],
     # and tests/test_live_peer.py: its checks, commands, stages and binding
     "build_flashmla.py": [test_help_prints_the_usage],
-    "sparse_rows.py": [test_sparse_rows_arguments_and_flops, test_sparse_rows_inputs_list_distinct_rows_of_each_request,
-                       test_gpu_script_runs],
+    # and tests/test_sparse_bench.py: the rows, inputs and table it prints
+    "sparse_rows.py": [test_sparse_rows_arguments_and_flops, test_gpu_script_runs],
 }
 
 

@@ -89,6 +89,11 @@ BAD = [
     (["bench", "--row", "64,1,9"], "--row: got '64,1,9', expected H,B,S,prefix"),
     (["bench", "--row", "64,1,0,10"], "--row: got '64,1,0,10', expected H >= 1, B >= 1 and 1 <= S <= 64"),
     (["bench", "--page-size", "48"], "--page-size: got 48, expected a power of two"),
+    (["bench", "--sparse", "--grid", "seed"], "--sparse: expected no dense-grid options with it (its rows are fixed, "
+     "ds_mla over 64-key pages, bf16 queries), got --grid"),
+    (["bench", "--sparse", "--dtype", "fp16"], "--sparse: expected no dense-grid options with it"),
+    (["bench", "--sparse", "--flashmla", "{file}"], "--flashmla {file}: expected a FlashMLA checkout"),
+    (["bench", "--sparse", "--variant", "mma_fast"], "--variant: variant name: got 'mma_fast'"),
     (["bench", "--page-size", "abc"], "--page-size: got 'abc', expected an integer (see 'mlagen bench --help')"),
     (["bench", "--target-ms=fast"], "--target-ms: got 'fast', expected a number"),
     (["bench", "--target-ms", "-1"], "--target-ms: got -1.0, expected > 0"),

@@ -32,8 +32,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                       "integrations.paged_cache", "integrations.speculative")),
     ("tools", ("tools", "tools.bench", "tools.cli", "tools.eager", "tools.emit", "tools.files", "tools.floor",
                "tools.fuzz", "tools.grids", "tools.launcher", "tools.live_peer", "tools.peers", "tools.report",
-               "tools.sass", "tools.stamp", "tools.tables", "tools.testing", "tools.timing", "tools.tune",
-               "tools.workload")),
+               "tools.sass", "tools.sparse_bench", "tools.stamp", "tools.tables", "tools.testing", "tools.timing",
+               "tools.tune", "tools.workload")),
 )
 
 

@@ -203,13 +203,11 @@ def test_live_flashmla_dense_decode_matches_mlagen():
 
 @pytest.mark.gpu
 def test_live_flashmla_sparse_decode_matches_mlagen():
-    import sparse_rows
-
     from mlagen import verify_attention
+    from mlagen.tools.sparse_bench import SparseRow, sparse_inputs
 
     live = _live_or_skip()
-    row = sparse_rows.SparseRow(64, 2, 2, 256)
-    (s,) = sparse_rows.sparse_inputs(row, 1024, 1, "cuda")
+    (s,) = sparse_inputs(SparseRow(64, 2, 2, 256), 1024, 1, "cuda")
     scale = 576 ** -0.5
     ours = verify_attention(s.q, s.kv_cache, indices=s.indices, causal=False, softmax_scale=scale).float()
     theirs = live_peer.sparse_call(live.module, scale)(s).float()

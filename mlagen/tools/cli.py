@@ -612,8 +612,13 @@ def bench(
         "own bytes and matrix rate, with its ratio over dispatch"),
     flashmla: Path | None = typer.Option(
         None, metavar="DIR", help="a FlashMLA checkout built with benchmarks/build_flashmla.py, timed live on the "
-        "same inputs (bf16, causal or no mask); default $MLAGEN_FLASHMLA, else ./third_party/FlashMLA. Without a "
-        "build, the FlashMLA column holds the stored figures where they apply"),
+        "same inputs (bf16, causal or no mask; with --sparse its sparse FP8 decode); default $MLAGEN_FLASHMLA, else "
+        "./third_party/FlashMLA. Without a build, the FlashMLA column holds the stored figures where they apply"),
+    sparse: bool = typer.Option(
+        False, "--sparse", help="time sparse verify instead (DeepSeek Sparse Attention: each token over its own "
+        "topk 2048 rows of a ds_mla cache): H 64 and 128, S 1, 2 and 4, B 1 to 128, against the floor and "
+        "FlashMLA's sparse kernel; writes sparse.json and sparse.md. Takes --variant, --flashmla, --target-ms, "
+        "--out and --format"),
     out: Path = typer.Option(Path("benchmarks/latest"), metavar="FOLDER",
                              help="the folder for bench.json, bench.md and bench.png"),
     format_: str = typer.Option("table", "--format", metavar="FORMAT", help=FORMAT_HELP),
@@ -631,6 +636,14 @@ def bench(
     from mlagen.tools.workload import MASKS as BENCH_MASKS
 
     fmt = _format(format_)
+    if sparse:
+        dense = [name for name, given in (("--grid", grid), ("--row", row), ("--mask", mask), ("--fp8", fp8),
+                                          ("--batch-invariant", batch_invariant)) if given]
+        if dense or page_size != 64 or dtype != "bf16":
+            _fail(f"--sparse: expected no dense-grid options with it (its rows are fixed, ds_mla over 64-key "
+                  f"pages, bf16 queries), got {', '.join(dense) or '--page-size or --dtype'}")
+        _bench_sparse(variant, flashmla, target_ms, out, fmt)
+        return
     rows = _rows(grid, row, ["seed"])
     masks = _comma_choices("--mask", mask, BENCH_MASKS, ["causal"])
     fp8_cases = _comma_choices("--fp8", fp8, FP8_CASES, [])
@@ -655,6 +668,34 @@ def bench(
         _print_table(rich_table(result))
     else:
         _write(markdown(result) if fmt == "markdown" else to_json(result))
+    try:
+        paths = write_all(result, out)
+    except OSError as e:
+        _error(f"writing into {out}: {e}")
+        raise typer.Exit(1) from None
+    for path in paths:
+        _say(info, f"wrote {path}")
+
+
+def _bench_sparse(variant: list[str] | None, flashmla: Path | None, target_ms: float, out: Path, fmt: str) -> None:
+    """`mlagen bench --sparse`: the sparse grid, its tables and files."""
+    _at_least("--target-ms", target_ms, 0, strict=True)
+    extra = _variants(variant)
+    _folder(out, "--out")
+    if flashmla is not None and not (flashmla / "flash_mla" / "__init__.py").is_file():
+        _fail(f"--flashmla {flashmla}: expected a FlashMLA checkout (a folder holding flash_mla/__init__.py)")
+    _need_gpu("bench")
+    from mlagen.tools.sparse_bench import SparseConfig, markdown, rich_table, run_sparse, sparse_grid, write_all
+    from mlagen.tools.timing import TimingConfig
+
+    info = _info(fmt)
+    config = SparseConfig(timing=TimingConfig(target_ms=target_ms), extra=extra, flashmla=flashmla)
+    with _progress(info) as progress:
+        result = run_sparse(sparse_grid(), config, progress)
+    if fmt == "table":
+        _print_table(rich_table(result))
+    else:
+        _write(markdown(result) if fmt == "markdown" else result.to_json())
     try:
         paths = write_all(result, out)
     except OSError as e:
