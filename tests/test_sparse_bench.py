@@ -46,7 +46,9 @@ def _result() -> SparseResult:
     slow = SparseRowResult(128, 128, 2, 2048, floor_us=190.0, us={"dispatch": 660.0}, flashmla_us=350.0,
                            errors={named: "SpecError: no"})
     lone = SparseRowResult(64, 1, 1, 2048, floor_us=1.0, us={"dispatch": 19.0, named: 21.0})
-    return SparseResult(meta=meta, cells=["dispatch", named], rows=[fast, slow, lone])
+    small = SparseRowResult(16, 2, 2, 64, floor_us=1.0, us={"dispatch": 9.0, named: 9.5},
+                            errors={sparse_bench.FLASHMLA: "RuntimeError: Unsupported h_q: 16"})
+    return SparseResult(meta=meta, cells=["dispatch", named], rows=[fast, slow, lone, small])
 
 
 def test_the_report_gives_each_cell_its_rate_and_the_peers_ratio():
@@ -63,6 +65,8 @@ def test_the_report_gives_each_cell_its_rate_and_the_peers_ratio():
     assert "| failed |" in next(x for x in md.splitlines() if x.startswith("| 128 | 128 |"))
     assert "| — | — | — |" in next(x for x in md.splitlines() if x.startswith("| 64 | 1 |"))
     assert "- H=128 B=128 S=2 topk=2048 mma_ht64_qt1_bn64_w8_st2_spa_lg_sm90a: SpecError: no" in md
+    assert "| failed | — | — |" in next(x for x in md.splitlines() if x.startswith("| 16 | 2 |"))
+    assert "- H=16 B=2 S=2 topk=64 FlashMLA: RuntimeError: Unsupported h_q: 16" in md
     named = result.cells[1]
     assert json.loads(result.to_json())["rows"][1]["errors"] == {named: "SpecError: no"}
     assert len(sparse_bench.rich_table(result).columns) == len(sparse_bench.table_rows(result)[0])
