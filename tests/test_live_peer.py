@@ -172,6 +172,10 @@ def test_sparse_call_passes_fp8_rows_and_indices():
     assert args[2] is None and args[3] is None and args[4] == 512
     assert kwargs["indices"] is s.indices and kwargs["is_fp8_kvcache"] and not kwargs["causal"]
     assert kwargs["softmax_scale"] == 0.5
+    s.q = torch.zeros(1, 2, 16, 576)
+    with pytest.raises(ValueError, match="FlashMLA's sparse decode takes 64 or 128 heads .*, got 16"):
+        live_peer.sparse_call(fake, 0.5)(s)
+    assert len(fake.calls) == 1                           # FlashMLA itself was not called
 
 
 # ---- on a GPU, with a FlashMLA build: both kernels on the same inputs

@@ -24,6 +24,9 @@ from ..dsl.kv_layout import LATENT_DIM
 FLASHMLA_ENV = "MLAGEN_FLASHMLA"
 DEFAULT_CHECKOUT = Path("third_party") / "FlashMLA"
 BUILD_HINT = "python3 benchmarks/build_flashmla.py --flashmla {path}"
+# The query heads FlashMLA's sm90 sparse decode has kernels for: its scheduler divides by
+# heads / 64, so another count ends the process instead of raising.
+SPARSE_HEADS = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -87,10 +90,14 @@ def dense_call(flash_mla: ModuleType, scale: float, causal: bool) -> Callable:
 def sparse_call(flash_mla: ModuleType, scale: float) -> Callable:
     """FlashMLA's sparse FP8 decode as a call on a set with q [B, S, H, 576] bf16, kv_cache
     [pages, page_size, 656] uint8 (DeepSeek's FP8 rows) and indices [B, S, topk] int32,
-    returning FlashMLA's out [B, S, H, 512]. One scheduling plan serves every set of a row."""
+    returning FlashMLA's out [B, S, H, 512]. One scheduling plan serves every set of a row. Raises
+    ValueError, before calling FlashMLA, for a head count it has no kernel for (SPARSE_HEADS)."""
     meta, _ = flash_mla.get_mla_metadata()
 
     def call(s) -> torch.Tensor:
+        if s.q.shape[2] not in SPARSE_HEADS:
+            raise ValueError(f"FlashMLA's sparse decode takes {' or '.join(map(str, SPARSE_HEADS))} heads (its "
+                             f"sm90 kernels'), got {s.q.shape[2]}")
         k_cache = s.kv_cache.view(torch.float8_e4m3fn)[:, :, None, :]
         out, _ = flash_mla.flash_mla_with_kvcache(s.q, k_cache, None, None, LATENT_DIM, meta, None,
                                                   softmax_scale=scale, causal=False, is_fp8_kvcache=True,
