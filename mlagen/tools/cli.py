@@ -649,23 +649,35 @@ def bench(
     fp8_cases = _comma_choices("--fp8", fp8, FP8_CASES, [])
     _page_size("--page-size", page_size)
     _choice("--dtype", dtype, DTYPES)
+    extra = _bench_checks(variant, flashmla, target_ms, out)
+    from mlagen.tools import report
+    from mlagen.tools.bench import BenchConfig, run_bench
+    from mlagen.tools.timing import TimingConfig
+
+    config = BenchConfig(page_size=page_size, masks=masks, dtype=dtype, timing=TimingConfig(target_ms=target_ms),
+                         extra=extra, batch_invariant=batch_invariant, fp8=fp8_cases, flashmla=flashmla)
+    _run_bench(fmt, out, lambda progress: run_bench(rows, config, progress), report.rich_table, report.markdown,
+               report.to_json, report.write_all)
+
+
+def _bench_checks(variant: list[str] | None, flashmla: Path | None, target_ms: float, out: Path) -> tuple:
+    """The checks `bench` and `bench --sparse` share, then that a GPU is there; the named variants."""
     _at_least("--target-ms", target_ms, 0, strict=True)
     extra = _variants(variant)
     _folder(out, "--out")
     if flashmla is not None and not (flashmla / "flash_mla" / "__init__.py").is_file():
         _fail(f"--flashmla {flashmla}: expected a FlashMLA checkout (a folder holding flash_mla/__init__.py)")
     _need_gpu("bench")
-    from mlagen.tools.bench import BenchConfig, run_bench
-    from mlagen.tools.report import markdown, rich_table, to_json, write_all
-    from mlagen.tools.timing import TimingConfig
+    return extra
 
+
+def _run_bench(fmt: str, out: Path, run, table, markdown, to_json, write_all) -> None:
+    """A bench run under a progress display, its result printed as `fmt` asks and written into `out`."""
     info = _info(fmt)
-    config = BenchConfig(page_size=page_size, masks=masks, dtype=dtype, timing=TimingConfig(target_ms=target_ms),
-                         extra=extra, batch_invariant=batch_invariant, fp8=fp8_cases, flashmla=flashmla)
     with _progress(info) as progress:
-        result = run_bench(rows, config, progress)
+        result = run(progress)
     if fmt == "table":
-        _print_table(rich_table(result))
+        _print_table(table(result))
     else:
         _write(markdown(result) if fmt == "markdown" else to_json(result))
     try:
@@ -679,30 +691,13 @@ def bench(
 
 def _bench_sparse(variant: list[str] | None, flashmla: Path | None, target_ms: float, out: Path, fmt: str) -> None:
     """`mlagen bench --sparse`: the sparse grid, its tables and files."""
-    _at_least("--target-ms", target_ms, 0, strict=True)
-    extra = _variants(variant)
-    _folder(out, "--out")
-    if flashmla is not None and not (flashmla / "flash_mla" / "__init__.py").is_file():
-        _fail(f"--flashmla {flashmla}: expected a FlashMLA checkout (a folder holding flash_mla/__init__.py)")
-    _need_gpu("bench")
-    from mlagen.tools.sparse_bench import SparseConfig, markdown, rich_table, run_sparse, sparse_grid, write_all
+    extra = _bench_checks(variant, flashmla, target_ms, out)
+    from mlagen.tools import sparse_bench
     from mlagen.tools.timing import TimingConfig
 
-    info = _info(fmt)
-    config = SparseConfig(timing=TimingConfig(target_ms=target_ms), extra=extra, flashmla=flashmla)
-    with _progress(info) as progress:
-        result = run_sparse(sparse_grid(), config, progress)
-    if fmt == "table":
-        _print_table(rich_table(result))
-    else:
-        _write(markdown(result) if fmt == "markdown" else result.to_json())
-    try:
-        paths = write_all(result, out)
-    except OSError as e:
-        _error(f"writing into {out}: {e}")
-        raise typer.Exit(1) from None
-    for path in paths:
-        _say(info, f"wrote {path}")
+    config = sparse_bench.SparseConfig(timing=TimingConfig(target_ms=target_ms), extra=extra, flashmla=flashmla)
+    _run_bench(fmt, out, lambda progress: sparse_bench.run_sparse(sparse_bench.sparse_grid(), config, progress),
+               sparse_bench.rich_table, sparse_bench.markdown, lambda result: result.to_json(), sparse_bench.write_all)
 
 
 @app.command()
