@@ -198,12 +198,13 @@ def build_module(checkout: Path, dry_run: bool) -> list[str]:
     work.mkdir(exist_ok=True)
     # CUDA 13 keeps libcu++ (cuda/std/..., which CUTLASS includes) under include/cccl: nvcc looks
     # there, the host compiler needs it named
-    cccl = [str(p) for p in [Path(cpp_extension.CUDA_HOME) / "include" / "cccl"] if p.is_dir()]
+    cccl = Path(cpp_extension.CUDA_HOME) / "include" / "cccl"
     try:
         cpp_extension.load(
             name=MODULE_NAME, sources=[str(binding), str(stubs)], build_directory=str(work), with_cuda=True,
             extra_cflags=[*CXX_FLAGS, *DEFINES],
-            extra_include_paths=[str(checkout / d) for d in INCLUDE_DIRS] + [str(checkout / "csrc" / "api"), *cccl],
+            extra_include_paths=[str(checkout / d) for d in INCLUDE_DIRS] + [str(checkout / "csrc" / "api")]
+            + ([str(cccl)] if cccl.is_dir() else []),
             extra_ldflags=[*map(str, objects), "-lcudart"], verbose=False)
     except (RuntimeError, subprocess.CalledProcessError) as e:
         return [f"module: {e}"]

@@ -65,6 +65,7 @@ def test_the_plan_adds_a_producer_warpgroup_and_drops_the_staged_rows():
     assert (plan.threads, plan.producer_threads, plan.launch_threads) == (256, 128, 384)
     assert plan.fp8_staging_bytes == 0 and lockstep.fp8_staging_bytes == 64 * 656
     assert plan.mbarriers == FP8_WS_BARRIERS == 10 and plan.seesaw
+    assert plan.marks_listed_rows and not paged.marks_listed_rows and not lockstep.marks_listed_rows
     assert plan.smem_bytes == paged.smem_bytes + 2 * 8
     assert plan.smem_bytes == lockstep.smem_bytes - 64 * 656 + 64 * 576 * 2 + 10 * 8 + 2 * 8 <= plan.arch.smem_per_block
 

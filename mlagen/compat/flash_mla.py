@@ -64,7 +64,8 @@ from ..runtime.sinks import check_attn_sink
 # FlashMLA's tile-scheduler metadata rows hold 8 int32 fields each.
 _METADATA_FIELDS = 8
 
-# The extra cache of FlashMLA's sparse attention, which mlagen's kernels do not read.
+# The extra cache of FlashMLA's sparse attention: the op's extra_kv_cache, extra_indices and
+# extra_topk_length, which only a sparse call takes.
 _EXTRA_ARGUMENTS = ("extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length")
 
 # The dtypes FlashMLA takes an FP8 cache in; mlagen reads the same bytes as uint8.

@@ -292,6 +292,13 @@ class KernelPlan:
         return self.schedule.producer_warps * 32
 
     @property
+    def marks_listed_rows(self) -> bool:
+        """Whether a producer warpgroup loads gathered keys and marks each tile's filled rows in
+        shared memory (its stage's `valid` word) for the seesaw's mask: fp8_ldg over gathered
+        keys (templates/mma_fp8_ldg.cuh.j2)."""
+        return bool(self.producer_threads) and self.problem.gathered
+
+    @property
     def launch_threads(self) -> int:
         """Threads per block of the main kernel's launch: `threads`, which compute, and the
         producer's (`producer_threads`)."""

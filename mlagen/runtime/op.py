@@ -490,9 +490,10 @@ def verify_attention(
             indices[b, i, :topk_length[b]], each a flat row id page x page_size + offset; -1
             marks an unused slot, and a row listed twice counts twice. No mask applies (the
             indexer chose the rows): block_table, cache_seqlens, tree_mask, q_counts and
-            max_seqlen_k stay None. Runs on the naive kernel (one block per query row); with
-            check_values, every id is checked to be -1 or a row of the cache, else a row id
-            outside the cache is dropped, never read.
+            max_seqlen_k stay None. Runs on a one-token mma tile where one fits (the naive
+            kernel elsewhere, and in batch-invariant mode); with check_values, every id is
+            checked to be -1 or a row of the cache, else a row id outside the cache is dropped,
+            never read.
         topk_length: optional [B] int32 with indices: request b's tokens use their first
             topk_length[b] slots (0..topk); None: all topk.
         extra_kv_cache, extra_indices, extra_topk_length: with indices, a second cache (FlashMLA's

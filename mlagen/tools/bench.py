@@ -346,6 +346,7 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
                          other_masks=list(config.masks[1:]), invariant=config.batch_invariant, fp8=list(config.fp8))
     live = load_flashmla(config.flashmla, device)
     meta["flashmla"] = peer_source(live, config)
+    stored_applies = shows_stored(config)
     for row, grids, problem, variants, side in plans:
         if progress:
             progress.update(row_task, description=f"timing H={row.heads} B={row.batch} S={row.seqlen_q} "
@@ -361,7 +362,7 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
             del work
         cells |= invalid_cells(problem, config.extra)
         p = peer(row.heads, row.batch, row.seqlen_q, row.prefix)
-        stored = p.flashmla_us if p and shows_stored(config) else None
+        stored = p.flashmla_us if p and stored_applies else None
         result.rows.append(RowResult(
             heads=row.heads, batch=row.batch, seqlen_q=row.seqlen_q, prefix=row.prefix, grids=list(grids),
             floor_us=floor_us(row.heads, row.batch, row.seqlen_q, row.keys, ceilings), cells=cells,

@@ -660,7 +660,7 @@ def bench(
                report.to_json, report.write_all)
 
 
-def _bench_checks(variant: list[str] | None, flashmla: Path | None, target_ms: float, out: Path) -> tuple:
+def _bench_checks(variant: list[str] | None, flashmla: Path | None, target_ms: float, out: Path) -> tuple[Variant, ...]:
     """The checks `bench` and `bench --sparse` share, then that a GPU is there; the named variants."""
     _at_least("--target-ms", target_ms, 0, strict=True)
     extra = _variants(variant)

@@ -927,7 +927,6 @@ struct KvRows {
     prepare(kb_begin + AHEAD);
   }
   __device__ __forceinline__ void release(int) const {}
-  __device__ __forceinline__ void segment_done() const {}   // (the epilogue's end frees nothing more)
   // The block's tiles after this segment's.
   __device__ __forceinline__ int tiles_after() const { return t_base + kb_end - kb_begin; }
 };
@@ -1288,7 +1287,6 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_sm90_h64_dl512_dr64_bf16_p64_causal_lse_main(con
         for (int e = 0; e < 4; ++e) o[mt][nt][e] *= kv_scale;   // (E4M3: the products ran on stored values)
     end_segment(p, SegmentEnd{b, x, S, q0, h0, t0, split, splits, direct}, FragmentAt{warp, lane, g, t, wmq, wnq, o_row0, o_dim0},
                 o, lpart, smem_raw, sM, sPart, row_sum);
-    kv.segment_done();
   };
 
   const int splits = group_splits(p, blockIdx.z, (blockIdx.x / HEAD_TILES) * QT, QT);
