@@ -85,7 +85,7 @@ class Schedule:
         last = f"({self.last_pair})"
         return (
             f"__device__ unsigned long long mlagen_ss_trace[{MAX_BLOCKS * MAX_PAIRS * self.events}];\n"
-            f"__device__ int mlagen_ss_last[{MAX_BLOCKS}];   // a block's last pair, for stamps past its tile loop\n"
+            f"__device__ int mlagen_ss_pairs[{2 * MAX_BLOCKS}];   // per block and warpgroup: the state's pair count\n"
             "#define SS_BLOCK ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x)\n"
             f"#define SS_PAIR ({self.pair})   // the block's pairs so far: a balanced split's segments follow on\n"
             f"#define TS(w, e) do {{ if ({mine}) mlagen_ss_trace[{at} + {self.stride} * (w) + (e)] = clock64(); }} "
@@ -133,17 +133,19 @@ SEESAW = Schedule(
         (4, "q_ready", "next segment: Q landed"),
     ),
     stride=8, global_slot=7, boundary_slot=16, events=24,
-    pair="t_base / 2 + pi", last_pair="mlagen_ss_last[SS_BLOCK]",
+    pair="t_base / 2 + pi", last_pair="mlagen_ss_pairs[2 * SS_BLOCK]",
     # The epilogue (end_segment) sees none of the segment's locals: the last pair's index goes
     # through global memory, written and read by thread 0 (-1 until a segment's tile loop ends).
-    state=(("start", f"if (threadIdx.x == 0 && SS_BLOCK < {MAX_BLOCKS}) mlagen_ss_last[SS_BLOCK] = -1"),
+    state=(("start", f"if (threadIdx.x == 0 && SS_BLOCK < {MAX_BLOCKS}) mlagen_ss_pairs[2 * SS_BLOCK] = -1"),
            ("loop_end",
-            f"if (threadIdx.x == 0 && SS_BLOCK < {MAX_BLOCKS}) mlagen_ss_last[SS_BLOCK] = tiles_done / 2 - 1")),
+            f"if (threadIdx.x == 0 && SS_BLOCK < {MAX_BLOCKS}) mlagen_ss_pairs[2 * SS_BLOCK] = tiles_done / 2 - 1")),
 )
 
 # The transposed tile (templates/mma_transposed.cu.j2): the scores and the softmax are code both
 # warpgroups run (`me` picks the tile), the P.V hand-offs each warpgroup's own. Its segments
-# keep no count of tiles before them, so the trace keeps one (tr_pairs).
+# keep no count of tiles before them, so the trace keeps one: each warpgroup's thread 0 counts
+# the block's pairs before the segment in global memory (the kernel's segment function sees none
+# of the kernel's locals).
 TRANSPOSED = Schedule(
     steps=(
         ((1, 8), "ma_received", "m_A received"),
@@ -169,9 +171,9 @@ TRANSPOSED = Schedule(
         (4, "q_ready", "next segment: Q and its first tiles landed"),
     ),
     stride=12, global_slot=23, boundary_slot=24, events=32,
-    pair="tr_pairs + pi", last_pair="tr_pairs - 1",
-    state=(("pairs_before", "int tr_pairs = 0"),      # the block's pairs before this segment
-           ("loop_end", "tr_pairs += pairs")),
+    pair="mlagen_ss_pairs[2 * SS_BLOCK + me] + pi", last_pair="mlagen_ss_pairs[2 * SS_BLOCK] - 1",
+    state=(("pairs_before", f"if (wt == 0 && SS_BLOCK < {MAX_BLOCKS}) mlagen_ss_pairs[2 * SS_BLOCK + me] = 0"),
+           ("loop_end", f"if (wt == 0 && SS_BLOCK < {MAX_BLOCKS}) mlagen_ss_pairs[2 * SS_BLOCK + me] += pairs")),
 )
 
 

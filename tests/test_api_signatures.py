@@ -1,10 +1,14 @@
-"""The op's entry points repeat the same keyword arguments; their defaults must agree. The FP8
-cache functions' signatures are pinned, and their scales default to None wherever they appear."""
+"""The op's entry points repeat the same keyword arguments; their defaults must agree, and their
+typed overloads take all of them. The FP8 cache functions' signatures are pinned, and their scales
+default to None wherever they appear."""
 
 import inspect
+import typing
 
 import mlagen
+from mlagen.runtime.op import BatchOptions, VerifyOptions, verify_attention
 from mlagen.runtime.reference import gather_kv, reference, reference_naive
+from mlagen.runtime.varlen import verify_attention_varlen
 
 SHARED = ("softmax_scale", "causal", "tree_mask", "return_lse", "variant", "head_dim_v")
 
@@ -48,3 +52,24 @@ def test_fp8_signatures():
             if name in inspect.signature(fn).parameters:
                 assert defaults[name] is None, f"{fn.__name__}.{name}"
     assert {"kv_scale", "q_scale"} <= set(_defaults(reference)) & set(_defaults(reference_naive))
+
+
+def _keywords(fn) -> dict:
+    """`fn`'s keyword-only parameters and their types."""
+    hints = typing.get_type_hints(fn)
+    return {n: hints[n] for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def test_overload_stubs_take_every_keyword_of_the_implementation():
+    """The entry points' typed overloads take their keywords as one TypedDict each (plus
+    return_lse, which picks the return type): it names every keyword-only argument of the
+    implementation, with the same type."""
+    for fn, options in ((verify_attention, BatchOptions), (verify_attention_varlen, VerifyOptions)):
+        keywords = _keywords(fn)
+        assert keywords.pop("return_lse") is bool
+        assert typing.get_type_hints(options) == keywords, fn.__name__
+        if hasattr(typing, "get_overloads"):   # Python 3.11+
+            stubs = typing.get_overloads(fn)
+            assert len(stubs) == 3, fn.__name__
+            for stub in stubs:
+                assert {"return_lse", "options"} <= set(inspect.signature(stub).parameters), fn.__name__

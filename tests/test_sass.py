@@ -405,7 +405,8 @@ def test_transposed_trace_compiles(name):
     assert sum(code.startswith("TS(me, ") for code in codes) == sum(w is None for (w, _), _, _ in tr.steps) >= 6
     assert sum(code.startswith("TB(") for code in codes) == len(tr.boundary)
     assert sum("if (me == 0) GT()" in code for code in codes) == 1
-    assert "int tr_pairs = 0" in codes and "tr_pairs += pairs" in codes
+    assert [c for c in codes if c.endswith("mlagen_ss_pairs[2 * SS_BLOCK + me] = 0")]
+    assert [c for c in codes if c.endswith("mlagen_ss_pairs[2 * SS_BLOCK + me] += pairs")]
     slots = [slot for w in (0, 1) for slot, _ in tr.sequence(w)] + [tr.global_slot]
     slots += [tr.boundary_slot + k for k in range(len(tr.boundary))]
     assert len(set(slots)) == len(slots) and max(slots) < tr.events      # no two stamps share a slot

@@ -1,6 +1,7 @@
 """Every kernel's source opens its namespace once, defines its constants once, in the traits
-block ahead of every fragment, and carries no arithmetic that a plan value makes degenerate:
-checked on the rendered source of every preset variant."""
+block ahead of every fragment, carries no arithmetic that a plan value makes degenerate, and
+runs its segments as named device functions rather than long lambdas: checked on the rendered
+source of every preset variant."""
 
 from __future__ import annotations
 
@@ -95,3 +96,31 @@ def test_fragments_neither_open_namespaces_nor_define_plan_constants():
             if not KERNEL_CONSTANTS.search(text) or outside:
                 problems.append(f"{path.name}: plan constants outside kernel_constants: {outside}")
     assert not problems, "\n".join(problems)
+
+
+# A lambda whose body opens on its line: `[&](...) {`, `[](...) -> T {`.
+LAMBDA = re.compile(r"^(\s*)\S.*\[[&=]?\]\s*\([^)]*\)[^;{]*\{\s*(?://.*)?$")
+LONGEST_LAMBDA = 40   # lines: a helper's size, not a phase of the kernel
+
+
+def _lambda_lengths(source: str) -> list[tuple[int, str]]:
+    """(lines, opening line) of each lambda in `source`: up to the closing brace at its indent."""
+    lines = source.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if m := LAMBDA.match(line):
+            end = next(j for j in range(i + 1, len(lines)) if re.match(rf"{m.group(1)}\}}", lines[j]))
+            found.append((end - i, line.strip()))
+    return found
+
+
+def test_segments_are_named_device_functions(kernel):
+    """The mma kernels' segment (one row group's share of the work) is a device function of
+    its own over a context struct, and no lambda anywhere runs past LONGEST_LAMBDA lines."""
+    plan, source = kernel
+    if plan.template in ("mma.cu.j2", "mma_transposed.cu.j2"):
+        assert re.search(r"^__device__ __forceinline__ void segment\(const VerifyParams& p, const Block\w+& blk,",
+                         source, re.M)
+        assert not re.search(r"auto segment = ", source)
+    long = [(n, line) for n, line in _lambda_lengths(source) if n > LONGEST_LAMBDA]
+    assert not long, f"lambdas over {LONGEST_LAMBDA} lines: {long}"

@@ -19,9 +19,10 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypedDict, overload
 
 import torch
+from typing_extensions import Unpack
 
 from ..dispatch.policy import (
     BALANCED_LIST_POSITIONS,
@@ -358,49 +359,49 @@ def _checked_call(key: tuple | None, q: torch.Tensor, kv_cache: torch.Tensor, bl
     return call
 
 
+class VerifyOptions(TypedDict, total=False):
+    """The keyword arguments `verify_attention` and `verify_attention_varlen` share, but
+    return_lse, which decides the return type (their docstrings say what each one does)."""
+
+    softmax_scale: float | None
+    causal: bool
+    tree_mask: torch.Tensor | None
+    variant: Variant | None
+    head_dim_v: int
+    check_values: bool | None
+    max_seqlen_k: int | None
+    attn_sink: torch.Tensor | None
+    batch_invariant: bool | None
+    kv_scale: float | torch.Tensor | None
+    q_scale: float | torch.Tensor | None
+    indices: torch.Tensor | None
+    topk_length: torch.Tensor | None
+
+
+class BatchOptions(VerifyOptions, total=False):
+    """`verify_attention`'s keyword arguments beyond `VerifyOptions` (and return_lse)."""
+
+    out: torch.Tensor | None
+    q_counts: torch.Tensor | None
+    extra_kv_cache: torch.Tensor | None
+    extra_indices: torch.Tensor | None
+    extra_topk_length: torch.Tensor | None
+
+
+# The three calls, by return_lse: the output alone, the output and lse, either (a bool known at
+# run time only). The implementation below spells out each keyword; the stubs take them as one.
 @overload
-def verify_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None = ...,
-    cache_seqlens: torch.Tensor | None = ..., *,
-    softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
-    return_lse: Literal[False] = ..., variant: Variant | None = ..., head_dim_v: int = ...,
-    check_values: bool | None = ..., out: torch.Tensor | None = ..., max_seqlen_k: int | None = ...,
-    attn_sink: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
-    kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
-    q_counts: torch.Tensor | None = ..., indices: torch.Tensor | None = ...,
-    topk_length: torch.Tensor | None = ..., extra_kv_cache: torch.Tensor | None = ...,
-    extra_indices: torch.Tensor | None = ..., extra_topk_length: torch.Tensor | None = ...,
-) -> torch.Tensor: ...
-
-
+def verify_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None = ...,
+                     cache_seqlens: torch.Tensor | None = ..., *, return_lse: Literal[False] = ...,
+                     **options: Unpack[BatchOptions]) -> torch.Tensor: ...
 @overload
-def verify_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None = ...,
-    cache_seqlens: torch.Tensor | None = ..., *,
-    softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
-    return_lse: Literal[True], variant: Variant | None = ..., head_dim_v: int = ...,
-    check_values: bool | None = ..., out: torch.Tensor | None = ..., max_seqlen_k: int | None = ...,
-    attn_sink: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
-    kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
-    q_counts: torch.Tensor | None = ..., indices: torch.Tensor | None = ...,
-    topk_length: torch.Tensor | None = ..., extra_kv_cache: torch.Tensor | None = ...,
-    extra_indices: torch.Tensor | None = ..., extra_topk_length: torch.Tensor | None = ...,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
+def verify_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None = ...,
+                     cache_seqlens: torch.Tensor | None = ..., *, return_lse: Literal[True],
+                     **options: Unpack[BatchOptions]) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
-def verify_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None = ...,
-    cache_seqlens: torch.Tensor | None = ..., *,
-    softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
-    return_lse: bool = ..., variant: Variant | None = ..., head_dim_v: int = ...,
-    check_values: bool | None = ..., out: torch.Tensor | None = ..., max_seqlen_k: int | None = ...,
-    attn_sink: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
-    kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
-    q_counts: torch.Tensor | None = ..., indices: torch.Tensor | None = ...,
-    topk_length: torch.Tensor | None = ..., extra_kv_cache: torch.Tensor | None = ...,
-    extra_indices: torch.Tensor | None = ..., extra_topk_length: torch.Tensor | None = ...,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+def verify_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None = ...,
+                     cache_seqlens: torch.Tensor | None = ..., *, return_lse: bool = ...,
+                     **options: Unpack[BatchOptions]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def verify_attention(

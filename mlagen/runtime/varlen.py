@@ -32,11 +32,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 import torch
+from typing_extensions import Unpack
 
 from ..dsl.spec import Variant
 from . import inputs
 from .kv_formats import as_bytes
-from .op import verify_attention
+from .op import VerifyOptions, verify_attention
 
 
 @dataclass(frozen=True)
@@ -141,43 +142,21 @@ def _check_counts(cu_seqlens_q: torch.Tensor, max_seqlen_q: int, total_q: int) -
                                     f"{cu[b + 1] - cu[b]}, expected 0..max_seqlen_q={max_seqlen_q}")
 
 
+# The three calls, by return_lse, as verify_attention's.
 @overload
-def verify_attention_varlen(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None, cache_seqlens: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *,
-    softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
-    return_lse: Literal[False] = ..., variant: Variant | None = ..., head_dim_v: int = ...,
-    check_values: bool | None = ..., max_seqlen_k: int | None = ..., attn_sink: torch.Tensor | None = ...,
-    batch_invariant: bool | None = ...,
-    kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
-    indices: torch.Tensor | None = ..., topk_length: torch.Tensor | None = ...,
-) -> torch.Tensor: ...
-
-
+def verify_attention_varlen(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
+                            cache_seqlens: torch.Tensor | None, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *,
+                            return_lse: Literal[False] = ..., **options: Unpack[VerifyOptions]) -> torch.Tensor: ...
 @overload
-def verify_attention_varlen(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None, cache_seqlens: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *,
-    softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
-    return_lse: Literal[True], variant: Variant | None = ..., head_dim_v: int = ...,
-    check_values: bool | None = ..., max_seqlen_k: int | None = ..., attn_sink: torch.Tensor | None = ...,
-    batch_invariant: bool | None = ...,
-    kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
-    indices: torch.Tensor | None = ..., topk_length: torch.Tensor | None = ...,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
+def verify_attention_varlen(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
+                            cache_seqlens: torch.Tensor | None, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *,
+                            return_lse: Literal[True],
+                            **options: Unpack[VerifyOptions]) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
-def verify_attention_varlen(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None, cache_seqlens: torch.Tensor | None,
-    cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *,
-    softmax_scale: float | None = ..., causal: bool = ..., tree_mask: torch.Tensor | None = ...,
-    return_lse: bool = ..., variant: Variant | None = ..., head_dim_v: int = ...,
-    check_values: bool | None = ..., max_seqlen_k: int | None = ..., attn_sink: torch.Tensor | None = ...,
-    batch_invariant: bool | None = ...,
-    kv_scale: float | torch.Tensor | None = ..., q_scale: float | torch.Tensor | None = ...,
-    indices: torch.Tensor | None = ..., topk_length: torch.Tensor | None = ...,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+def verify_attention_varlen(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor | None,
+                            cache_seqlens: torch.Tensor | None, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *,
+                            return_lse: bool = ...,
+                            **options: Unpack[VerifyOptions]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def verify_attention_varlen(

@@ -1239,6 +1239,187 @@ __device__ __forceinline__ void prefetch_inputs(const VerifyParams& p) {
     prefetch_row_quarters(q, k, threadIdx.x % 4);
   }
 }
+
+// A row's sum once the epilogue met its parts: the WNQ warps' parts in `part`.
+struct RowSum {
+  const float* part;
+  __device__ __forceinline__ float operator()(int row) const {
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < WNQ; ++w) l += part[w * M_PAD + row];
+    return l;
+  }
+};
+
+// What every segment of a block reads: the block's shared memory as the kernel lays it out
+// (SharedMemory's members), the scores' and the output's scale factors, and the thread's place
+// in the mma fragments. References to the kernel's locals, as a lambda's captures are: ptxas
+// then compiles `segment` as it compiles the kernel's own code (with copies, some kernels hold
+// more registers: docs/performance.md, "Code layout and the compiler").
+struct BlockState {
+  unsigned char* smem_raw;
+  elem_t* const& sQ;                         // (M_PAD, D) swizzled
+  elem_t* const& sKV;                        // the KV tiles
+  elem_t* const& sP;                         // (M_PAD, PS) P
+  kv_t* const& sStage;                       // an FP8 cache's staged rows (else the KV tiles)
+  float* const& sPart;                       // (WNQ, M_PAD) row max / sum parts
+  float* const& sM;                          // (M_PAD,) running row max
+  unsigned long long* const& sBits;          // (TREE_ROWS,) the tree mask's rows
+  unsigned long long* const& sFull;          // (MBARRIERS,) the mbarriers
+  const float &kv_scale, &scale_log2;        // the output's factor; the scores' (log2 units)
+  const int &warp, &lane, &g, &t, &wmq, &wnq;   // the thread's place in the mma fragments
+};
+
+// One row group's share of the work: row group x of request b, over its KV tiles [t0, t1) (a
+// balanced split's range; otherwise split `split`'s share of the group's keys), ending as
+// workspace slot `split` of the group's `splits`, or written out directly when `direct`.
+// tiles_done counts the block's KV tiles over its segments (the pipeline's phases follow it).
+__device__ __forceinline__ void segment(const VerifyParams& p, const BlockState& blk, int b, int x, int t0, int t1,
+                                        int split, bool direct, int splits, int& tiles_done, int& pair_at) {
+  unsigned char* const smem_raw = blk.smem_raw;
+  elem_t *const sQ = blk.sQ, *const sKV = blk.sKV, *const sP = blk.sP;
+  kv_t* const sStage = blk.sStage;
+  float *const sPart = blk.sPart, *const sM = blk.sM;
+  unsigned long long *const sBits = blk.sBits, *const sFull = blk.sFull;
+  const float kv_scale = blk.kv_scale, scale_log2 = blk.scale_log2;
+  const int warp = blk.warp, lane = blk.lane, g = blk.g, t = blk.t, wmq = blk.wmq, wnq = blk.wnq;
+  MLAGEN_TRACE(segment);
+  const int h0 = (x % HEAD_TILES) * HT, q0 = (x / HEAD_TILES) * QT;
+  const int S = p.seqlen_q;
+  const int n = request_keys(p, b);
+  int kb_begin, kb_end;
+  segment_tiles(p, x, n, t0, t1, split, splits, &kb_begin, &kb_end);
+
+  {
+    RowLoad<M_PAD, THREADS, q_t> ql;
+    ql.prepare(threadIdx.x, p.q, [&](int r, int) -> const q_t* {
+      const int i = q0 + r / HT;
+      if (r >= ROWS || i >= S) return nullptr;
+      return p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)(h0 + r % HT) * p.q_stride_h;
+    });
+    ql.copy_all(smem_addr(sQ));
+  }
+  KvTiles kv(p, b, n, kb_begin, kb_end, tiles_done, sKV, sStage, sFull);
+  kv.start();
+  if (MASK_TREE) load_tree_rows<QT, WARPS>(p, b, q0, S, sBits, warp, lane);
+  if (!SEESAW && threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;   // (the seesaw starts its own)
+
+  float o[MT_O][NT_O][4] = {};
+  // This warp's output piece: on wgmma its warpgroup's DL/2 dims, rows 16*wmq..; else all rows, DIMS_W dims.
+  const int o_row0 = PV_WGMMA ? 16 * wmq : 0, o_dim0 = PV_WGMMA ? (DL / 2) * wnq : warp * DIMS_W;
+  float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
+  const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
+  for (int kb = kb_begin; kb < kb_end; ++kb) {
+    const unsigned tileA = kv.acquire(kb);               // tile kb landed (16-bit); tile kb-1 fully used
+
+    // ---- scores: rows [wmq*ROWS_W, +ROWS_W) x keys [wnq*KEYS_W, +KEYS_W), k over D ----
+    float s[MTQ][NTQ][4] = {};
+    tile_scores(s, sQa, tileA, kv, kb, wmq, wnq, lane);
+
+    // ---- mask, scale, and this warp's row maxima ----
+    // A tile inside every row's prefix needs no mask. Its padding rows (past ROWS or S) then
+    // hold finite scores of zero-filled queries; they are never written out.
+    const bool all_visible = (kb + 1) * BN <= n - S;
+#pragma unroll
+    for (int mt = 0; mt < MTQ; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
+        const int i = q0 + row / HT;
+        const bool live = row < ROWS && i < S;
+        const unsigned long long bits = MASK_TREE && live ? sBits[row / HT] : 0ull;
+        float mx = -INFINITY;
+        if (all_visible) {
+#pragma unroll
+          for (int nt = 0; nt < NTQ; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float& x = s[mt][nt][2 * half + e];
+              x *= scale_log2;
+              mx = fmaxf(mx, x);
+            }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < NTQ; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = kb * BN + wnq * KEYS_W + nt * 8 + 2 * t + e;
+              float& x = s[mt][nt][2 * half + e];
+              x = live & key_visible(j, n, i, S, bits) ? x * scale_log2 : -INFINITY;   // `&`: a select, no branch
+              mx = fmaxf(mx, x);
+            }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        if (t == 0) sPart[wnq * M_PAD + row] = mx;
+      }
+    block_sync();
+
+    // ---- new row maxima; P = exp2(S - m) to shared memory ----
+    float m_prev[MTQ][2], m_next[MTQ][2];     // each score row's running max before / after this tile
+#pragma unroll
+    for (int mt = 0; mt < MTQ; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
+        m_prev[mt][half] = sM[row];
+        m_next[mt][half] = new_max(sM, sPart, row);
+      }
+#pragma unroll
+    for (int mt = 0; mt < MTQ; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
+        const float m_old = m_prev[mt][half], m_new = m_next[mt][half];
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;     // an all-masked row stays empty
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NTQ; ++nt) {
+          const float p0 = exp2f(s[mt][nt][2 * half] - m_use), p1 = exp2f(s[mt][nt][2 * half + 1] - m_use);
+          sum += p0 + p1;
+          *reinterpret_cast<elem2_t*>(sP + p_off(row, wnq * KEYS_W + nt * 8 + 2 * t)) = from_float2(p0, p1);
+        }
+        lpart[mt][half] = lpart[mt][half] * exp2f(m_old - m_use) + sum;
+      }
+    // Output rows of this thread: rescale by exp2(m_old - m_new) before adding this tile.
+#pragma unroll
+    for (int mt = 0; mt < MT_O; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float m_old, m_new;
+        if constexpr (PV_WGMMA) {         // output rows = score rows (o_row0 = 16 * wmq)
+          m_old = m_prev[mt][half];
+          m_new = m_next[mt][half];
+        } else {
+          const int row = o_row0 + mt * 16 + g + 8 * half;
+          m_old = sM[row];
+          m_new = new_max(sM, sPart, row);
+        }
+        if (m_new == m_old) continue;     // most tiles of a long row: alpha = 1, skip the multiplies
+        const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt) { o[mt][nt][2 * half] *= alpha; o[mt][nt][2 * half + 1] *= alpha; }
+      }
+    async_proxy_fence<PV_WGMMA>();                        // P stores -> wgmma reads
+    block_sync();                                      // P complete; sM and sPart read
+
+    // ---- O += P V over the tile's keys ----
+    tile_pv(o, sPa, tileA, kv, kb, warp, wnq, lane);
+    if (threadIdx.x < M_PAD)      // after P V's issue, off its path; read after the next tile's barriers
+      sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
+    kv.release(kb);                                       // tile kb's buffer is free
+  }
+  tiles_done = kv.tiles_after();
+  MLAGEN_TRACE(loop_end);
+#pragma unroll
+  for (int mt = 0; mt < MT_O; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][nt][e] *= kv_scale;   // (E4M3: the products ran on stored values)
+  end_segment(p, SegmentEnd{b, x, S, q0, h0, t0, split, splits, direct}, FragmentAt{warp, lane, g, t, wmq, wnq, o_row0, o_dim0},
+              o, lpart, smem_raw, sM, sPart, RowSum{sPart}, pair_at);
+}
 }  // namespace mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse
 
 // grid: (ceil(S/QT) * H/HT, num_splits, B + merge slabs when num_splits > 1); block: 256 threads;
@@ -1277,168 +1458,23 @@ mlagen_mma_ht64_qt1_bn64_w8_st2_p16_sm90a_h64_dl512_dr64_bf16_p64_causal_lse_mai
   unsigned long long* sFull = sBits + TREE_ROWS;        // (MBARRIERS,) after the tree-mask rows
   KvTiles::init(sFull, p);
   int tiles_done = 0;                                   // this block's KV tiles over its segments
-  auto row_sum = [&](int row) {                          // a row's sum, once the epilogue met its parts
-    float l = 0.f;
-#pragma unroll
-    for (int w = 0; w < WNQ; ++w) l += sPart[w * M_PAD + row];
-    return l;
-  };
+  const BlockState blk{smem_raw, sQ, sKV, sP, sStage, sPart, sM, sBits, sFull, kv_scale, scale_log2,
+                       warp, lane, g, t, wmq, wnq};
   // A pair's block ends it after its range (end_pair): 2 b + 1 when its range is request b's
   // first, 2 b when its second; -1 otherwise. (Its row group is blockIdx.x.) The ticket, and the
   // block-wide answer it needs, wait until then: inside the range loop a barrier reduction or a
   // shared read of it costs the tile loop its convergence or its uniform registers.
   int pair_at = -1;
-  // One row group's share of the work: row group x of request b, over its KV tiles [t0, t1) (a
-  // balanced split's range; otherwise split `split`'s share of the group's keys), ending as
-  // workspace slot `split` of the group's `splits`, or written out directly when `direct`.
-  auto segment = [&](int b, int x, int t0, int t1, int split, bool direct, int splits) {
-    MLAGEN_TRACE(segment);
-    const int h0 = (x % HEAD_TILES) * HT, q0 = (x / HEAD_TILES) * QT;
-    const int S = p.seqlen_q;
-    const int n = request_keys(p, b);
-    int kb_begin, kb_end;
-    segment_tiles(p, x, n, t0, t1, split, splits, &kb_begin, &kb_end);
-
-    {
-      RowLoad<M_PAD, THREADS, q_t> ql;
-      ql.prepare(threadIdx.x, p.q, [&](int r, int) -> const q_t* {
-        const int i = q0 + r / HT;
-        if (r >= ROWS || i >= S) return nullptr;
-        return p.q + (long long)b * p.q_stride_b + (long long)i * p.q_stride_s + (long long)(h0 + r % HT) * p.q_stride_h;
-      });
-      ql.copy_all(smem_addr(sQ));
-    }
-    KvTiles kv(p, b, n, kb_begin, kb_end, tiles_done, sKV, sStage, sFull);
-    kv.start();
-    if (MASK_TREE) load_tree_rows<QT, WARPS>(p, b, q0, S, sBits, warp, lane);
-    if (!SEESAW && threadIdx.x < M_PAD) sM[threadIdx.x] = -INFINITY;   // (the seesaw starts its own)
-
-    float o[MT_O][NT_O][4] = {};
-    // This warp's output piece: on wgmma its warpgroup's DL/2 dims, rows 16*wmq..; else all rows, DIMS_W dims.
-    const int o_row0 = PV_WGMMA ? 16 * wmq : 0, o_dim0 = PV_WGMMA ? (DL / 2) * wnq : warp * DIMS_W;
-    float lpart[MTQ][2] = {};                 // this thread's share of each score row's sum
-    const unsigned sQa = smem_addr(sQ), sPa = smem_addr(sP);
-    for (int kb = kb_begin; kb < kb_end; ++kb) {
-      const unsigned tileA = kv.acquire(kb);               // tile kb landed (16-bit); tile kb-1 fully used
-
-      // ---- scores: rows [wmq*ROWS_W, +ROWS_W) x keys [wnq*KEYS_W, +KEYS_W), k over D ----
-      float s[MTQ][NTQ][4] = {};
-      tile_scores(s, sQa, tileA, kv, kb, wmq, wnq, lane);
-
-      // ---- mask, scale, and this warp's row maxima ----
-      // A tile inside every row's prefix needs no mask. Its padding rows (past ROWS or S) then
-      // hold finite scores of zero-filled queries; they are never written out.
-      const bool all_visible = (kb + 1) * BN <= n - S;
-#pragma unroll
-      for (int mt = 0; mt < MTQ; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
-          const int i = q0 + row / HT;
-          const bool live = row < ROWS && i < S;
-          const unsigned long long bits = MASK_TREE && live ? sBits[row / HT] : 0ull;
-          float mx = -INFINITY;
-          if (all_visible) {
-#pragma unroll
-            for (int nt = 0; nt < NTQ; ++nt)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                float& x = s[mt][nt][2 * half + e];
-                x *= scale_log2;
-                mx = fmaxf(mx, x);
-              }
-          } else {
-#pragma unroll
-            for (int nt = 0; nt < NTQ; ++nt)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int j = kb * BN + wnq * KEYS_W + nt * 8 + 2 * t + e;
-                float& x = s[mt][nt][2 * half + e];
-                x = live & key_visible(j, n, i, S, bits) ? x * scale_log2 : -INFINITY;   // `&`: a select, no branch
-                mx = fmaxf(mx, x);
-              }
-          }
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          if (t == 0) sPart[wnq * M_PAD + row] = mx;
-        }
-      block_sync();
-
-      // ---- new row maxima; P = exp2(S - m) to shared memory ----
-      float m_prev[MTQ][2], m_next[MTQ][2];     // each score row's running max before / after this tile
-#pragma unroll
-      for (int mt = 0; mt < MTQ; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
-          m_prev[mt][half] = sM[row];
-          m_next[mt][half] = new_max(sM, sPart, row);
-        }
-#pragma unroll
-      for (int mt = 0; mt < MTQ; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = wmq * ROWS_W + mt * 16 + g + 8 * half;
-          const float m_old = m_prev[mt][half], m_new = m_next[mt][half];
-          const float m_use = m_new == -INFINITY ? 0.f : m_new;     // an all-masked row stays empty
-          float sum = 0.f;
-#pragma unroll
-          for (int nt = 0; nt < NTQ; ++nt) {
-            const float p0 = exp2f(s[mt][nt][2 * half] - m_use), p1 = exp2f(s[mt][nt][2 * half + 1] - m_use);
-            sum += p0 + p1;
-            *reinterpret_cast<elem2_t*>(sP + p_off(row, wnq * KEYS_W + nt * 8 + 2 * t)) = from_float2(p0, p1);
-          }
-          lpart[mt][half] = lpart[mt][half] * exp2f(m_old - m_use) + sum;
-        }
-      // Output rows of this thread: rescale by exp2(m_old - m_new) before adding this tile.
-#pragma unroll
-      for (int mt = 0; mt < MT_O; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float m_old, m_new;
-          if constexpr (PV_WGMMA) {         // output rows = score rows (o_row0 = 16 * wmq)
-            m_old = m_prev[mt][half];
-            m_new = m_next[mt][half];
-          } else {
-            const int row = o_row0 + mt * 16 + g + 8 * half;
-            m_old = sM[row];
-            m_new = new_max(sM, sPart, row);
-          }
-          if (m_new == m_old) continue;     // most tiles of a long row: alpha = 1, skip the multiplies
-          const float alpha = exp2f(m_old - (m_new == -INFINITY ? 0.f : m_new));
-#pragma unroll
-          for (int nt = 0; nt < NT_O; ++nt) { o[mt][nt][2 * half] *= alpha; o[mt][nt][2 * half + 1] *= alpha; }
-        }
-      async_proxy_fence<PV_WGMMA>();                        // P stores -> wgmma reads
-      block_sync();                                      // P complete; sM and sPart read
-
-      // ---- O += P V over the tile's keys ----
-      tile_pv(o, sPa, tileA, kv, kb, warp, wnq, lane);
-      if (threadIdx.x < M_PAD)      // after P V's issue, off its path; read after the next tile's barriers
-        sM[threadIdx.x] = new_max(sM, sPart, threadIdx.x);
-      kv.release(kb);                                       // tile kb's buffer is free
-    }
-    tiles_done = kv.tiles_after();
-    MLAGEN_TRACE(loop_end);
-#pragma unroll
-    for (int mt = 0; mt < MT_O; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT_O; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[mt][nt][e] *= kv_scale;   // (E4M3: the products ran on stored values)
-    end_segment(p, SegmentEnd{b, x, S, q0, h0, t0, split, splits, direct}, FragmentAt{warp, lane, g, t, wmq, wnq, o_row0, o_dim0},
-                o, lpart, smem_raw, sM, sPart, row_sum, pair_at);
-  };
 
   const int splits = group_splits(p, blockIdx.z, (blockIdx.x / HEAD_TILES) * QT, QT);
-  if (blockIdx.y < splits) segment(blockIdx.z, blockIdx.x, 0, 0, blockIdx.y, splits == 1, splits);
+  if (blockIdx.y < splits) segment(p, blk, blockIdx.z, blockIdx.x, 0, 0, blockIdx.y, splits == 1, splits, tiles_done, pair_at);
   if (pair_at >= 0) {                                     // its rows are still staged: its range ran one segment
     // its slot and the other block's: a fixed split's two; a balanced request's ranges have
     // consecutive slots, y + b
     const int b = pair_at / 2, own = blockIdx.y, other = own + (pair_at % 2 ? 1 : -1);
     end_pair<ROWS, HT, WARPS>(p, b, blockIdx.x, own, other, (blockIdx.x / HEAD_TILES) * QT,
                               (blockIdx.x % HEAD_TILES) * HT, reinterpret_cast<const elem_t*>(smem_raw), STAGE_STRIDE,
-                              sM, row_sum, reinterpret_cast<unsigned*>(sP), warp, lane);   // (sP: free now)
+                              sM, RowSum{sPart}, reinterpret_cast<unsigned*>(sP), warp, lane);   // (sP: free now)
     MLAGEN_TRACE(pair_done);
   }
 }
