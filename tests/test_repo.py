@@ -221,3 +221,18 @@ def test_references_resolve():
                 if _resolves(mlagen, names) is not None:
                     dangling.append(f"{where}: {m.group(0)} (not in mlagen)")
     assert not dangling, "references that do not resolve:\n" + "\n".join(dangling)
+
+
+# A timing tied to a GPU: the GPU's name and, within the sentence, a figure in µs, %, x or TFLOP/s.
+GPU_FIGURE = re.compile(r"\b(?:H100|H200)\b[^.;]{0,80}?\d+(?:\.\d+)?\s*(?:µs|%|x\b|TFLOP)")
+
+
+def test_measured_figures_live_in_the_performance_record():
+    """The package's docstrings and comments and the templates' comments quote no GPU's timings,
+    which go stale as the kernels change: docs/performance.md keeps them, and the code names the
+    section."""
+    hits = [f"{_rel(p)}:{n}: {line.strip()}"
+            for top in ("mlagen", "templates") for p in sorted((ROOT / top).rglob("*"))
+            if p.suffix in (".py", ".j2") and "__pycache__" not in p.parts
+            for n, line in _prose(p) if GPU_FIGURE.search(line)]
+    assert not hits, "GPU timings outside docs/performance.md:\n" + "\n".join(hits)

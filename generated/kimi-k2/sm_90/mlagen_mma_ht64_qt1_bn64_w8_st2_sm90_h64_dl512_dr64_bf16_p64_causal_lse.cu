@@ -594,7 +594,8 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 // Whether a row group of `splits` splits ends as a pair. Only where each split block runs one
 // segment (a fixed split; the balanced split's aligned layout): a packed range's block that ended
 // one request as the second of its pair would merge before its next request's segment, on its
-// range's path (H=64 B=32 S=9 at 4096 keys: 3% slower), where a merge block does that off it.
+// range's path (slower: docs/performance.md, "Split and merge"), where a merge block does that
+// off it.
 // Not with ragged rows: a pair's blocks are those of one row-group slot, which holds different
 // row groups of a request from slot to slot.
 __device__ __forceinline__ bool pair_merge(int splits) {
@@ -881,9 +882,9 @@ struct RowLoad {
 
 // A segment's KV tiles [kb_begin, kb_end) of request b (n keys), copied with cp.async by every
 // thread, one commit group a tile, into STAGES stages of rows STAGE_ROW kv_t values apart. Each
-// tile loads in three steps a tile apart (H=64 S=9 at 65536 keys: -10%): the block-table ids are
-// read (fetch_pages) a tile before the row lookups (prepare), and the lookups a tile before the
-// copies, so no copy waits on a dependent global read. With gathered keys the ids are the row
+// tile loads in three steps a tile apart (docs/performance.md, "Loads and pipelines"): the
+// block-table ids are read (fetch_pages) a tile before the row lookups (prepare), and the lookups
+// a tile before the copies, so no copy waits on a dependent global read. With gathered keys the ids are the row
 // ids the segment's query token lists, and each row is copied from its own address.
 struct KvRows {
   using Load = RowLoad<BN, THREADS, kv_t, STAGED_CHUNKS>;

@@ -648,7 +648,7 @@ __device__ __forceinline__ void count_split_done(const VerifyParams& p, int b, i
 //   W = C + M, and request b's ranges share its tiles evenly. Each block then starts one
 //   segment: one Q and one partial row per row, where packed ranges that cross a request pay
 //   two. Taken when M is at most the packed W, or at most UNSPLIT_SLACK more when every
-//   request then takes one range (mlagen/plan/validate.py says what the H200 measured); a ragged batch
+//   request then takes one range (mlagen/plan/validate.py, UNSPLIT_SLACK_TILES); a ragged batch
 //   whose short requests would each hold a range nearly empty stays packed.
 // All row groups of a request stream its keys in step (L2 serves all but the first read of a
 // tile). Range y's partial of request b goes to workspace slot y + b: one request's slots are
@@ -978,7 +978,8 @@ __device__ __forceinline__ void run_range(const VerifyParams& p, const WorkList&
 // Whether a row group of `splits` splits ends as a pair. Only where each split block runs one
 // segment (a fixed split; the balanced split's aligned layout): a packed range's block that ended
 // one request as the second of its pair would merge before its next request's segment, on its
-// range's path (H=64 B=32 S=9 at 4096 keys: 3% slower), where a merge block does that off it.
+// range's path (slower: docs/performance.md, "Split and merge"), where a merge block does that
+// off it.
 // Not with ragged rows: a pair's blocks are those of one row-group slot, which holds different
 // row groups of a request from slot to slot.
 __device__ __forceinline__ bool pair_merge(int splits, const WorkList& wl) {
