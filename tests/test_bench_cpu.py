@@ -543,6 +543,26 @@ def test_fp8_cells_report_their_own_floor_and_targets(tmp_path):
     assert from_json(json.dumps(data)).fp8 == []      # results written before --fp8 load
 
 
+def test_flashmla_refusal_is_recorded_with_its_reason(monkeypatch):
+    """A row FlashMLA's live call refuses keeps the error's first line: in the row, its JSON and
+    bench.md's failures."""
+    from mlagen.tools import bench
+    from mlagen.tools.live_peer import LivePeer
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("num_heads_k must divide num_heads\nException raised from get_mla_metadata")
+    monkeypatch.setattr(bench, "dense_call", lambda *_args, **_kwargs: None)
+    monkeypatch.setattr(bench, "measure", refuse)
+    live = LivePeer(module=object(), source="/x")   # type: ignore[arg-type]
+    work = type("W", (), {"scale": 0.1, "sets": []})()
+    us, error = bench._time_live_peer(live, work, BenchConfig())
+    assert us is None and error == "RuntimeError: num_heads_k must divide num_heads"
+    result = _with_named_variant()
+    result.rows[0].flashmla_error = error
+    assert from_json(to_json(result)).rows[0].flashmla_error == error
+    assert f"- {result.rows[0].row} FlashMLA: {error}" in markdown(result).splitlines()
+
+
 def test_empty_result_writes(tmp_path):
     paths = write_all(BenchResult(meta={}, families=[]), tmp_path)
     assert all(p.exists() for p in paths)

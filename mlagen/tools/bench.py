@@ -123,6 +123,7 @@ class RowResult:
     cells: dict[str, Cell]      # family names, named variants, "eager", "dispatch", side cells (`is_side_cell`)
     flashmla_us: float | None = None
     flashmla_live: bool = False  # flashmla_us timed in this run on the row's inputs, else the stored figure
+    flashmla_error: str = ""     # why FlashMLA, loaded for the run, has no live figure on the row
     fp8_floor_us: dict[str, float] = field(default_factory=dict)   # {FP8 cell: its floor}
 
     def floor_of(self, name: str) -> float:
@@ -351,14 +352,15 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
         if progress:
             progress.update(row_task, description=f"timing H={row.heads} B={row.batch} S={row.seqlen_q} "
                                                   f"prefix={row.prefix}")
-        peer_us = None
+        peer_us, peer_error = None, ""
         try:
             work = make_workload(row, config.page_size, config.mask, config.dtype, l2)
         except Exception as e:   # e.g. out of memory: every cell of the row fails, the run goes on
             cells = {n: Cell(error=f"inputs: {type(e).__name__}: {e}"[:300]) for n in [*variants, EAGER, *side]}
         else:
             cells = _time_row(work, config.mask, problem, variants, side, errors, config.timing, l2)
-            peer_us = _time_live_peer(live, work, config) if runs_live(live, config) else None
+            if runs_live(live, config):
+                peer_us, peer_error = _time_live_peer(live, work, config)
             del work
         cells |= invalid_cells(problem, config.extra)
         p = peer(row.heads, row.batch, row.seqlen_q, row.prefix)
@@ -367,6 +369,7 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
             heads=row.heads, batch=row.batch, seqlen_q=row.seqlen_q, prefix=row.prefix, grids=list(grids),
             floor_us=floor_us(row.heads, row.batch, row.seqlen_q, row.keys, ceilings), cells=cells,
             flashmla_us=peer_us if peer_us is not None else stored, flashmla_live=peer_us is not None,
+            flashmla_error=peer_error,
             fp8_floor_us=fp8_floors(row, config, ceilings)))
         torch.cuda.empty_cache()
         if progress:
@@ -400,14 +403,15 @@ def peer_source(live: LivePeer, config: BenchConfig) -> str:
     return f"none (not live: {why}; the stored figures are for the {PEER_GPU}, page 64, bf16, causal)"
 
 
-def _time_live_peer(live: LivePeer, work: Workload, config: BenchConfig) -> float | None:
-    """FlashMLA's µs on the row's input sets, or None where its call raises (a shape it refuses)."""
+def _time_live_peer(live: LivePeer, work: Workload, config: BenchConfig) -> tuple[float | None, str]:
+    """(FlashMLA's µs on the row's input sets, "") or, where its call raises (a shape it refuses),
+    (None, the error's first line)."""
     call = dense_call(live.module, work.scale, causal=config.mask == "causal")
     try:
-        return measure(call, work.sets, config.timing).us
-    except Exception:   # FlashMLA asserts and TORCH_CHECKs its own limits: the row has no live figure
+        return measure(call, work.sets, config.timing).us, ""
+    except Exception as e:   # FlashMLA asserts and TORCH_CHECKs its own limits: the row has no live figure
         torch.cuda.empty_cache()
-        return None
+        return None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
 
 
 def fp8_floors(row: Row, config: BenchConfig, ceilings: Ceilings) -> dict[str, float]:

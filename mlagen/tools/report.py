@@ -214,6 +214,7 @@ def markdown(result: BenchResult) -> str:
            *summary_markdown(result), "", "## Every cell", "",
            *markdown_table(_columns(result), [row_cells(result, r) for r in result.rows])]
     failures = [(r, n, c.error) for r in result.rows for n, c in r.cells.items() if c.error]
+    failures += [(r, "FlashMLA", r.flashmla_error) for r in result.rows if r.flashmla_error]
     if failures:
         out += ["", "## Failures", ""]
         out += [f"- {r.row} {n}: {err.splitlines()[0] if err else ''}" for r, n, err in failures]
