@@ -56,7 +56,7 @@
 #   tune       tune.log                 tune8      tune8.log
 #   bench      bench.json, bench.md, bench.png
 #   ragged     ragged.log               host       host_cost.log        fuzz    fuzz.log
-#   sparse     flashmla_sparse_tests.txt, sparse.json, sparse.md       peers   flashmla_build.log
+#   sparse     flashmla_sparse_tests.txt and .log, sparse.json, sparse.md     peers   flashmla_build.log
 #
 # COPY_TO=dir also copies the files of each step to dir/<gpu>/ as soon as the step ends (and the
 # tuned table to dir/tables/), so a run that is stopped part-way leaves the finished steps there.
@@ -171,7 +171,7 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         # -lineinfo: each report names its source lines. racecheck does not pair bar.arrive with
         # bar.sync: the transposed tile (_tr_), whose warpgroups hand over through them, gets
         # synccheck instead (and tests/test_gpu_verify.py's bitwise-repeatability test). The
-        # fp8_ws and fp8_mma tiles, whose producer keeps barriers of its own, get both.
+        # fp8_ws, fp8_mma and fp8_ldg tiles, whose producer keeps barriers of its own, get both.
         local pick=()
         [[ $step == synccheck ]] && pick=(--only _tr_,feature+fp8_ws,feature+fp8_mma,fp8_ldg)
         [[ $step == racecheck1 ]] && pick=(--skip _tr_ --cases 0-2)
@@ -218,8 +218,8 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         rc=0
         if [[ -d third_party/FlashMLA ]]; then
           timeout $((LIMIT[sparse] / 2)) python3 benchmarks/flashmla_sparse_tests.py \
-            --out "$results/flashmla_sparse_tests.txt" > /dev/null 2>&1 || rc=1
-          written+=(flashmla_sparse_tests.txt)
+            --out "$results/flashmla_sparse_tests.txt" > "$results/flashmla_sparse_tests.log" 2>&1 || rc=1
+          written+=(flashmla_sparse_tests.txt flashmla_sparse_tests.log)
         else
           echo "sparse: no third_party/FlashMLA checkout, so FlashMLA's sparse test file is skipped" >&2
         fi

@@ -92,6 +92,7 @@ BAD = [
     (["bench", "--sparse", "--grid", "seed"], "--sparse: expected no dense-grid options with it (its rows are fixed, "
      "ds_mla over 64-key pages, bf16 queries), got --grid"),
     (["bench", "--sparse", "--dtype", "fp16"], "--sparse: expected no dense-grid options with it"),
+    (["bench", "--sparse", "--page-size", "16", "--dtype", "fp16"], "bf16 queries), got --page-size 16, --dtype fp16"),
     (["bench", "--sparse", "--flashmla", "{file}"], "--flashmla {file}: expected a FlashMLA checkout"),
     (["bench", "--sparse", "--variant", "mma_fast"], "--variant: variant name: got 'mma_fast'"),
     (["bench", "--page-size", "abc"], "--page-size: got 'abc', expected an integer (see 'mlagen bench --help')"),

@@ -34,7 +34,7 @@ from .grids import Row
 from .live_peer import LivePeer, dense_call, load_flashmla
 from .peers import PEER_GPU, peer
 from .stamp import stamp
-from .timing import TimingConfig, host_us_per_call, l2_bytes, measure, measure_ceilings
+from .timing import TimingConfig, failure_text, host_us_per_call, l2_bytes, measure, measure_ceilings
 from .workload import (
     FP8_CASES,
     Workload,
@@ -347,7 +347,8 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
                          other_masks=list(config.masks[1:]), invariant=config.batch_invariant, fp8=list(config.fp8))
     live = load_flashmla(config.flashmla, device)
     meta["flashmla"] = peer_source(live, config)
-    stored_applies = shows_stored(config)
+    live_peer = runs_live(live, config)
+    stored_applies = shows_stored(config) and not live_peer   # one source for the column's whole run
     for row, grids, problem, variants, side in plans:
         if progress:
             progress.update(row_task, description=f"timing H={row.heads} B={row.batch} S={row.seqlen_q} "
@@ -356,10 +357,10 @@ def run_bench(rows: list[tuple[Row, tuple[str, ...]]], config: BenchConfig, prog
         try:
             work = make_workload(row, config.page_size, config.mask, config.dtype, l2)
         except Exception as e:   # e.g. out of memory: every cell of the row fails, the run goes on
-            cells = {n: Cell(error=f"inputs: {type(e).__name__}: {e}"[:300]) for n in [*variants, EAGER, *side]}
+            cells = {n: Cell(error="inputs: " + failure_text(e)) for n in [*variants, EAGER, *side]}
         else:
             cells = _time_row(work, config.mask, problem, variants, side, errors, config.timing, l2)
-            if runs_live(live, config):
+            if live_peer:
                 peer_us, peer_error = _time_live_peer(live, work, config)
             del work
         cells |= invalid_cells(problem, config.extra)
@@ -405,13 +406,13 @@ def peer_source(live: LivePeer, config: BenchConfig) -> str:
 
 def _time_live_peer(live: LivePeer, work: Workload, config: BenchConfig) -> tuple[float | None, str]:
     """(FlashMLA's µs on the row's input sets, "") or, where its call raises (a shape it refuses),
-    (None, the error's first line)."""
+    (None, why: `failure_text`)."""
     call = dense_call(live.module, work.scale, causal=config.mask == "causal")
     try:
         return measure(call, work.sets, config.timing).us, ""
     except Exception as e:   # FlashMLA asserts and TORCH_CHECKs its own limits: the row has no live figure
         torch.cuda.empty_cache()
-        return None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+        return None, failure_text(e)
 
 
 def fp8_floors(row: Row, config: BenchConfig, ceilings: Ceilings) -> dict[str, float]:
@@ -463,7 +464,7 @@ def _timed(run: Callable[[], float], variant: str, compile_error: str) -> Cell:
         return Cell(us=run(), variant=variant)
     except Exception as e:
         torch.cuda.empty_cache()
-        return Cell(variant=variant, error=f"{type(e).__name__}: {e}"[:300])
+        return Cell(variant=variant, error=failure_text(e))
 
 
 def _host_cost(row: Row, config: BenchConfig) -> dict[str, object]:

@@ -620,7 +620,8 @@ def bench(
         "FlashMLA's sparse kernel; writes sparse.json and sparse.md. Takes --variant, --flashmla, --target-ms, "
         "--out and --format"),
     out: Path = typer.Option(Path("benchmarks/latest"), metavar="FOLDER",
-                             help="the folder for bench.json, bench.md and bench.png"),
+                             help="the folder for bench.json, bench.md and bench.png (with --sparse: "
+                                  "sparse.json and sparse.md)"),
     format_: str = typer.Option("table", "--format", metavar="FORMAT", help=FORMAT_HELP),
 ) -> None:
     """Time the kernels on this GPU, shape by shape, against PyTorch eager and the floor.
@@ -639,9 +640,10 @@ def bench(
     if sparse:
         dense = [name for name, given in (("--grid", grid), ("--row", row), ("--mask", mask), ("--fp8", fp8),
                                           ("--batch-invariant", batch_invariant)) if given]
-        if dense or page_size != 64 or dtype != "bf16":
+        dense += [f"--page-size {page_size}"] * (page_size != 64) + [f"--dtype {dtype}"] * (dtype != "bf16")
+        if dense:
             _fail(f"--sparse: expected no dense-grid options with it (its rows are fixed, ds_mla over 64-key "
-                  f"pages, bf16 queries), got {', '.join(dense) or '--page-size or --dtype'}")
+                  f"pages, bf16 queries), got {', '.join(dense)}")
         _bench_sparse(variant, flashmla, target_ms, out, fmt)
         return
     rows = _rows(grid, row, ["seed"])

@@ -23,7 +23,7 @@ from ..dsl.spec import Variant
 from .live_peer import load_flashmla, sparse_call
 from .stamp import stamp
 from .tables import markdown_table, text_table
-from .timing import TimingConfig, copy_bandwidth, l2_bytes, matmul_rate, measure, rotation_count
+from .timing import TimingConfig, copy_bandwidth, failure_text, l2_bytes, matmul_rate, measure, rotation_count
 
 PAGE_SIZE = 64
 CACHE_KEYS = 65536              # cached keys a request's tokens pick from, by default
@@ -133,7 +133,7 @@ class SparseResult:
     rows: list[SparseRowResult] = field(default_factory=list)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        return json.dumps(asdict(self), indent=1) + "\n"
 
 
 def run_sparse(rows: Sequence[SparseRow], config: SparseConfig, progress=None) -> SparseResult:
@@ -155,28 +155,35 @@ def run_sparse(rows: Sequence[SparseRow], config: SparseConfig, progress=None) -
             progress.update(task, description=f"timing {row}")
         floor = max(row.flops / floors[0], row.gathered_bytes / floors[1]) * 1e6
         cell = SparseRowResult(row.heads, row.batch, row.seqlen_q, row.topk, floor_us=floor)
-        sets = sparse_inputs(row, config.cache_keys, rotation_count(row.gathered_bytes, l2_bytes(device)), "cuda")
-        outs = {}
+        try:
+            sets = sparse_inputs(row, config.cache_keys, rotation_count(row.gathered_bytes, l2_bytes(device)), "cuda")
+        except Exception as e:   # e.g. out of memory: every cell of the row fails, the run goes on
+            cell.errors = {name: "inputs: " + failure_text(e) for name in result.cells}
+            result.rows.append(cell)
+            torch.cuda.empty_cache()
+            continue
+        dispatch_out = None
         for name, variant in zip(result.cells, (None, *config.extra), strict=True):
             def call(s: SparseInputs, v: Variant | None = variant) -> torch.Tensor:
                 return verify_attention(s.q, s.kv_cache, indices=s.indices, causal=False, softmax_scale=scale,
                                         out=s.out, variant=v)
             try:
                 cell.us[name] = measure(call, sets, config.timing).us
-                outs[name] = call(sets[0]).float().clone()
+                if name == DISPATCH:
+                    dispatch_out = call(sets[0]).float()
             except Exception as e:    # a variant that does not fit the row: its cell says why, the run goes on
-                cell.errors[name] = f"{type(e).__name__}: {e}"[:300]
+                cell.errors[name] = failure_text(e)
         if live.module is not None:
             flash = sparse_call(live.module, scale)
             try:
                 cell.flashmla_us = measure(flash, sets, config.timing).us
             except Exception as e:    # FlashMLA checks its own limits (64 or 128 heads): the row says so
-                cell.errors[FLASHMLA] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                cell.errors[FLASHMLA] = failure_text(e)
             else:
-                if DISPATCH in outs:
-                    cell.flashmla_diff = (flash(sets[0]).float() - outs[DISPATCH]).abs().max().item()
+                if dispatch_out is not None:
+                    cell.flashmla_diff = (flash(sets[0]).float() - dispatch_out).abs().max().item()
         result.rows.append(cell)
-        del sets, outs
+        del sets, dispatch_out
         torch.cuda.empty_cache()
         if progress:
             progress.advance(task)
@@ -228,7 +235,8 @@ def markdown(result: SparseResult) -> str:
                      f"{ratios[len(ratios) // 2][0]:.2f}×, worst {ratios[-1][0]:.2f}× ({ratios[-1][1]})")
     header, rows = table_rows(result)
     lines += ["", *markdown_table(header, rows)]
-    errors = [f"- {r.row} {name}: {err}" for r in result.rows for name, err in r.errors.items()]
+    errors = [f"- {r.row} {name}: {err.splitlines()[0] if err else ''}" for r in result.rows
+              for name, err in r.errors.items()]
     if errors:
         lines += ["", "## Errors", "", *errors]
     return "\n".join(lines) + "\n"

@@ -257,7 +257,9 @@ def reference_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
             raise ValueError("reference_op: causal=True with indices; expected False")
         out, lse = sparse_reference(q, kv_cache, indices, topk_length, dtype=torch.float64, **kwargs)
     else:
-        assert block_table is not None and cache_seqlens is not None, "paged keys need block_table and cache_seqlens"
+        if block_table is None or cache_seqlens is None:
+            raise ValueError(f"reference_op: paged keys need block_table and cache_seqlens; got "
+                             f"{'block_table' if block_table is None else 'cache_seqlens'} None")
         out, lse = reference(q, kv_cache, block_table, cache_seqlens, dtype=torch.float64, **kwargs)
     out = out.to(output_dtype(q.dtype, kv_cache.dtype))
     return (out, lse.float()) if return_lse else out

@@ -54,6 +54,12 @@ def _events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
+def failure_text(e: BaseException) -> str:
+    """What a cell, a trial or a peer that failed keeps of the exception: its type and message, at
+    most 300 characters (reports show the first line)."""
+    return f"{type(e).__name__}: {e}"[:300]
+
+
 def measure(fn: Callable[[T], object], sets: Sequence[T], config: TimingConfig = TimingConfig(),
             give_up_us: float | None = None) -> Measurement:
     """Median device µs per `fn(set)`, rotating over `sets`. Exceptions from `fn` propagate

@@ -34,7 +34,7 @@ from ..plan.validate import is_valid
 from ..runtime.op import device_info, device_name, device_policy
 from .grids import Row
 from .stamp import stamp
-from .timing import TimingConfig, l2_bytes, measure
+from .timing import TimingConfig, failure_text, l2_bytes, measure
 from .workload import Workload, fp8_case, make_workload, mlagen_call, problem_for, with_fp8
 
 
@@ -157,7 +157,7 @@ def _time(work: Workload, trial: Trial, timing: TimingConfig, give_up_us: float 
         trial.samples.append(measure(mlagen_call(work, trial.variant), work.sets, timing, give_up_us).us)
         trial.us = statistics.median(trial.samples)
     except Exception as e:       # a candidate that cannot run loses; the search goes on
-        trial.error = f"{type(e).__name__}: {e}"[:300]
+        trial.error = failure_text(e)
         trial.us = math.inf
         torch.cuda.empty_cache()
 
