@@ -209,6 +209,9 @@ def test_extra_cache_reaches_the_op_as_the_same_bytes(fake_op):
     with pytest.raises(InputError, match=r"^extra_k_cache: got torch.bfloat16 \(4, 32, 1, 576\), expected uint8 rows"):
         flash_mla.flash_mla_with_kvcache(q, rows, None, None, 512, None, None, 0.25, False, True, indices, None,
                                          torch.zeros(4, 32, 1, 576, dtype=torch.bfloat16), extra_indices)
+    with pytest.raises(InputError, match=r"^extra_k_cache.shape: got \(4, 32, 2, 656\), expected k_cache's 1 KV head"):
+        flash_mla.flash_mla_with_kvcache(q, rows, None, None, 512, None, None, 0.25, False, True, indices, None,
+                                         torch.zeros(4, 32, 2, 656, dtype=torch.float8_e4m3fn), extra_indices)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.float8_e4m3fn])

@@ -262,23 +262,24 @@ def _extra_reference(main: SparseCase, extra: SparseCase) -> tuple[torch.Tensor,
 
 def test_an_extra_cache_merges_both_caches_keys(monkeypatch):
     """The two caches' results (the reference standing in for the kernels, on the CPU) merge
-    into the result over both caches' keys: request 1 has none (out 0, lse -inf), request 0
+    into the result over both caches' keys, written into the given out: request 1 has none (out 0, lse -inf), request 0
     only the main cache's, request 2 both, the extra one on pages of another size."""
     from mlagen.runtime import op
     from mlagen.tools.testing import reference_op
 
     main, extra = _extra_cases("cpu")
     monkeypatch.setattr(op, "verify_attention", reference_op)
+    given = torch.full((3, 2, 8, 512), math.nan, dtype=torch.bfloat16)
     out, lse = op._with_extra_keys(main.q, main.kv_cache, None, None, main.indices, main.topk_length, extra.kv_cache,
-                                   extra.indices, extra.topk_length, return_lse=True, out=None, attn_sink=None,
+                                   extra.indices, extra.topk_length, return_lse=True, out=given,
                                    softmax_scale=main.scale, causal=False, head_dim_v=512)
+    assert out is given
     _check(main, out, lse, ref=_extra_reference(main, extra))
     assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(indices=None, causal=True), r"extra_kv_cache, extra_indices, extra_topk_length: got a tensor, expected None "
-                                      r"without indices"),
+    (dict(indices=None, causal=True), r"extra_kv_cache: got a Tensor, expected None without indices"),
     (dict(extra_indices=None), r"extra_kv_cache, extra_indices: got Tensor and NoneType, expected two tensors"),
     (dict(extra_kv_cache=torch.zeros(5, 32, 576, dtype=torch.float16)),
      r"extra_kv_cache.dtype: got torch.float16, expected kv_cache's torch.bfloat16"),

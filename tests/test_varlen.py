@@ -98,3 +98,22 @@ def test_argument_errors():
         mlagen.verify_attention_varlen(q, kv, bt, lens, cu, 1, check_values=True)
     with pytest.raises(InputError, match="q.device"):   # the kernels need a GPU
         mlagen.verify_attention_varlen(q, kv, bt, lens, cu, 2)
+
+
+def test_gathered_argument_errors():
+    """Packed tokens' indices and topk_length are checked before any launch, each error naming
+    the argument, what it got and what was expected."""
+    q = torch.zeros(3, 2, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 16, 576, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+    idx = torch.zeros(3, 4, dtype=torch.int32)
+    cases = [
+        (dict(indices=[[0]] * 3), "indices: got list, expected a torch.Tensor"),
+        (dict(indices=idx[None]), r"indices.shape: got \(1, 3, 4\), expected \[total_q=3, topk\]"),
+        (dict(indices=idx, topk_length=torch.ones(3, dtype=torch.int32)),
+         r"topk_length.shape: got \(3,\), expected \[B=2\]"),
+        (dict(indices=idx, topk_length=(1, 2)), "topk_length: got tuple, expected a torch.Tensor"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(InputError, match=match):
+            mlagen.verify_attention_varlen(q, kv, None, None, cu, 2, causal=False, **kwargs)

@@ -242,6 +242,11 @@ def _check_sparse_call(indices: object, block_table: object, cache_seqlens: obje
         _fail("causal", causal, "False with indices (sparse attention has no mask)")
 
 
+def _kv_heads(cache: torch.Tensor) -> int:
+    """A cache's KV heads: dim 2 of [blocks, page, H_kv, D], 1 for [blocks, page, D]."""
+    return cache.shape[2] if cache.dim() == 4 else 1
+
+
 def flash_mla_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -350,9 +355,12 @@ def flash_mla_with_kvcache(
         _fail("k_cache.shape", tuple(k_cache.shape),
               "[num_blocks, page_block_size, H_kv, 576] (or 3 dims for one KV head)")
     heads_q = q.shape[2]
-    heads_k = k_cache.shape[2] if k_cache.dim() == 4 else 1
+    heads_k = _kv_heads(k_cache)
     if heads_k < 1 or heads_q % heads_k:
         _fail("q.shape[2]", heads_q, f"a multiple of k_cache.shape[2]={heads_k} (query heads per KV head)")
+    if isinstance(extra_k_cache, torch.Tensor) and _kv_heads(extra_k_cache) != heads_k:
+        _fail("extra_k_cache.shape", tuple(extra_k_cache.shape), f"k_cache's {heads_k} KV head(s) at dim 2 "
+              "(both caches' keys serve the same query heads)")
     if isinstance(softmax_scale, bool):
         _fail("softmax_scale", softmax_scale, "a float or None (a bool here is causal passed one position early)")
     if attn_sink is not None:
@@ -373,11 +381,11 @@ def flash_mla_with_kvcache(
         out, lse = verify_attention_op(q, k_cache, block_table, cache_seqlens, attn_sink=attn_sink, **kwargs)
     else:
         group = heads_q // heads_k
-        extra_heads = isinstance(extra_k_cache, torch.Tensor) and extra_k_cache.dim() == 4
         parts = [verify_attention_op(q[:, :, g * group:(g + 1) * group], k_cache[:, :, g], block_table,
                                      cache_seqlens, attn_sink=attn_sink[g * group:(g + 1) * group]
                                      if attn_sink is not None else None,
-                                     **kwargs | ({"extra_kv_cache": extra_k_cache[:, :, g]} if extra_heads else {}))
+                                     **kwargs | ({"extra_kv_cache": extra_k_cache[:, :, g]}
+                                                 if isinstance(extra_k_cache, torch.Tensor) else {}))
                  for g in range(heads_k)]
         out = torch.cat([o for o, _ in parts], dim=2)
         lse = torch.cat([s for _, s in parts], dim=1)

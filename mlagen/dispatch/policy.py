@@ -360,8 +360,7 @@ INVARIANT_SPLIT_KEYS_LOG2 = 11      # 2048 keys; the kernels' split_keys_log2 pa
 
 def fp8_variant(arch: str) -> Variant:
     """The naive family's variant on `arch`, which dequantizes each row as it reads it: the pick for
-    e4m3 queries, for FP8 caches where no mma tile fits (`fp8_tile`), and for both and gathered
-    keys in batch-invariant mode (it has no split, so it is batch-invariant as it is)."""
+    e4m3 queries and for FP8 caches where no mma tile fits (`fp8_tile`)."""
     return naive(arch)
 
 
@@ -394,7 +393,7 @@ def batch_invariant_variant(problem: Problem, seqlen_q: int, arch: str, policy: 
     cluster or P exchange (their cluster sizes follow the table). FP8 inputs and gathered keys
     run on the naive kernel, which has no split."""
     if problem.fp8 or problem.gathered:
-        return fp8_variant(arch)
+        return naive(arch)
     v = transposed_tile(problem, seqlen_q, arch, policy) or heuristic_variant(problem, seqlen_q, arch, policy)
     seesaw = SEESAW.twin(v) if SEESAW.takes(v) else None
     if seesaw is not None and policy.fits(problem, seesaw.with_(kv_split=INVARIANT_SPLITS)):

@@ -250,14 +250,17 @@ def _with_extra_keys(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      cache_seqlens: torch.Tensor | None, indices: torch.Tensor | None,
                      topk_length: torch.Tensor | None, extra_kv_cache: object, extra_indices: object,
                      extra_topk_length: torch.Tensor | None, *, return_lse: bool, out: torch.Tensor | None,
-                     attn_sink: torch.Tensor | None, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Gathered keys of two caches in one softmax (`verify_attention`'s extra cache): each cache's
-    keys through the kernels with their lse, the results merged (`merge.merge_states`), then the
-    sinks. Raises InputError for an extra cache without indices or without its own indices, or
-    in another format than kv_cache's."""
+                     **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gathered keys of two caches in one softmax (`verify_attention`'s extra cache, its sinks
+    applied by the caller): each cache's keys through the kernels with their lse, the first into
+    `out` (checked there, before any launch), then the second merged into it
+    (`merge.merge_states_`). Raises InputError for an extra cache without indices or without its
+    own indices, or in another format than kv_cache's."""
     if indices is None:
-        raise inputs.InputError("extra_kv_cache, extra_indices, extra_topk_length: got a tensor, expected None "
-                                "without indices (an extra cache adds gathered keys)")
+        name, given = next((n, v) for n, v in (("extra_kv_cache", extra_kv_cache), ("extra_indices", extra_indices),
+                                               ("extra_topk_length", extra_topk_length)) if v is not None)
+        raise inputs.InputError(f"{name}: got a {type(given).__name__}, expected None without indices (an extra "
+                                "cache adds gathered keys to those indices lists)")
     if not isinstance(extra_kv_cache, torch.Tensor) or not isinstance(extra_indices, torch.Tensor):
         raise inputs.InputError(f"extra_kv_cache, extra_indices: got {type(extra_kv_cache).__name__} and "
                                 f"{type(extra_indices).__name__}, expected two tensors (an extra cache comes with "
@@ -266,19 +269,10 @@ def _with_extra_keys(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         raise inputs.InputError(f"extra_kv_cache.dtype: got {extra_kv_cache.dtype}, expected kv_cache's "
                                 f"{kv_cache.dtype} (the extra cache holds rows of the same format)")
     parts = [verify_attention(q, cache, block_table, cache_seqlens, indices=listed, topk_length=length,
-                              return_lse=True, **kwargs)
-             for cache, listed, length in ((kv_cache, indices, topk_length),
-                                           (extra_kv_cache, extra_indices, extra_topk_length))]
-    merged, lse = merge.merge_states(*parts[0], *parts[1])
-    if out is not None:
-        if not isinstance(out, torch.Tensor) or (out.shape, out.dtype, out.device) != (
-                merged.shape, merged.dtype, merged.device):
-            inputs.fail("out", f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}",
-                        f"a {merged.dtype} [B, S, H, Dl]={list(merged.shape)} tensor on {merged.device}")
-        merged = out.copy_(merged)
-    if attn_sink is not None:
-        sinks.check_attn_sink(attn_sink, q.shape[2], q.device)
-        sinks.apply_attn_sink_(merged, lse.transpose(1, 2), attn_sink)
+                              return_lse=True, out=into, **kwargs)
+             for cache, listed, length, into in ((kv_cache, indices, topk_length, out),
+                                                 (extra_kv_cache, extra_indices, extra_topk_length, None))]
+    merged, lse = merge.merge_states_(*parts[0], *parts[1])
     return (merged, lse) if return_lse else merged
 
 
@@ -508,13 +502,6 @@ def verify_attention(
         out [B, S, H, Dl] in q's dtype (e4m3 queries: see q), and lse if return_lse. A row that sees no key gives
         out = 0 and lse = -inf.
     """
-    if extra_kv_cache is not None or extra_indices is not None or extra_topk_length is not None:
-        return _with_extra_keys(
-            q, kv_cache, block_table, cache_seqlens, indices, topk_length, extra_kv_cache, extra_indices,
-            extra_topk_length, return_lse=return_lse, out=out, attn_sink=attn_sink, softmax_scale=softmax_scale,
-            causal=causal, tree_mask=tree_mask, variant=variant, head_dim_v=head_dim_v, check_values=check_values,
-            max_seqlen_k=max_seqlen_k, batch_invariant=batch_invariant, kv_scale=kv_scale, q_scale=q_scale,
-            q_counts=q_counts)
     if attn_sink is not None:
         if q.dim() == 4:          # a q of another shape fails the op's own checks, which name it
             sinks.check_attn_sink(attn_sink, q.shape[2], q.device)
@@ -522,9 +509,18 @@ def verify_attention(
                                   causal=causal, tree_mask=tree_mask, return_lse=True, variant=variant,
                                   head_dim_v=head_dim_v, check_values=check_values, out=out,
                                   max_seqlen_k=max_seqlen_k, batch_invariant=batch_invariant, kv_scale=kv_scale,
-                                  q_scale=q_scale, q_counts=q_counts, indices=indices, topk_length=topk_length)
+                                  q_scale=q_scale, q_counts=q_counts, indices=indices, topk_length=topk_length,
+                                  extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+                                  extra_topk_length=extra_topk_length)
         sinks.apply_attn_sink_(result[0], result[1].transpose(1, 2), attn_sink)
         return result if return_lse else result[0]
+    if extra_kv_cache is not None or extra_indices is not None or extra_topk_length is not None:
+        return _with_extra_keys(
+            q, kv_cache, block_table, cache_seqlens, indices, topk_length, extra_kv_cache, extra_indices,
+            extra_topk_length, return_lse=return_lse, out=out, softmax_scale=softmax_scale, causal=causal,
+            tree_mask=tree_mask, variant=variant, head_dim_v=head_dim_v, check_values=check_values,
+            max_seqlen_k=max_seqlen_k, batch_invariant=batch_invariant, kv_scale=kv_scale, q_scale=q_scale,
+            q_counts=q_counts)
     if indices is not None:
         _check_gathered_call(block_table, cache_seqlens, causal, tree_mask, q_counts, max_seqlen_k)
     bound = inputs.key_bound(max_seqlen_k) if max_seqlen_k is not None else None

@@ -213,15 +213,15 @@ def verify_attention_varlen(
         them.
     """
     check_varlen(q, cu_seqlens_q, max_seqlen_q, cache_seqlens, tree_mask)
+    total_q = q.shape[0]
+    if inputs.values_requested(check_values):
+        _check_counts(cu_seqlens_q, max_seqlen_q, total_q)
     if indices is not None:
         return _gathered(q, kv_cache, block_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, indices, topk_length,
                          return_lse=return_lse, check_values=check_values, softmax_scale=softmax_scale,
                          causal=causal, tree_mask=tree_mask, variant=variant, head_dim_v=head_dim_v,
                          max_seqlen_k=max_seqlen_k, attn_sink=attn_sink, batch_invariant=batch_invariant,
                          kv_scale=kv_scale, q_scale=q_scale)
-    total_q = q.shape[0]
-    if inputs.values_requested(check_values):
-        _check_counts(cu_seqlens_q, max_seqlen_q, total_q)
     layout = varlen_layout(cu_seqlens_q, max_seqlen_q, total_q)
     if total_q == 0:
         dtype = inputs.output_dtype(q.dtype, getattr(kv_cache, "dtype", q.dtype))
@@ -250,15 +250,15 @@ def _gathered(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor
     """Gathered keys of packed tokens: each token a request of one query (B = total_q, S = 1),
     its slot count repeated from its request's on the device (no host read: `output_size`)."""
     total_q = q.shape[0]
-    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.size(0) != total_q:
-        raise inputs.InputError(f"indices.shape: got {tuple(getattr(indices, 'shape', ()))}, expected "
-                                f"[total_q={total_q}, topk] (one row of slots per packed query token)")
+    indices = inputs.tensor_arg("indices", indices, q.device)
+    if indices.dim() != 2 or indices.size(0) != total_q:
+        inputs.fail("indices.shape", tuple(indices.shape),
+                    f"[total_q={total_q}, topk] (one row of slots per packed query token)")
     batch = cu_seqlens_q.numel() - 1
-    if topk_length is not None and (not isinstance(topk_length, torch.Tensor) or topk_length.shape != (batch,)):
-        raise inputs.InputError(f"topk_length.shape: got {tuple(getattr(topk_length, 'shape', ()))}, expected "
-                                f"[B={batch}] (cu_seqlens_q has B+1 entries)")
-    if inputs.values_requested(check_values):
-        _check_counts(cu_seqlens_q, max_seqlen_q, total_q)
+    if topk_length is not None:
+        topk_length = inputs.tensor_arg("topk_length", topk_length, q.device)
+        if topk_length.shape != (batch,):
+            inputs.fail("topk_length.shape", tuple(topk_length.shape), f"[B={batch}] (cu_seqlens_q has B+1 entries)")
     per_token = None
     if topk_length is not None:
         counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()

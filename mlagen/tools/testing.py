@@ -243,26 +243,30 @@ def reference_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
                  cache_seqlens: torch.Tensor | None = None, *, return_lse: bool = False, variant: object = None,
                  check_values: object = None, max_seqlen_k: object = None, batch_invariant: object = None,
                  attn_sink: None = None, q_counts: object = None, indices: torch.Tensor | None = None,
-                 topk_length: torch.Tensor | None = None, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 topk_length: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`verify_attention` with the fp64 reference as its kernel, for tests that stand it in for
     the op on the CPU (monkeypatched where a caller imports the op): out in the op's output
     dtype, lse fp32; with indices, the sparse reference (causal False). The arguments that choose
     or check a kernel (variant, check_values, max_seqlen_k, batch_invariant) change nothing here,
     nor does q_counts (the reference computes the padded rows too, whose outputs the op leaves
-    unspecified); sinks are the op's, not modelled."""
+    unspecified); sinks are the op's, not modelled. A given `out` is written and returned, as the
+    op does."""
     if attn_sink is not None:
         raise ValueError("reference_op: attn_sink is not modelled; expected None")
     if indices is not None:
         if kwargs.pop("causal", False):
             raise ValueError("reference_op: causal=True with indices; expected False")
-        out, lse = sparse_reference(q, kv_cache, indices, topk_length, dtype=torch.float64, **kwargs)
+        result, lse = sparse_reference(q, kv_cache, indices, topk_length, dtype=torch.float64, **kwargs)
     else:
         if block_table is None or cache_seqlens is None:
             raise ValueError(f"reference_op: paged keys need block_table and cache_seqlens; got "
                              f"{'block_table' if block_table is None else 'cache_seqlens'} None")
-        out, lse = reference(q, kv_cache, block_table, cache_seqlens, dtype=torch.float64, **kwargs)
-    out = out.to(output_dtype(q.dtype, kv_cache.dtype))
-    return (out, lse.float()) if return_lse else out
+        result, lse = reference(q, kv_cache, block_table, cache_seqlens, dtype=torch.float64, **kwargs)
+    result = result.to(output_dtype(q.dtype, kv_cache.dtype))
+    if out is not None:
+        result = out.copy_(result)
+    return (result, lse.float()) if return_lse else result
 
 
 def poisoned_out(case: AnyCase) -> torch.Tensor:
