@@ -33,7 +33,8 @@
 #              ragged_drafts.py with trees and causal
 #   peers      benchmarks/build_flashmla.py: FlashMLA's sm90 decode   1 min, objects built  540 s
 #              kernels from third_party/FlashMLA, for bench's (and bench --sparse's)
-#              live FlashMLA column (objects compile where stale; the module links here)
+#              live FlashMLA column (objects compile where stale; the module links here);
+#              then tests/test_live_peer.py's GPU tests on the build
 #   sparse     benchmarks/flashmla_sparse_tests.py (FlashMLA's own    ~2 min, estimated  540 s
 #              sparse test file, from third_party/FlashMLA; skipped
 #              without it), then mlagen bench --sparse
@@ -210,9 +211,15 @@ print('cupy:', cupy.__version__); print('nvrtc: %d.%d' % nvrtc.getVersion())" 2>
         } 2>&1 | tee "$results/ragged.log"
         rc=0; grep -q "^ragged.*py .*: rc " "$results/ragged.log" && rc=1
         written+=(ragged.log) ;;
-      peers)    # FlashMLA built from its checkout, so that bench and bench --sparse time it live
+      peers)    # FlashMLA built from its checkout, so that bench and bench --sparse time it live; then
+                # the GPU tests that call the build (they skip without it, so the tests step, which runs
+                # first, skips them on a fresh machine)
         timeout ${LIMIT[peers]} python3 benchmarks/build_flashmla.py 2>&1 | tee "$results/flashmla_build.log"
         rc=${PIPESTATUS[0]}
+        if [[ $rc -eq 0 ]]; then
+          timeout 120 python3 -m pytest -q -rs -m gpu tests/test_live_peer.py 2>&1 | tee -a "$results/flashmla_build.log"
+          rc=${PIPESTATUS[0]}
+        fi
         written+=(flashmla_build.log) ;;
       sparse)   # FlashMLA's sparse test file where its checkout is, then the sparse grid's timings
         rc=0

@@ -136,6 +136,7 @@ def test_gathered_keys_match_the_reference(page_size, heads, seqlen_q, split):
     result, lse = mlagen.verify_attention(case.q, case.kv_cache, return_lse=True, out=out, variant=variant,
                                           **case.kwargs())
     ref_out, ref_lse = case.reference(torch.float64)
+    assert result is out
     assert_rows_match(result, lse.transpose(1, 2), ref_out, ref_lse.transpose(1, 2), tolerance(result.dtype))
     assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
 

@@ -116,7 +116,8 @@ def test_default_checkout_is_ignored_by_git():
 def test_loader_says_why_there_is_no_peer(tmp_path, checkout, monkeypatch):
     monkeypatch.delenv(live_peer.FLASHMLA_ENV, raising=False)
     missing = live_peer.load_flashmla(tmp_path / "absent")
-    assert missing.module is None and missing.reason == f"no FlashMLA checkout at {tmp_path / 'absent'}"
+    assert missing.module is None and missing.reason.startswith(f"no FlashMLA checkout at {tmp_path / 'absent'} (")
+    assert f"then run python3 benchmarks/build_flashmla.py --flashmla {tmp_path / 'absent'})" in missing.reason
     unbuilt = live_peer.load_flashmla(checkout)
     assert unbuilt.module is None and unbuilt.reason.startswith(f"FlashMLA at {checkout} is not built")
     assert "build_flashmla.py" in unbuilt.reason

@@ -1,7 +1,7 @@
 """Every kernel's source opens its namespace once, defines its constants once, in the traits
 block ahead of every fragment, carries no arithmetic that a plan value makes degenerate, and
 runs its segments as named device functions rather than long lambdas: checked on the rendered
-source of every preset variant."""
+source of every preset variant and of one kernel of each schedule no preset ships."""
 
 from __future__ import annotations
 
@@ -12,11 +12,25 @@ import pytest
 from mlagen.codegen.render import render, template_dir
 from mlagen.dispatch.presets import PRESETS
 from mlagen.dsl.arch import CI_ARCHS
+from mlagen.dsl.spec import Problem, parse_variant
 from mlagen.plan.validate import validate
 
-JOBS = sorted({(preset.name, v.name): (preset, v) for preset in PRESETS.values()
+# One kernel of each schedule or key source that no preset ships: the producer tiles over FP8
+# caches (fp8_ws, fp8_mma, fp8_ldg), the P exchange, and gathered keys.
+OTHER_JOBS = [
+    ("fp8_ws", Problem(heads=64, kv_format="e4m3", lse=True), "mma_ht64_qt1_bn64_w8_st2_spa_tma_ws_sm90a"),
+    ("fp8_mma", Problem(heads=64, kv_format="e4m3", q_format="e4m3", lse=True),
+     "mma_ht64_qt1_bn64_w8_st2_spb_p16_tma_f8_sm90a"),
+    ("fp8_ldg", Problem(heads=64, kv_format="ds_mla", lse=True), "mma_ht64_qt1_bn64_w8_st2_spb_lg_sm90a"),
+    ("fp8_ldg-gathered", Problem(heads=128, kv_format="ds_mla", lse=True, keys="gathered", mask="none"),
+     "mma_ht64_qt1_bn64_w8_st2_spa_lg_sm90a"),
+    ("p_exchange", Problem(heads=64, lse=True), "mma_ht64_qt1_bn64_w8_st1_sp5_cl_px_sm90a"),
+    ("gathered", Problem(heads=64, kv_format="ds_mla", lse=True, keys="gathered", mask="none"),
+     "mma_ht64_qt1_bn64_w8_st1_spa_sm90a"),
+]
+JOBS = sorted({(preset.name, v.name): (preset.name, preset.problem, v) for preset in PRESETS.values()
                for arch in CI_ARCHS for v in preset.variants(arch)}.values(),
-              key=lambda job: (job[0].name, job[1].name))
+              key=lambda job: (job[0], job[2].name)) + [(label, p, parse_variant(n)) for label, p, n in OTHER_JOBS]
 # A namespace-scope constant: `constexpr <type> NAME =` at the start of a line.
 CONSTANT = re.compile(r"^constexpr\s+(?:int|bool|float|unsigned)\s+(\w+)\s*=", re.M)
 # Arithmetic by a unit: what rendering a plan value of 1 into a formula leaves.
@@ -37,10 +51,10 @@ def _traits(source: str, namespace: str) -> str:
     return source[start:source.index("__device__", start)]
 
 
-@pytest.fixture(params=JOBS, ids=lambda job: f"{job[0].name}-{job[1].name}")
+@pytest.fixture(params=JOBS, ids=lambda job: f"{job[0]}-{job[2].name}")
 def kernel(request):
-    preset, variant = request.param
-    plan = validate(preset.problem, variant)
+    _, problem, variant = request.param
+    plan = validate(problem, variant)
     return plan, render(plan)
 
 

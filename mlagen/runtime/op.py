@@ -19,10 +19,10 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict, overload
+from typing import Any, Literal, TypedDict
 
 import torch
-from typing_extensions import Unpack
+from typing_extensions import Unpack, overload
 
 from ..dispatch.policy import (
     BALANCED_LIST_POSITIONS,

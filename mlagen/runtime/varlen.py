@@ -29,10 +29,10 @@ mask in the top-left corner (`tree_mask[b, i, k]` for i, k < s_b; the rest is ig
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal
 
 import torch
-from typing_extensions import Unpack
+from typing_extensions import Unpack, overload
 
 from ..dsl.spec import Variant
 from . import inputs

@@ -54,7 +54,8 @@ def load_flashmla(given: Path | None = None, device: int = 0) -> LivePeer:
     checkout first on sys.path; or the reason it cannot run on CUDA device `device`."""
     path = checkout_path(given).resolve()
     if not (path / "flash_mla" / "__init__.py").is_file():
-        return LivePeer(None, f"no FlashMLA checkout at {path}")
+        return LivePeer(None, f"no FlashMLA checkout at {path} (clone FlashMLA there, or name one with "
+                              f"--flashmla or ${FLASHMLA_ENV}, then run {BUILD_HINT.format(path=path)})")
     if not any((path / "flash_mla").glob("cuda*.so")):
         return LivePeer(None, f"FlashMLA at {path} is not built ({BUILD_HINT.format(path=path)})")
     if torch.cuda.get_device_capability(device) != (9, 0):
