@@ -278,6 +278,29 @@ def test_an_extra_cache_merges_both_caches_keys(monkeypatch):
     assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
 
 
+def test_sinks_over_an_extra_cache_apply_once_after_the_merge(monkeypatch):
+    """verify_attention with attn_sink and an extra cache: the sink branch checks the sinks before
+    any launch, runs both caches (the reference standing in for the kernels, on the CPU) into the
+    given out, and scales the merged rows once by sigmoid(lse - sink)."""
+    from mlagen.runtime import op
+    from mlagen.tools.testing import reference_op
+
+    main, extra = _extra_cases("cpu")
+    entry = op.verify_attention
+    monkeypatch.setattr(op, "verify_attention", reference_op)
+    extra_args = dict(extra_kv_cache=extra.kv_cache, extra_indices=extra.indices, extra_topk_length=extra.topk_length)
+    with pytest.raises(InputError, match=r"attn_sink.shape: got \(3,\), expected \(8,\)"):
+        entry(main.q, main.kv_cache, attn_sink=torch.zeros(3), **main.kwargs(), **extra_args)
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0, 0.5, 1.0, -3.0, 0.25])
+    out = torch.full((3, 2, 8, 512), math.nan, dtype=torch.bfloat16)
+    got, lse = entry(main.q, main.kv_cache, attn_sink=sink, out=out, return_lse=True, **main.kwargs(), **extra_args)
+    ref_out, ref_lse = _extra_reference(main, extra)
+    keep = torch.sigmoid(ref_lse.float() - sink[None, :, None]).nan_to_num(0.0).transpose(1, 2)[..., None]
+    assert got is out
+    torch.testing.assert_close(lse, ref_lse.float())
+    torch.testing.assert_close(got.float(), (ref_out.float() * keep).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(indices=None, causal=True), r"extra_kv_cache: got a Tensor, expected None without indices"),
     (dict(extra_indices=None), r"extra_kv_cache, extra_indices: got Tensor and NoneType, expected two tensors"),

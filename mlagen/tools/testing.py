@@ -257,6 +257,8 @@ def reference_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     if indices is not None:
         if kwargs.pop("causal", False):
             raise ValueError("reference_op: causal=True with indices; expected False")
+        if kwargs.pop("tree_mask", None) is not None:
+            raise ValueError("reference_op: a tree_mask with indices; expected None")
         result, lse = sparse_reference(q, kv_cache, indices, topk_length, dtype=torch.float64, **kwargs)
     else:
         if block_table is None or cache_seqlens is None:
